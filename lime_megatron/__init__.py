@@ -1,0 +1,1 @@
+"""lime-megatron: LIMe (Layer-Integrated Memory) transformers on megatron-core."""

@@ -1,0 +1,31 @@
+"""lime-megatron: Layer-Integrated Memory (LIMe) transformers on megatron-core."""
+
+from setuptools import find_packages, setup
+
+setup(
+    name="lime-megatron",
+    version="0.1.0",
+    description="Megatron-core pretraining of LIMe (Layer-Integrated Memory) transformers",
+    long_description=open("README.md", encoding="utf-8").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["lime_megatron", "lime_megatron.*"]),
+    # torch is deliberately unpinned here: install it first (CPU machines pin torch==2.13.0
+    # in the same pip command so that no CUDA build is ever pulled).
+    install_requires=[
+        "torch>=2.4",
+        "megatron-core>=0.16.1",
+        "numpy",
+        "psutil",
+        "sentencepiece",
+        "wandb",
+        "tqdm",
+        "pyyaml",
+        "matplotlib",
+    ],
+    extras_require={
+        "test": ["pytest>=8"],
+        # GPU machines only: installing transformer-engine on a CPU machine breaks megatron.core.
+        "gpu": ["transformer-engine[pytorch]"],
+    },
+)
