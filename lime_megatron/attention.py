@@ -1,0 +1,120 @@
+"""LIMe self-attention: megatron's ``SelfAttention`` attending with routed keys/values (paper §4).
+
+Per layer l (``layer_number - 1``), with X the layer input ``[s, b, hidden]``:
+
+1. Q, K_l, V_l = linear_qkv(X)                        (megatron, unchanged; Eq. 1)
+2. write K_l, V_l into the layer-integrated memory   (``lime_megatron.memory``)
+3. K~, V~ = R^(l) . buffer[sources(l)]                (Eq. 2, one router for K and V)
+4. RoPE on Q and on the routed K~                      (positions after routing)
+5. out = linear_proj(attention(Q, K~, V~))            (megatron's core attention, unchanged)
+
+Queries are the layer's own.  The core attention is whatever the spec gives (megatron's
+``DotProductAttention`` on CPU, TransformerEngine's fused attention on GPU), so LIMe keeps
+flash/fused kernels.  This module is the training forward; megatron's inference paths (KV cache,
+packed sequences, flash decode) are rejected with a clear error.
+"""
+
+from __future__ import annotations
+
+from contextlib import nullcontext
+
+import torch
+from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_emb
+from megatron.core.transformer.attention import SelfAttention
+from megatron.core.transformer.enums import AttnMaskType
+
+from lime_megatron.memory import LayerIntegratedMemory, Rebuilt, recompute_in_backward, route_keys_values
+from lime_megatron.router import LimeRouter
+
+
+class LimeSelfAttention(SelfAttention):
+    """``SelfAttention`` with a ``LimeRouter``; reads ``self.memory``, which the enclosing
+    ``LimeTransformerLayer`` binds for the duration of each call."""
+
+    def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal, **kwargs):
+        super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type, **kwargs)
+        if self.world_size > 1:
+            raise NotImplementedError(
+                "LIMe attention under tensor parallelism is not implemented yet "
+                f"(tensor_model_parallel_size={self.world_size}); use tensor_model_parallel_size=1"
+            )
+        if config.context_parallel_size > 1:
+            raise NotImplementedError("LIMe does not support context parallelism")
+        self.router = LimeRouter(config, layer_number - 1)
+        self.memory: LayerIntegratedMemory | None = None
+
+    def forward(
+        self,
+        hidden_states: torch.Tensor,
+        attention_mask: torch.Tensor | None,
+        key_value_states=None,
+        inference_context=None,
+        rotary_pos_emb=None,
+        rotary_pos_cos=None,
+        rotary_pos_sin=None,
+        rotary_pos_cos_sin=None,
+        attention_bias=None,
+        packed_seq_params=None,
+        sequence_len_offset=None,
+        **unsupported,
+    ):
+        """[s, b, hidden] -> (output [s, b, hidden], bias); see the module docstring."""
+        _reject_unsupported(
+            key_value_states=key_value_states,
+            inference_context=inference_context,
+            packed_seq_params=packed_seq_params,
+            rotary_pos_cos=rotary_pos_cos,
+            rotary_pos_sin=rotary_pos_sin,
+            rotary_pos_cos_sin=rotary_pos_cos_sin,
+            attention_bias=attention_bias,
+            sequence_len_offset=sequence_len_offset,
+            **unsupported,
+        )
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        routed = route_keys_values(self.memory, self.router, key, value)
+        key, value = routed[0], routed[1]
+        if rotary_pos_emb is not None:
+            q_freqs, k_freqs = (
+                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
+            )
+            query = self._rotate(query, q_freqs)
+            key = self._rotate(key, k_freqs)
+        else:
+            k_freqs = None
+        with self._recompute_routed(routed, key, k_freqs):
+            context = self._attend(query, key, value, attention_mask)
+        return self.linear_proj(context)
+
+    def _rotate(self, tensor: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
+        """RoPE on ``[s, b, heads, d]``."""
+        return apply_rotary_pos_emb(tensor, freqs, config=self.config, cp_group=self.pg_collection.cp)
+
+    def _attend(self, query, key, value, attention_mask) -> torch.Tensor:
+        """megatron's core attention (selectively recomputed when the config asks for it)."""
+        if self.checkpoint_core_attention and self.training:
+            return self._checkpointed_attention_forward(
+                query, key, value, attention_mask, attn_mask_type=self.attn_mask_type
+            )
+        return self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type)
+
+    def _recompute_routed(self, routed: torch.Tensor, key: torch.Tensor, k_freqs):
+        """Drop the routed keys/values (and the rotated keys) from attention's saved tensors;
+        backward rebuilds them from the memory buffer."""
+        if not (self.config.lime_recompute_routed_kv and torch.is_grad_enabled()):
+            return nullcontext()
+        memory, router = self.memory, self.router
+        routed_again = Rebuilt(lambda: memory.mix(router, router.weight.detach()))
+        rebuilds = {routed: routed_again}
+        if k_freqs is not None:
+            rebuilds[key] = Rebuilt(lambda: self._rotate(routed_again.value()[0], k_freqs))
+        return recompute_in_backward(rebuilds)
+
+
+def _reject_unsupported(**arguments) -> None:
+    """Raise for any megatron attention feature LIMe's forward does not implement."""
+    given = sorted(name for name, value in arguments.items() if value is not None)
+    if given:
+        raise NotImplementedError(
+            f"LIMe self-attention does not support {', '.join(given)} "
+            "(training forward only: no KV-cache inference, packed sequences or fused RoPE)"
+        )

@@ -1,0 +1,133 @@
+"""Configuration: megatron's ``TransformerConfig`` extended with the LIMe options.
+
+``LimeTransformerConfig`` adds the switches of paper §4 and App. D on top of every megatron-core
+transformer option, so one config object describes both LIMe and the LLaMA baseline
+(``lime=False``).  ``llama_architecture`` fills in the paper's Table 3 architecture (RMSNorm,
+SwiGLU, RoPE, no biases); ``PAPER_1B`` holds the 1B shape of Table 3.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch.nn.functional as F
+from megatron.core.transformer.transformer_config import TransformerConfig
+
+ROUTER_VARIANTS = ("full", "average", "last", "first")
+"""Router variants of App. D: ``full`` (learned, all earlier layers), ``average`` (fixed uniform
+average, no parameters), ``last`` (learned, the last ``window`` layers up to and including the
+current one) and ``first`` (learned, the first ``window`` layers plus the current one)."""
+
+WINDOWED_VARIANTS = ("last", "first")
+
+
+class LimeConfigError(ValueError):
+    """A LIMe configuration that cannot be built."""
+
+
+@dataclass
+class LimeTransformerConfig(TransformerConfig):
+    """megatron ``TransformerConfig`` plus the LIMe options (paper §4, App. D).
+
+    ``num_query_groups`` is the number of key/value heads (GQA); it defaults to the number of
+    attention heads (full MHA), as in megatron.
+    """
+
+    lime: bool = True
+    """Route keys and values through the layer-integrated memory (False: LLaMA baseline)."""
+
+    lime_router: str = "full"
+    """Router variant: one of ``ROUTER_VARIANTS``."""
+
+    lime_router_window: int | None = None
+    """Window j of the ``last``/``first`` variants (App. D); must be None for the others."""
+
+    lime_recompute_routed_kv: bool = True
+    """Recompute the routed K/V in backward instead of keeping them for attention's backward.
+    Keeps LIMe's saved activations at the baseline's size (the raw K/V of every layer are stored
+    once in the memory buffer); costs one extra router product per layer in backward."""
+
+    def __post_init__(self) -> None:
+        validate_lime_options(self)
+        super().__post_init__()
+
+    @property
+    def kv_heads(self) -> int:
+        """Number of key/value heads (megatron's ``num_query_groups``)."""
+        return self.num_query_groups or self.num_attention_heads
+
+
+def validate_lime_options(config: LimeTransformerConfig) -> None:
+    """Raise one ``LimeConfigError`` naming the first invalid LIMe option of ``config``."""
+    heads = config.num_attention_heads
+    kv_heads = config.num_query_groups or heads
+    if kv_heads < 1 or heads % kv_heads != 0:
+        raise LimeConfigError(
+            f"num_query_groups (key/value heads) = {kv_heads} must divide "
+            f"num_attention_heads = {heads}"
+        )
+    if config.lime_router not in ROUTER_VARIANTS:
+        raise LimeConfigError(
+            f"unknown LIMe router variant {config.lime_router!r}; choose one of {ROUTER_VARIANTS}"
+        )
+    window = config.lime_router_window
+    if config.lime_router in WINDOWED_VARIANTS:
+        if window is None or window < 1:
+            raise LimeConfigError(
+                f"LIMe router '{config.lime_router}' needs lime_router_window >= 1, got {window}"
+            )
+    elif window is not None:
+        raise LimeConfigError(
+            f"lime_router_window={window} only applies to the {WINDOWED_VARIANTS} routers, "
+            f"not to '{config.lime_router}'"
+        )
+
+
+# Paper Table 3 (1B scale).  kv heads: 8 (GQA) or 32 (full MHA).
+PAPER_1B: dict[str, Any] = dict(
+    num_layers=16,
+    hidden_size=2048,
+    ffn_hidden_size=8192,
+    num_attention_heads=32,
+)
+PAPER_VOCAB_SIZE = 50257
+
+
+def llama_architecture(**overrides: Any) -> dict[str, Any]:
+    """Keyword arguments for a LLaMA-style megatron config (paper Table 3).
+
+    RMSNorm, SwiGLU MLP, no biases; RoPE and tied embeddings are model-level options (see
+    ``lime_megatron.model``).  Fused kernels are off so the same config runs on CPU; GPU
+    launches switch them on.  ``overrides`` win over every default.
+    """
+    arch: dict[str, Any] = dict(
+        normalization="RMSNorm",
+        layernorm_epsilon=1e-5,
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        add_qkv_bias=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        init_method_std=0.02,
+        bias_activation_fusion=False,
+        bias_dropout_fusion=False,
+        masked_softmax_fusion=False,
+        apply_rope_fusion=False,
+        persist_layer_norm=False,
+        gradient_accumulation_fusion=False,
+    )
+    arch.update(overrides)
+    return arch
+
+
+def lime_config(**kwargs: Any) -> LimeTransformerConfig:
+    """``LimeTransformerConfig`` with the LLaMA architecture defaults and ``kwargs`` applied."""
+    return LimeTransformerConfig(**llama_architecture(**kwargs))
+
+
+def replace(config: LimeTransformerConfig, **changes: Any) -> LimeTransformerConfig:
+    """A copy of ``config`` with ``changes`` applied (validated again)."""
+    return dataclasses.replace(config, **changes)

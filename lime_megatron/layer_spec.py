@@ -1,0 +1,66 @@
+"""Layer specs: megatron's GPT layer specs with LIMe's layer and attention swapped in.
+
+``lime_layer_spec`` starts from megatron-core's own spec for the chosen backend (``local``:
+megatron-only modules, runs on CPU; ``te``: TransformerEngine linear layers, fused attention,
+bf16/FP8 on GPU) and replaces two module classes, so both backends get identical LIMe wiring:
+
+- the layer: ``LimeTransformerLayer`` (binds the pass's memory to its attention),
+- self-attention: ``LimeSelfAttention`` (routes K/V through the memory).
+
+With ``config.lime`` False the untouched megatron spec is returned (the LLaMA baseline).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_layer import TransformerLayer
+
+from lime_megatron.attention import LimeSelfAttention
+from lime_megatron.config import LimeTransformerConfig
+from lime_megatron.memory import LayerIntegratedMemory
+
+BACKENDS = ("local", "te")
+
+
+class LimeTransformerLayer(TransformerLayer):
+    """megatron ``TransformerLayer`` whose attention reads the pass's layer-integrated memory.
+
+    The memory arrives as the handle megatron threads through every layer as ``context``
+    (``lime_megatron.model.LimeGPTModel`` puts it there); it is bound to the attention only for
+    the duration of the call, so recomputation in backward binds the right pass's memory.
+    """
+
+    def forward(self, *args, **kwargs):
+        """Same inputs and outputs as ``TransformerLayer.forward``."""
+        self.self_attention.memory = LayerIntegratedMemory.from_handle(kwargs.get("context"))
+        try:
+            return super().forward(*args, **kwargs)
+        finally:
+            self.self_attention.memory = None
+
+
+def megatron_layer_spec(config: LimeTransformerConfig, backend: str) -> ModuleSpec:
+    """megatron-core's GPT layer spec for ``backend`` (the LLaMA baseline layer)."""
+    if backend == "local":
+        return get_gpt_layer_local_spec(normalization=config.normalization)
+    if backend == "te":
+        # Imported here: TransformerEngine exists on GPU machines only.
+        from megatron.core.models.gpt.gpt_layer_specs import (
+            get_gpt_layer_with_transformer_engine_spec,
+        )
+
+        return get_gpt_layer_with_transformer_engine_spec()
+    raise ValueError(f"unknown transformer backend {backend!r}; choose one of {BACKENDS}")
+
+
+def lime_layer_spec(config: LimeTransformerConfig, backend: str = "local") -> ModuleSpec:
+    """The layer spec for ``config``: LIMe's layer/attention on megatron's spec for ``backend``."""
+    spec = megatron_layer_spec(config, backend)
+    if not config.lime:
+        return spec
+    attention = dataclasses.replace(spec.submodules.self_attention, module=LimeSelfAttention)
+    submodules = dataclasses.replace(spec.submodules, self_attention=attention)
+    return dataclasses.replace(spec, module=LimeTransformerLayer, submodules=submodules)

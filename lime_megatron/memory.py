@@ -1,0 +1,265 @@
+"""The layer-integrated memory: the key/value buffer B of one forward pass (paper §4, Eqs. 1-2).
+
+Layout.  One preallocated tensor ``buffer`` of shape ``[num_layers * kv_heads, 2 * s * b * d]``
+holds the raw keys and values of every layer: row ``l * kv_heads + h`` is head h of layer l, its
+columns are ``(k|v, s, b, d)``.  Layer l writes its own rows once (Eq. 1) and mixes rows of its
+source layers with one matrix product per contiguous run of sources (Eq. 2):
+
+    routed_l = W_l @ buffer[rows of sources(l)]            [kv_heads, 2 * s * b * d]
+
+so nothing is re-concatenated per layer (the official code's per-layer ``torch.cat`` costs
+O(L^2) time and saved memory).
+
+Backward.  ``RouteKeysValues`` gives the router weight gradient ``g_l @ buffer[sources]^T`` and
+the gradient of layer l's own keys/values, which collects the contributions of every *consumer*
+m >= l of layer l:  grad(kv_l) = sum_m W_m[:, block l]^T g_m.  Autograd runs layer l's backward
+only after every later layer's (later layers depend on layer l through the residual stream), so
+when layer m's backward finishes its raw rows are dead: they are overwritten with g_m, and
+grad(kv_l) is one matrix product over the rows l..stop of consumers.  No second buffer is
+allocated for gradients.
+
+Recomputed routed K/V.  Attention keeps its K and V for backward; for LIMe those are the routed
+(and RoPE-rotated) tensors, which would double the saved K/V on top of the buffer.
+``recompute_in_backward`` drops them from autograd's saved tensors and rebuilds them from the
+buffer when backward first needs them (one extra router product per layer).
+
+The memory of a pass is found by layers through a small handle tensor that megatron threads
+through every layer (and through its activation-recompute checkpoints) as the decoder's
+``context``; see ``lime_megatron.model``.
+"""
+
+from __future__ import annotations
+
+import itertools
+import weakref
+from contextlib import contextmanager
+from typing import Callable, Iterator
+
+import torch
+
+from lime_megatron.router import LimeRouter, routing_consumers
+
+_MEMORIES: "weakref.WeakValueDictionary[int, LayerIntegratedMemory]" = weakref.WeakValueDictionary()
+_NEXT_ID = itertools.count()
+
+
+class LayerIntegratedMemory:
+    """Buffer B of one forward pass and the routers that read it.
+
+    Args:
+        num_layers: layers 0..num_layers-1 whose keys/values this pass stores.
+        variant, window: router variant (fixes which later layers read each layer).
+
+    The buffer is allocated by the first ``store`` (layer 0's keys fix its shape, dtype and
+    device): ``[num_layers * kv_heads, 2 * s * b * d]``.
+    """
+
+    def __init__(self, num_layers: int, variant: str, window: int | None):
+        self.num_layers = num_layers
+        self.variant, self.window = variant, window
+        self.buffer: torch.Tensor | None = None
+        self._writer: torch.Tensor | None = None
+        self.kv_shape: tuple[int, int, int, int] | None = None
+        self._routers: dict[int, LimeRouter] = {}
+        self._grad_rows_written = [False] * num_layers
+        self.id = next(_NEXT_ID)
+        _MEMORIES[self.id] = self
+
+    def _allocate(self, key: torch.Tensor) -> None:
+        """Allocate the buffer for keys shaped like ``key`` ``[s, b, kv_heads, d]``."""
+        s, b, h, d = key.shape
+        self.kv_shape = (s, b, h, d)
+        self.buffer = torch.empty(self.num_layers * h, 2 * s * b * d, dtype=key.dtype, device=key.device)
+        # Writes go through an alias with its own version counter: each row block is written
+        # once before it is read, so views of it saved for backward stay valid.
+        self._writer = torch.empty(0, dtype=key.dtype, device=key.device).set_(
+            self.buffer.untyped_storage(), 0, self.buffer.shape, self.buffer.stride()
+        )
+
+    @property
+    def kv_heads(self) -> int:
+        """Key/value heads per layer held here."""
+        return self.kv_shape[2]
+
+    # ----------------------------------------------------------------------------- handle
+    def handle(self) -> torch.Tensor:
+        """A one-element tensor naming this memory, passed through megatron as ``context``.
+
+        The handle keeps the memory alive (megatron's recompute checkpoints save it); detached
+        copies made by the checkpoints still resolve through ``from_handle``.
+        """
+        handle = torch.tensor([self.id], dtype=torch.int64)
+        handle.lime_memory = self
+        return handle
+
+    @staticmethod
+    def from_handle(handle: torch.Tensor | None) -> "LayerIntegratedMemory":
+        """The memory named by ``handle`` (the ``context`` a LIMe layer receives)."""
+        if handle is None:
+            raise RuntimeError(
+                "a LIMe layer ran without its layer-integrated memory: build the model with "
+                "lime_megatron.model.LimeGPTModel, whose forward passes it to the decoder"
+            )
+        memory = _MEMORIES.get(int(handle))
+        if memory is None:
+            raise RuntimeError(f"the LIMe memory {int(handle)} of this pass was already freed")
+        return memory
+
+    # ----------------------------------------------------------------------------- layout
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        """Rows of layers ``start..stop-1``: ``[(stop - start) * kv_heads, 2 * s * b * d]``."""
+        return self.buffer[start * self.kv_heads : stop * self.kv_heads]
+
+    def to_rows(self, routed: torch.Tensor) -> torch.Tensor:
+        """``[2, s, b, h, d]`` -> ``[h, 2 * s * b * d]`` (copy)."""
+        return routed.permute(3, 0, 1, 2, 4).reshape(self.kv_heads, -1)
+
+    def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
+        """``[h, 2 * s * b * d]`` -> contiguous ``[2, s, b, h, d]`` (keys, values)."""
+        s, b, h, d = self.kv_shape
+        return rows.view(h, 2, s, b, d).permute(1, 2, 3, 0, 4).contiguous()
+
+    def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """Eq. 1: write layer ``layer``'s keys/values ``[s, b, h, d]`` into its rows; returns them."""
+        if self.buffer is None:
+            self._allocate(key)
+        if tuple(key.shape) != self.kv_shape:
+            raise RuntimeError(f"layer {layer} keys {tuple(key.shape)} do not match the memory's {self.kv_shape}")
+        s, b, h, d = self.kv_shape
+        slot = self._writer[layer * h : (layer + 1) * h].view(h, 2, s, b, d)
+        slot[:, 0].copy_(key.permute(2, 0, 1, 3))
+        slot[:, 1].copy_(value.permute(2, 0, 1, 3))
+        return self.rows(layer, layer + 1)
+
+    # ----------------------------------------------------------------------------- routing
+    def mix(self, router: LimeRouter, weight: torch.Tensor) -> torch.Tensor:
+        """Eq. 2: ``weight @ rows(sources)``, one product per contiguous run of sources.
+
+        Returns the routed keys and values, ``[2, s, b, kv_heads, d]``.
+        """
+        routed = None
+        for columns, (start, stop) in router.column_runs():
+            part = weight[:, columns] @ self.rows(start, stop)
+            routed = part if routed is None else routed.add_(part)
+        return self.from_rows(routed)
+
+    def register(self, router: LimeRouter) -> None:
+        """Record that ``router``'s layer read the memory in this pass (its weight is needed by
+        the backward of every source layer)."""
+        self._routers[router.layer] = router
+
+    def weight_grad(self, router: LimeRouter, grad_rows: torch.Tensor) -> torch.Tensor:
+        """dL/dW_l = g_l @ rows(sources)^T, ``[kv_heads, len(sources) * kv_heads]``."""
+        parts = [grad_rows @ self.rows(start, stop).t() for _, (start, stop) in router.column_runs()]
+        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+
+    def kv_grad(self, layer: int, grad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient of layer ``layer``'s own keys and values, ``[s, b, h, d]`` each.
+
+        Stores ``grad_rows`` (g_l) over the layer's raw rows, which no later step reads, then
+        sums W_m[:, block l]^T g_m over the consumers m of layer ``layer`` in one product.
+        """
+        _, stop = routing_consumers(layer, self.num_layers, self.variant, self.window)
+        missing = [m for m in range(layer + 1, stop) if not self._grad_rows_written[m]]
+        if missing:
+            raise RuntimeError(
+                f"LIMe backward of layer {layer} ran before that of its consumer layers {missing}"
+            )
+        h = self.kv_heads
+        self._writer[layer * h : (layer + 1) * h].copy_(grad_rows)
+        self._grad_rows_written[layer] = True
+        blocks = torch.cat([self._routers[m].block(layer) for m in range(layer, stop)], dim=0)
+        grad_kv = (blocks.t() @ self.rows(layer, stop)).view(h, 2, *self.kv_shape[:2], -1)
+        return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
+
+
+class RouteKeysValues(torch.autograd.Function):
+    """Store a layer's keys/values in the memory and return the routed ones (Eqs. 1-2).
+
+    forward(weight [h, n_src*h], key [s,b,h,d], value [s,b,h,d], memory, router)
+        -> routed [2, s, b, h, d]
+    """
+
+    @staticmethod
+    def forward(ctx, weight, key, value, memory: LayerIntegratedMemory, router: LimeRouter):
+        own_rows = memory.store(router.layer, key, value)
+        memory.register(router)
+        # Saved so that saved-tensor accounting (and offloading hooks) see the buffer.
+        ctx.save_for_backward(own_rows)
+        ctx.memory, ctx.router = memory, router
+        return memory.mix(router, weight)
+
+    @staticmethod
+    def backward(ctx, grad_routed):
+        ctx.saved_tensors  # noqa: B018 - releases the saved view through the hooks
+        memory, router = ctx.memory, ctx.router
+        grad_rows = memory.to_rows(grad_routed)
+        grad_weight = memory.weight_grad(router, grad_rows) if ctx.needs_input_grad[0] else None
+        grad_key, grad_value = memory.kv_grad(router.layer, grad_rows)
+        return grad_weight, grad_key, grad_value, None, None
+
+
+def route_keys_values(
+    memory: LayerIntegratedMemory, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
+    """Routed keys and values of ``router``'s layer, ``[2, s, b, kv_heads, d]``."""
+    return RouteKeysValues.apply(router.weight, key, value, memory, router)
+
+
+# --------------------------------------------------------------------------------- recompute
+class Rebuilt:
+    """A tensor dropped from autograd's saved tensors, rebuilt once when backward first needs it."""
+
+    def __init__(self, build: Callable[[], torch.Tensor]):
+        self._build = build
+        self._value: torch.Tensor | None = None
+
+    def value(self) -> torch.Tensor:
+        """The rebuilt tensor (built on the first call, without autograd)."""
+        if self._value is None:
+            with torch.no_grad():
+                self._value = self._build()
+        return self._value
+
+
+class _SavedView:
+    """What autograd keeps instead of a view of a rebuilt tensor: how to take the view again."""
+
+    def __init__(self, source: Rebuilt, tensor: torch.Tensor):
+        self.source = source
+        self.geometry = (tensor.size(), tensor.stride(), tensor.storage_offset())
+
+    def unpack(self) -> torch.Tensor:
+        return self.source.value().as_strided(*self.geometry)
+
+
+def _outer_saved_tensor_hooks():
+    """The saved-tensor hooks active around ours (e.g. activation offloading or memory
+    accounting), so that tensors we do not rebuild still go through them."""
+    return torch._C._autograd._top_saved_tensors_default_hooks(False)
+
+
+@contextmanager
+def recompute_in_backward(rebuilds: dict[torch.Tensor, Rebuilt]) -> Iterator[None]:
+    """Within the block, tensors saved for backward that are views of a key of ``rebuilds`` are
+    not kept: backward rebuilds them through the paired ``Rebuilt`` instead.
+
+    Each rebuild must produce a tensor with the same layout as its key.  All other saved tensors
+    pass to the enclosing saved-tensor hooks, if any.
+    """
+    by_storage = {tensor.untyped_storage().data_ptr(): rebuilt for tensor, rebuilt in rebuilds.items()}
+    outer = _outer_saved_tensor_hooks()
+
+    def pack(tensor: torch.Tensor):
+        source = by_storage.get(tensor.untyped_storage().data_ptr())
+        if source is not None:
+            return _SavedView(source, tensor)
+        return outer[0](tensor) if outer else tensor
+
+    def unpack(packed):
+        if isinstance(packed, _SavedView):
+            return packed.unpack()
+        return outer[1](packed) if outer else packed
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        yield

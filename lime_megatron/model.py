@@ -1,0 +1,72 @@
+"""The model: megatron's ``GPTModel`` carrying LIMe's layer-integrated memory through the decoder.
+
+``build_model`` is the one builder for LIMe and the LLaMA baseline (``config.lime=False``): the
+same class, the same megatron modules, the paper's architecture (Table 3: RMSNorm, SwiGLU, RoPE,
+no biases, tied embeddings, optional GQA via ``num_query_groups``).
+
+``LimeGPTModel.forward`` opens a fresh ``LayerIntegratedMemory`` per pass and hands its handle to
+megatron's ``TransformerBlock`` as the decoder ``context``: megatron threads that argument through
+every layer and through its activation-recompute checkpoints, and the decoder-only GPT leaves it
+otherwise unused, so each LIMe layer finds the memory of the pass it is (re)computing.
+"""
+
+from __future__ import annotations
+
+from megatron.core.models.gpt.gpt_model import GPTModel
+
+from lime_megatron.config import LimeTransformerConfig
+from lime_megatron.layer_spec import lime_layer_spec
+from lime_megatron.memory import LayerIntegratedMemory
+from lime_megatron.router import LimeRouter
+
+
+class LimeGPTModel(GPTModel):
+    """``GPTModel`` whose forward provides the layer-integrated memory to LIMe layers.
+
+    Inputs/outputs as ``GPTModel.forward``: input_ids/position_ids ``[b, s]``; returns the loss
+    ``[b, s]`` when labels are given, else logits ``[s, b, vocab]``... exactly as megatron.
+    """
+
+    def forward(self, *args, extra_block_kwargs: dict | None = None, **kwargs):
+        if self.config.lime:
+            memory = LayerIntegratedMemory(
+                self.config.num_layers, self.config.lime_router, self.config.lime_router_window
+            )
+            extra_block_kwargs = {**(extra_block_kwargs or {}), "context": memory.handle()}
+        return super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
+
+    def routers(self) -> list[LimeRouter]:
+        """The LIMe routers of this model (chunk), in layer order."""
+        return [module for module in self.modules() if isinstance(module, LimeRouter)]
+
+
+def build_model(
+    config: LimeTransformerConfig,
+    vocab_size: int,
+    max_sequence_length: int,
+    *,
+    backend: str = "local",
+    pre_process: bool = True,
+    post_process: bool = True,
+    vp_stage: int | None = None,
+    share_embeddings_and_output_weights: bool = True,
+    rotary_base: int = 10000,
+) -> LimeGPTModel:
+    """LIMe (or, with ``config.lime=False``, the LLaMA baseline) as a megatron GPT model.
+
+    ``vocab_size`` is the padded vocabulary; ``backend`` picks the layer spec (``local`` or
+    ``te``).  RoPE positions, no learned absolute embeddings, tied input/output embeddings by
+    default (paper Table 3).
+    """
+    return LimeGPTModel(
+        config=config,
+        transformer_layer_spec=lime_layer_spec(config, backend),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+        position_embedding_type="rope",
+        rotary_base=rotary_base,
+        vp_stage=vp_stage,
+    )

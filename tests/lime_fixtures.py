@@ -1,0 +1,112 @@
+"""Small LIMe/LLaMA models and the weight map to the plain reference of ``reference_lime``."""
+
+from __future__ import annotations
+
+import torch
+
+from lime_megatron.config import lime_config
+from lime_megatron.model import LimeGPTModel, build_model
+
+VOCAB = 96
+SEQ = 12
+BATCH = 2
+
+
+def tiny_model(dtype=torch.float64, seed: int = 1234, **overrides) -> LimeGPTModel:
+    """A 5-layer tiny model (hidden 32, 4 heads, kv_heads from ``overrides``) in ``dtype``."""
+    settings = dict(
+        num_layers=5,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        params_dtype=dtype,
+        use_cpu_initialization=True,
+    )
+    settings.update(overrides)
+    torch.manual_seed(seed)
+    model = build_model(lime_config(**settings), vocab_size=VOCAB, max_sequence_length=SEQ)
+    with torch.no_grad():  # megatron zero-initialises nothing we rely on; make norms non-trivial
+        for name, param in model.named_parameters():
+            if "layernorm" in name:
+                param.uniform_(0.5, 1.5)
+    return model
+
+
+def batch(seed: int = 0) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(tokens [b, s], position ids [b, s], causal mask [1, 1, s, s] with True = masked)."""
+    generator = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ), generator=generator)
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    mask = torch.triu(torch.ones(SEQ, SEQ, dtype=torch.bool), diagonal=1)[None, None]
+    return tokens, positions, mask
+
+
+def megatron_logits(model: LimeGPTModel, tokens, positions, mask) -> torch.Tensor:
+    """Logits [b, s, vocab] of the megatron model."""
+    return model(tokens, positions, mask)
+
+
+def reference_params(model: LimeGPTModel) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Leaf copies of the megatron parameters (by megatron name) and the reference-layout
+    parameter dict built from them differentiably, so reference gradients land on the leaves."""
+    cfg = model.config
+    leaves = {
+        name: param.detach().clone().requires_grad_(True) for name, param in model.named_parameters()
+    }
+    heads, kv_heads, d = cfg.num_attention_heads, cfg.kv_heads, cfg.kv_channels
+    layers = []
+    for i in range(cfg.num_layers):
+        prefix = f"decoder.layers.{i}."
+        qkv = leaves[prefix + "self_attention.linear_qkv.weight"]
+        # megatron interleaves per kv group: [q heads of the group, k, v] x kv_heads
+        grouped = qkv.view(kv_heads, heads // kv_heads + 2, d, cfg.hidden_size)
+        gate, up = leaves[prefix + "mlp.linear_fc1.weight"].chunk(2, dim=0)
+        layer = dict(
+            attn_norm=leaves[prefix + "input_layernorm.weight"],
+            wq=grouped[:, : heads // kv_heads].reshape(heads * d, -1),
+            wk=grouped[:, -2].reshape(kv_heads * d, -1),
+            wv=grouped[:, -1].reshape(kv_heads * d, -1),
+            wo=leaves[prefix + "self_attention.linear_proj.weight"],
+            mlp_norm=leaves[prefix + "pre_mlp_layernorm.weight"],
+            w_gate=gate,
+            w_up=up,
+            w_down=leaves[prefix + "mlp.linear_fc2.weight"],
+        )
+        router = leaves.get(prefix + "self_attention.router.weight")
+        if router is not None:
+            layer["router"] = router
+        layers.append(layer)
+    params = dict(
+        embedding=leaves["embedding.word_embeddings.weight"],
+        final_norm=leaves["decoder.final_layernorm.weight"],
+        layers=layers,
+    )
+    return params, leaves
+
+
+def reference_spec(model: LimeGPTModel) -> dict:
+    """The reference's description of ``model``'s architecture."""
+    cfg = model.config
+    return dict(
+        heads=cfg.num_attention_heads,
+        kv_heads=cfg.kv_heads,
+        eps=cfg.layernorm_epsilon,
+        rope_base=10000,
+        lime=cfg.lime,
+        variant=cfg.lime_router,
+        window=cfg.lime_router_window,
+    )
+
+
+def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    """Next-token cross-entropy of logits [b, s, V] against tokens shifted by one."""
+    return torch.nn.functional.cross_entropy(
+        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
+    )
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| (absolute when expected is zero)."""
+    scale = expected.norm().item()
+    diff = (actual - expected).norm().item()
+    return diff / scale if scale > 0 else diff

@@ -1,0 +1,159 @@
+"""The megatron LIMe model against the plain reference of the paper's equations (float64)."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from lime_fixtures import (
+    batch,
+    loss_of,
+    megatron_logits,
+    reference_params,
+    reference_spec,
+    relative_error,
+    tiny_model,
+)
+from reference_lime import average_router, forward as reference_forward
+from lime_megatron.router import routing_sources
+from single_process import init_single_process
+
+TOLERANCE = 1e-10
+
+VARIANTS = [
+    dict(lime_router="full"),
+    dict(lime_router="average"),
+    dict(lime_router="last", lime_router_window=2),
+    dict(lime_router="first", lime_router_window=2),
+]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron():
+    init_single_process()
+
+
+def run_both(model):
+    """Loss-gradients of the megatron model and of the reference on the same weights."""
+    tokens, positions, mask = batch()
+    logits = megatron_logits(model, tokens, positions, mask)
+    loss_of(logits, tokens).backward()
+    params, leaves = reference_params(model)
+    spec = reference_spec(model)
+    if spec["lime"] and spec["variant"] == "average":
+        for i, layer in enumerate(params["layers"][1:], start=1):
+            layer["router"] = average_router(i, spec["kv_heads"])
+    ref_logits = reference_forward(params, tokens, spec)
+    loss_of(ref_logits, tokens).backward()
+    return logits, ref_logits, leaves
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+def test_matches_reference_logits_and_gradients(kv_heads, variant):
+    model = tiny_model(num_query_groups=kv_heads, **variant)
+    logits, ref_logits, leaves = run_both(model)
+    assert relative_error(logits, ref_logits) <= TOLERANCE
+    named = dict(model.named_parameters())
+    routers = [name for name in named if "router" in name]
+    assert len(routers) == (0 if variant["lime_router"] == "average" else 4)
+    for name, param in named.items():
+        assert param.grad is not None and param.grad.abs().sum() > 0, name
+        err = relative_error(param.grad, leaves[name].grad)
+        assert err <= TOLERANCE, f"{name}: relative gradient error {err:.2e}"
+
+
+def test_baseline_matches_reference():
+    model = tiny_model(num_query_groups=2, lime=False)
+    logits, ref_logits, leaves = run_both(model)
+    assert relative_error(logits, ref_logits) <= TOLERANCE
+    for name, param in model.named_parameters():
+        assert relative_error(param.grad, leaves[name].grad) <= TOLERANCE, name
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_identity_routers_equal_baseline(kv_heads):
+    """Zeroing every router weight outside the own-layer identity slice gives the baseline."""
+    lime = tiny_model(num_query_groups=kv_heads)
+    baseline = tiny_model(num_query_groups=kv_heads, lime=False)
+    baseline.load_state_dict(lime.state_dict(), strict=False)
+    with torch.no_grad():
+        for router in lime.routers():
+            if router.learned:
+                router.weight[:, :-kv_heads].zero_()
+    tokens, positions, mask = batch()
+    assert torch.equal(
+        megatron_logits(lime, tokens, positions, mask),
+        megatron_logits(baseline, tokens, positions, mask),
+    )
+    # ... and the untouched initialisation is not the baseline.
+    assert not torch.equal(
+        megatron_logits(tiny_model(num_query_groups=kv_heads), tokens, positions, mask),
+        megatron_logits(baseline, tokens, positions, mask),
+    )
+
+
+@pytest.mark.parametrize("recompute", [dict(recompute_granularity="full", recompute_method="uniform",
+                                            recompute_num_layers=2),
+                                       dict(recompute_granularity="selective")],
+                         ids=["full", "selective"])
+def test_activation_recompute_gives_the_same_gradients(recompute):
+    plain = tiny_model(num_query_groups=2)
+    recomputed = tiny_model(num_query_groups=2, **recompute)
+    recomputed.load_state_dict(plain.state_dict())
+    tokens, positions, mask = batch()
+    for model in (plain, recomputed):
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
+        assert relative_error(b.grad, a.grad) <= TOLERANCE, name
+
+
+def test_saving_routed_kv_gives_the_same_gradients():
+    """``lime_recompute_routed_kv=False`` keeps routed K/V instead of rebuilding them."""
+    rebuilt = tiny_model(num_query_groups=2)
+    kept = tiny_model(num_query_groups=2, lime_recompute_routed_kv=False)
+    kept.load_state_dict(rebuilt.state_dict())
+    tokens, positions, mask = batch()
+    for model in (rebuilt, kept):
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    for (name, a), (_, b) in zip(rebuilt.named_parameters(), kept.named_parameters()):
+        assert torch.equal(a.grad, b.grad), name
+
+
+def test_router_initialisation():
+    kv_heads = 4
+    model = tiny_model(num_query_groups=kv_heads, num_layers=5)
+    routers = model.routers()
+    assert [r.layer for r in routers] == [0, 1, 2, 3, 4]
+    assert not routers[0].learned and torch.equal(routers[0].weight, torch.eye(kv_heads, dtype=torch.float64))
+    for router in routers[1:]:
+        weight = router.weight.detach()
+        layer = router.layer
+        assert weight.shape == (kv_heads, (layer + 1) * kv_heads)
+        assert torch.equal(weight[:, -kv_heads:], torch.eye(kv_heads, dtype=weight.dtype))
+        bound = math.sqrt(3.0 / ((layer + 1) * kv_heads))
+        rest = weight[:, :-kv_heads]
+        assert rest.abs().max() <= bound
+        assert rest.abs().max() > 0.5 * bound  # really drawn from the whole interval
+        assert getattr(router.weight, "is_lime_router", False)
+
+
+@pytest.mark.parametrize("num_layers,kv_heads", [(2, 4), (5, 2), (7, 4)])
+def test_router_parameter_count(num_layers, kv_heads):
+    model = tiny_model(num_query_groups=kv_heads, num_layers=num_layers)
+    count = sum(r.weight.numel() for r in model.routers() if r.learned)
+    assert count == kv_heads**2 * (num_layers * (num_layers + 1) // 2 - 1)
+
+
+@pytest.mark.parametrize("variant,window", [("last", 1), ("last", 3), ("first", 1), ("first", 3)])
+def test_windowed_sources(variant, window):
+    """App. D: last-j reads the min(l+1, j) most recent layers; first-j the first j plus its own."""
+    for layer in range(8):
+        sources = routing_sources(layer, variant, window)
+        assert sources[-1] == layer
+        if variant == "last":
+            assert sources == list(range(layer + 1))[-window:]
+        else:
+            assert sources == sorted(set(range(min(layer, window))) | {layer})
