@@ -18,7 +18,7 @@ from lime_fixtures import (
 )
 from reference_lime import average_router, forward as reference_forward
 from lime_megatron.router import routing_sources
-from single_process import init_single_process
+from lime_megatron.parallel import initialize_parallel as init_single_process
 
 TOLERANCE = 1e-10
 
@@ -95,10 +95,14 @@ def test_identity_routers_equal_baseline(kv_heads):
     )
 
 
-@pytest.mark.parametrize("recompute", [dict(recompute_granularity="full", recompute_method="uniform",
-                                            recompute_num_layers=2),
-                                       dict(recompute_granularity="selective")],
-                         ids=["full", "selective"])
+RECOMPUTE = {
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
+    "selective": dict(recompute_granularity="selective"),
+}
+
+
+@pytest.mark.parametrize("recompute", list(RECOMPUTE.values()), ids=list(RECOMPUTE))
 def test_activation_recompute_gives_the_same_gradients(recompute):
     plain = tiny_model(num_query_groups=2)
     recomputed = tiny_model(num_query_groups=2, **recompute)
@@ -157,3 +161,20 @@ def test_windowed_sources(variant, window):
             assert sources == list(range(layer + 1))[-window:]
         else:
             assert sources == sorted(set(range(min(layer, window))) | {layer})
+
+
+def test_routed_kv_are_rebuilt_not_saved():
+    """With recompute on, autograd keeps no routed K/V: exactly the routed [2, s, b, h, d] and the
+    rotated keys [s, b, h, d] of every layer drop out of the saved bytes."""
+    from lime_megatron.accounting import SavedTensorBytes
+
+    tokens, positions, mask = batch()
+    saved = {}
+    for recompute in (True, False):
+        model = tiny_model(num_query_groups=4, lime_recompute_routed_kv=recompute)
+        with SavedTensorBytes(model) as counter:
+            megatron_logits(model, tokens, positions, mask)
+        saved[recompute] = counter.bytes
+    cfg = model.config
+    per_layer = 3 * tokens.numel() * cfg.kv_heads * cfg.kv_channels * 8  # float64
+    assert saved[False] - saved[True] == cfg.num_layers * per_layer

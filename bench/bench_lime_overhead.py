@@ -1,0 +1,141 @@
+"""LIMe overhead over the LLaMA baseline: forward+backward time and bytes saved for backward.
+
+For each depth and kv-head count it builds LIMe and the baseline with the same shape, then
+measures in the same process, interleaving the two models:
+
+- time: median forward+backward wall time over ``--repeats`` runs (after ``--warmup``);
+- saved: bytes autograd keeps for backward (saved-tensor hooks, unique storages, parameters
+  excluded), from one forward;
+- FLOP floor: 1 + router FLOPs / baseline FLOPs (``lime_megatron.accounting``; causal attention
+  counted at half), the time ratio an implementation costing exactly the router's FLOPs would get.
+
+Run (the figures in BENCHMARKS.md):
+    python bench/bench_lime_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+
+import torch
+from tqdm import tqdm
+
+from lime_megatron.accounting import SavedTensorBytes, forward_flops_per_token, router_flops_per_token
+from lime_megatron.config import lime_config
+from lime_megatron.model import build_model
+from lime_megatron.parallel import initialize_parallel
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--ffn-hidden-size", type=int, default=1024)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=256,
+                        help="small so that the transformer layers, not the logits, dominate")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def build(args, num_layers: int, kv_heads: int, lime: bool):
+    torch.manual_seed(0)
+    config = lime_config(
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=kv_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        use_cpu_initialization=True,
+        lime=lime,
+    )
+    return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length)
+
+
+def make_batch(args):
+    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
+    positions = torch.arange(args.seq_length).expand_as(tokens)
+    mask = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), diagonal=1)
+    return tokens, positions, mask[None, None]
+
+
+def train_step(model, batch) -> float:
+    """One forward+backward; returns its wall time in seconds."""
+    tokens, positions, mask = batch
+    for param in model.parameters():
+        param.grad = None
+    start = time.perf_counter()
+    model(tokens, positions, mask, labels=tokens).mean().backward()
+    return time.perf_counter() - start
+
+
+def saved_bytes(model, batch) -> int:
+    tokens, positions, mask = batch
+    with SavedTensorBytes(model) as saved:
+        loss = model(tokens, positions, mask, labels=tokens).mean()
+    loss.backward()
+    return saved.bytes
+
+
+def measure(args, num_layers: int, kv_heads: int) -> dict:
+    models = {lime: build(args, num_layers, kv_heads, lime) for lime in (False, True)}
+    batch = make_batch(args)
+    times = {False: [], True: []}
+    for run in range(args.warmup + args.repeats):
+        for lime, model in models.items():
+            elapsed = train_step(model, batch)
+            if run >= args.warmup:
+                times[lime].append(elapsed)
+    config = models[True].config
+    baseline_flops = forward_flops_per_token(config, args.seq_length, args.vocab_size) - router_flops_per_token(config)
+    return dict(
+        layers=num_layers,
+        kv_heads=kv_heads,
+        base_s=statistics.median(times[False]),
+        lime_s=statistics.median(times[True]),
+        floor=1.0 + router_flops_per_token(config) / baseline_flops,
+        base_saved=saved_bytes(models[False], batch),
+        lime_saved=saved_bytes(models[True], batch),
+    )
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (
+        f"{'layers':>6} {'kv':>3} {'base s':>8} {'LIMe s':>8} {'time x':>7} {'floor':>6} "
+        f"{'x/floor':>7} {'base MiB':>9} {'LIMe MiB':>9} {'saved x':>8}"
+    )
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        ratio = r["lime_s"] / r["base_s"]
+        print(
+            f"{r['layers']:>6} {r['kv_heads']:>3} {r['base_s']:>8.3f} {r['lime_s']:>8.3f} {ratio:>7.3f} "
+            f"{r['floor']:>6.3f} {ratio / r['floor']:>7.3f} {r['base_saved'] / 2**20:>9.1f} "
+            f"{r['lime_saved'] / 2**20:>9.1f} {r['lime_saved'] / r['base_saved']:>8.3f}"
+        )
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    initialize_parallel()
+    torch.set_num_threads(torch.get_num_threads())
+    cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
+    rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
+    print_table(rows)
+    worst = max(rows, key=lambda r: r["lime_s"] / r["base_s"] / r["floor"])
+    print(
+        f"\nsummary: {len(rows)} settings; worst time vs FLOP floor "
+        f"{worst['lime_s'] / worst['base_s'] / worst['floor']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}); "
+        f"max saved-bytes ratio {max(r['lime_saved'] / r['base_saved'] for r in rows):.3f}"
+    )
+    return rows
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,46 @@
+"""Process-group and megatron parallel-state initialisation for entry points, tools and tests."""
+
+from __future__ import annotations
+
+import os
+import socket
+
+import torch
+from megatron.core import parallel_state, tensor_parallel
+
+from lime_megatron.compat import distributed_backend, enable_cpu_support
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def initialize_parallel(
+    tensor_model_parallel_size: int = 1,
+    pipeline_model_parallel_size: int = 1,
+    virtual_pipeline_model_parallel_size: int | None = None,
+    seed: int = 1234,
+) -> None:
+    """Initialise torch.distributed and megatron's parallel state (idempotent).
+
+    Under ``torchrun`` the rank and world size come from the environment; otherwise a world of
+    one process is created.  On machines without CUDA, megatron's CPU support is enabled first.
+    """
+    enable_cpu_support()
+    if not torch.distributed.is_initialized():
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", str(_free_port()))
+        torch.distributed.init_process_group(
+            distributed_backend(),
+            rank=int(os.environ.get("RANK", 0)),
+            world_size=int(os.environ.get("WORLD_SIZE", 1)),
+        )
+    if not parallel_state.model_parallel_is_initialized():
+        parallel_state.initialize_model_parallel(
+            tensor_model_parallel_size,
+            pipeline_model_parallel_size,
+            virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
+        )
+        tensor_parallel.model_parallel_cuda_manual_seed(seed)
