@@ -24,7 +24,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from lime_megatron.memory import LayerIntegratedMemory, Rebuilt, recompute_in_backward, route_keys_values
-from lime_megatron.router import LimeRouter
+from lime_megatron.router import HeadSharding, LimeRouter
 
 
 class LimeSelfAttention(SelfAttention):
@@ -33,14 +33,12 @@ class LimeSelfAttention(SelfAttention):
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal, **kwargs):
         super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type, **kwargs)
-        if self.world_size > 1:
-            raise NotImplementedError(
-                "LIMe attention under tensor parallelism is not implemented yet "
-                f"(tensor_model_parallel_size={self.world_size}); use tensor_model_parallel_size=1"
-            )
         if config.context_parallel_size > 1:
             raise NotImplementedError("LIMe does not support context parallelism")
-        self.router = LimeRouter(config, layer_number - 1)
+        sharding = HeadSharding(
+            config.kv_heads, self.tp_group.rank() if self.world_size > 1 else 0, self.world_size, self.tp_group
+        )
+        self.router = LimeRouter(config, layer_number - 1, sharding)
         self.memory: LayerIntegratedMemory | None = None
 
     def forward(

@@ -16,11 +16,13 @@ import dataclasses
 
 from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
 from megatron.core.transformer.spec_utils import ModuleSpec
+from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from lime_megatron.attention import LimeSelfAttention
 from lime_megatron.config import LimeTransformerConfig
 from lime_megatron.memory import LayerIntegratedMemory
+from lime_megatron.norm import TorchNorm
 
 BACKENDS = ("local", "te")
 
@@ -43,9 +45,15 @@ class LimeTransformerLayer(TransformerLayer):
 
 
 def megatron_layer_spec(config: LimeTransformerConfig, backend: str) -> ModuleSpec:
-    """megatron-core's GPT layer spec for ``backend`` (the LLaMA baseline layer)."""
+    """megatron-core's GPT layer spec for ``backend`` (the LLaMA baseline layer).
+
+    The local backend's norms are ``TorchNorm`` (megatron's ``WrappedTorchNorm`` refuses
+    sequence parallelism); the TE backend fuses the input norm into its QKV linear layer.
+    """
     if backend == "local":
-        return get_gpt_layer_local_spec(normalization=config.normalization)
+        spec = get_gpt_layer_local_spec(normalization=config.normalization)
+        submodules = dataclasses.replace(spec.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
+        return dataclasses.replace(spec, submodules=submodules)
     if backend == "te":
         # Imported here: TransformerEngine exists on GPU machines only.
         from megatron.core.models.gpt.gpt_layer_specs import (
@@ -64,3 +72,16 @@ def lime_layer_spec(config: LimeTransformerConfig, backend: str = "local") -> Mo
     attention = dataclasses.replace(spec.submodules.self_attention, module=LimeSelfAttention)
     submodules = dataclasses.replace(spec.submodules, self_attention=attention)
     return dataclasses.replace(spec, module=LimeTransformerLayer, submodules=submodules)
+
+
+def lime_block_spec(
+    config: LimeTransformerConfig, backend: str = "local", vp_stage: int | None = None
+) -> TransformerBlockSubmodules:
+    """The decoder spec of this pipeline rank's chunk ``vp_stage``: ``lime_layer_spec`` for each
+    of its layers and the final norm (``TorchNorm`` locally, TransformerEngine's norm on TE)."""
+    if backend == "te":
+        from megatron.core.extensions.transformer_engine import TENorm as final_norm
+    else:
+        final_norm = TorchNorm
+    layers = [lime_layer_spec(config, backend)] * get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)

@@ -37,7 +37,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from lime_megatron.router import LimeRouter, routing_consumers
+from lime_megatron.router import HeadSharding, LimeRouter, routing_consumers
 
 _MEMORIES: "weakref.WeakValueDictionary[int, LayerIntegratedMemory]" = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count()
@@ -61,6 +61,7 @@ class LayerIntegratedMemory:
         self._writer: torch.Tensor | None = None
         self.kv_shape: tuple[int, int, int, int] | None = None
         self._routers: dict[int, LimeRouter] = {}
+        self._grad_rows: torch.Tensor | None = None
         self._grad_rows_written = [False] * num_layers
         self.id = next(_NEXT_ID)
         _MEMORIES[self.id] = self
@@ -135,13 +136,18 @@ class LayerIntegratedMemory:
     def mix(self, router: LimeRouter, weight: torch.Tensor) -> torch.Tensor:
         """Eq. 2: ``weight @ rows(sources)``, one product per contiguous run of sources.
 
-        Returns the routed keys and values, ``[2, s, b, kv_heads, d]``.
+        Under tensor parallelism each rank multiplies its own heads' rows, giving partial sums
+        for all kv_heads output heads, and a reduce-scatter leaves each rank its heads' sums.
+        Returns the routed keys and values, ``[2, s, b, local kv heads, d]``.
         """
-        routed = None
-        for columns, (start, stop) in router.column_runs():
-            part = weight[:, columns] @ self.rows(start, stop)
-            routed = part if routed is None else routed.add_(part)
-        return self.from_rows(routed)
+        partial = None
+        if router.sharding.primary:
+            for columns, (start, stop) in router.column_runs():
+                part = weight[:, columns] @ self.rows(start, stop)
+                partial = part if partial is None else partial.add_(part)
+        else:  # a replica of another rank's heads: those terms are added once, by the primary
+            partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
+        return self.from_rows(_scatter_heads(partial, router.sharding))
 
     def register(self, router: LimeRouter) -> None:
         """Record that ``router``'s layer read the memory in this pass (its weight is needed by
@@ -149,28 +155,67 @@ class LayerIntegratedMemory:
         self._routers[router.layer] = router
 
     def weight_grad(self, router: LimeRouter, grad_rows: torch.Tensor) -> torch.Tensor:
-        """dL/dW_l = g_l @ rows(sources)^T, ``[kv_heads, len(sources) * kv_heads]``."""
+        """dL/dW_l = g_l @ rows(sources)^T for this rank's columns; ``grad_rows`` holds all
+        kv_heads rows of g_l.  Replica ranks compute the same value (their weight columns are
+        one shared parameter)."""
         parts = [grad_rows @ self.rows(start, stop).t() for _, (start, stop) in router.column_runs()]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
-    def kv_grad(self, layer: int, grad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Gradient of layer ``layer``'s own keys and values, ``[s, b, h, d]`` each.
+    def _grad_buffer(self, kv_heads: int) -> torch.Tensor:
+        """Where g_l (all kv_heads rows) is kept until every source of layer l took its share:
+        the layer's own dead raw rows without tensor parallelism, else a buffer of its own."""
+        if kv_heads == self.kv_heads:
+            return self._writer
+        if self._grad_rows is None:
+            self._grad_rows = self.buffer.new_empty(self.num_layers * kv_heads, self.buffer.shape[1])
+        return self._grad_rows
 
-        Stores ``grad_rows`` (g_l) over the layer's raw rows, which no later step reads, then
-        sums W_m[:, block l]^T g_m over the consumers m of layer ``layer`` in one product.
+    def kv_grad(self, router: LimeRouter, grad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Gradient of layer l's own keys and values, ``[s, b, local kv heads, d]`` each.
+
+        Keeps ``grad_rows`` (g_l, all kv_heads rows) as the layer's gradient rows, then sums
+        W_m[:, block l]^T g_m over the consumers m of layer l in one product.
         """
+        layer = router.layer
         _, stop = routing_consumers(layer, self.num_layers, self.variant, self.window)
         missing = [m for m in range(layer + 1, stop) if not self._grad_rows_written[m]]
         if missing:
             raise RuntimeError(
                 f"LIMe backward of layer {layer} ran before that of its consumer layers {missing}"
             )
-        h = self.kv_heads
-        self._writer[layer * h : (layer + 1) * h].copy_(grad_rows)
+        kv_heads = grad_rows.shape[0]
+        grads = self._grad_buffer(kv_heads)
+        grads[layer * kv_heads : (layer + 1) * kv_heads].copy_(grad_rows)
         self._grad_rows_written[layer] = True
-        blocks = torch.cat([self._routers[m].block(layer) for m in range(layer, stop)], dim=0)
-        grad_kv = (blocks.t() @ self.rows(layer, stop)).view(h, 2, *self.kv_shape[:2], -1)
+        if not router.sharding.primary:  # the primary replica passes this head's gradient
+            grad_kv = grad_rows.new_zeros(self.kv_heads, grad_rows.shape[1])
+        else:
+            blocks = torch.cat([self._routers[m].block(layer) for m in range(layer, stop)], dim=0)
+            grad_kv = blocks.t() @ grads[layer * kv_heads : stop * kv_heads]
+        grad_kv = grad_kv.view(self.kv_heads, 2, *self.kv_shape[:2], -1)
         return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
+
+
+def _scatter_heads(partial: torch.Tensor, sharding: HeadSharding) -> torch.Tensor:
+    """Sum ``partial`` [kv_heads, n] over tensor-parallel ranks; each keeps its own heads' rows."""
+    if sharding.size == 1:
+        return partial
+    rows = partial[sharding.heads_by_rank()] if sharding.replicas > 1 else partial
+    out = partial.new_empty(len(sharding.local_heads), partial.shape[1])
+    torch.distributed.reduce_scatter_tensor(out, rows.contiguous(), group=sharding.group)
+    return out
+
+
+def _gather_heads(local: torch.Tensor, sharding: HeadSharding) -> torch.Tensor:
+    """Adjoint of ``_scatter_heads``: every rank's rows [local heads, n] -> [kv_heads, n]."""
+    if sharding.size == 1:
+        return local
+    gathered = local.new_empty(sharding.size * local.shape[0], local.shape[1])
+    torch.distributed.all_gather_into_tensor(gathered, local.contiguous(), group=sharding.group)
+    if sharding.replicas == 1:
+        return gathered
+    index = torch.tensor(sharding.heads_by_rank(), device=local.device)
+    return local.new_zeros(sharding.kv_heads, local.shape[1]).index_add_(0, index, gathered)
 
 
 class RouteKeysValues(torch.autograd.Function):
@@ -193,9 +238,9 @@ class RouteKeysValues(torch.autograd.Function):
     def backward(ctx, grad_routed):
         ctx.saved_tensors  # noqa: B018 - releases the saved view through the hooks
         memory, router = ctx.memory, ctx.router
-        grad_rows = memory.to_rows(grad_routed)
+        grad_rows = _gather_heads(memory.to_rows(grad_routed), router.sharding)
         grad_weight = memory.weight_grad(router, grad_rows) if ctx.needs_input_grad[0] else None
-        grad_key, grad_value = memory.kv_grad(router.layer, grad_rows)
+        grad_key, grad_value = memory.kv_grad(router, grad_rows)
         return grad_weight, grad_key, grad_value, None, None
 
 

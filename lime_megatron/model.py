@@ -15,7 +15,7 @@ from __future__ import annotations
 from megatron.core.models.gpt.gpt_model import GPTModel
 
 from lime_megatron.config import LimeTransformerConfig
-from lime_megatron.layer_spec import lime_layer_spec
+from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.memory import LayerIntegratedMemory
 from lime_megatron.router import LimeRouter
 
@@ -60,7 +60,7 @@ def build_model(
     """
     return LimeGPTModel(
         config=config,
-        transformer_layer_spec=lime_layer_spec(config, backend),
+        transformer_layer_spec=lime_block_spec(config, backend, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

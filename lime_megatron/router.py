@@ -20,6 +20,8 @@ the last source, so the identity initialisation of the paper sets the last ``kv_
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,45 +104,103 @@ def fixed_routing_weight(sources: int, kv_heads: int, variant: str, dtype: torch
     return torch.cat([eye / sources] * sources, dim=1)
 
 
-class LimeRouter(nn.Module):
-    """R^(l) of one layer: ``weight`` [kv_heads, len(sources) * kv_heads].
+@dataclass(frozen=True)
+class HeadSharding:
+    """The key/value heads one tensor-parallel rank holds, following megatron's GQA split.
 
+    With ``kv_heads >= size`` rank r holds heads r*k..(r+1)*k-1 (k = kv_heads / size); with
+    ``kv_heads < size`` megatron gives every rank one head, shared by ``replicas`` consecutive
+    ranks, of which the first (``primary``) contributes the head's routing terms.
+    """
+
+    kv_heads: int
+    rank: int = 0
+    size: int = 1
+    group: Any = field(default=None, compare=False)
+    """The tensor-parallel process group (None without tensor parallelism)."""
+
+    @property
+    def replicas(self) -> int:
+        """Ranks that hold the same heads."""
+        return max(1, self.size // self.kv_heads)
+
+    def heads_of(self, rank: int) -> list[int]:
+        """Heads held by ``rank``."""
+        if self.kv_heads >= self.size:
+            per_rank = self.kv_heads // self.size
+            return list(range(rank * per_rank, (rank + 1) * per_rank))
+        return [rank // self.replicas]
+
+    @property
+    def local_heads(self) -> list[int]:
+        """Heads held by this rank."""
+        return self.heads_of(self.rank)
+
+    @property
+    def primary(self) -> bool:
+        """Whether this rank contributes its heads' routing terms (one rank per replica group)."""
+        return self.rank % self.replicas == 0
+
+    def heads_by_rank(self) -> list[int]:
+        """Heads of every rank in rank order: the row order of a reduce-scatter over ranks."""
+        return [head for rank in range(self.size) for head in self.heads_of(rank)]
+
+
+class LimeRouter(nn.Module):
+    """R^(l) of one layer: ``weight`` [kv_heads, len(sources) * local kv heads].
+
+    Column ``j * k + i`` holds the weights from local head i of source layer j (k local heads;
+    k = kv_heads without tensor parallelism).  Rows are all kv_heads output heads: under tensor
+    parallelism each rank holds the columns of its own input heads (see ``memory``).
     A learned ``nn.Parameter`` (tagged ``is_lime_router``) for layers >= 1 of the learned
     variants; a fixed, non-persistent buffer for layer 0 (identity) and for ``average``.
     """
 
-    def __init__(self, config: LimeTransformerConfig, layer: int):
+    def __init__(self, config: LimeTransformerConfig, layer: int, sharding: HeadSharding | None = None):
         super().__init__()
         self.layer = layer
+        self.sharding = sharding or HeadSharding(config.kv_heads)
         self.sources = routing_sources(layer, config.lime_router, config.lime_router_window)
         self.source_runs = contiguous_runs(self.sources)
-        kv_heads = config.kv_heads
-        self._column_of = {source: j * kv_heads for j, source in enumerate(self.sources)}
+        local = len(self.sharding.local_heads)
+        self._column_of = {source: j * local for j, source in enumerate(self.sources)}
         if layer == 0 or config.lime_router == "average":
-            fixed = fixed_routing_weight(len(self.sources), kv_heads, config.lime_router, config.params_dtype)
-            self.register_buffer("weight", fixed, persistent=False)
+            fixed = fixed_routing_weight(len(self.sources), config.kv_heads, config.lime_router, config.params_dtype)
+            self.register_buffer("weight", self._local_columns(fixed), persistent=False)
             return
-        weight = torch.empty(kv_heads, len(self.sources) * kv_heads, dtype=config.params_dtype)
+        weight = torch.empty(config.kv_heads, len(self.sources) * config.kv_heads, dtype=config.params_dtype)
         if config.perform_initialization:
-            init_router_weight(weight, kv_heads)
-        self.weight = nn.Parameter(weight)
+            init_router_weight(weight, config.kv_heads)
+        self.weight = nn.Parameter(self._local_columns(weight))
         setattr(self.weight, ROUTER_PARAM_ATTR, True)
+
+    def _local_columns(self, full: torch.Tensor) -> torch.Tensor:
+        """This rank's columns of a full router matrix ``[kv_heads, n_sources * kv_heads]``."""
+        if self.sharding.size == 1:
+            return full
+        kv_heads = self.sharding.kv_heads
+        columns = [j * kv_heads + h for j in range(len(self.sources)) for h in self.sharding.local_heads]
+        return full[:, columns].contiguous()
 
     @property
     def learned(self) -> bool:
         """Whether this router has trainable weights."""
         return isinstance(self.weight, nn.Parameter)
 
+    @property
+    def local_heads(self) -> int:
+        """Number of input heads per source held here."""
+        return len(self.sharding.local_heads)
+
     def block(self, source: int) -> torch.Tensor:
-        """Columns of ``weight`` that read source layer ``source``: [kv_heads, kv_heads]."""
+        """Columns of ``weight`` that read source layer ``source``: [kv_heads, local heads]."""
         start = self._column_of[source]
-        return self.weight[:, start : start + self.weight.shape[0]]
+        return self.weight[:, start : start + self.local_heads]
 
     def column_runs(self) -> list[tuple[slice, tuple[int, int]]]:
         """``(columns of weight, (first layer, stop layer))`` per contiguous run of sources."""
         return [
-            (slice(self._column_of[start], self._column_of[stop - 1] + self.weight.shape[0]),
-             (start, stop))
+            (slice(self._column_of[start], self._column_of[stop - 1] + self.local_heads), (start, stop))
             for start, stop in self.source_runs
         ]
 

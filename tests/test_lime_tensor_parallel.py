@@ -1,0 +1,117 @@
+"""LIMe under tensor and sequence parallelism equals the TP=1 run (CPU, gloo, 4 processes)."""
+
+from __future__ import annotations
+
+import dataclasses
+from functools import partial
+
+import pytest
+import torch
+
+from distributed import (
+    Layout,
+    ShardRule,
+    build_model as build_chunks,
+    data_parallel_share,
+    forward_backward,
+    gather_full,
+    initialize_layout,
+    layout_config_kwargs,
+    make_batches,
+    run_distributed,
+)
+
+VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 3, 0.5
+
+
+@dataclasses.dataclass(frozen=True)
+class RouterShardRule(ShardRule):
+    """A router weight [kv_heads, n_sources * kv_heads] split by input head within each source
+    block; with fewer kv heads than ranks, consecutive ranks share a head (megatron's GQA split)
+    and the first of them stands for it."""
+
+    kv_heads: int = 1
+
+    def _ranks(self, size: int) -> list[int]:
+        replicas = max(1, size // self.kv_heads)
+        return list(range(0, size, replicas))
+
+    def shard(self, full, rank, size):
+        replicas = max(1, size // self.kv_heads)
+        return super().shard(full, rank // replicas, size // replicas)
+
+    def unshard(self, shards):
+        return super().unshard([shards[r] for r in self._ranks(len(shards))])
+
+
+def router_rule(config, name, param):
+    if not name.endswith("router.weight"):
+        return None
+    local_heads = max(1, config.kv_heads // config.tensor_model_parallel_size)
+    return RouterShardRule(dim=1, blocks=param.shape[1] // local_heads, kv_heads=config.kv_heads)
+
+
+def make_chunk(config, *, pre_process, post_process, vp_stage):
+    from lime_megatron.model import build_model
+
+    return build_model(config, VOCAB, SEQ, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+
+
+def train(layout: Layout, kv_heads: int, weights=None):
+    """3 SGD steps; returns (losses, [full grads per step], initial full weights)."""
+    from lime_megatron.config import lime_config
+
+    initialize_layout(layout)
+    config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=kv_heads, use_cpu_initialization=True, **layout_config_kwargs(layout))
+    rules = partial(router_rule, config)
+    torch.manual_seed(7)
+    chunks = build_chunks(partial(make_chunk, config), config, weights, extra_shard_rules=rules)
+    initial = gather_full(chunks, extra_shard_rules=rules)
+    batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
+    losses, grads = [], []
+    for _ in range(STEPS):
+        losses.append(forward_backward(chunks, batches))
+        grads.append(gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules))
+        with torch.no_grad():
+            for chunk in chunks:
+                for param in chunk.parameters():
+                    param -= LR * param.main_grad
+    return losses, grads, initial
+
+
+LAYOUTS = [  # (layout, kv_heads)
+    (Layout(tp=2), 4),
+    (Layout(tp=2, sp=True), 4),
+    (Layout(tp=4), 4),
+    (Layout(tp=4, sp=True), 2),  # fewer kv heads than ranks: heads shared by rank pairs
+    (Layout(tp=2), 2),
+]
+
+
+def compare_layouts():
+    """On every rank: each layout against TP=1 from the same initial weights."""
+    report = []
+    for kv_heads in sorted({kv for _, kv in LAYOUTS}):
+        ref_losses, ref_grads, weights = train(Layout(), kv_heads)
+        for layout, kv in LAYOUTS:
+            if kv != kv_heads:
+                continue
+            losses, grads, _ = train(layout, kv_heads, weights)
+            worst = max(
+                ((g[name] - ref[name]).norm() / ref[name].norm()).item()
+                for g, ref in zip(grads, ref_grads) for name in ref
+            )
+            report.append((layout.name, kv_heads, max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                           worst, sorted(name for name in ref_grads[0] if "router" in name)))
+    return report
+
+
+def test_tensor_and_sequence_parallel_equal_single_rank():
+    report = run_distributed(compare_layouts, 4)[0]
+    for name, kv_heads, loss_diff, grad_err, routers in report:
+        print(f"{name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, max relative grad error {grad_err:.2e}")
+        assert len(routers) == 3
+        assert loss_diff <= 1e-5, name
+        assert grad_err <= 1e-5, name
+    assert {name for name, *_ in report} == {"tp2-pp1", "tp2-pp1-sp", "tp4-pp1", "tp4-pp1-sp"}
