@@ -24,6 +24,8 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from megatron.core import parallel_state
+from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
 from torch import nn
 
 from lime_megatron.config import LimeTransformerConfig
@@ -203,6 +205,34 @@ class LimeRouter(nn.Module):
             (slice(self._column_of[start], self._column_of[stop - 1] + self.local_heads), (start, stop))
             for start, stop in self.source_runs
         ]
+
+    def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
+        """megatron distributed-checkpoint entry of ``weight``, resharding across TP/PP sizes.
+
+        Saved per layer (routers differ in shape, so unlike megatron's other layer parameters they
+        are not stacked along a layer axis: ``sharded_offsets`` is not used) as the global
+        ``[kv_heads, n_sources, kv_heads]`` tensor split along its last axis (input heads), so a
+        checkpoint written at one TP size loads at any other.  Fixed routers (layer 0,
+        ``average``) have nothing to save.
+        """
+        if not self.learned:
+            return {}
+        sharding, n_sources = self.sharding, len(self.sources)
+        shard = (2, sharding.rank // sharding.replicas, sharding.size // sharding.replicas)
+
+        def build(key, data, replica_id, flattened_range):
+            if flattened_range is not None:
+                raise NotImplementedError("LIMe router weights do not support flattened checkpoint ranges")
+            view = data.view(data.shape[0], n_sources, -1)
+            return ShardedTensor.from_rank_offsets(key, view, shard, replica_id=replica_id)
+
+        def merge(loaded: torch.Tensor) -> torch.Tensor:
+            return loaded.reshape(loaded.shape[0], -1)
+
+        dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
+        replica_id = (0, sharding.rank % sharding.replicas, dp_rank)
+        key = f"{prefix}weight_of_layer_{self.layer}"
+        return {f"{prefix}weight": ShardedTensorFactory(key, self.weight, build, merge, replica_id)}
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, sources={self.source_runs}, learned={self.learned}"

@@ -107,8 +107,50 @@ def compare_layouts():
     return report
 
 
-def test_tensor_and_sequence_parallel_equal_single_rank():
-    report = run_distributed(compare_layouts, 4)[0]
+def loss_after_loading(layout: Layout, checkpoint: str) -> float:
+    """Loss of a fresh model at ``layout`` (other random weights) after loading ``checkpoint``."""
+    from megatron.core import dist_checkpointing
+
+    from lime_megatron.config import lime_config
+
+    initialize_layout(layout)
+    config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=4, use_cpu_initialization=True, **layout_config_kwargs(layout))
+    torch.manual_seed(layout.tp)
+    chunks = build_chunks(partial(make_chunk, config), config)
+    model = chunks[0].module
+    if checkpoint:
+        model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), checkpoint))
+    return forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
+
+
+def reshard_checkpoint(directory: str):
+    """Save at TP=2, load at TP=1 and TP=4: (saved loss, [loaded losses], fresh-model loss)."""
+    from megatron.core import dist_checkpointing
+
+    initialize_layout(Layout(tp=2))
+    from lime_megatron.config import lime_config
+
+    config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
+                         num_query_groups=4, use_cpu_initialization=True, **layout_config_kwargs(Layout(tp=2)))
+    torch.manual_seed(11)
+    chunks = build_chunks(partial(make_chunk, config), config)
+    saved_loss = forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
+    dist_checkpointing.save(chunks[0].module.sharded_state_dict(), directory)
+    torch.distributed.barrier()
+    loaded = [loss_after_loading(Layout(tp=tp), directory) for tp in (1, 4)]
+    return saved_loss, loaded, loss_after_loading(Layout(tp=1), "")
+
+
+def tensor_parallel_checks(directory: str):
+    return compare_layouts(), reshard_checkpoint(directory)
+
+
+def test_tensor_and_sequence_parallel_equal_single_rank(tmp_path):
+    report, (saved_loss, loaded, fresh) = run_distributed(tensor_parallel_checks, 4, str(tmp_path))[0]
+    print(f"checkpoint saved at TP=2 with loss {saved_loss:.6f}; loaded at TP=1, TP=4: {loaded}")
+    assert all(abs(loss - saved_loss) <= 1e-5 for loss in loaded)
+    assert abs(fresh - saved_loss) > 1e-3  # a model that loaded nothing differs
     for name, kv_heads, loss_diff, grad_err, routers in report:
         print(f"{name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, max relative grad error {grad_err:.2e}")
         assert len(routers) == 3
