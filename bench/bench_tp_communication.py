@@ -1,6 +1,8 @@
 """Bytes each tensor-parallel rank sends per layer: LIMe routing vs megatron's own TP traffic.
 
-Runs one forward+backward of LIMe at TP=2 (gloo, 2 processes) for several depths and counts
+Runs one forward+backward of LIMe and of the baseline at TP=2 without sequence parallelism (gloo,
+2 processes; megatron's sequence-parallel collectives are bound at import time and would escape
+the count) for several depths and counts
 every collective actually issued, by wrapping ``torch.distributed``'s collectives during the step.
 A collective is attributed to LIMe routing when it is issued from ``lime_megatron.memory``, to
 megatron otherwise.  Bytes sent per rank use the ring cost of each collective on n ranks:
@@ -50,7 +52,7 @@ def count_collectives(counter: Counter):
     return originals
 
 
-def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int, sp: bool):
+def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int):
     from distributed import Layout, initialize_layout, layout_config_kwargs
 
     from lime_megatron.config import lime_config
@@ -59,7 +61,7 @@ def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int
     rows = []
     for lime in (False, True):
         for depth in depths:
-            layout = Layout(tp=2, sp=sp)
+            layout = Layout(tp=2)
             initialize_layout(layout)
             config = lime_config(num_layers=depth, hidden_size=hidden, num_attention_heads=heads,
                                  num_query_groups=kv_heads, use_cpu_initialization=True, lime=lime,
@@ -81,7 +83,7 @@ def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int
 
 def print_table(rows, args) -> None:
     base = {r["depth"]: r["megatron"] for r in rows if not r["lime"]}
-    print(f"TP=2{' + SP' if args.sp else ''}, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+    print(f"TP=2, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
           f"{args.kv_heads} kv heads, seq {args.seq_length}, batch {args.micro_batch_size}, fp32; "
           "KiB sent per rank per layer, forward+backward")
     print(f"{'layers':>6} {'baseline TP':>12} {'LIMe: megatron':>15} {'LIMe: routing':>14} {'routing/base':>13}")
@@ -92,7 +94,7 @@ def print_table(rows, args) -> None:
 
 def worker(args):
     rows = measure(args.depths, args.hidden_size, args.num_attention_heads, args.kv_heads,
-                   args.seq_length, args.micro_batch_size, args.sp)
+                   args.seq_length, args.micro_batch_size)
     return rows
 
 
@@ -104,7 +106,6 @@ def main(argv=None) -> None:
     parser.add_argument("--kv-heads", type=int, default=8)
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--sp", action="store_true", help="sequence parallelism")
     args = parser.parse_args(argv)
     from distributed import run_distributed
 
