@@ -1,0 +1,274 @@
+"""Run megatron-core on CPU over gloo when CUDA is absent.
+
+Entry points and tests call :func:`enable_cpu_support` once, before building models. It is
+idempotent and does nothing (returns False) when ``torch.cuda.is_available()``. This module is the
+only place in the project that patches megatron-core; every patch below was needed on megatron-core
+0.16.1 (CPU machines) and the same calls exist in 0.19.2 (GPU users).
+
+Patches, all applied together by :func:`enable_cpu_support`:
+
+1. A stand-in for ``torch`` (``_CpuTorch``) is bound as the global ``torch`` of a few megatron
+   modules. Everything is forwarded to the real ``torch`` except that ``torch.cuda``'s
+   ``current_device``/``synchronize``/``current_stream``/``get_rng_state``/``manual_seed`` act on
+   the CPU, and the factories ``tensor``/``zeros``/``ones`` build on the CPU when asked for a CUDA
+   device. Modules (see ``_TORCH_STANDIN_MODULES``):
+
+   - ``tensor_parallel.random``: ``CudaRNGStatesTracker.add`` and
+     ``model_parallel_cuda_manual_seed`` seed and read ``torch.cuda``'s generator.
+   - ``utils``: ``GlobalMemoryBuffer.get_tensor`` allocates on ``torch.cuda.current_device()``
+     (sequence-parallel all-gathers in the linear layers); ``local_multi_tensor_l2_norm``, the
+     gradient norm without apex, returns a ``device="cuda"`` tensor.
+   - ``tensor_parallel.layers``: weight allocation without ``use_cpu_initialization`` and the
+     sequence-parallel all-gather buffers use ``torch.cuda.current_device()``.
+   - ``tensor_parallel.mappings``: sequence-parallel gather/scatter buffers, same call.
+   - ``models.common.embeddings.rotary_pos_embedding``: ``RotaryEmbedding.get_emb`` moves
+     ``inv_freq`` to ``torch.cuda.current_device()`` on every forward.
+   - ``transformer.utils``: ``get_default_causal_mask`` builds the mask with ``device="cuda"``
+     (attention with ``attention_mask=None``).
+   - ``pipeline_parallel.schedules``: every schedule counts tokens in a
+     ``torch.zeros(..., device="cuda")``.
+   - ``pipeline_parallel.p2p_communication``: receive buffers on
+     ``torch.cuda.current_device()``; the shape exchange of ``variable_seq_lengths`` and batched
+     send/recv also call ``torch.cuda.synchronize()``.
+   - ``distributed.param_and_grad_buffer``: DDP's param/grad buffers on
+     ``torch.cuda.current_device()``; 0.19's ``start_grad_sync`` also calls
+     ``torch.cuda.current_stream()``.
+   - ``optimizer.optimizer``: ``FP32Optimizer._scale`` (and the mixed-precision optimizers'
+     ``found_inf``/``_scale_one``; 0.19's grad-norm-group flag) use ``device="cuda"``.
+   - ``optimizer.clip_grads``: gradient-norm buffers with ``device="cuda"``.
+   - ``optimizer.distrib_optimizer``: ``DistributedOptimizer.load_state_dict`` into a fresh
+     optimizer (resuming) allocates state shards on ``torch.cuda.current_device()``.
+
+2. ``tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state`` are replaced by their
+   CPU-generator equivalents: ``CudaRNGStatesTracker.fork`` (entered by ``DotProductAttention``
+   and weight initialisation even without dropout) and activation checkpointing call them.
+
+3. Three megatron functions run with CPU-tolerant tensor methods (``Tensor.cuda()`` returns the
+   CPU tensor, ``Tensor.type()`` names the CUDA type) for the duration of the call only:
+
+   - ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` (and its alias imported into
+     ``optimizer.optimizer``) asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``.
+   - ``DistributedOptimizer._build_model_and_main_param_groups`` rejects parameters whose
+     ``type()`` is not a ``torch.cuda`` type.
+   - ``LanguageModule.setup_embeddings_and_output_layer`` calls ``weight.data.cuda()`` before the
+     all-reduce that ties the word embeddings of the first and last pipeline stages.
+
+4. A logging filter drops ``tensor_parallel.random``'s "CPU RNG state changed within GPU RNG
+   context" warning: on CPU the tracker forks the CPU generator itself, so every random draw
+   inside ``CudaRNGStatesTracker.fork`` (weight initialisation, dropout) would log it.
+
+Not a patch but a trap with gloo: the interleaved pipeline schedule with ``batch_p2p_comm=True``
+silently swaps activations and gradients; :func:`cpu_config_overrides` turns it off.
+"""
+
+import contextlib
+import functools
+import importlib
+import logging
+
+import torch
+
+__all__ = [
+    "cpu_config_overrides",
+    "default_device",
+    "distributed_backend",
+    "enable_cpu_support",
+]
+
+_PREFIX = "megatron.core."
+
+# Patch 1: megatron modules whose global ``torch`` becomes ``_CpuTorch``, with the calls that need
+# it (all in 0.16.1 and 0.19.2 unless noted; the module docstring has the details).
+_TORCH_STANDIN_MODULES = (
+    "tensor_parallel.random",  # CudaRNGStatesTracker.add, model_parallel_cuda_manual_seed
+    "utils",  # GlobalMemoryBuffer.get_tensor, local_multi_tensor_l2_norm
+    "tensor_parallel.layers",  # GPU weight init, sequence-parallel all-gather buffers
+    "tensor_parallel.mappings",  # sequence-parallel gather/scatter buffers
+    "models.common.embeddings.rotary_pos_embedding",  # RotaryEmbedding.get_emb
+    "transformer.utils",  # get_default_causal_mask
+    "pipeline_parallel.schedules",  # total_num_tokens in every schedule
+    "pipeline_parallel.p2p_communication",  # receive buffers, shape exchange, synchronize
+    "distributed.param_and_grad_buffer",  # DDP buffers; current_stream in 0.19 start_grad_sync
+    "optimizer.optimizer",  # FP32Optimizer._scale and friends
+    "optimizer.clip_grads",  # get_grad_norm_fp32 / clip buffers
+    "optimizer.distrib_optimizer",  # DistributedOptimizer.load_state_dict on a fresh optimizer
+)
+
+_SPURIOUS_RNG_WARNING = "CPU RNG state changed within GPU RNG context"
+_REAL_TENSOR_TYPE = torch.Tensor.type
+_enabled = False
+
+
+def default_device() -> str:
+    """Device new tensors and models should live on: ``"cuda"`` if available, else ``"cpu"``."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def distributed_backend() -> str:
+    """``torch.distributed`` backend matching :func:`default_device`: ``"nccl"`` or ``"gloo"``."""
+    return "nccl" if torch.cuda.is_available() else "gloo"
+
+
+def cpu_config_overrides() -> dict:
+    """``TransformerConfig`` fields that must change on CPU/gloo (empty on CUDA machines).
+
+    ``batch_p2p_comm=False``: with gloo, the batched isend/irecv of the interleaved pipeline
+    schedule exchanges activations and gradients in the wrong order without raising.
+    """
+    return {} if torch.cuda.is_available() else {"batch_p2p_comm": False}
+
+
+def _is_cuda_device(device) -> bool:
+    """True for ``"cuda"``, ``"cuda:N"``, ``torch.device("cuda")`` and bare CUDA ordinals."""
+    if isinstance(device, int):
+        return True
+    return isinstance(device, (str, torch.device)) and torch.device(device).type == "cuda"
+
+
+def _cpu_factory(factory):
+    """Wrap a tensor factory so that a CUDA ``device=`` argument builds on the CPU instead."""
+
+    @functools.wraps(factory)
+    def build(*args, **kwargs):
+        if _is_cuda_device(kwargs.get("device")):
+            kwargs["device"] = "cpu"
+        return factory(*args, **kwargs)
+
+    return build
+
+
+def _cpu_rng_state(*_args, **_kwargs) -> torch.Tensor:
+    """CPU stand-in for ``torch.cuda.get_rng_state`` and megatron's ``_get_cuda_rng_state``."""
+    return torch.get_rng_state()
+
+
+def _set_cpu_rng_state(new_state: torch.Tensor, *_args, **_kwargs) -> None:
+    """CPU stand-in for megatron's ``_set_cuda_rng_state``."""
+    torch.set_rng_state(new_state)
+
+
+class _CpuCuda:
+    """``torch.cuda`` as seen by the patched megatron modules: the calls they make on every
+    step act on the CPU; any other attribute is the real ``torch.cuda`` one."""
+
+    current_device = staticmethod(torch.cpu.current_device)
+    synchronize = staticmethod(torch.cpu.synchronize)
+    current_stream = staticmethod(torch.cpu.current_stream)
+    get_rng_state = staticmethod(_cpu_rng_state)
+    manual_seed = staticmethod(torch.manual_seed)
+
+    def __getattr__(self, name):
+        return getattr(torch.cuda, name)
+
+
+class _CpuTorch:
+    """``torch`` as seen by the patched megatron modules: ``torch.cuda`` is :class:`_CpuCuda`
+    and the factories they call with ``device="cuda"`` build on the CPU."""
+
+    cuda = _CpuCuda()
+    tensor = staticmethod(_cpu_factory(torch.tensor))
+    zeros = staticmethod(_cpu_factory(torch.zeros))
+    ones = staticmethod(_cpu_factory(torch.ones))
+
+    def __getattr__(self, name):
+        return getattr(torch, name)
+
+
+def _stay_on_cpu(tensor, *_args, **_kwargs):
+    """``Tensor.cuda`` replacement: the tensor itself, on the CPU."""
+    return tensor
+
+
+def _cuda_type_name(tensor, dtype=None, *args, **kwargs):
+    """``Tensor.type`` replacement: a CPU tensor reports its CUDA type name (``torch.cuda.X``)."""
+    if dtype is not None or tensor.device.type != "cpu":
+        return _REAL_TENSOR_TYPE(tensor, dtype, *args, **kwargs)
+    return _REAL_TENSOR_TYPE(tensor).replace("torch.", "torch.cuda.", 1)
+
+
+@contextlib.contextmanager
+def _cuda_tensor_methods():
+    """While open, ``Tensor.cuda()`` keeps CPU tensors where they are and ``Tensor.type()``
+    reports CUDA type names, so megatron's CUDA-only assertions accept CPU tensors."""
+    saved = torch.Tensor.cuda, torch.Tensor.type
+    torch.Tensor.cuda, torch.Tensor.type = _stay_on_cpu, _cuda_type_name
+    try:
+        yield
+    finally:
+        torch.Tensor.cuda, torch.Tensor.type = saved
+
+
+def _with_cuda_tensor_methods(function):
+    """Wrap ``function`` so that it runs inside :func:`_cuda_tensor_methods`."""
+
+    @functools.wraps(function)
+    def run(*args, **kwargs):
+        with _cuda_tensor_methods():
+            return function(*args, **kwargs)
+
+    return run
+
+
+def _module(name: str):
+    """The megatron-core module ``megatron.core.<name>``."""
+    return importlib.import_module(_PREFIX + name)
+
+
+def _patch_torch_standins() -> None:
+    """Patch 1: bind ``_CpuTorch`` as ``torch`` in each module of ``_TORCH_STANDIN_MODULES``."""
+    standin = _CpuTorch()
+    for name in _TORCH_STANDIN_MODULES:
+        _module(name).torch = standin
+
+
+def _patch_rng_state_functions() -> None:
+    """Patch 2: megatron's CUDA RNG state getter/setter use the CPU generator."""
+    random = _module("tensor_parallel.random")
+    random._get_cuda_rng_state = _cpu_rng_state
+    random._set_cuda_rng_state = _set_cpu_rng_state
+
+
+def _patch_tensor_method_users() -> None:
+    """Patch 3: run the functions that call ``.cuda()``/``.type()`` on CPU-tolerant methods."""
+    # Asserts param.grad.type() == 'torch.cuda.FloatTensor' (0.16, 0.19); FP32Optimizer calls it
+    # through the name imported into optimizer.optimizer.
+    clip_grads = _module("optimizer.clip_grads")
+    clip = _with_cuda_tensor_methods(clip_grads.clip_grad_by_total_norm_fp32)
+    clip_grads.clip_grad_by_total_norm_fp32 = clip
+    _module("optimizer.optimizer").clip_grad_by_total_norm_fp32 = clip
+
+    # Raises TypeError unless model_param.type() is a torch.cuda type (0.16, 0.19).
+    optimizer_cls = _module("optimizer.distrib_optimizer").DistributedOptimizer
+    build_groups = optimizer_cls._build_model_and_main_param_groups.__func__
+    optimizer_cls._build_model_and_main_param_groups = classmethod(
+        _with_cuda_tensor_methods(build_groups)
+    )
+
+    # Calls weight.data.cuda() before tying the first and last stages' embeddings (0.16, 0.19).
+    language_module_cls = _module("models.common.language_module.language_module").LanguageModule
+    language_module_cls.setup_embeddings_and_output_layer = _with_cuda_tensor_methods(
+        language_module_cls.setup_embeddings_and_output_layer
+    )
+
+
+def _drop_spurious_rng_warning(record: logging.LogRecord) -> bool:
+    """Logging filter for patch 4: False (drop) for the CPU-RNG-changed warning only."""
+    return record.getMessage() != _SPURIOUS_RNG_WARNING
+
+
+def enable_cpu_support() -> bool:
+    """Make megatron-core usable on CPU over gloo; see the module docstring for each patch.
+
+    Returns True when CPU support is active (patched by this call or an earlier one) and False,
+    without touching megatron, when CUDA is available.
+    """
+    global _enabled
+    if torch.cuda.is_available():
+        return False
+    if not _enabled:
+        _patch_torch_standins()
+        _patch_rng_state_functions()
+        _patch_tensor_method_users()
+        logging.getLogger(_PREFIX + "tensor_parallel.random").addFilter(_drop_spurious_rng_warning)
+        _enabled = True
+    return True

@@ -1,0 +1,575 @@
+"""Multi-process test harness for megatron-core on CPU (gloo).
+
+Launching is the expensive part on a small machine (every process imports torch and megatron),
+so one launch is meant to check many things: :func:`run_distributed` runs one function on N
+ranks, which calls :func:`initialize_layout` once per parallel layout it wants to check.
+
+Model helpers build megatron models per pipeline stage / virtual chunk (:func:`build_model`,
+:func:`gpt_chunk`), run megatron's own schedules (:func:`forward_backward`) and gather
+parameters or gradients into full, unsharded tensors in the single-process (TP=1, PP=1) naming
+and layout (:func:`gather_full`), so a parallel layout can be compared with a single-process run.
+Models that add parameters with their own tensor-parallel split pass ``extra_shard_rules``.
+"""
+
+import dataclasses
+import itertools
+import os
+import pickle
+import queue
+import socket
+import time
+import traceback
+from datetime import timedelta
+from functools import partial
+from typing import Callable, Dict, List, Optional, Sequence
+
+import torch
+import torch.multiprocessing as mp
+import torch.nn.functional as F
+
+from lime_megatron.compat import (
+    cpu_config_overrides,
+    distributed_backend,
+    enable_cpu_support,
+)
+from lime_megatron.norm import TorchNorm
+
+MASTER_ADDR = "127.0.0.1"
+# Imported once by the fork server that starts every rank, so no launch pays for them again.
+_PRELOAD = (
+    __name__,
+    "megatron.core.distributed",
+    "megatron.core.models.gpt",
+    "megatron.core.optimizer",
+    "megatron.core.pipeline_parallel",
+)
+_GRACE_S = 5.0  # how long the other ranks may still report once one rank failed
+
+
+class DistributedTestError(RuntimeError):
+    """One or more ranks failed; the message holds each failing rank's traceback."""
+
+
+# --------------------------------------------------------------------------- launching
+
+
+def free_port() -> int:
+    """A TCP port on 127.0.0.1 that was free a moment ago."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((MASTER_ADDR, 0))
+        return sock.getsockname()[1]
+
+
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, **kwargs) -> list:
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned gloo ranks and return the list of
+    their results, indexed by rank.
+
+    ``fn`` and its arguments and results must be picklable (``fn`` a module-level function).
+    Each rank has the default process group initialised, megatron's CPU support enabled and one
+    intra-op thread; megatron's parallel state and the process group are torn down afterwards.
+    Raises :class:`DistributedTestError` with every failing rank's traceback, or
+    ``TimeoutError`` naming the ranks that did not finish within ``timeout`` seconds.
+    """
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    context = mp.get_context("forkserver")
+    context.set_forkserver_preload(list(_PRELOAD))
+    messages = context.Queue()
+    port = free_port()
+    processes = [
+        context.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs, messages))
+        for rank in range(world_size)
+    ]
+    for process in processes:
+        process.start()
+    try:
+        results, failures = _collect(processes, messages, timeout)
+    finally:
+        _stop(processes)
+    if failures:
+        details = "\n".join(f"--- rank {rank} ---\n{failures[rank]}" for rank in sorted(failures))
+        raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
+    missing = sorted(set(range(world_size)) - set(results))
+    if missing:
+        raise TimeoutError(f"ranks {missing} did not finish within {timeout:.0f} s")
+    return [pickle.loads(results[rank]) for rank in range(world_size)]
+
+
+def _collect(processes, messages, timeout: float):
+    """Gather ``(rank, ok, payload)`` messages until every rank reported, one failed and the
+    grace period ran out, or ``timeout`` passed; a rank that dies silently counts as failed."""
+    results, failures = {}, {}
+    deadline = time.monotonic() + timeout
+    while len(results) + len(failures) < len(processes) and time.monotonic() < deadline:
+        try:
+            rank, ok, payload = messages.get(timeout=0.5)
+        except queue.Empty:
+            _record_silent_deaths(processes, results, failures)
+            continue
+        (results if ok else failures)[rank] = payload
+        if failures:
+            deadline = min(deadline, time.monotonic() + _GRACE_S)
+    return results, failures
+
+
+def _record_silent_deaths(processes, results, failures) -> None:
+    """Mark ranks whose process exited with an error code without reporting."""
+    for rank, process in enumerate(processes):
+        code = process.exitcode
+        if code not in (None, 0) and rank not in results and rank not in failures:
+            failures[rank] = f"process exited with code {code} without reporting"
+
+
+def _stop(processes, wait_s: float = 10.0) -> None:
+    """Give the processes ``wait_s`` seconds in all to exit, then terminate the stragglers."""
+    deadline = time.monotonic() + wait_s
+    for process in processes:
+        process.join(timeout=max(0.0, deadline - time.monotonic()))
+    for process in processes:
+        if process.is_alive():
+            process.terminate()
+            process.join()
+
+
+def _worker(rank, world_size, port, fn, args, kwargs, messages) -> None:
+    """Body of one spawned rank: set up, run ``fn``, tear down, report."""
+    os.environ.update(
+        MASTER_ADDR=MASTER_ADDR,
+        MASTER_PORT=str(port),
+        RANK=str(rank),
+        LOCAL_RANK=str(rank),
+        WORLD_SIZE=str(world_size),
+    )
+    torch.set_num_threads(1)
+    try:
+        enable_cpu_support()
+        torch.distributed.init_process_group(
+            distributed_backend(), rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
+        )
+        try:
+            message = (rank, True, pickle.dumps(fn(*args, **kwargs)))
+        finally:
+            _teardown()
+    except BaseException:  # noqa: BLE001 - reported to the parent, which raises
+        message = (rank, False, traceback.format_exc())
+    messages.put(message)
+
+
+def _teardown() -> None:
+    """Destroy megatron's parallel state and the default process group."""
+    from megatron.core import parallel_state
+
+    parallel_state.destroy_model_parallel()
+    torch.distributed.destroy_process_group()
+
+
+# --------------------------------------------------------------------------- layouts
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+    """A parallel layout: tensor (``tp``), pipeline (``pp``), virtual pipeline stages per
+    pipeline rank (``vpp``, None without interleaving) and sequence parallelism (``sp``).
+    The data-parallel size is what the world size leaves over."""
+
+    tp: int = 1
+    pp: int = 1
+    vpp: Optional[int] = None
+    sp: bool = False
+
+    def __post_init__(self):
+        if self.tp < 1 or self.pp < 1:
+            raise ValueError(f"tp and pp must be >= 1: {self}")
+        if self.vpp is not None and (self.pp < 2 or self.vpp < 2):
+            raise ValueError(f"vpp needs pp >= 2 and vpp >= 2 (None disables it): {self}")
+        if self.sp and self.tp < 2:
+            raise ValueError(f"sequence parallelism needs tp >= 2: {self}")
+
+    @property
+    def name(self) -> str:
+        """Short id such as ``tp2-pp2-vpp2-sp``."""
+        parts = [f"tp{self.tp}", f"pp{self.pp}"]
+        parts += [f"vpp{self.vpp}"] if self.vpp else []
+        parts += ["sp"] if self.sp else []
+        return "-".join(parts)
+
+    def data_parallel_size(self, world_size: int) -> int:
+        """``world_size / (tp * pp)``; ValueError if that is not a whole number."""
+        model_parallel = self.tp * self.pp
+        if world_size % model_parallel:
+            raise ValueError(
+                f"world size {world_size} is not divisible by tp*pp = {model_parallel} ({self.name})"
+            )
+        return world_size // model_parallel
+
+
+def initialize_layout(layout: Layout, seed: int = 1234) -> int:
+    """(Re)initialise megatron's parallel state for ``layout`` on the current world and seed
+    megatron's RNG tracker; returns the data-parallel size."""
+    from megatron.core import parallel_state
+    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    dp = layout.data_parallel_size(torch.distributed.get_world_size())
+    parallel_state.destroy_model_parallel()
+    parallel_state.initialize_model_parallel(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+    )
+    model_parallel_cuda_manual_seed(seed)
+    return dp
+
+
+def layout_config_kwargs(layout: Layout) -> dict:
+    """``TransformerConfig`` keyword arguments for ``layout`` on this machine (float32)."""
+    return dict(
+        tensor_model_parallel_size=layout.tp,
+        pipeline_model_parallel_size=layout.pp,
+        virtual_pipeline_model_parallel_size=layout.vpp,
+        sequence_parallel=layout.sp,
+        params_dtype=torch.float32,
+        pipeline_dtype=torch.float32,
+        **cpu_config_overrides(),
+    )
+
+
+# --------------------------------------------------------------------------- models
+
+
+def gpt_config(layout: Layout, **overrides):
+    """A tiny GPT ``TransformerConfig``: 4 layers, hidden 64, 4 heads in 2 query groups, RMSNorm,
+    SwiGLU, no biases, no dropout; ``overrides`` replace any field."""
+    from megatron.core.transformer import TransformerConfig
+
+    settings = dict(
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        normalization="RMSNorm",
+        gated_linear_unit=True,
+        activation_func=F.silu,
+        add_bias_linear=False,
+        hidden_dropout=0.0,
+        attention_dropout=0.0,
+        **layout_config_kwargs(layout),
+    )
+    settings.update(overrides)
+    return TransformerConfig(**settings)
+
+
+def gpt_block_spec(config, vp_stage: Optional[int] = None):
+    """Block spec of this pipeline rank's chunk ``vp_stage``: megatron's local (non-TE) GPT layer
+    with :class:`TorchNorm` as every norm, final norm included."""
+    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
+    from megatron.core.transformer.transformer_block import (
+        TransformerBlockSubmodules,
+        get_num_layers_to_build,
+    )
+
+    layer = get_gpt_layer_local_spec(normalization=config.normalization)
+    submodules = dataclasses.replace(
+        layer.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm
+    )
+    layer = dataclasses.replace(layer, submodules=submodules)
+    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
+    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchNorm)
+
+
+def gpt_chunk(config, vocab_size: int, max_sequence_length: int, *, pre_process, post_process,
+              vp_stage):
+    """One megatron ``GPTModel`` chunk with RoPE and tied embeddings (a ``make_chunk`` for
+    :func:`build_model`)."""
+    from megatron.core.models.gpt import GPTModel
+
+    return GPTModel(
+        config=config,
+        transformer_layer_spec=gpt_block_spec(config, vp_stage),
+        vocab_size=vocab_size,
+        max_sequence_length=max_sequence_length,
+        pre_process=pre_process,
+        post_process=post_process,
+        share_embeddings_and_output_weights=True,
+        position_embedding_type="rope",
+        vp_stage=vp_stage,
+    )
+
+
+def build_model(make_chunk: Callable, config, weights: Optional[Dict[str, torch.Tensor]] = None,
+                *, use_distributed_optimizer: bool = False, extra_shard_rules=None) -> list:
+    """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron's
+    ``DistributedDataParallel``.
+
+    ``make_chunk(pre_process=, post_process=, vp_stage=)`` builds one chunk (see
+    :func:`gpt_chunk`). ``weights``, full tensors in single-process naming (as returned by
+    :func:`gather_full`), are copied into the chunks' shards before wrapping.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
+
+    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
+    chunks = []
+    for vp_stage in range(vpp or 1):
+        stage = vp_stage if vpp else None
+        chunks.append(make_chunk(
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
+            vp_stage=stage,
+        ))
+    if weights is not None:
+        load_full(chunks, weights, extra_shard_rules)
+    ddp_config = DistributedDataParallelConfig(
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
+    )
+    return [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+
+
+# --------------------------------------------------------------------------- data and schedules
+
+
+def make_batches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
+                 seed: int = 0) -> List[Dict[str, torch.Tensor]]:
+    """Random language-model microbatches: ``tokens``, ``labels``, ``position_ids`` (int64) and a
+    ``loss_mask`` (float32) that masks about a tenth of the positions."""
+    generator = torch.Generator().manual_seed(seed)
+    shape = (micro_batch_size, seq_length)
+    batches = []
+    for _ in range(num_microbatches):
+        tokens = torch.randint(vocab_size, (micro_batch_size, seq_length + 1), generator=generator)
+        batches.append(dict(
+            tokens=tokens[:, :-1].contiguous(),
+            labels=tokens[:, 1:].contiguous(),
+            position_ids=torch.arange(seq_length).expand(shape).contiguous(),
+            loss_mask=(torch.rand(shape, generator=generator) > 0.1).float(),
+        ))
+    return batches
+
+
+def data_parallel_share(batches: Sequence) -> list:
+    """This data-parallel rank's contiguous share of the global list of microbatches."""
+    from megatron.core import parallel_state
+
+    dp = parallel_state.get_data_parallel_world_size()
+    if len(batches) % dp:
+        raise ValueError(f"{len(batches)} microbatches cannot be split over {dp} data-parallel ranks")
+    share = len(batches) // dp
+    start = parallel_state.get_data_parallel_rank() * share
+    return list(batches[start:start + share])
+
+
+def _masked_mean_loss(loss_mask, per_token_loss):
+    """megatron ``loss_func``: mean loss over unmasked tokens, also reported as ``lm loss``."""
+    loss = (per_token_loss * loss_mask).sum() / loss_mask.sum()
+    return loss, {"lm loss": loss.detach().clone()}
+
+
+def _gpt_forward_step(data_iterator, model):
+    """megatron ``forward_step_func`` for models with ``GPTModel``'s forward signature."""
+    batch = next(data_iterator)
+    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
+    return output, partial(_masked_mean_loss, batch["loss_mask"])
+
+
+def forward_backward(chunks: list, batches: Sequence, forward_step_func=_gpt_forward_step) -> float:
+    """Zero the gradients, then run megatron's forward/backward schedule (no pipelining, 1F1B or
+    interleaved, as the parallel state says) over this rank's microbatches, finishing with
+    ``finalize_model_grads``. Gradients end up in ``param.main_grad``.
+
+    Returns the mean loss over all microbatches of all data-parallel ranks (on every rank).
+    Sets ``finalize_model_grads_func`` in the chunks' config.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.distributed import finalize_model_grads
+    from megatron.core.pipeline_parallel import get_forward_backward_func
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    config.finalize_model_grads_func = finalize_model_grads
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    micro_batch_size, seq_length = batches[0]["tokens"].shape
+    iterators = [iter(batches) for _ in chunks]
+    reduced = get_forward_backward_func()(
+        forward_step_func=forward_step_func,
+        data_iterator=iterators if len(chunks) > 1 else iterators[0],
+        model=chunks,
+        num_microbatches=len(batches),
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        forward_only=False,
+    )
+    counted = parallel_state.get_tensor_model_parallel_rank() == 0 and bool(reduced)
+    totals = torch.tensor(
+        [sum(float(item["lm loss"]) for item in reduced), len(reduced)] if counted else [0.0, 0.0],
+        dtype=torch.float64,
+    )
+    torch.distributed.all_reduce(totals)
+    return (totals[0] / totals[1]).item()
+
+
+# --------------------------------------------------------------------------- sharding
+
+
+@dataclasses.dataclass(frozen=True)
+class ShardRule:
+    """How a parameter is split over the tensor-parallel ranks.
+
+    ``dim`` is the split dimension (None: replicated). The full tensor is ``blocks`` equal
+    consecutive blocks along ``dim`` and each rank holds its slice of every block, in order:
+    ``blocks=2`` describes a gated MLP's fused ``[gate; up]`` fc1, whose TP shards are
+    ``[gate_r; up_r]``.
+    """
+
+    dim: Optional[int] = None
+    blocks: int = 1
+
+    def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
+        """The part of ``full`` held by tensor-parallel ``rank`` of ``size``."""
+        if self.dim is None:
+            return full
+        if full.shape[self.dim] % (self.blocks * size):
+            raise ValueError(f"dim {self.dim} of {tuple(full.shape)} does not split into "
+                             f"{self.blocks} blocks x {size} ranks")
+        blocks = full.chunk(self.blocks, dim=self.dim)
+        return torch.cat([block.chunk(size, dim=self.dim)[rank] for block in blocks], self.dim)
+
+    def unshard(self, shards: Sequence[torch.Tensor]) -> torch.Tensor:
+        """The full tensor from the shards of tensor-parallel ranks ``0..len(shards)-1``."""
+        if self.dim is None:
+            return shards[0]
+        per_rank = [shard.chunk(self.blocks, dim=self.dim) for shard in shards]
+        blocks = [torch.cat(pieces, self.dim) for pieces in zip(*per_rank)]
+        return torch.cat(blocks, self.dim)
+
+
+REPLICATED = ShardRule()
+
+
+def default_shard_rule(name: str, param: torch.Tensor, config) -> ShardRule:
+    """Rule for megatron's own parameters: split along ``param.partition_dim`` when megatron
+    marks them ``tensor_model_parallel`` (column/row-parallel linears, fused QKV, vocab-parallel
+    embedding and output layer), with two blocks for a gated MLP's fc1; replicated otherwise.
+
+    The fused QKV weight needs no special rule: megatron orders its rows by query group, so the
+    TP split is contiguous.
+    """
+    if not getattr(param, "tensor_model_parallel", False):
+        return REPLICATED
+    gated_fc1 = config.gated_linear_unit and ".mlp.linear_fc1." in f".{name}"
+    return ShardRule(dim=param.partition_dim, blocks=2 if gated_fc1 else 1)
+
+
+def _shard_rule(name: str, param, config, extra_shard_rules) -> ShardRule:
+    """``extra_shard_rules(name, param)`` if it gives a rule, else :func:`default_shard_rule`."""
+    rule = extra_shard_rules(name, param) if extra_shard_rules else None
+    return rule if rule is not None else default_shard_rule(name, param, config)
+
+
+def global_names(chunk) -> Dict[str, torch.nn.Parameter]:
+    """A chunk's parameters keyed by their name in the single-process (PP=1) model.
+
+    A module named ``<prefix>.<i>`` with an integer ``layer_number`` (megatron's 1-based global
+    layer number, set on every ``TransformerLayer``) is renamed ``<prefix>.<layer_number - 1>``,
+    so per-layer parameters map across pipeline stages when they live inside such a module.
+    The last stage's copy of a tied output layer is named after the word embedding.
+    """
+    from megatron.core.utils import unwrap_model
+
+    model = unwrap_model(chunk)
+    renames = {}
+    for module_name, module in model.named_modules():
+        prefix, _, index = module_name.rpartition(".")
+        if index.isdigit() and isinstance(getattr(module, "layer_number", None), int):
+            renames[f"{module_name}."] = f"{prefix}.{module.layer_number - 1}."
+    named = {}
+    for name, param in model.named_parameters():
+        head = next((old for old in renames if name.startswith(old)), None)
+        name = renames[head] + name[len(head):] if head else name
+        if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights",
+                                                     False):
+            name = "embedding.word_embeddings.weight"
+        named[name] = param
+    return named
+
+
+def load_full(chunks: list, weights: Dict[str, torch.Tensor], extra_shard_rules=None) -> None:
+    """Copy full single-process tensors ``weights`` into this rank's shards of ``chunks``."""
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    rank = parallel_state.get_tensor_model_parallel_rank()
+    size = parallel_state.get_tensor_model_parallel_world_size()
+    for chunk in chunks:
+        for name, param in global_names(chunk).items():
+            if name not in weights:
+                raise KeyError(f"no full tensor for parameter {name!r}")
+            shard = _shard_rule(name, param, config, extra_shard_rules).shard(
+                weights[name], rank, size)
+            if shard.shape != param.shape:
+                raise ValueError(f"{name}: shard {tuple(shard.shape)} does not fit parameter "
+                                 f"{tuple(param.shape)}")
+            with torch.no_grad():
+                param.copy_(shard)
+
+
+def gather_full(chunks: list, select: Callable = lambda param: param.data,
+                extra_shard_rules=None) -> Dict[str, torch.Tensor]:
+    """Full, unsharded tensors in single-process naming and layout, on every rank (collective).
+
+    ``select(param)`` picks what to gather: the weight by default, ``param.main_grad`` for DDP
+    gradients. Copies held by several ranks (data-parallel replicas, replicated parameters, the
+    tied embedding of the first and last stage) must agree.
+    """
+    from megatron.core import parallel_state
+    from megatron.core.utils import get_model_config
+
+    config = get_model_config(chunks[0])
+    tp_rank = parallel_state.get_tensor_model_parallel_rank()
+    local = [
+        (name, tp_rank, _shard_rule(name, param, config, extra_shard_rules),
+         select(param).detach().clone())
+        for chunk in chunks
+        for name, param in global_names(chunk).items()
+    ]
+    everyone = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(everyone, local)
+    tp_size = parallel_state.get_tensor_model_parallel_world_size()
+    return merge_shards(itertools.chain.from_iterable(everyone), tp_size)
+
+
+def merge_shards(entries, tp_size: int, replica_tolerance: float = 1e-6) -> Dict[str, torch.Tensor]:
+    """Full tensors from ``(name, tp_rank, rule, shard)`` entries of all ranks.
+
+    Raises ValueError when a name has conflicting rules, a tensor-parallel shard is missing, or
+    two copies of the same shard differ by more than ``replica_tolerance`` relative to their
+    largest magnitude.
+    """
+    grouped: Dict[str, dict] = {}
+    rules: Dict[str, ShardRule] = {}
+    for name, tp_rank, rule, tensor in entries:
+        if rules.setdefault(name, rule) != rule:
+            raise ValueError(f"{name}: conflicting shard rules {rules[name]} and {rule}")
+        slot = tp_rank if rule.dim is not None else 0
+        first = grouped.setdefault(name, {}).setdefault(slot, tensor)
+        _check_replica(name, first, tensor, replica_tolerance)
+    full = {}
+    for name, shards in grouped.items():
+        slots = range(tp_size) if rules[name].dim is not None else [0]
+        if sorted(shards) != list(slots):
+            raise ValueError(f"{name}: have tensor-parallel shards {sorted(shards)} of {tp_size}")
+        full[name] = rules[name].unshard([shards[slot] for slot in slots])
+    return full
+
+
+def _check_replica(name: str, first: torch.Tensor, other: torch.Tensor, tolerance: float) -> None:
+    """ValueError unless ``other`` is ``first`` within ``tolerance`` (relative to max |first|)."""
+    if first is other:
+        return
+    if first.shape != other.shape:
+        raise ValueError(f"{name}: copies have shapes {tuple(first.shape)} and {tuple(other.shape)}")
+    scale = first.abs().max().clamp_min(torch.finfo(first.dtype).tiny)
+    difference = ((first - other).abs().max() / scale).item()
+    if difference > tolerance:
+        raise ValueError(f"{name}: copies on different ranks differ (relative {difference:.3g})")
