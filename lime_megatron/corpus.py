@@ -213,7 +213,7 @@ def sources_from_args(args: argparse.Namespace) -> Tuple[List[Source], List[str]
     return sources, ignored
 
 
-def check_strict(strict: bool, report: "InputReport") -> None:
+def check_strict(strict: bool, report: InputReport) -> None:
     """Raise `BadInputError` naming the first problem when `strict` and there is one."""
     if strict and report.total:
         raise BadInputError(f"bad input (--strict): {report.first()}")
@@ -230,13 +230,45 @@ def total_disk_bytes(sources: Sequence[Source]) -> int:
     return total
 
 
+class _ZstdReader:
+    """Reads a zstd stream of one or more frames; a truncated frame raises EOFError.
+
+    (zstandard's own stream_reader ends silently at a truncated frame.)
+    """
+
+    def __init__(self, raw) -> None:
+        self._raw, self._context = raw, zstandard.ZstdDecompressor()
+        self._frame, self._buffer, self._pos = None, b"", 0
+
+    def read(self, size: int) -> bytes:
+        while self._pos >= len(self._buffer):
+            compressed = self._raw.read(1 << 20)
+            if not compressed:
+                if self._frame is not None and not self._frame.eof:
+                    raise EOFError("zstd data ends inside a frame (truncated file)")
+                return b""
+            self._buffer, self._pos = self._decompress(compressed), 0
+        out = self._buffer[self._pos:self._pos + size]
+        self._pos += len(out)
+        return out
+
+    def _decompress(self, compressed: bytes) -> bytes:
+        out = []
+        while compressed:
+            if self._frame is None or self._frame.eof:
+                self._frame = self._context.decompressobj()
+            out.append(self._frame.decompress(compressed))
+            compressed = self._frame.unused_data if self._frame.eof else b""
+        return b"".join(out)
+
+
 def _decompressed(raw):
     """A readable stream over `raw` (a buffered binary file), decompressing gzip or zstd."""
     magic = raw.peek(4)[:4]
     if magic.startswith(GZIP_MAGIC):
         return gzip.GzipFile(fileobj=raw)
     if magic == ZSTD_MAGIC:
-        return zstandard.ZstdDecompressor().stream_reader(raw, read_across_frames=True)
+        return _ZstdReader(raw)
     return raw
 
 

@@ -66,7 +66,8 @@ def test_all_input_formats_in_one_run(tmp_path, gpt2):
     data.mkdir()
     (data / "a.jsonl").write_bytes(jsonl(PARAGRAPHS[:2], id=1))
     (data / "b.json.gz").write_bytes(gzip.compress(jsonl(PARAGRAPHS[2:4])))
-    (data / "c.jsonl.zst").write_bytes(zstandard.ZstdCompressor().compress(jsonl(PARAGRAPHS[4:])))
+    frames = [zstandard.ZstdCompressor().compress(jsonl(PARAGRAPHS[i:i + 2])) for i in (4, 6)]
+    (data / "c.jsonl.zst").write_bytes(b"".join(frames))  # two zstd frames
     pq.write_table(pa.table({"id": [1, 2], "text": PARAGRAPHS[1:3]}), data / "d.parquet",
                    row_group_size=1)
     (data / "README.md").write_text("not a corpus file")
@@ -91,7 +92,7 @@ def test_text_lines_mode_and_several_keys(tmp_path, gpt2):
 
 @pytest.fixture
 def bad_inputs(tmp_path) -> list:
-    """Files with every kind of bad input, around good records ("good 0" ... "good 4")."""
+    """Files with every kind of bad input, around good records ("good 0" ... "good 5")."""
     lines = [json.dumps({"text": "good 0"}).encode(), b'{"text": "unterminated',
              json.dumps({"body": "no text key"}).encode(), json.dumps({"text": None}).encode(),
              json.dumps({"text": 42}).encode(), json.dumps(["not", "an", "object"]).encode(),
@@ -101,11 +102,13 @@ def bad_inputs(tmp_path) -> list:
     (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines))
     truncated = gzip.compress(jsonl(["good 3", os.urandom(100_000).hex()]))
     (tmp_path / "cut.jsonl.gz").write_bytes(truncated[: len(truncated) // 2])
+    truncated = zstandard.ZstdCompressor().compress(jsonl(["good 4", os.urandom(200_000).hex()]))
+    (tmp_path / "cut.jsonl.zst").write_bytes(truncated[: len(truncated) // 2])
     (tmp_path / "broken.parquet").write_bytes(b"PAR1 this is not parquet")
     pq.write_table(pa.table({"body": ["a", "b", "c"]}), tmp_path / "nocol.parquet")
-    pq.write_table(pa.table({"text": ["good 4", None]}), tmp_path / "nulls.parquet")
+    pq.write_table(pa.table({"text": ["good 5", None]}), tmp_path / "nulls.parquet")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    return [tmp_path / n for n in ("bad.jsonl", "cut.jsonl.gz", "broken.parquet",
+    return [tmp_path / n for n in ("bad.jsonl", "cut.jsonl.gz", "cut.jsonl.zst", "broken.parquet",
                                    "nocol.parquet", "nulls.parquet", "latin1.txt")]
 
 
@@ -115,30 +118,32 @@ def test_bad_input_is_counted_reported_and_skipped(bad_inputs, tmp_path, gpt2, c
                                        "--chunk-mb", "0.01"])
     result = preprocess_data.run(args)
     assert documents(tmp_path / "out_text_document") == \
-        expected(gpt2, [f"good {i}" for i in range(5)])
+        expected(gpt2, [f"good {i}" for i in range(6)])
     report = result["report"]
     assert dict(report.counts) == {"malformed_json": 2, "missing_key": 6, "not_a_string": 1,
-                                   "invalid_utf8": 3, "empty_document": 2, "unreadable_file": 2}
+                                   "invalid_utf8": 3, "empty_document": 2, "unreadable_file": 3}
     bad = bad_inputs[0]
     assert report.examples["malformed_json"][0].startswith(f"{bad}:2: ")
     assert report.examples["missing_key"][:2] == [f"{bad}:3: no 'text' value",
                                                   f"{bad}:4: no 'text' value"]
-    assert f"{bad_inputs[4]} row 1: no 'text' value" in report.examples["missing_key"]
-    assert any(e.startswith(f"{bad_inputs[3]}: no column 'text'")
+    assert f"{bad_inputs[5]} row 1: no 'text' value" in report.examples["missing_key"]
+    assert any(e.startswith(f"{bad_inputs[4]}: no column 'text'")
                for e in report.examples["missing_key"])
     assert report.examples["invalid_utf8"][0].startswith(f"{bad}:7: invalid start byte")
     assert report.examples["invalid_utf8"][1] == f"{bad}:8: 'text' has an unpaired surrogate at 5"
-    assert any(e.startswith(f"{bad_inputs[1]}:2: stopped reading")
-               for e in report.examples["unreadable_file"])
+    unreadable = report.examples["unreadable_file"]
+    assert any(e.startswith(f"{bad_inputs[1]}:2: stopped reading") for e in unreadable)
+    assert f"{bad_inputs[2]}:2: stopped reading: zstd data ends inside a frame" \
+        " (truncated file)" in unreadable
     assert preprocess([*bad_inputs], tmp_path / "again") == 0
     printed = capsys.readouterr().out
-    assert "input problems: 16 (skipped)" in printed and f"{bad}:2: " in printed
+    assert "input problems: 17 (skipped)" in printed and f"{bad}:2: " in printed
 
 
 def test_strict_fails_on_first_problem_and_writes_nothing(bad_inputs, tmp_path, capsys):
     assert preprocess(bad_inputs, tmp_path / "out", "--strict") == 1
     assert f"bad input (--strict): malformed_json" in capsys.readouterr().err
-    assert preprocess(bad_inputs[2:3], tmp_path / "out", "--strict") == 1
+    assert preprocess(bad_inputs[3:4], tmp_path / "out", "--strict") == 1
     assert "unreadable_file" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
 

@@ -127,6 +127,13 @@ def test_threads_do_not_change_ids(kind, trained):
         [b.tolist() for b in two.tokenize_batch(PARAGRAPHS)]
 
 
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer",
+                                  "HuggingFaceTokenizer"])
+def test_special_token_text_never_yields_eod(kind, trained):
+    tokenizer = build(kind, trained)
+    assert tokenizer.eod not in tokenizer.tokenize("a <|endoftext|> </s> <s> <unk> b")
+
+
 def test_build_errors_name_the_problem():
     with pytest.raises(ValueError, match="unknown tokenizer type"):
         tk.build_tokenizer("BertWordPieceCase")

@@ -108,9 +108,9 @@ def _drop_tokenless(records: List[Record], per_key: List[list], chunk: Chunk,
 
 def _pack(seqs: list, eod, dtype: type):
     """Concatenate token arrays (each followed by `eod` unless None) and list their lengths."""
-    extra = np.array([eod]) if eod is not None else None
-    parts = [p for s in seqs for p in ((s, extra) if extra is not None else (s,))]
-    lengths = np.array([len(s) for s in seqs], dtype=np.int64) + (extra is not None)
+    tail = [np.array([eod])] if eod is not None else []
+    parts = [part for s in seqs for part in (s, *tail)]
+    lengths = np.array([len(s) + len(tail) for s in seqs], dtype=np.int64)
     tokens = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype=dtype)
     return tokens, lengths
 
