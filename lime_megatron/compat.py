@@ -38,6 +38,13 @@ Patches, all applied together by :func:`enable_cpu_support`:
    - ``optimizer.clip_grads``: gradient-norm buffers with ``device="cuda"``.
    - ``optimizer.distrib_optimizer``: ``DistributedOptimizer.load_state_dict`` into a fresh
      optimizer (resuming) allocates state shards on ``torch.cuda.current_device()``.
+   - ``dist_checkpointing.strategies.filesystem_async``: ``preload_tensors`` calls
+     ``torch.cuda.synchronize()`` on every ``dist_checkpointing.save``.
+   - ``dist_checkpointing.strategies.state_dict_saver``: ``save_state_dict_async_finalize``
+     broadcasts a failure flag built on ``torch.cuda.current_device()``.
+
+   Not covered: the fully-parallel *load* wrapper (``FullyParallelLoadStrategyWrapper``), whose
+   tensor exchange calls ``.cuda()`` and ``torch.empty(..., device="cuda")``.
 
 2. ``tensor_parallel.random._get_cuda_rng_state``/``_set_cuda_rng_state`` are replaced by their
    CPU-generator equivalents: ``CudaRNGStatesTracker.fork`` (entered by ``DotProductAttention``
@@ -92,6 +99,8 @@ _TORCH_STANDIN_MODULES = (
     "optimizer.optimizer",  # FP32Optimizer._scale and friends
     "optimizer.clip_grads",  # get_grad_norm_fp32 / clip buffers
     "optimizer.distrib_optimizer",  # DistributedOptimizer.load_state_dict on a fresh optimizer
+    "dist_checkpointing.strategies.filesystem_async",  # preload_tensors: synchronize on save
+    "dist_checkpointing.strategies.state_dict_saver",  # save_state_dict_async_finalize flag
 )
 
 _SPURIOUS_RNG_WARNING = "CPU RNG state changed within GPU RNG context"

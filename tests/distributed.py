@@ -1,8 +1,10 @@
 """Multi-process test harness for megatron-core on CPU (gloo).
 
-Launching is the expensive part on a small machine (every process imports torch and megatron),
-so one launch is meant to check many things: :func:`run_distributed` runs one function on N
-ranks, which calls :func:`initialize_layout` once per parallel layout it wants to check.
+Importing torch and megatron is the expensive part of a launch on a small machine, so the ranks
+are forked from a fork server that imports them once per test session (the first launch pays
+10-20 s on 2 cores, later ones well under a second), and one launch is meant to check many
+things: :func:`run_distributed` runs one function on N ranks, which calls
+:func:`initialize_layout` once per parallel layout it wants to check.
 
 Model helpers build megatron models per pipeline stage / virtual chunk (:func:`build_model`,
 :func:`gpt_chunk`), run megatron's own schedules (:func:`forward_backward`) and gather
@@ -61,10 +63,11 @@ def free_port() -> int:
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, **kwargs) -> list:
-    """Run ``fn(*args, **kwargs)`` on ``world_size`` spawned gloo ranks and return the list of
-    their results, indexed by rank.
+    """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (processes forked from the fork
+    server) and return the list of their results, indexed by rank.
 
-    ``fn`` and its arguments and results must be picklable (``fn`` a module-level function).
+    ``fn`` and its arguments and results must be picklable (``fn`` a module-level function);
+    ``timeout`` is the only keyword argument not passed on to ``fn``.
     Each rank has the default process group initialised, megatron's CPU support enabled and one
     intra-op thread; megatron's parallel state and the process group are torn down afterwards.
     Raises :class:`DistributedTestError` with every failing rank's traceback, or
@@ -197,9 +200,8 @@ class Layout:
         """``world_size / (tp * pp)``; ValueError if that is not a whole number."""
         model_parallel = self.tp * self.pp
         if world_size % model_parallel:
-            raise ValueError(
-                f"world size {world_size} is not divisible by tp*pp = {model_parallel} ({self.name})"
-            )
+            raise ValueError(f"world size {world_size} is not divisible by "
+                             f"tp*pp = {model_parallel} ({self.name})")
         return world_size // model_parallel
 
 
@@ -309,14 +311,15 @@ def build_model(make_chunk: Callable, config, weights: Optional[Dict[str, torch.
     from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
 
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    chunks = []
-    for vp_stage in range(vpp or 1):
-        stage = vp_stage if vpp else None
-        chunks.append(make_chunk(
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=stage),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=stage),
-            vp_stage=stage,
-        ))
+    stages = range(vpp) if vpp else [None]
+    chunks = [
+        make_chunk(
+            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
+            vp_stage=vp,
+        )
+        for vp in stages
+    ]
     if weights is not None:
         load_full(chunks, weights, extra_shard_rules)
     ddp_config = DistributedDataParallelConfig(
@@ -352,7 +355,8 @@ def data_parallel_share(batches: Sequence) -> list:
 
     dp = parallel_state.get_data_parallel_world_size()
     if len(batches) % dp:
-        raise ValueError(f"{len(batches)} microbatches cannot be split over {dp} data-parallel ranks")
+        raise ValueError(
+            f"{len(batches)} microbatches cannot be split over {dp} data-parallel ranks")
     share = len(batches) // dp
     start = parallel_state.get_data_parallel_rank() * share
     return list(batches[start:start + share])
@@ -568,7 +572,8 @@ def _check_replica(name: str, first: torch.Tensor, other: torch.Tensor, toleranc
     if first is other:
         return
     if first.shape != other.shape:
-        raise ValueError(f"{name}: copies have shapes {tuple(first.shape)} and {tuple(other.shape)}")
+        raise ValueError(
+            f"{name}: copies have shapes {tuple(first.shape)} and {tuple(other.shape)}")
     scale = first.abs().max().clamp_min(torch.finfo(first.dtype).tiny)
     difference = ((first - other).abs().max() / scale).item()
     if difference > tolerance:

@@ -1,7 +1,7 @@
 """megatron-core on CPU: parallel layouts reproduce the single-process run.
 
-One 4-rank launch trains a plain megatron ``GPTModel`` for one step in the single-process
-layout (reference) and then in several parallel layouts, each loaded with the reference's
+A one-process launch trains a plain megatron ``GPTModel`` for one step (the reference); one
+4-rank launch then trains it in several parallel layouts, each loaded with the reference's
 initial weights and fed the same global batch. Every layout must reproduce the reference's loss,
 every full gradient, the optimizer's clipped-gradient norm and the Adam update.
 """
@@ -34,7 +34,7 @@ WORLD_SIZE = 4
 # reaches its steady phase, where gloo's batched p2p would corrupt (see cpu_config_overrides).
 VOCAB_SIZE, SEQ_LENGTH, MICRO_BATCH_SIZE, NUM_MICROBATCHES = 128, 16, 2, 8
 # Adam step (the distributed optimizer supports only Adam). With a large epsilon the first Adam
-# update, -lr * g / (|g| + eps) for the clipped gradient g, stays proportional to g; the learning
+# update, -lr * g / (|g| + eps) for the clipped gradient g, is nearly linear in g; the learning
 # rate is large so that the update stands well above float32 rounding of the weights (norm
 # weights are ~1, their gradients ~1e-4). The clip is below the gradient norm.
 LR, ADAM_EPS, CLIP_GRAD = 100.0, 1.0, 0.5
@@ -60,6 +60,7 @@ CASES = {
 
 
 def _case_id(case) -> str:
+    """Test id and result key of a case, e.g. ``tp2-pp1-sp-distopt``."""
     layout, distributed_optimizer = case
     return layout.name + ("-distopt" if distributed_optimizer else "")
 
@@ -101,35 +102,72 @@ def _gpt_model(layout: Layout, weights=None, distributed_optimizer: bool = False
     return build_model(make_chunk, config, weights, use_distributed_optimizer=distributed_optimizer)
 
 
-def _train_layouts(cases) -> dict:
-    """Reference step, then one step per case from the reference's initial weights; rank 0
-    returns ``{"initial": weights, "reference": step, <case id>: step, ...}``.
+def _batches() -> list:
+    """The global batch: ``NUM_MICROBATCHES`` fixed random microbatches."""
+    return make_batches(NUM_MICROBATCHES, MICRO_BATCH_SIZE, SEQ_LENGTH, VOCAB_SIZE)
 
-    The reference runs TP=PP=1 with every rank a data-parallel replica fed the whole global
-    batch, which is the single-process computation (replicas average to themselves).
-    """
-    batches = make_batches(NUM_MICROBATCHES, MICRO_BATCH_SIZE, SEQ_LENGTH, VOCAB_SIZE)
+
+def _single_process_step() -> dict:
+    """On a world of one: ``{"initial": freshly initialised full weights, "step": one step}``."""
     chunks = _gpt_model(Layout())
-    results = {"initial": gather_full(chunks)}
-    results["reference"] = _train_step(chunks, batches, False)
+    initial = gather_full(chunks)
+    return {"initial": initial, "step": _train_step(chunks, _batches(), False)}
+
+
+def _train_layouts(initial: dict, cases) -> dict:
+    """One step per case from the ``initial`` weights; rank 0 returns ``{case id: step}``."""
+    results = {}
     for layout, distributed_optimizer in cases:
-        chunks = _gpt_model(layout, results["initial"], distributed_optimizer)
-        step = _train_step(chunks, data_parallel_share(batches), distributed_optimizer)
+        chunks = _gpt_model(layout, initial, distributed_optimizer)
+        step = _train_step(chunks, data_parallel_share(_batches()), distributed_optimizer)
         results[_case_id((layout, distributed_optimizer))] = step
     return results if torch.distributed.get_rank() == 0 else None
+
+
+def _sharded_state_dict(chunks) -> dict:
+    """megatron's sharded state dict of all chunks, one ``model<i>`` entry per chunk."""
+    return {f"model{i}": chunk.module.sharded_state_dict() for i, chunk in enumerate(chunks)}
+
+
+def _checkpoint_round_trip(directory: str) -> dict:
+    """Train TP=2/PP=2 for a step, save it with megatron's dist_checkpointing, load it into other
+    layouts; rank 0 returns ``{layout name: max |loaded - saved| over all full weights}``."""
+    from megatron.core import dist_checkpointing
+
+    chunks = _gpt_model(Layout(tp=2, pp=2))
+    _train_step(chunks, data_parallel_share(_batches()), False)
+    saved = gather_full(chunks)
+    dist_checkpointing.save(_sharded_state_dict(chunks), directory)
+    errors = {}
+    for layout in (Layout(), Layout(pp=2, vpp=2)):
+        chunks = _gpt_model(layout)
+        loaded = dist_checkpointing.load(_sharded_state_dict(chunks), directory)
+        for i, chunk in enumerate(chunks):
+            chunk.module.load_state_dict(loaded[f"model{i}"])
+        weights = gather_full(chunks)
+        errors[layout.name] = max((weights[n] - saved[n]).abs().max().item() for n in saved)
+    return errors if torch.distributed.get_rank() == 0 else None
 
 
 # --------------------------------------------------------------------------- in pytest
 
 
 @pytest.fixture(scope="module")
-def launched():
-    """``launched(group)``: rank 0's results of the launch for ``CASES[group]`` (run once)."""
+def single_process():
+    """The single-process reference: initial weights and one training step."""
+    return run_distributed(_single_process_step, 1)[0]
+
+
+@pytest.fixture(scope="module")
+def launched(single_process):
+    """``launched(group)``: steps of the cases ``CASES[group]`` from one 4-rank launch (run
+    once per group), all starting from the reference's initial weights."""
     cache = {}
 
     def results(group: str) -> dict:
         if group not in cache:
-            cache[group] = run_distributed(_train_layouts, WORLD_SIZE, CASES[group])[0]
+            cache[group] = run_distributed(
+                _train_layouts, WORLD_SIZE, single_process["initial"], CASES[group])[0]
         return cache[group]
 
     return results
@@ -150,10 +188,12 @@ def _assert_all_close(actual: dict, expected: dict, tolerance: float, what: str)
 
 
 def _global_norm(tensors: dict) -> float:
+    """L2 norm of all tensors together, in float64."""
     return math.sqrt(sum(float(t.double().pow(2).sum()) for t in tensors.values()))
 
 
 def _updates(step: dict, initial: dict) -> dict:
+    """What the optimizer step changed: weights after the step minus the initial weights."""
     return {name: step["weights"][name] - initial[name] for name in initial}
 
 
@@ -164,14 +204,13 @@ def _expected_updates(reference: dict) -> dict:
     return {name: (-LR * g / (g.abs() + ADAM_EPS)).float() for name, g in clipped.items()}
 
 
-def test_reference_step_clips_and_updates(launched):
-    results = launched("default")
-    reference = results["reference"]
+def test_reference_step_clips_and_updates(single_process):
+    reference = single_process["step"]
     norm = _global_norm(reference["grads"])
     assert norm > CLIP_GRAD, "the step must exercise gradient clipping"
     assert reference["grad_norm"] == pytest.approx(norm, rel=1e-6)
-    _assert_all_close(_updates(reference, results["initial"]), _expected_updates(reference),
-                      UPDATE_TOLERANCE, "reference update")
+    _assert_all_close(_updates(reference, single_process["initial"]),
+                      _expected_updates(reference), UPDATE_TOLERANCE, "reference update")
 
 
 @pytest.mark.parametrize(
@@ -180,15 +219,20 @@ def test_reference_step_clips_and_updates(launched):
     + [pytest.param("slow", case, id=_case_id(case), marks=pytest.mark.slow)
        for case in CASES["slow"]],
 )
-def test_layout_matches_single_process(launched, group, case):
-    results = launched(group)
-    reference, step = results["reference"], results[_case_id(case)]
-    assert abs(step["loss"] - reference["loss"]) <= LOSS_TOLERANCE, (step["loss"], reference["loss"])
+def test_layout_matches_single_process(single_process, launched, group, case):
+    reference, step = single_process["step"], launched(group)[_case_id(case)]
+    loss_error = abs(step["loss"] - reference["loss"])
+    assert loss_error <= LOSS_TOLERANCE, f"loss {step['loss']} vs {reference['loss']}"
     if step["grads"] is not None:
         _assert_all_close(step["grads"], reference["grads"], GRAD_TOLERANCE, "gradient")
     assert step["grad_norm"] == pytest.approx(reference["grad_norm"], rel=GRAD_TOLERANCE)
-    _assert_all_close(_updates(step, results["initial"]), _expected_updates(reference),
+    _assert_all_close(_updates(step, single_process["initial"]), _expected_updates(reference),
                       UPDATE_TOLERANCE, "update")
+
+
+def test_dist_checkpoint_reshards_exactly(tmp_path):
+    errors = run_distributed(_checkpoint_round_trip, WORLD_SIZE, str(tmp_path))[0]
+    assert errors == {"tp1-pp1": 0.0, "tp1-pp2-vpp2": 0.0}
 
 
 # --------------------------------------------------------------------------- harness
