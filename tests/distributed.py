@@ -46,6 +46,7 @@ _PRELOAD = (
     "megatron.core.pipeline_parallel",
 )
 _GRACE_S = 5.0  # how long the other ranks may still report once one rank failed
+_EXIT_WAIT_S = 10.0  # how long ranks that all reported may take to exit
 
 
 class DistributedTestError(RuntimeError):
@@ -85,10 +86,11 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     ]
     for process in processes:
         process.start()
+    results, failures = {}, {}
     try:
-        results, failures = _collect(processes, messages, timeout)
+        _collect(processes, messages, timeout, results, failures)
     finally:
-        _stop(processes)
+        _stop(processes, wait_s=_EXIT_WAIT_S if len(results) == world_size else 0.0)
     if failures:
         details = "\n".join(f"--- rank {rank} ---\n{failures[rank]}" for rank in sorted(failures))
         raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
@@ -98,10 +100,10 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     return [pickle.loads(results[rank]) for rank in range(world_size)]
 
 
-def _collect(processes, messages, timeout: float):
-    """Gather ``(rank, ok, payload)`` messages until every rank reported, one failed and the
-    grace period ran out, or ``timeout`` passed; a rank that dies silently counts as failed."""
-    results, failures = {}, {}
+def _collect(processes, messages, timeout: float, results: dict, failures: dict) -> None:
+    """Sort ``(rank, ok, payload)`` messages into ``results`` and ``failures`` until every rank
+    reported, one failed and the grace period ran out, or ``timeout`` passed; a rank that dies
+    silently counts as failed."""
     deadline = time.monotonic() + timeout
     while len(results) + len(failures) < len(processes) and time.monotonic() < deadline:
         try:
@@ -112,7 +114,6 @@ def _collect(processes, messages, timeout: float):
         (results if ok else failures)[rank] = payload
         if failures:
             deadline = min(deadline, time.monotonic() + _GRACE_S)
-    return results, failures
 
 
 def _record_silent_deaths(processes, results, failures) -> None:
@@ -123,7 +124,7 @@ def _record_silent_deaths(processes, results, failures) -> None:
             failures[rank] = f"process exited with code {code} without reporting"
 
 
-def _stop(processes, wait_s: float = 10.0) -> None:
+def _stop(processes, wait_s: float) -> None:
     """Give the processes ``wait_s`` seconds in all to exit, then terminate the stragglers."""
     deadline = time.monotonic() + wait_s
     for process in processes:
