@@ -364,7 +364,8 @@ def data_parallel_share(batches: Sequence) -> list:
 
 
 def _masked_mean_loss(loss_mask, per_token_loss):
-    """megatron ``loss_func``: mean loss over unmasked tokens, also reported as ``lm loss``."""
+    """megatron ``loss_func``: mean loss over unmasked tokens, also reported as ``lm loss``
+    (a copy: megatron divides the returned loss in place by the number of microbatches)."""
     loss = (per_token_loss * loss_mask).sum() / loss_mask.sum()
     return loss, {"lm loss": loss.detach().clone()}
 
