@@ -1,8 +1,8 @@
 """Tokenizers shared by the data tools and the trainer.
 
 `build_tokenizer(kind, ...)` returns a `Tokenizer` with the attributes megatron-core's
-`GPTDataset` reads (`vocab_size`, `eod`, `pad`, `unique_identifiers`) plus `tokenize`, `tokenize_batch` and
-`detokenize`. Three kinds, named as in Megatron-LM's `--tokenizer-type`:
+`GPTDataset` reads (`vocab_size`, `eod`, `pad`, `unique_identifiers`) plus `tokenize`,
+`tokenize_batch` and `detokenize`. Three kinds, named as in Megatron-LM's `--tokenizer-type`:
 
 * ``GPT2BPETokenizer``: GPT-2 byte-level BPE from a local ``encoder.json``/``vocab.json``
   (``--vocab-file``) and ``vocab.bpe``/``merges.txt`` (``--merge-file``), encoded with tiktoken.
@@ -25,6 +25,7 @@ GPTDataset masks the loss wherever a label equals `pad`, so `pad` must never equ
 `num_threads` is the number of encoding threads `tokenize_batch` may use; 1 means exactly one.
 """
 
+import abc
 import argparse
 import importlib.util
 import json
@@ -67,8 +68,8 @@ def gpt2_vocab_files() -> Tuple[str, str]:
     return os.path.join(data_dir, "encoder.json"), os.path.join(data_dir, "vocab.bpe")
 
 
-class Tokenizer:
-    """Common interface; subclasses implement `_encode_batch`, `_encode_one` and `detokenize`."""
+class Tokenizer(abc.ABC):
+    """Common interface; subclasses implement `_encode_one`, `_encode_batch` and `_decode`."""
 
     def __init__(self, name: str, files: List[str], unpadded_vocab_size: int, eod: int,
                  pad: Optional[int], divisible_by: int, tensor_parallel: int,
@@ -91,15 +92,21 @@ class Tokenizer:
         """Token ids of many texts, one integer array each, using up to `num_threads` threads."""
         return [np.asarray(ids, dtype=np.int64) for ids in self._encode_batch(list(texts))]
 
+    @abc.abstractmethod
     def _encode_one(self, text: str):
-        raise NotImplementedError
+        """Ids of one text, as a list or an integer array."""
 
+    @abc.abstractmethod
     def _encode_batch(self, texts: List[str]):
-        raise NotImplementedError
+        """Ids of each text, as lists or integer arrays."""
 
     def detokenize(self, ids: Sequence[int]) -> str:
-        """Text of a sequence of token ids."""
-        raise NotImplementedError
+        """Text of a sequence of token ids (a list or an integer array)."""
+        return self._decode([int(i) for i in ids])
+
+    @abc.abstractmethod
+    def _decode(self, ids: List[int]) -> str:
+        """Text of a list of token ids."""
 
     def __repr__(self) -> str:
         return (f"{self.name}(vocab_size={self.vocab_size} (unpadded "
@@ -164,8 +171,8 @@ class GPT2BPETokenizer(Tokenizer):
         with ThreadPoolExecutor(self.num_threads) as pool:
             return list(pool.map(self._encode_one, texts))
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._encoding.decode(list(ids))
+    def _decode(self, ids: List[int]) -> str:
+        return self._encoding.decode(ids)
 
 
 class SentencePieceTokenizer(Tokenizer):
@@ -190,8 +197,8 @@ class SentencePieceTokenizer(Tokenizer):
     def _encode_batch(self, texts: List[str]) -> List[List[int]]:
         return self._sp.encode(texts, out_type=int, num_threads=self.num_threads)
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._sp.decode([int(i) for i in ids])
+    def _decode(self, ids: List[int]) -> str:
+        return self._sp.decode(ids)
 
 
 def _hf_special_token(directory: str, name: str) -> Optional[str]:
@@ -244,8 +251,8 @@ class HuggingFaceTokenizer(Tokenizer):
             return [self._encode_one(text) for text in texts]
         return [encoding.ids for encoding in self._tok.encode_batch(texts)]
 
-    def detokenize(self, ids: Sequence[int]) -> str:
-        return self._tok.decode([int(i) for i in ids], skip_special_tokens=False)
+    def _decode(self, ids: List[int]) -> str:
+        return self._tok.decode(ids, skip_special_tokens=False)
 
 
 TOKENIZER_TYPES = {

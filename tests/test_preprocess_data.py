@@ -142,7 +142,7 @@ def test_bad_input_is_counted_reported_and_skipped(bad_inputs, tmp_path, gpt2, c
 
 def test_strict_fails_on_first_problem_and_writes_nothing(bad_inputs, tmp_path, capsys):
     assert preprocess(bad_inputs, tmp_path / "out", "--strict") == 1
-    assert f"bad input (--strict): malformed_json" in capsys.readouterr().err
+    assert "bad input (--strict): malformed_json" in capsys.readouterr().err
     assert preprocess(bad_inputs[3:4], tmp_path / "out", "--strict") == 1
     assert "unreadable_file" in capsys.readouterr().err
     assert not [p for p in tmp_path.iterdir() if p.name.startswith("out")]
@@ -268,5 +268,5 @@ def test_inspect_dataset(tmp_path, capsys):
                                  "--max-chars", "30"]) == 0
     out = capsys.readouterr().out
     assert "documents: 7, sequences: 7" in out and "length histogram" in out
-    assert f"--- document 1 (" in out and PARAGRAPHS[1][:30] + "..." in out
+    assert "--- document 1 (" in out and PARAGRAPHS[1][:30] + "..." in out
     assert inspect_dataset.main([str(tmp_path / "nothing")]) == 1

@@ -45,6 +45,20 @@ def trained(corpus_file, tmp_path_factory) -> dict:
             "HuggingFaceTokenizer": str(out / "byte-bpe")}
 
 
+def test_train_tokenizer_reports_bad_input(tmp_path, capsys):
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "a good line of text"}\n{"text": \n{"txt": "x"}\n')
+    argv = ["--input", str(bad), "--kind", "byte-bpe", "--vocab-size", "300", "--output-dir",
+            str(tmp_path / "out"), "--no-progress"]
+    assert train_tokenizer.main(argv) == 0
+    out = capsys.readouterr().out
+    assert f"{bad}:2: " in out and f"{bad}:3: no 'text' value" in out
+    assert train_tokenizer.main(argv + ["--strict"]) == 1
+    assert "bad input (--strict): malformed_json" in capsys.readouterr().err
+    assert train_tokenizer.main(argv + ["--json-keys", "body"]) == 1
+    assert "no documents to train on" in capsys.readouterr().err
+
+
 def build(kind: str, trained: dict, **kwargs) -> tk.Tokenizer:
     """A tokenizer of `kind`, using the trained model files where the kind needs one."""
     return tk.build_tokenizer(kind, tokenizer_model=trained.get(kind), **kwargs)

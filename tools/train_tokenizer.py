@@ -61,8 +61,10 @@ def read_texts(args: argparse.Namespace, report: InputReport, bar: tqdm) -> Iter
     sources, _ = sources_from_args(args)
     budget = int(args.max_mb * 1e6)
     bar.reset(total=min(budget, total_disk_bytes(sources)))
+    documents = 0
     for texts in iter_documents(sources, args.json_keys, report):
         check_strict(args.strict, report)
+        documents += 1
         for text in texts:
             size = len(text.encode("utf-8"))
             bar.update(size)
@@ -71,6 +73,8 @@ def read_texts(args: argparse.Namespace, report: InputReport, bar: tqdm) -> Iter
             if budget <= 0:
                 return
     check_strict(args.strict, report)
+    if not documents:
+        raise ValueError("no documents to train on: every input record was skipped")
 
 
 def _lines(texts: Iterator[str]) -> Iterator[str]:
