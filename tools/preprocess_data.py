@@ -17,6 +17,7 @@ the run with ``--strict``); outputs appear under their final names only when com
 import argparse
 import multiprocessing
 import os
+import signal
 import sys
 import time
 from collections import deque
@@ -88,7 +89,11 @@ def _tokenizer(build_kwargs: dict):
 
 
 def _init_worker(build_kwargs: dict, keys: Sequence[str], dtype: type, append_eod: bool) -> None:
-    """Get this worker's tokenizer (one encoding thread) and remember the job settings."""
+    """Get this worker's tokenizer (one encoding thread) and remember the job settings.
+
+    Ctrl-C is left to the main process, which stops the workers and removes partial output.
+    """
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     tokenizer = _tokenizer(build_kwargs)
     _WORKER.update(keys=list(keys), dtype=dtype, eod=tokenizer.eod if append_eod else None)
 
@@ -229,6 +234,9 @@ def main(argv=None) -> int:
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
+    except KeyboardInterrupt:
+        print("interrupted: nothing was written", file=sys.stderr)
+        return 130
     print("\n".join(summary(args, result)))
     return 0
 
