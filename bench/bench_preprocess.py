@@ -146,7 +146,7 @@ def main(argv=None) -> None:
     print(f"corpus: {corpus} ({text_mb:.1f} MB of text in {corpus.stat().st_size / 1e6:.1f} MB "
           f"of JSONL, {len(texts):,} documents); "
           f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    rows = ["| tokenizer | workers | tokens | seconds | M tokens/s | MB/s | docs/s | "
+    rows = ["| tokenizer | workers | tokens | seconds | M tokens/s | input MB/s | docs/s | "
             "x Megatron-LM | library alone, M tokens/s |", "|---" * 9 + "|"]
     for name in args.tokenizers:
         kwargs = dict(TOKENIZERS[name])
@@ -162,7 +162,7 @@ def main(argv=None) -> None:
             ratio = f"{rate / MEGATRON_LM_REFERENCE[workers]:.1f}x" \
                 if name == "gpt2" and workers in MEGATRON_LM_REFERENCE else "-"
             rows.append(f"| {name} | {workers} | {best['tokens']:,} | {best['seconds']:.2f} | "
-                        f"{rate:.2f} | {best['text_bytes'] / best['seconds'] / 1e6:.1f} | "
+                        f"{rate:.2f} | {best['input_bytes'] / best['seconds'] / 1e6:.1f} | "
                         f"{best['documents'] / best['seconds']:,.0f} | {ratio} | "
                         f"{library_rate(kwargs, texts, workers):.2f} |")
         same = all(filecmp.cmp(out / f"w{args.workers[0]}_text_document{s}",

@@ -73,7 +73,7 @@ class Encoded:
     tokens: List[np.ndarray]
     lengths: List[np.ndarray]
     documents: int
-    text_bytes: int
+    input_bytes: int
     disk_bytes: int
     report: InputReport
 
@@ -158,22 +158,22 @@ class Throughput:
     start: float = field(default_factory=time.perf_counter)
     documents: int = 0
     tokens: int = 0
-    text_bytes: int = 0
+    input_bytes: int = 0
 
     def add(self, result: Encoded) -> None:
         self.documents += result.documents
         self.tokens += int(sum(len(t) for t in result.tokens))
-        self.text_bytes += result.text_bytes
+        self.input_bytes += result.input_bytes
 
     @property
     def seconds(self) -> float:
         return time.perf_counter() - self.start
 
     def rates(self) -> str:
-        """docs/s, tokens/s and MB/s of input text so far."""
+        """docs/s, tokens/s and MB/s of (uncompressed) input so far."""
         s = max(self.seconds, 1e-9)
         return (f"{self.documents / s:,.0f} docs/s, {self.tokens / s / 1e6:.2f}M tok/s, "
-                f"{self.text_bytes / s / 1e6:.1f} MB/s")
+                f"{self.input_bytes / s / 1e6:.1f} MB/s")
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -204,15 +204,16 @@ def run(args: argparse.Namespace) -> dict:
         if not totals.documents:
             raise BadInputError("no documents to write: every input record was skipped")
         writer.commit()
-    return dict(documents=totals.documents, tokens=totals.tokens, text_bytes=totals.text_bytes,
-                seconds=totals.seconds, rates=totals.rates(), report=report, ignored=ignored,
-                tokenizer=tokenizer, outputs=prefixes, sources=len(sources))
+    return dict(documents=totals.documents, tokens=totals.tokens,
+                input_bytes=totals.input_bytes, seconds=totals.seconds, rates=totals.rates(),
+                report=report, ignored=ignored, tokenizer=tokenizer, outputs=prefixes,
+                sources=len(sources))
 
 
 def summary(args: argparse.Namespace, result: dict) -> List[str]:
     """Closing summary lines of a run."""
     lines = [f"wrote {result['documents']:,} documents, {result['tokens']:,} tokens from "
-             f"{result['text_bytes'] / 1e6:,.1f} MB of text in {result['seconds']:.1f} s "
+             f"{result['input_bytes'] / 1e6:,.1f} MB of input in {result['seconds']:.1f} s "
              f"({result['sources']} input files)",
              f"throughput: {result['rates']} (workers={args.workers}, {result['tokenizer'].name})"]
     lines += result["report"].lines()
