@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """Throughput of tools/preprocess_data.py on real English text, 1 and 2 workers.
 
-    python bench/bench_preprocess.py [--cache-dir DIR] [--target-mb 52] [--repeats 3]
+    python bench/bench_preprocess.py [--cache-dir DIR] [--target-mb 52] [--repeats 5]
 
 Builds (once, into --cache-dir) a JSONL corpus from Debian packages fetched with
 ``apt-get download`` and unpacked with ``dpkg -x`` (no root install): the King James Bible
@@ -51,7 +51,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--cache-dir", default=os.path.expanduser("~/.cache/lime-megatron-bench"))
     parser.add_argument("--target-mb", type=float, default=52.0)
-    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokenizers", nargs="+", default=list(TOKENIZERS), choices=TOKENIZERS)
     parser.add_argument("--sp-vocab", type=int, default=32000)
