@@ -2,7 +2,7 @@
 
 FLOPs count multiply-adds as 2 and only matrix products (norms, softmax and element-wise work
 are left out, as in the usual 6*N*T accounting).  Causal attention is counted at half of the
-s x s score/value products (the useful triangle).  Training FLOPs are 3x the forward.
+s x s score/value products (the useful triangle).
 """
 
 from __future__ import annotations
@@ -41,11 +41,6 @@ def forward_flops_per_token(config: LimeTransformerConfig, seq_len: int, vocab_s
     """Forward FLOPs per token of the whole model, router included."""
     logits = 2.0 * config.hidden_size * vocab_size
     return config.num_layers * layer_flops_per_token(config, seq_len) + logits + router_flops_per_token(config)
-
-
-def training_flops_per_token(config: LimeTransformerConfig, seq_len: int, vocab_size: int) -> float:
-    """Forward + backward FLOPs per token (3x forward)."""
-    return 3.0 * forward_flops_per_token(config, seq_len, vocab_size)
 
 
 class SavedTensorBytes:

@@ -8,7 +8,6 @@ SwiGLU, RoPE, no biases); ``PAPER_1B`` holds the 1B shape of Table 3.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -127,7 +126,3 @@ def lime_config(**kwargs: Any) -> LimeTransformerConfig:
     """``LimeTransformerConfig`` with the LLaMA architecture defaults and ``kwargs`` applied."""
     return LimeTransformerConfig(**llama_architecture(**kwargs))
 
-
-def replace(config: LimeTransformerConfig, **changes: Any) -> LimeTransformerConfig:
-    """A copy of ``config`` with ``changes`` applied (validated again)."""
-    return dataclasses.replace(config, **changes)

@@ -23,8 +23,8 @@ from lime_megatron.router import LimeRouter
 class LimeGPTModel(GPTModel):
     """``GPTModel`` whose forward provides the layer-integrated memory to LIMe layers.
 
-    Inputs/outputs as ``GPTModel.forward``: input_ids/position_ids ``[b, s]``; returns the loss
-    ``[b, s]`` when labels are given, else logits ``[s, b, vocab]``... exactly as megatron.
+    Inputs and outputs as ``GPTModel.forward``: input_ids/position_ids ``[b, s]``; returns the
+    per-token loss ``[b, s]`` when labels are given, else the logits.
     """
 
     def forward(self, *args, extra_block_kwargs: dict | None = None, **kwargs):
