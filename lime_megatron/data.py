@@ -1,0 +1,141 @@
+"""Training data: megatron-core's ``BlendedMegatronDatasetBuilder`` with ``GPTDataset`` (or
+``MockGPTDataset`` for ``--mock-data``), and the microbatches of each iteration.
+
+Datasets are indexed datasets written by ``tools/preprocess_data.py`` (``docs/data.md``), given
+as Megatron-LM blends: ``--data-path [w1] prefix1 [w2] prefix2 ...`` split by ``--split``, or
+one blend per split (``--train-data-path``, ``--valid-data-path``, ``--test-data-path``).
+
+Sample order is a pure function of the global sample index: iteration i of the run trains on
+the training samples ``[c, c + global_batch)`` where ``c`` is the number of samples consumed
+before it, and data-parallel rank r takes the r-th contiguous share of them, cut into
+microbatches. Resuming only needs ``c`` (stored in checkpoints). Validation always uses the first
+``--eval-iters`` global batches of the validation split, so every evaluation sees the same data.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from dataclasses import dataclass, field
+
+import torch
+from megatron.core import parallel_state
+from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
+from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
+
+from lime_megatron.arguments import UsageError, parse_blend
+from lime_megatron.compat import default_device
+from lime_megatron.tokenizer import NO_PAD, build_tokenizer, padded_vocab_size, tokenizer_kwargs
+
+BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
+"""Fields of a microbatch, each ``[micro_batch_size, seq_length]``."""
+
+
+class DataError(UsageError):
+    """Missing or unusable training data or tokenizer."""
+
+
+@dataclass
+class NullTokenizer:
+    """The tokenizer of ``--mock-data``: ``vocab_size`` ids (padded the Megatron way), the last
+    unpadded id is the end-of-document token, no padding token."""
+
+    unpadded_vocab_size: int
+    vocab_size: int
+    eod: int
+    pad: int = NO_PAD
+    unique_identifiers: dict = field(default_factory=dict)
+
+    @classmethod
+    def of(cls, vocab_size: int, divisible_by: int, tensor_parallel: int) -> "NullTokenizer":
+        padded = padded_vocab_size(vocab_size, divisible_by, tensor_parallel)
+        return cls(vocab_size, padded, vocab_size - 1,
+                   unique_identifiers={"class": "NullTokenizer", "vocab_size": padded})
+
+
+def tokenizer_of(args: argparse.Namespace):
+    """The run's tokenizer: a :class:`NullTokenizer` for ``--mock-data --vocab-size N``, else
+    the one the tokenizer flags describe (``lime_megatron.tokenizer``).
+
+    The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` alone (which
+    must be divisible by the TP size), not of that times the TP size as in Megatron-LM, so the
+    embedding's shape, and with it every checkpoint, does not depend on the layout."""
+    if args.mock_data and args.vocab_size is not None:
+        return NullTokenizer.of(args.vocab_size, args.make_vocab_size_divisible_by, 1)
+    try:
+        return build_tokenizer(**{**tokenizer_kwargs(args), "tensor_model_parallel_size": 1})
+    except (OSError, ValueError) as error:
+        raise DataError(f"cannot build the {args.tokenizer_type} tokenizer: {error}") from None
+
+
+def _blend(tokens):
+    """megatron's blend tuple for a blend flag's tokens, checking that every dataset exists."""
+    if tokens is None:
+        return None
+    prefixes, weights = parse_blend(tokens)
+    for prefix in prefixes:
+        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+        if missing:
+            raise DataError(
+                f"data path {prefix!r}: {' and '.join(missing)} not found (a data path is the "
+                "prefix of a .bin/.idx pair written by tools/preprocess_data.py, e.g. "
+                "data/fwe_text_document)")
+    return prefixes, weights
+
+
+def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
+    """``GPTDatasetConfig`` of the run (mock when no blend is given)."""
+    per_split = [_blend(args.train_data_path), _blend(args.valid_data_path),
+                 _blend(args.test_data_path)]
+    blend = _blend(args.data_path)
+    return GPTDatasetConfig(
+        random_seed=args.seed,
+        sequence_length=args.seq_length,
+        blend=blend,
+        blend_per_split=per_split if any(per_split) else None,
+        split=args.split if blend is not None else None,
+        path_to_cache=args.data_cache_path,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=args.eod_mask_loss,
+        create_attention_mask=False,
+    )
+
+
+@dataclass
+class Datasets:
+    """The train, validation and test datasets (None where the split is empty)."""
+
+    train: GPTDataset
+    valid: GPTDataset | None
+    test: GPTDataset | None
+
+
+def build_datasets(args: argparse.Namespace, tokenizer) -> Datasets:
+    """Build the splits with megatron's ``BlendedMegatronDatasetBuilder`` (every rank builds
+    them; the index cache is written once). Sizes: every training sample of the run, and
+    ``--eval-iters`` global batches for validation and test."""
+    config = dataset_config(args, tokenizer)
+    eval_samples = args.eval_iters * args.global_batch_size
+    sizes = [args.train_iters * args.global_batch_size, eval_samples, eval_samples]
+    dataset_class = MockGPTDataset if config.mock else GPTDataset
+    train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    if train is None:
+        raise DataError("the training split is empty: check --split or --train-data-path")
+    return Datasets(train, valid, test)
+
+
+def microbatches(dataset, first_sample: int, args: argparse.Namespace) -> list[dict]:
+    """This data-parallel rank's microbatches of the global batch starting at sample
+    ``first_sample``: ``num_microbatches`` dicts of ``BATCH_KEYS`` tensors ``[mbs, seq]``."""
+    share = args.global_batch_size // args.data_parallel_size
+    start = first_sample + parallel_state.get_data_parallel_rank() * share
+    device = default_device()
+    batches = []
+    for micro in range(args.num_microbatches):
+        first = start + micro * args.micro_batch_size
+        samples = [dataset[index] for index in range(first, first + args.micro_batch_size)]
+        batches.append({key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device)
+                        for key in BATCH_KEYS})
+    return batches

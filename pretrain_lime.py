@@ -1,0 +1,28 @@
+#!/usr/bin/env python
+"""Pretrain LIMe or the LLaMA baseline with megatron-core (launch with torchrun).
+
+    torchrun --nproc-per-node 8 pretrain_lime.py --config examples/lime_1b_gqa8.yaml \\
+        --data-path data/fwe10bt_text_document --save ckpt/lime-1b --load ckpt/lime-1b
+
+Options: Megatron-LM's flag names plus the LIMe ones (``--help``; ``docs/training.md``).
+"""
+
+import sys
+import warnings
+
+# megatron-core announces on import that it falls back to torch where apex/TE are missing.
+warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+
+from lime_megatron.training import train  # noqa: E402
+from lime_megatron.training import main as _main  # noqa: E402
+
+
+def main(argv=None) -> int:
+    """Run the trainer on ``argv`` (default: the command line); returns the exit status."""
+    return _main(argv)
+
+
+__all__ = ["main", "train"]
+
+if __name__ == "__main__":
+    sys.exit(main())
