@@ -44,33 +44,44 @@ _NEXT_ID = itertools.count()
 
 
 class LayerIntegratedMemory:
-    """Buffer B of one forward pass and the routers that read it.
+    """Buffer B of one forward pass of one model chunk, and the routers that read it.
 
     Args:
-        num_layers: layers 0..num_layers-1 whose keys/values this pass stores.
-        variant, window: router variant (fixes which later layers read each layer).
+        num_layers: layers of the whole model (fixes which layers read each layer).
+        variant, window: router variant (App. D).
+        layers: this chunk's own layers (global 0-based indices; all layers without pipelining).
 
-    The buffer is allocated by the first ``store`` (layer 0's keys fix its shape, dtype and
-    device): ``[num_layers * kv_heads, 2 * s * b * d]``.
+    Own rows: allocated by the first ``store`` (its keys fix shape, dtype and device) as
+    ``[len(layers) * kv_heads, 2 * s * b * d]``.  Under pipeline parallelism the rows of earlier
+    stages' layers that this chunk's layers read arrive with the stage tensor (``receive``), and
+    the gradient of the rows this chunk sends on arrives in backward (``receive_downstream_grad``);
+    see ``lime_megatron.pipeline``.
     """
 
-    def __init__(self, num_layers: int, variant: str, window: int | None):
+    def __init__(self, num_layers: int, variant: str, window: int | None, layers: range | None = None):
         self.num_layers = num_layers
         self.variant, self.window = variant, window
+        self.layers = range(num_layers) if layers is None else layers
         self.buffer: torch.Tensor | None = None
         self._writer: torch.Tensor | None = None
         self.kv_shape: tuple[int, int, int, int] | None = None
+        self.received_layers = range(self.layers.start, self.layers.start)
+        self._received: torch.Tensor | None = None
+        self.downstream_layers = range(self.layers.stop, self.layers.stop)
+        self._downstream_grad: torch.Tensor | None = None
         self._routers: dict[int, LimeRouter] = {}
         self._grad_rows: torch.Tensor | None = None
-        self._grad_rows_written = [False] * num_layers
+        self._grad_rows_written = [False] * len(self.layers)
         self.id = next(_NEXT_ID)
         _MEMORIES[self.id] = self
 
     def _allocate(self, key: torch.Tensor) -> None:
-        """Allocate the buffer for keys shaped like ``key`` ``[s, b, kv_heads, d]``."""
+        """Allocate the own rows for keys shaped like ``key`` ``[s, b, kv_heads, d]``."""
         s, b, h, d = key.shape
+        if self.kv_shape not in (None, (s, b, h, d)):
+            raise RuntimeError(f"keys {(s, b, h, d)} do not match the received ones {self.kv_shape}")
         self.kv_shape = (s, b, h, d)
-        self.buffer = torch.empty(self.num_layers * h, 2 * s * b * d, dtype=key.dtype, device=key.device)
+        self.buffer = torch.empty(len(self.layers) * h, 2 * s * b * d, dtype=key.dtype, device=key.device)
         # Writes go through an alias with its own version counter: each row block is written
         # once before it is read, so views of it saved for backward stay valid.
         self._writer = torch.empty(0, dtype=key.dtype, device=key.device).set_(
@@ -81,6 +92,12 @@ class LayerIntegratedMemory:
     def kv_heads(self) -> int:
         """Key/value heads per layer held here."""
         return self.kv_shape[2]
+
+    @property
+    def row_length(self) -> int:
+        """Elements of one buffer row (one head's keys and values): ``2 * s * b * d``."""
+        s, b, _, d = self.kv_shape
+        return 2 * s * b * d
 
     # ----------------------------------------------------------------------------- handle
     def handle(self) -> torch.Tensor:
@@ -108,8 +125,22 @@ class LayerIntegratedMemory:
 
     # ----------------------------------------------------------------------------- layout
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows of layers ``start..stop-1``: ``[(stop - start) * kv_heads, 2 * s * b * d]``."""
-        return self.buffer[start * self.kv_heads : stop * self.kv_heads]
+        """Rows of layers ``start..stop-1``, all received or all own:
+        ``[(stop - start) * kv_heads, 2 * s * b * d]``."""
+        h, first = self.kv_heads, self.layers.start
+        if start >= first:
+            return self.buffer[(start - first) * h : (stop - first) * h]
+        if start < self.received_layers.start or stop > first:
+            raise IndexError(f"rows of layers {start}..{stop - 1} are not held by the chunk of layers "
+                             f"{self.layers.start}..{self.layers.stop - 1} (received: {self.received_layers})")
+        return self._received[(start - self.received_layers.start) * h : (stop - self.received_layers.start) * h]
+
+    def row_blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
+        """``(start, stop)`` split where received rows end and own rows begin."""
+        first = self.layers.start
+        if start < first < stop:
+            return [(start, first), (first, stop)]
+        return [(start, stop)]
 
     def to_rows(self, routed: torch.Tensor) -> torch.Tensor:
         """``[2, s, b, h, d]`` -> ``[h, 2 * s * b * d]`` (copy)."""
@@ -127,14 +158,38 @@ class LayerIntegratedMemory:
         if tuple(key.shape) != self.kv_shape:
             raise RuntimeError(f"layer {layer} keys {tuple(key.shape)} do not match the memory's {self.kv_shape}")
         s, b, h, d = self.kv_shape
-        slot = self._writer[layer * h : (layer + 1) * h].view(h, 2, s, b, d)
+        local = layer - self.layers.start
+        slot = self._writer[local * h : (local + 1) * h].view(h, 2, s, b, d)
         slot[:, 0].copy_(key.permute(2, 0, 1, 3))
         slot[:, 1].copy_(value.permute(2, 0, 1, 3))
         return self.rows(layer, layer + 1)
 
+    # ----------------------------------------------------------------------------- stages
+    def receive(self, rows: torch.Tensor, layers: range, kv_shape: tuple[int, int, int, int]) -> None:
+        """Rows ``[len(layers) * kv_heads, 2 * s * b * d]`` of earlier stages' ``layers``
+        (those this chunk's layers read or sends on), keys shaped ``kv_shape``."""
+        if layers.stop != self.layers.start:
+            raise ValueError(f"received layers {layers} must end where this chunk's {self.layers} begin")
+        self._received, self.received_layers, self.kv_shape = rows, layers, kv_shape
+
+    def receive_downstream_grad(self, grad_rows: torch.Tensor, layers: range) -> None:
+        """Gradient of the rows of ``layers`` sent to the next stage: the later stages' share
+        sum_{m later} W_m[:, block l]^T g_m of each sent layer l."""
+        self._downstream_grad, self.downstream_layers = grad_rows, layers
+
+    def sent_rows(self, layers: range) -> list[torch.Tensor]:
+        """Rows of ``layers`` (received or own), as one or two views."""
+        return [self.rows(start, stop) for start, stop in self.row_blocks(layers.start, layers.stop)]
+
     # ----------------------------------------------------------------------------- routing
+    def _source_blocks(self, router: LimeRouter) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(columns of the router weight, buffered rows) per contiguous block of its sources."""
+        for run in router.source_runs:
+            for start, stop in self.row_blocks(*run):
+                yield router.columns(start, stop), self.rows(start, stop)
+
     def mix(self, router: LimeRouter, weight: torch.Tensor) -> torch.Tensor:
-        """Eq. 2: ``weight @ rows(sources)``, one product per contiguous run of sources.
+        """Eq. 2: ``weight @ rows(sources)``, one product per contiguous block of sources.
 
         Under tensor parallelism each rank multiplies its own heads' rows, giving partial sums
         for all kv_heads output heads, and a reduce-scatter leaves each rank its heads' sums.
@@ -142,8 +197,8 @@ class LayerIntegratedMemory:
         """
         partial = None
         if router.sharding.primary:
-            for columns, (start, stop) in router.column_runs():
-                part = weight[:, columns] @ self.rows(start, stop)
+            for columns, rows in self._source_blocks(router):
+                part = weight[:, columns] @ rows
                 partial = part if partial is None else partial.add_(part)
         else:  # a replica of another rank's heads: those terms are added once, by the primary
             partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
@@ -158,42 +213,66 @@ class LayerIntegratedMemory:
         """dL/dW_l = g_l @ rows(sources)^T for this rank's columns; ``grad_rows`` holds all
         kv_heads rows of g_l.  Replica ranks compute the same value (their weight columns are
         one shared parameter)."""
-        parts = [grad_rows @ self.rows(start, stop).t() for _, (start, stop) in router.column_runs()]
+        parts = [grad_rows @ rows.t() for _, rows in self._source_blocks(router)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _grad_buffer(self, kv_heads: int) -> torch.Tensor:
-        """Where g_l (all kv_heads rows) is kept until every source of layer l took its share:
-        the layer's own dead raw rows without tensor parallelism, else a buffer of its own."""
+        """Where g_l (all kv_heads rows) of the own layers is kept until every source of layer l
+        took its share: the dead own raw rows without tensor parallelism, else a buffer."""
         if kv_heads == self.kv_heads:
             return self._writer
         if self._grad_rows is None:
-            self._grad_rows = self.buffer.new_empty(self.num_layers * kv_heads, self.buffer.shape[1])
+            self._grad_rows = self.buffer.new_empty(len(self.layers) * kv_heads, self.buffer.shape[1])
         return self._grad_rows
+
+    def _consumer_grad(self, layer: int) -> torch.Tensor:
+        """Gradient of the rows of ``layer`` (own or received), ``[local kv heads, 2*s*b*d]``:
+        sum over its consumers m of W_m[:, block layer]^T g_m, the consumers in this chunk from
+        the kept g_m, those of later stages from the downstream gradient."""
+        _, stop = routing_consumers(layer, self.num_layers, self.variant, self.window)
+        local = range(max(layer, self.layers.start), min(stop, self.layers.stop))
+        missing = [m for m in local if not self._grad_rows_written[m - self.layers.start]]
+        if missing:
+            raise RuntimeError(f"LIMe backward reached layer {layer} before that of its consumer layers {missing}")
+        grad = None
+        if local and self._routers[local.start].sharding.primary:
+            kv_heads = self._routers[local.start].weight.shape[0]
+            grads = self._grad_buffer(kv_heads)[(local.start - self.layers.start) * kv_heads :
+                                                (local.stop - self.layers.start) * kv_heads]
+            blocks = torch.cat([self._routers[m].block(layer) for m in local], dim=0)
+            grad = blocks.t() @ grads
+        if stop > self.layers.stop:
+            downstream = self._downstream_rows(layer)
+            grad = downstream.clone() if grad is None else grad.add_(downstream)
+        if grad is None:  # a replica rank: the primary passes this head's gradient
+            some_rows = self.buffer if self.buffer is not None else self._received
+            grad = some_rows.new_zeros(self.kv_heads, some_rows.shape[1])
+        return grad
+
+    def _downstream_rows(self, layer: int) -> torch.Tensor:
+        """Rows of the downstream gradient for sent layer ``layer``."""
+        if self._downstream_grad is None or layer not in self.downstream_layers:
+            raise RuntimeError(f"the gradient of layer {layer}'s keys/values from later pipeline stages is missing")
+        offset = (layer - self.downstream_layers.start) * self.kv_heads
+        return self._downstream_grad[offset : offset + self.kv_heads]
 
     def kv_grad(self, router: LimeRouter, grad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Gradient of layer l's own keys and values, ``[s, b, local kv heads, d]`` each.
 
         Keeps ``grad_rows`` (g_l, all kv_heads rows) as the layer's gradient rows, then sums
-        W_m[:, block l]^T g_m over the consumers m of layer l in one product.
+        W_m[:, block l]^T g_m over the consumers m of layer l (one product for this chunk's).
         """
-        layer = router.layer
-        _, stop = routing_consumers(layer, self.num_layers, self.variant, self.window)
-        missing = [m for m in range(layer + 1, stop) if not self._grad_rows_written[m]]
-        if missing:
-            raise RuntimeError(
-                f"LIMe backward of layer {layer} ran before that of its consumer layers {missing}"
-            )
-        kv_heads = grad_rows.shape[0]
-        grads = self._grad_buffer(kv_heads)
-        grads[layer * kv_heads : (layer + 1) * kv_heads].copy_(grad_rows)
-        self._grad_rows_written[layer] = True
-        if not router.sharding.primary:  # the primary replica passes this head's gradient
-            grad_kv = grad_rows.new_zeros(self.kv_heads, grad_rows.shape[1])
-        else:
-            blocks = torch.cat([self._routers[m].block(layer) for m in range(layer, stop)], dim=0)
-            grad_kv = blocks.t() @ grads[layer * kv_heads : stop * kv_heads]
-        grad_kv = grad_kv.view(self.kv_heads, 2, *self.kv_shape[:2], -1)
+        layer, kv_heads = router.layer, grad_rows.shape[0]
+        local = layer - self.layers.start
+        self._grad_buffer(kv_heads)[local * kv_heads : (local + 1) * kv_heads].copy_(grad_rows)
+        self._grad_rows_written[local] = True
+        grad_kv = self._consumer_grad(layer).view(self.kv_heads, 2, *self.kv_shape[:2], -1)
         return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
+
+    def received_grad(self) -> torch.Tensor:
+        """Gradient of the received rows, ``[len(received_layers) * kv_heads, 2*s*b*d]``, once
+        every own layer's backward ran."""
+        return torch.cat([self._consumer_grad(layer) for layer in self.received_layers], dim=0)
 
 
 def _scatter_heads(partial: torch.Tensor, sharding: HeadSharding) -> torch.Tensor:

@@ -12,11 +12,14 @@ otherwise unused, so each LIMe layer finds the memory of the pass it is (re)comp
 
 from __future__ import annotations
 
+import torch
 from megatron.core.models.gpt.gpt_model import GPTModel
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from lime_megatron.config import LimeTransformerConfig
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.memory import LayerIntegratedMemory
+from lime_megatron.pipeline import ChunkLayers, ReceiveStage, SendStage, stage_tensor_width
 from lime_megatron.router import LimeRouter
 
 
@@ -24,16 +27,51 @@ class LimeGPTModel(GPTModel):
     """``GPTModel`` whose forward provides the layer-integrated memory to LIMe layers.
 
     Inputs and outputs as ``GPTModel.forward``: input_ids/position_ids ``[b, s]``; returns the
-    per-token loss ``[b, s]`` when labels are given, else the logits.
+    per-token loss ``[b, s]`` when labels are given, else the logits.  A chunk that is not the
+    last pipeline stage returns the stage tensor of ``lime_megatron.pipeline`` (hidden state
+    plus the keys/values later stages read); one that is not the first takes it through
+    ``set_input_tensor``.
     """
 
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._stage_input: torch.Tensor | None = None
+        self.chunk_layers = ChunkLayers.of(self._own_layers(), self.config)
+
+    def _own_layers(self) -> range:
+        """Global indices of the layers built in this chunk."""
+        numbers = [layer.layer_number - 1 for layer in self.decoder.layers]
+        if numbers:
+            return range(numbers[0], numbers[-1] + 1)
+        offset = get_transformer_layer_offset(self.config, vp_stage=self.vp_stage)
+        return range(offset, offset)
+
+    def set_input_tensor(self, input_tensor) -> None:
+        """Keep the incoming stage tensor; ``forward`` unpacks it (baseline: megatron's way)."""
+        if not self.config.lime:
+            return super().set_input_tensor(input_tensor)
+        tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
+        if len(tensors) != 1:
+            raise ValueError(f"a GPT chunk takes one stage tensor, got {len(tensors)}")
+        self._stage_input = tensors[0]
+
     def forward(self, *args, extra_block_kwargs: dict | None = None, **kwargs):
-        if self.config.lime:
-            memory = LayerIntegratedMemory(
-                self.config.num_layers, self.config.lime_router, self.config.lime_router_window
-            )
-            extra_block_kwargs = {**(extra_block_kwargs or {}), "context": memory.handle()}
-        return super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
+        if not self.config.lime:
+            return super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
+        layers = self.chunk_layers
+        memory = LayerIntegratedMemory(
+            self.config.num_layers, self.config.lime_router, self.config.lime_router_window, layers.own
+        )
+        if not self.pre_process:
+            stage, self._stage_input = self._stage_input, None
+            if stage is None:
+                raise RuntimeError("a chunk after the first pipeline stage ran without its stage tensor")
+            self.decoder.set_input_tensor(ReceiveStage.apply(stage, memory, layers.received, self.config))
+        extra_block_kwargs = {**(extra_block_kwargs or {}), "context": memory.handle()}
+        output = super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
+        if not self.post_process:
+            output = SendStage.apply(output, memory, layers.sent, stage_tensor_width(self.config, layers.own.stop))
+        return output
 
     def routers(self) -> list[LimeRouter]:
         """The LIMe routers of this model (chunk), in layer order."""

@@ -199,12 +199,9 @@ class LimeRouter(nn.Module):
         start = self._column_of[source]
         return self.weight[:, start : start + self.local_heads]
 
-    def column_runs(self) -> list[tuple[slice, tuple[int, int]]]:
-        """``(columns of weight, (first layer, stop layer))`` per contiguous run of sources."""
-        return [
-            (slice(self._column_of[start], self._column_of[stop - 1] + self.local_heads), (start, stop))
-            for start, stop in self.source_runs
-        ]
+    def columns(self, start: int, stop: int) -> slice:
+        """Columns of ``weight`` that read the consecutive source layers ``start..stop-1``."""
+        return slice(self._column_of[start], self._column_of[stop - 1] + self.local_heads)
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
         """megatron distributed-checkpoint entry of ``weight``, resharding across TP/PP sizes.

@@ -380,7 +380,8 @@ def _gpt_forward_step(data_iterator, model):
 def forward_backward(chunks: list, batches: Sequence, forward_step_func=_gpt_forward_step) -> float:
     """Zero the gradients, then run megatron's forward/backward schedule (no pipelining, 1F1B or
     interleaved, as the parallel state says) over this rank's microbatches, finishing with
-    ``finalize_model_grads``. Gradients end up in ``param.main_grad``.
+    ``finalize_model_grads``; pipeline stages communicate through LIMe's
+    ``lime_megatron.pipeline.schedule_arguments``. Gradients end up in ``param.main_grad``.
 
     Returns the mean loss over all microbatches of all data-parallel ranks (on every rank).
     Sets ``finalize_model_grads_func`` in the chunks' config.
@@ -389,6 +390,8 @@ def forward_backward(chunks: list, batches: Sequence, forward_step_func=_gpt_for
     from megatron.core.distributed import finalize_model_grads
     from megatron.core.pipeline_parallel import get_forward_backward_func
     from megatron.core.utils import get_model_config
+
+    from lime_megatron.pipeline import schedule_arguments
 
     config = get_model_config(chunks[0])
     config.finalize_model_grads_func = finalize_model_grads
@@ -404,6 +407,7 @@ def forward_backward(chunks: list, batches: Sequence, forward_step_func=_gpt_for
         seq_length=seq_length,
         micro_batch_size=micro_batch_size,
         forward_only=False,
+        **schedule_arguments(config),
     )
     counted = parallel_state.get_tensor_model_parallel_rank() == 0 and bool(reduced)
     totals = torch.tensor(
@@ -504,6 +508,8 @@ def load_full(chunks: list, weights: Dict[str, torch.Tensor], extra_shard_rules=
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
+    from lime_megatron.pipeline import schedule_arguments
+
     config = get_model_config(chunks[0])
     rank = parallel_state.get_tensor_model_parallel_rank()
     size = parallel_state.get_tensor_model_parallel_world_size()
@@ -530,6 +536,8 @@ def gather_full(chunks: list, select: Callable = lambda param: param.data,
     """
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
+
+    from lime_megatron.pipeline import schedule_arguments
 
     config = get_model_config(chunks[0])
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
