@@ -10,8 +10,11 @@ Options: Megatron-LM's flag names plus the LIMe ones (``--help``; ``docs/trainin
 import sys
 import warnings
 
-# megatron-core announces on import that it falls back to torch where apex/TE are missing.
-warnings.filterwarnings("ignore", message="Transformer Engine and Apex are not installed")
+# megatron-core's notices that it falls back to torch where apex/TE are missing (every process
+# prints them on import), and 0.16's notice about its own default CUDA-graph scope.
+for notice in ("Transformer Engine and Apex are not installed", "Apex is not installed",
+               "full scope is deprecated"):
+    warnings.filterwarnings("ignore", message=notice)
 
 from lime_megatron.training import train  # noqa: E402
 from lime_megatron.training import main as _main  # noqa: E402

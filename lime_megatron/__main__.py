@@ -1,104 +1,157 @@
-"""``python -m lime_megatron``: train a tiny LIMe and its LLaMA baseline side by side.
+"""``python -m lime_megatron``: the project's pipeline end to end on data it makes itself.
 
-Both models share every non-router weight at initialisation and see the same batches of a
-synthetic copy task (the second half of each sequence repeats the first), trained with AdamW
-(router: lr 1e-2, no weight decay, as in the paper).  Prints per-step losses and a summary.
+1. ``tools/make_arithmetic_data.py`` writes the paper's arithmetic-expression task (App. B):
+   expressions with their step-by-step solutions, as JSONL;
+2. ``tools/train_tokenizer.py`` trains a tiny SentencePiece tokenizer on it (offline);
+3. ``tools/preprocess_data.py`` turns it into megatron indexed datasets;
+4. ``pretrain_lime.py`` trains a tiny LIMe and the LLaMA baseline on it, each launched with
+   ``torch.distributed.run`` on 2 CPU processes over gloo, pipeline-parallel (PP=2; ``--layout
+   tp2`` for tensor parallelism), same seed, data, schedule and paper optimizer settings;
+5. their losses are printed side by side with a summary, and plotted to ``loss.png``.
+
+Everything is written under ``--output-dir`` (default: a new temporary directory).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
 import time
+from pathlib import Path
 
-import torch
-from tqdm import tqdm
+import numpy as np
 
-from lime_megatron.config import lime_config
-from lime_megatron.model import build_model
-from lime_megatron.parallel import initialize_parallel
-from lime_megatron.router import ROUTER_PARAM_ATTR
+ROOT = Path(__file__).resolve().parent.parent
+LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "tp2": ["--tensor-model-parallel-size", "2"]}
+MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
+
+# The tiny model and schedule (paper optimizer settings of Table 2, shorter and smaller).
+TRAINER_OPTIONS = [
+    "--num-layers", "6", "--hidden-size", "64", "--ffn-hidden-size", "256",
+    "--num-attention-heads", "4", "--seq-length", "64",
+    "--micro-batch-size", "16", "--global-batch-size", "64",
+    "--lr", "3e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "15",
+    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
+    "--clip-grad", "1.0", "--split", "95,5,0", "--eval-interval", "30", "--eval-iters", "2",
+    "--log-interval", "20", "--seed", "1234",
+]
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--num-layers", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=64)
-    parser.add_argument("--num-attention-heads", type=int, default=4)
-    parser.add_argument("--num-query-groups", type=int, default=2)
-    parser.add_argument("--seq-length", type=int, default=64)
-    parser.add_argument("--micro-batch-size", type=int, default=16)
-    parser.add_argument("--vocab-size", type=int, default=64)
-    parser.add_argument("--train-iters", type=int, default=60)
-    parser.add_argument("--lr", type=float, default=3e-3)
-    parser.add_argument("--lime-router-lr", type=float, default=1e-2)
+    parser = argparse.ArgumentParser(prog="python -m lime_megatron", description=__doc__.split("\n")[0])
+    parser.add_argument("--output-dir", help="where data, tokenizer, metrics and plot go")
+    parser.add_argument("--num-samples", type=int, default=20000, help="arithmetic expressions")
+    parser.add_argument("--train-iters", type=int, default=120)
+    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="pp2")
     return parser.parse_args(argv)
 
 
-def copy_task_batch(args, generator: torch.Generator) -> torch.Tensor:
-    """Tokens [b, s] whose second half repeats the first half."""
-    half = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length // 2), generator=generator)
-    return torch.cat([half, half], dim=1)
+def _run(step: str, command: list[str]) -> None:
+    """Run one stage as a subprocess (its output passes through); exit if it fails."""
+    print(f"\n=== {step}\n$ {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    completed = subprocess.run(command, cwd=ROOT)
+    if completed.returncode:
+        sys.exit(f"{step} failed with exit status {completed.returncode}")
+    print(f"({step}: {time.perf_counter() - start:.1f} s)", flush=True)
 
 
-def optimizer_for(model, args) -> torch.optim.Optimizer:
-    """AdamW with the paper's router group: lr ``--lime-router-lr``, no weight decay."""
-    routers = [p for p in model.parameters() if getattr(p, ROUTER_PARAM_ATTR, False)]
-    others = [p for p in model.parameters() if not getattr(p, ROUTER_PARAM_ATTR, False)]
-    groups = [dict(params=others, lr=args.lr, weight_decay=0.1)]
-    if routers:
-        groups.append(dict(params=routers, lr=args.lime_router_lr, weight_decay=0.0))
-    return torch.optim.AdamW(groups, betas=(0.9, 0.95))
+def prepare_data(out: Path, num_samples: int) -> list[str]:
+    """Generate, tokenize and preprocess the task; the trainer's data/tokenizer flags."""
+    python = sys.executable
+    jsonl, tokenizer, prefix = out / "arith.jsonl", out / "tokenizer", out / "arith"
+    _run("arithmetic data", [python, "tools/make_arithmetic_data.py", "--output", str(jsonl),
+                             "--num-samples", str(num_samples), "--seed", "0", "--no-progress"])
+    _run("tokenizer", [python, "tools/train_tokenizer.py", "--input", str(jsonl), "--kind",
+                       "sentencepiece", "--vocab-size", "48", "--character-coverage", "1.0",
+                       "--no-byte-fallback", "--output-dir", str(tokenizer), "--no-progress"])
+    tokenizer_flags = ["--tokenizer-type", "SentencePieceTokenizer",
+                       "--tokenizer-model", str(tokenizer / "tokenizer.model"),
+                       "--make-vocab-size-divisible-by", "64"]
+    _run("preprocessing", [python, "tools/preprocess_data.py", "--input", str(jsonl),
+                           "--output-prefix", str(prefix), "--append-eod", "--no-progress",
+                           *tokenizer_flags])
+    return ["--data-path", f"{prefix}_text_document", "--data-cache-path", str(out / "cache"),
+            *tokenizer_flags]
 
 
-def build_pair(args):
-    """(baseline, LIMe) with identical non-router weights."""
-    models = {}
-    for lime in (False, True):
-        torch.manual_seed(0)
-        config = lime_config(
-            num_layers=args.num_layers,
-            hidden_size=args.hidden_size,
-            num_attention_heads=args.num_attention_heads,
-            num_query_groups=args.num_query_groups,
-            use_cpu_initialization=True,
-            lime=lime,
-        )
-        models[lime] = build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length)
-    models[True].load_state_dict(models[False].state_dict(), strict=False)
-    return models[False], models[True]
+def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
+    """Train each model with torchrun on 2 processes; per-iteration metrics of each."""
+    metrics = {}
+    for name, model_flags in MODELS.items():
+        path = out / f"{name.lower()}.jsonl"
+        path.unlink(missing_ok=True)
+        _run(f"training {name} ({args.layout}, 2 processes)", [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+            "pretrain_lime.py", *TRAINER_OPTIONS, *LAYOUTS[args.layout], *data_flags, *model_flags,
+            "--train-iters", str(args.train_iters), "--metrics-file", str(path)])
+        metrics[name] = [json.loads(line) for line in path.read_text().splitlines()]
+    return metrics
 
 
-def main(argv=None) -> dict[str, list[float]]:
+def _smoothed(records: list[dict], last: int = 10) -> float:
+    return float(np.mean([r["lm_loss"] for r in records[-last:]]))
+
+
+def report(metrics: dict[str, list[dict]], out: Path) -> None:
+    """Print the losses side by side and a summary; plot the curves."""
+    names = list(metrics)
+    iterations = len(metrics[names[0]])
+    step = max(1, iterations // 16)
+    print(f"\n{'iteration':>9} " + " ".join(f"{n + ' loss':>11}" for n in names)
+          + " " + " ".join(f"{n + ' val':>10}" for n in names))
+    for i in list(range(step - 1, iterations, step)) + ([iterations - 1] if (iterations - 1) % step != step - 1 else []):
+        rows = [metrics[n][i] for n in names]
+        losses = " ".join(f"{r['lm_loss']:>11.4f}" for r in rows)
+        vals = " ".join(f"{r['validation_loss']:>10.4f}" if "validation_loss" in r else f"{'':>10}" for r in rows)
+        print(f"{rows[0]['iteration']:>9} {losses} {vals}")
+    speed = {n: float(np.median([r["tokens_per_sec"] for r in metrics[n][1:]])) for n in names}
+    final_val = {n: next((r["validation_loss"] for r in reversed(metrics[n]) if "validation_loss" in r), float("nan"))
+                 for n in names}
+    print("\nsummary (arithmetic-expression task, App. B; 2 CPU processes):")
+    for n in names:
+        print(f"  {n:>5}: train loss (mean of last 10 iterations) {_smoothed(metrics[n]):.4f}, "
+              f"validation loss {final_val[n]:.4f} (ppl {np.exp(final_val[n]):.3f}), "
+              f"median {speed[n]:,.0f} tokens/s")
+    if {"LIMe", "LLaMA"} <= set(names):
+        print(f"  LIMe - LLaMA validation loss: {final_val['LIMe'] - final_val['LLaMA']:+.4f}; "
+              f"LIMe throughput {speed['LIMe'] / speed['LLaMA']:.2f}x LLaMA's")
+    _plot(metrics, out / "loss.png")
+    print(f"  outputs (data, tokenizer, metrics, loss.png): {out}")
+
+
+def _plot(metrics: dict[str, list[dict]], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    for name, records in metrics.items():
+        line, = axis.plot([r["iteration"] for r in records], [r["lm_loss"] for r in records],
+                          label=f"{name} train", alpha=0.8)
+        val = [(r["iteration"], r["validation_loss"]) for r in records if "validation_loss" in r]
+        axis.plot(*zip(*val), "o--", color=line.get_color(), label=f"{name} validation")
+    axis.set(xlabel="iteration", ylabel="loss (nats/token)", title="LIMe vs LLaMA, arithmetic task")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
+def main(argv=None) -> None:
     args = parse_args(argv)
-    initialize_parallel()
-    baseline, lime = build_pair(args)
-    runs = {"LLaMA": (baseline, optimizer_for(baseline, args)), "LIMe": (lime, optimizer_for(lime, args))}
-    losses = {name: [] for name in runs}
-    seconds = {name: 0.0 for name in runs}
-    positions = torch.arange(args.seq_length).expand(args.micro_batch_size, -1)
-    generator = torch.Generator().manual_seed(0)
-    for _ in tqdm(range(args.train_iters), desc="training LLaMA and LIMe"):
-        tokens = copy_task_batch(args, generator)
-        inputs, labels = tokens[:, :-1], tokens[:, 1:]
-        for name, (model, optimizer) in runs.items():
-            start = time.perf_counter()
-            optimizer.zero_grad()
-            loss = model(inputs, positions[:, :-1], None, labels=labels)[:, args.seq_length // 2 :].mean()
-            loss.backward()
-            optimizer.step()
-            seconds[name] += time.perf_counter() - start
-            losses[name].append(loss.item())
-    print(f"\n{'iter':>5} {'LLaMA loss':>11} {'LIMe loss':>10}")
-    for step in range(0, args.train_iters, max(1, args.train_iters // 10)):
-        print(f"{step + 1:>5} {losses['LLaMA'][step]:>11.4f} {losses['LIMe'][step]:>10.4f}")
-    params = {name: sum(p.numel() for p in model.parameters()) for name, (model, _) in runs.items()}
-    print(
-        f"\nsummary after {args.train_iters} steps (copy task, loss on the copied half): "
-        f"LLaMA {losses['LLaMA'][-1]:.4f}, LIMe {losses['LIMe'][-1]:.4f}; "
-        f"parameters {params['LLaMA']:,} vs {params['LIMe']:,}; "
-        f"step time LIMe/LLaMA {seconds['LIMe'] / seconds['LLaMA']:.2f}"
-    )
-    return losses
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="lime-main-job-")).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    start = time.perf_counter()
+    data_flags = prepare_data(out, args.num_samples)
+    metrics = train_models(out, data_flags, args)
+    report(metrics, out)
+    print(f"  total time {time.perf_counter() - start:.0f} s")
 
 
 if __name__ == "__main__":
