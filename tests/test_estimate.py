@@ -1,0 +1,310 @@
+"""lime_megatron.estimate against measured reality: parameter counts of models megatron builds
+(one process, and every rank of TP/PP/VPP/uneven layouts on 4 gloo ranks), saved activation
+bytes against ``accounting.SavedTensorBytes`` (TP=1 in-process; TP=2 with and without sequence
+parallelism on ranks), megatron's pipeline schedule order, the report and bad input."""
+
+from __future__ import annotations
+
+import re
+
+import pytest
+import torch
+from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+from lime_megatron import estimate as E
+from lime_megatron.accounting import SavedTensorBytes
+from lime_megatron.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
+from lime_megatron.model import build_model
+from lime_megatron.parallel import initialize_parallel
+from test_lime_config import TABLE_8
+
+VOCAB, SEQ, BATCH = 128, 32, 2
+# Saved bytes the estimate leaves out on purpose: LIMe's 8-byte memory handle and a few scalars.
+SAVED_BYTES_SLACK = 16
+TINY = dict(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
+            use_cpu_initialization=True)
+
+
+def tiny_config(**overrides):
+    return lime_config(**{**TINY, **overrides})
+
+
+def one_chunk(config, **kwargs):
+    """The single chunk of a PP=1 estimate."""
+    result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
+                        num_microbatches=1, **kwargs)
+    (stage,) = result.stages
+    (chunk,) = stage.chunks
+    return result, chunk
+
+
+def saved_bytes(config) -> int:
+    """Bytes autograd saves in one forward (with loss) of a freshly built model."""
+    torch.manual_seed(0)
+    model = build_model(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    positions = torch.arange(SEQ).expand(BATCH, SEQ)
+    with SavedTensorBytes(model) as saved:
+        model(tokens, positions, None, labels=tokens)
+    return saved.bytes
+
+
+SAVED_CASES = {
+    "llama": dict(lime=False),
+    "llama-gqa": dict(lime=False, num_query_groups=2),
+    "lime": dict(),
+    "lime-gqa": dict(num_query_groups=2),
+    "lime-mqa-last2": dict(num_query_groups=1, lime_router="last", lime_router_window=2),
+    "lime-no-kv-recompute": dict(lime_recompute_routed_kv=False),
+    "lime-gqa-no-kv-recompute": dict(num_query_groups=2, lime_recompute_routed_kv=False),
+    "llama-selective": dict(lime=False, recompute_granularity="selective"),
+    "lime-selective": dict(recompute_granularity="selective"),
+    "lime-gqa-selective-mlp": dict(num_query_groups=2, recompute_granularity="selective",
+                                   recompute_modules=["core_attn", "mlp"]),
+    "llama-selective-mlp": dict(lime=False, recompute_granularity="selective",
+                                recompute_modules=["mlp"]),
+    "llama-full-uniform": dict(lime=False, recompute_granularity="full",
+                               recompute_method="uniform", recompute_num_layers=1),
+    "lime-full-block": dict(recompute_granularity="full", recompute_method="block",
+                            recompute_num_layers=2),
+    "llama-bf16": dict(lime=False, bf16=True, params_dtype=torch.bfloat16),
+    "lime-gqa-bf16": dict(num_query_groups=2, bf16=True, params_dtype=torch.bfloat16),
+}
+
+
+@pytest.mark.parametrize("overrides", SAVED_CASES.values(), ids=SAVED_CASES.keys())
+def test_activation_estimate_equals_saved_tensor_bytes(overrides):
+    initialize_parallel()
+    config = tiny_config(**overrides)
+    _, chunk = one_chunk(config)
+    assert abs(chunk.activations.total - saved_bytes(config)) <= SAVED_BYTES_SLACK
+
+
+def test_full_recompute_keeps_the_lime_memory_live_but_not_saved():
+    """Uniform full recompute saves only group inputs; LIMe's memory buffer is referenced by the
+    memory object every checkpoint keeps (not a saved tensor), so it is added on top."""
+    initialize_parallel()
+    config = tiny_config(recompute_granularity="full", recompute_method="uniform",
+                         recompute_num_layers=3)
+    _, chunk = one_chunk(config)
+    measured = saved_bytes(config)
+    assert chunk.activations.lime_memory == 3 * 2 * SEQ * BATCH * 4 * 16 * 4  # layers*K,V*s*b*g*d*4
+    assert abs(chunk.activations.total - chunk.activations.lime_memory - measured) <= SAVED_BYTES_SLACK
+    assert chunk.recompute_peak_bytes == 3 * E.layer_activation_bytes(
+        config, E.Geometry.of(config, SEQ, BATCH, VOCAB), "local")
+
+
+ROUTER_CASES = {
+    "lime-full": dict(),
+    "lime-last2-gqa": dict(num_query_groups=2, lime_router="last", lime_router_window=2),
+    "lime-first1": dict(lime_router="first", lime_router_window=1),
+    "lime-average": dict(lime_router="average"),
+    "llama": dict(lime=False),
+}
+
+
+@pytest.mark.parametrize("overrides", ROUTER_CASES.values(), ids=ROUTER_CASES.keys())
+@pytest.mark.parametrize("tied", [True, False], ids=["tied", "untied"])
+def test_parameters_equal_a_built_model(overrides, tied):
+    initialize_parallel()
+    config = tiny_config(num_layers=5, **overrides)
+    result, chunk = one_chunk(config, share_embeddings_and_output_weights=tied)
+    model = build_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
+                        share_embeddings_and_output_weights=tied)
+    assert chunk.parameters == result.total_parameters == sum(p.numel() for p in model.parameters())
+    routers = [p for name, p in model.named_parameters() if "router" in name]
+    assert chunk.router_parameters == result.router_parameters == sum(p.numel() for p in routers)
+
+
+@pytest.mark.parametrize("name,lime,kv_heads", list(TABLE_8), ids=[k[0] for k in TABLE_8])
+def test_paper_table_8_counts_at_any_layout(name, lime, kv_heads):
+    """The 1B models of Table 8: the same total at PP=1 and split over TP2 x PP2 x VPP2."""
+    exact = TABLE_8[(name, lime, kv_heads)][1]
+    for layout in (dict(), dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
+                                virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)):
+        config = lime_config(**PAPER_1B, num_query_groups=kv_heads, lime=lime, **layout)
+        # The paper counts the unpadded GPT-2 vocabulary; TP=2 needs an even one.
+        vocab = PAPER_VOCAB_SIZE + (1 if layout else 0)
+        result = E.estimate(config, vocab_size=vocab, seq_length=2048, micro_batch_size=1,
+                            num_microbatches=4)
+        assert result.total_parameters == exact + (config.hidden_size if layout else 0)
+
+
+# ------------------------------------------------------------------------------ schedules
+
+
+def test_one_f_one_b_keeps_p_minus_r_microbatches():
+    config = tiny_config(num_layers=4, pipeline_model_parallel_size=4, pipeline_dtype=torch.float32)
+    assert [E.peak_in_flight(config, r, 8, [10])[0] for r in range(4)] == [4, 3, 2, 1]
+    assert [E.peak_in_flight(config, r, 2, [10])[0] for r in range(4)] == [2, 2, 2, 1]
+    assert E.peak_in_flight(tiny_config(), 0, 8, [10]) == (1, 10)
+
+
+def test_interleaved_peak_replays_megatron_order():
+    config = tiny_config(num_layers=4, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    order = E._interleaved_chunk_order(config, 4)
+    assert order == [chunk for _, chunk in get_schedule_table(4, 2, 2)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    # Rank 0 warms up 2*(2-0-1) + (2-1)*2 = 4 forwards ([2, 2] per chunk), then alternates one
+    # forward and one backward (backwards walk the chunks in reverse): peaks [3, 2], [4, 1].
+    assert E.peak_in_flight(config, 0, 4, [1, 10]) == (5, 23)
+    assert E.peak_in_flight(config, 0, 4, [10, 1]) == (5, 41)
+    # The last rank warms up (2-1)*2 = 2 forwards.
+    assert E.peak_in_flight(config, 1, 4, [1, 1]) == (3, 3)
+
+
+# ------------------------------------------------------------------------------ pipeline parts
+
+
+def test_lime_stage_tensors_follow_the_router_window():
+    """Full router: the stage after layer b receives all b earlier layers' K/V rows; last-2:
+    only the one layer its first layer reads; the sender keeps the stage tensor it sent."""
+    layout = dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    geometry = E.Geometry.of(tiny_config(**layout), SEQ, BATCH, VOCAB)
+    for router, carried in ((dict(), 4), (dict(lime_router="last", lime_router_window=2), 1)):
+        result = E.estimate(tiny_config(**layout, **router), vocab_size=VOCAB, seq_length=SEQ,
+                            micro_batch_size=BATCH, num_microbatches=4)
+        first, second = (stage.chunks[0].activations for stage in result.stages)
+        assert second.received_rows == carried * geometry.kv_rows and first.received_rows == 0
+        assert first.sent_stage == geometry.hidden_state + carried * geometry.kv_rows
+        assert second.sent_stage == 0 and second.output > 0 and first.embedding > 0
+    deallocated = E.estimate(tiny_config(**layout, deallocate_pipeline_outputs=True),
+                             vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
+                             num_microbatches=4)
+    assert deallocated.stages[0].chunks[0].activations.sent_stage == 0
+
+
+def test_stage_flops_add_up_to_the_model():
+    config = tiny_config(num_layers=8, pipeline_model_parallel_size=4,
+                         virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
+                        num_microbatches=4)
+    assert sum(s.forward_flops_per_token for s in result.stages) == pytest.approx(
+        result.forward_flops_per_token, rel=1e-12)
+    assert result.training_flops_per_token == 3 * result.forward_flops_per_token
+
+
+# ------------------------------------------------------------------------------ report, errors
+
+
+def test_report_of_the_paper_layout():
+    config = lime_config(**PAPER_1B, num_query_groups=8, tensor_model_parallel_size=2,
+                         sequence_parallel=True, pipeline_model_parallel_size=2,
+                         virtual_pipeline_model_parallel_size=2, bf16=True,
+                         params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
+                         recompute_granularity="selective")
+    report = E.dry_run_report(config, vocab_size=50304, seq_length=2048, micro_batch_size=2,
+                              num_microbatches=8, transformer_impl="transformer_engine")
+    assert "LIMe (full router): 16 layers, hidden 2048, FFN 8192, 32 heads (8 kv)" in report
+    assert "TP 2, PP 2, VPP 2, sequence parallel (4 GPUs per model replica)" in report
+    assert "recompute: selective (core_attn)" in report
+    assert "0-3, 8-11" in report and "4-7, 12-15" in report
+    assert "training (3x forward)" in report and "peak activation memory per GPU" in report
+
+
+@pytest.mark.parametrize("overrides, kwargs, message", [
+    (dict(tensor_model_parallel_size=2), dict(vocab_size=127),
+     "embedding.word_embeddings.weight has 127 rows"),
+    (dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(seq_length=31),
+     "seq_length=31 is not divisible by tensor_model_parallel_size=2"),
+    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+     dict(), "divisible by recompute_num_layers=2"),
+    (dict(recompute_granularity="selective", recompute_modules=["layernorm"]), dict(),
+     "not ['layernorm']"),
+    (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
+          pipeline_dtype=torch.float32), dict(num_microbatches=1),
+     "microbatch_group_size_per_vp_stage=2 <= num_microbatches=1"),
+    (dict(), dict(transformer_impl="te"), "transformer_impl must be one of"),
+    (dict(), dict(seq_length=0), "seq_length must be at least 1"),
+])
+def test_bad_input_fails_with_one_clear_message(overrides, kwargs, message):
+    config = tiny_config(**overrides)
+    arguments = dict(vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH, num_microbatches=4)
+    with pytest.raises(ValueError, match=re.escape(message)):
+        E.estimate(config, **{**arguments, **kwargs})
+
+
+# ------------------------------------------------------------------------------ on ranks
+
+LAYOUTS = {  # name: (Layout fields, config overrides)
+    "tp2-pp2-lime-gqa": (dict(tp=2, pp=2), dict(num_query_groups=2)),
+    "pp4-vpp2-lime-last2": (dict(pp=4, vpp=2), dict(lime_router="last", lime_router_window=2)),
+    "pp4-uneven-lime-last3": (dict(pp=4), dict(num_layers_in_first_pipeline_stage=1,
+                                                num_layers_in_last_pipeline_stage=1,
+                                                lime_router="last", lime_router_window=3)),
+    "pp2-vpp2-uneven-first": (dict(pp=2, vpp=2), dict(num_layers=10,
+                                                      num_layers_in_first_pipeline_stage=4)),
+    "tp4-sp-lime-kv2": (dict(tp=4, sp=True), dict(num_query_groups=2)),
+    "tp2-sp-pp2-vpp2-llama-untied": (dict(tp=2, pp=2, vpp=2, sp=True), dict(lime=False)),
+}
+TP_ACTIVATION_CASES = {  # saved bytes per rank of a TP=2 forward
+    "tp2-lime": (dict(tp=2), dict()),
+    "tp2-sp-lime-gqa": (dict(tp=2, sp=True), dict(num_query_groups=2)),
+    "tp2-sp-llama-bf16": (dict(tp=2, sp=True), dict(lime=False, bf16=True,
+                                                    params_dtype=torch.bfloat16)),
+    "tp2-lime-mqa": (dict(tp=2), dict(num_query_groups=1)),
+}
+
+
+def _layout_config(layout, overrides):
+    from distributed import layout_config_kwargs
+
+    settings = {**TINY, "num_layers": 8, **layout_config_kwargs(layout), **overrides}
+    return lime_config(**settings)
+
+
+def _rank_checks(layouts: dict, activation_cases: dict) -> dict:
+    """On every rank: per layout, (pp rank, vp stage, tp rank, parameters, router parameters)
+    of each chunk megatron builds; per TP activation case, this rank's saved bytes."""
+    from megatron.core import parallel_state
+
+    from distributed import Layout, initialize_layout
+
+    results = {}
+    for name, (fields, overrides) in layouts.items():
+        layout = Layout(**fields)
+        initialize_layout(layout)
+        config = _layout_config(layout, overrides)
+        tied = config.lime
+        vpp = layout.vpp
+        rows = []
+        for vp in (range(vpp) if vpp else [None]):
+            model = build_model(
+                config, VOCAB, SEQ, vp_stage=vp, share_embeddings_and_output_weights=tied,
+                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
+                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp))
+            routers = sum(p.numel() for n, p in model.named_parameters() if "router" in n)
+            rows.append((parallel_state.get_pipeline_model_parallel_rank(), vp,
+                         parallel_state.get_tensor_model_parallel_rank(),
+                         sum(p.numel() for p in model.parameters()), routers))
+        results[name] = rows
+    for name, (fields, overrides) in activation_cases.items():
+        layout = Layout(**fields)
+        initialize_layout(layout)
+        results[name] = saved_bytes(_layout_config(layout, overrides))
+    return results
+
+
+@pytest.mark.slow
+def test_estimate_equals_every_rank_of_parallel_layouts():
+    from distributed import Layout, run_distributed
+
+    per_rank = run_distributed(_rank_checks, 4, LAYOUTS, TP_ACTIVATION_CASES)
+    for name, (fields, overrides) in LAYOUTS.items():
+        config = _layout_config(Layout(**fields), overrides)
+        result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
+                            num_microbatches=4, share_embeddings_and_output_weights=config.lime)
+        expected = {(s.pp_rank, c.vp_stage): (c.parameters, c.router_parameters)
+                    for s in result.stages for c in s.chunks}
+        built = {}
+        for rows in per_rank:
+            for pp_rank, vp, tp_rank, params, routers in rows[name]:
+                built.setdefault((pp_rank, vp), set()).add((params, routers))
+        assert built == {key: {value} for key, value in expected.items()}, name
+    for name, (fields, overrides) in TP_ACTIVATION_CASES.items():
+        config = _layout_config(Layout(**fields), overrides)
+        result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
+                            num_microbatches=1)
+        estimated = result.stages[0].chunks[0].activations.total
+        for rows in per_rank:
+            assert abs(rows[name] - estimated) <= SAVED_BYTES_SLACK, (name, rows[name], estimated)
