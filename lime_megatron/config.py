@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch.nn.functional as F
+from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
+from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 ROUTER_VARIANTS = ("full", "average", "last", "first")
 """Router variants of App. D: ``full`` (learned, all earlier layers), ``average`` (fixed uniform
@@ -51,6 +53,7 @@ class LimeTransformerConfig(TransformerConfig):
     def __post_init__(self) -> None:
         validate_lime_options(self)
         super().__post_init__()
+        pipeline_layer_split(self)
 
     @property
     def kv_heads(self) -> int:
@@ -82,6 +85,32 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
             f"lime_router_window={window} only applies to the {WINDOWED_VARIANTS} routers, "
             f"not to '{config.lime_router}'"
         )
+
+
+def pipeline_layer_split(config: TransformerConfig) -> dict[tuple[int, int | None], range]:
+    """The layers of every pipeline chunk, ``{(pipeline rank, virtual stage or None): range}``,
+    by megatron's own rules (even split, ``num_layers_in_first/last_pipeline_stage``,
+    ``account_for_embedding/loss_in_pipeline_split``); one ``LimeConfigError`` if the layers
+    cannot be split that way."""
+    stages = config.virtual_pipeline_model_parallel_size
+    keys = [(rank, vp) for rank in range(config.pipeline_model_parallel_size)
+            for vp in (range(stages) if stages else [None])]
+    try:
+        split = {key: _chunk_range(config, *key) for key in keys}
+    except AssertionError as error:
+        raise LimeConfigError(f"cannot split the layers over the pipeline: {error}") from error
+    if sum(len(layers) for layers in split.values()) != config.num_layers:
+        raise LimeConfigError(
+            f"{config.num_layers} layers do not split over {config.pipeline_model_parallel_size} pipeline "
+            f"stages x {stages or 1} virtual stages: megatron would build {[len(r) for r in split.values()]}"
+        )
+    return split
+
+
+def _chunk_range(config: TransformerConfig, rank: int, vp_stage: int | None) -> range:
+    """Global layers of pipeline rank ``rank``'s chunk ``vp_stage`` (megatron's offsets)."""
+    first = get_transformer_layer_offset(config, vp_stage=vp_stage, pp_rank=rank)
+    return range(first, first + get_num_layers_to_build(config, vp_stage=vp_stage, pp_rank=rank))
 
 
 # Paper Table 3 (1B scale).  kv heads: 8 (GQA) or 32 (full MHA).

@@ -130,7 +130,7 @@ class LayerIntegratedMemory:
         h, first = self.kv_heads, self.layers.start
         if start >= first:
             return self.buffer[(start - first) * h : (stop - first) * h]
-        if start < self.received_layers.start or stop > first:
+        if start < self.received_layers.start or stop > self.received_layers.stop:
             raise IndexError(f"rows of layers {start}..{stop - 1} are not held by the chunk of layers "
                              f"{self.layers.start}..{self.layers.stop - 1} (received: {self.received_layers})")
         return self._received[(start - self.received_layers.start) * h : (stop - self.received_layers.start) * h]
@@ -168,8 +168,8 @@ class LayerIntegratedMemory:
     def receive(self, rows: torch.Tensor, layers: range, kv_shape: tuple[int, int, int, int]) -> None:
         """Rows ``[len(layers) * kv_heads, 2 * s * b * d]`` of earlier stages' ``layers``
         (those this chunk's layers read or sends on), keys shaped ``kv_shape``."""
-        if layers.stop != self.layers.start:
-            raise ValueError(f"received layers {layers} must end where this chunk's {self.layers} begin")
+        if layers.stop > self.layers.start:
+            raise ValueError(f"received layers {layers} must come before this chunk's {self.layers}")
         self._received, self.received_layers, self.kv_shape = rows, layers, kv_shape
 
     def receive_downstream_grad(self, grad_rows: torch.Tensor, layers: range) -> None:

@@ -66,7 +66,7 @@ class LimeGPTModel(GPTModel):
             stage, self._stage_input = self._stage_input, None
             if stage is None:
                 raise RuntimeError("a chunk after the first pipeline stage ran without its stage tensor")
-            self.decoder.set_input_tensor(ReceiveStage.apply(stage, memory, layers.received, self.config))
+            self.decoder.set_input_tensor(ReceiveStage.apply(stage, memory, layers, self.config))
         extra_block_kwargs = {**(extra_block_kwargs or {}), "context": memory.handle()}
         output = super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
         if not self.post_process:

@@ -31,9 +31,8 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from lime_megatron.config import pipeline_layer_split
 from lime_megatron.memory import LayerIntegratedMemory
 from lime_megatron.router import routing_consumers
 
@@ -41,16 +40,17 @@ from lime_megatron.router import routing_consumers
 def carried_layers(boundary: int, num_layers: int, variant: str, window: int | None) -> range:
     """Layers before ``boundary`` read by some layer at or after it: the K/V rows a stage
     tensor carries across the boundary before layer ``boundary``.  A contiguous range for every
-    router variant (empty at 0 and at ``num_layers``)."""
+    router variant: ``[0, b)`` for ``full``/``average``, ``[b - j + 1, b)`` for ``last``-j,
+    ``[0, min(j, b))`` for ``first``-j (empty at 0 and at ``num_layers``)."""
     carried = [
         layer for layer in range(boundary)
         if routing_consumers(layer, num_layers, variant, window)[1] > boundary
     ]
     if not carried:
         return range(boundary, boundary)
-    if carried != list(range(carried[0], boundary)):
+    if carried != list(range(carried[0], carried[-1] + 1)):
         raise AssertionError(f"carried layers {carried} at boundary {boundary} are not contiguous")
-    return range(carried[0], boundary)
+    return range(carried[0], carried[-1] + 1)
 
 
 @dataclass(frozen=True)
@@ -96,21 +96,12 @@ def exact_stage_width(config, boundary: int) -> int:
     return config.hidden_size + len(carried) * local_heads * 2 * config.kv_channels * factor
 
 
-def chunk_starts(config) -> list[int]:
-    """First layer of every model chunk of every pipeline rank (megatron's layer offsets)."""
-    stages = config.virtual_pipeline_model_parallel_size or 1
-    return sorted(
-        get_transformer_layer_offset(config, vp_stage=vp if stages > 1 else None, pp_rank=rank)
-        for rank in range(config.pipeline_model_parallel_size) for vp in range(stages)
-    )
-
-
 def stage_tensor_width(config, boundary: int) -> int:
     """Last dimension of the stage tensor sent across the boundary before layer ``boundary``:
     exact without virtual stages, else the widest boundary of the model."""
     if not config.virtual_pipeline_model_parallel_size:
         return exact_stage_width(config, boundary)
-    return max(exact_stage_width(config, start) for start in chunk_starts(config))
+    return max(exact_stage_width(config, layers.start) for layers in pipeline_layer_split(config).values())
 
 
 class SendStage(torch.autograd.Function):
@@ -149,22 +140,22 @@ class SendStage(torch.autograd.Function):
 
 
 class ReceiveStage(torch.autograd.Function):
-    """Unpack an incoming stage tensor: the hidden state (returned) and the rows of ``layers``
-    (given to ``memory``), both views of it.
+    """Unpack an incoming stage tensor: the hidden state (returned) and the rows of the
+    ``chunk``'s received layers (given to ``memory``), both views of it.
 
-    forward(stage [s', b, k], memory, layers, config) -> hidden [s', b, hidden]
+    forward(stage [s', b, width], memory, chunk, config) -> hidden [s', b, hidden]
     backward: the stage tensor's gradient, hidden part from the chunk, rows part from the
     memory (this chunk's and later stages' shares, once every own layer's backward ran).
     """
 
     @staticmethod
-    def forward(ctx, stage, memory: LayerIntegratedMemory, layers: range, config):
+    def forward(ctx, stage, memory: LayerIntegratedMemory, chunk: ChunkLayers, config):
         s, b, width = stage.shape
         hidden_shape = torch.Size((s, b, config.hidden_size))
-        expected = stage_tensor_width(config, layers.stop)
+        expected, layers = stage_tensor_width(config, chunk.own.start), chunk.received
         if width != expected:
             raise RuntimeError(
-                f"the stage tensor {tuple(stage.shape)} received before layer {layers.stop} should be "
+                f"the stage tensor {tuple(stage.shape)} received before layer {chunk.own.start} should be "
                 f"[{s}, {b}, {expected}] (hidden {config.hidden_size} and the keys/values of layers "
                 f"{layers.start}..{layers.stop - 1}): run megatron's schedule with "
                 "**lime_megatron.pipeline.schedule_arguments(config) and the same config on every stage"
@@ -193,8 +184,8 @@ def _rank_boundaries(config, rank: int) -> tuple[int, int]:
     with them every boundary has the same width and (0, 0) is returned)."""
     if config.virtual_pipeline_model_parallel_size:
         return 0, 0
-    first = get_transformer_layer_offset(config, pp_rank=rank)
-    return first, first + get_num_layers_to_build(config, pp_rank=rank)
+    layers = pipeline_layer_split(config)[rank, None]
+    return layers.start, layers.stop
 
 
 class StageTensorCommunicator(P2PCommunicator):
