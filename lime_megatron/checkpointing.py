@@ -74,6 +74,7 @@ def run_description(args: argparse.Namespace, config, tokenizer) -> dict:
         vocab=dict(tokenizer=type(tokenizer).__name__, size=tokenizer.unpadded_vocab_size,
                    padded=tokenizer.vocab_size),
         layout=_layout(),
+        distributed_optimizer=args.use_distributed_optimizer,
         args={key: value for key, value in vars(args).items()
               if isinstance(value, (int, float, str, bool, list, type(None)))},
     )
@@ -220,8 +221,9 @@ def _read_common(directory: str) -> dict:
     return common
 
 
-def check_compatible(directory: str, saved: dict, current: dict) -> None:
-    """Raise :class:`CheckpointError` if the checkpoint's vocabulary or model shape differs."""
+def check_compatible(directory: str, saved: dict, current: dict, load_optim: bool) -> None:
+    """Raise :class:`CheckpointError` if the checkpoint's vocabulary or model shape differs, or
+    (when its optimizer state is to be loaded) its optimizer kind."""
     if saved["vocab"] != current["vocab"]:
         old, new = saved["vocab"], current["vocab"]
         raise CheckpointError(
@@ -233,6 +235,12 @@ def check_compatible(directory: str, saved: dict, current: dict) -> None:
         details = ", ".join(f"{key} {saved['shape'][key]} vs {current['shape'][key]}" for key in differing)
         raise CheckpointError(f"model shape mismatch with checkpoint {directory} "
                               f"(checkpoint vs this run): {details}")
+    if load_optim and saved["distributed_optimizer"] != current["distributed_optimizer"]:
+        kinds = {True: "the distributed optimizer", False: "the regular optimizer"}
+        raise CheckpointError(
+            f"checkpoint {directory} holds the state of {kinds[saved['distributed_optimizer']]}, "
+            f"this run uses {kinds[current['distributed_optimizer']]}: match "
+            "--use-distributed-optimizer, or pass --no-load-optim to load the weights only")
 
 
 @dataclass
@@ -255,7 +263,7 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, run: dict, *, 
         return None
     _, directory = found
     common = _read_common(directory)
-    check_compatible(directory, common["run"], run)
+    check_compatible(directory, common["run"], run, load_optim)
     rng = load_rng and common["run"]["layout"] == run["layout"]
     template = _sharded_state(model, optimizer, scheduler, TrainingState(), None, optim=load_optim,
                               rng=rng, is_loading=True)

@@ -50,19 +50,37 @@ Patches, all applied together by :func:`enable_cpu_support`:
    CPU-generator equivalents: ``CudaRNGStatesTracker.fork`` (entered by ``DotProductAttention``
    and weight initialisation even without dropout) and activation checkpointing call them.
 
-3. Three megatron functions run with CPU-tolerant tensor methods (``Tensor.cuda()`` returns the
+3. Four megatron functions run with CPU-tolerant tensor methods (``Tensor.cuda()`` returns the
    CPU tensor, ``Tensor.type()`` names the CUDA type) for the duration of the call only:
 
    - ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` (and its alias imported into
      ``optimizer.optimizer``) asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``.
    - ``DistributedOptimizer._build_model_and_main_param_groups`` rejects parameters whose
      ``type()`` is not a ``torch.cuda`` type.
+   - ``DistributedOptimizer.get_parameter_state_dp_zero`` (distributed-optimizer checkpoints in
+     the ``fully_reshardable`` format) moves each state shard to the GPU with ``.cuda()`` before
+     gathering it over the data-parallel group.
    - ``LanguageModule.setup_embeddings_and_output_layer`` calls ``weight.data.cuda()`` before the
      all-reduce that ties the word embeddings of the first and last pipeline stages.
 
 4. A logging filter drops ``tensor_parallel.random``'s "CPU RNG state changed within GPU RNG
    context" warning: on CPU the tracker forks the CPU generator itself, so every random draw
    inside ``CudaRNGStatesTracker.fork`` (weight initialisation, dropout) would log it.
+
+5. Resuming the distributed optimizer around torch's own AdamW (no apex/TE, as on CPU machines):
+
+   - ``DistributedOptimizer.state_dict`` reads the ``step`` of every parameter's state and asserts
+     there is exactly one value, so it fails on a freshly built optimizer (no state yet), which is
+     what a checkpoint load calls it on (``sharded_state_dict(is_loading=True)``). The wrapper
+     first gives every parameter a zero Adam state (``exp_avg``, ``exp_avg_sq``, ``step`` 0).
+   - ``DistributedOptimizer.load_state_dict`` stores one ``step`` tensor object in every
+     parameter's state; torch's AdamW increments each parameter's ``step`` in place, so the
+     shared counter would advance once per parameter per iteration and bias correction would go
+     wrong. The wrapper gives every parameter its own copy.
+   - ``DistributedOptimizer._set_main_param_and_optimizer_states`` copies every key of a
+     parameter's state from the loaded tensors, but ``fully_reshardable`` checkpoints carry no
+     per-parameter ``step`` (it comes from the parameter groups): the wrapper keeps the ``step``
+     already set.
 
 Not a patch but a trap with gloo: the interleaved pipeline schedule with ``batch_p2p_comm=True``
 silently swaps activations and gradients; :func:`cpu_config_overrides` turns it off.
@@ -252,12 +270,62 @@ def _patch_tensor_method_users() -> None:
     optimizer_cls._build_model_and_main_param_groups = classmethod(
         _with_cuda_tensor_methods(build_groups)
     )
+    # Calls send_tensor.cuda() before gathering optimizer state shards (0.16, 0.19).
+    optimizer_cls.get_parameter_state_dp_zero = _with_cuda_tensor_methods(
+        optimizer_cls.get_parameter_state_dp_zero
+    )
 
     # Calls weight.data.cuda() before tying the first and last stages' embeddings (0.16, 0.19).
     language_module_cls = _module("models.common.language_module.language_module").LanguageModule
     language_module_cls.setup_embeddings_and_output_layer = _with_cuda_tensor_methods(
         language_module_cls.setup_embeddings_and_output_layer
     )
+
+
+def _zero_adam_state(optimizer) -> None:
+    """Give every parameter of torch optimizer ``optimizer`` a zero Adam state with step 0."""
+    for group in optimizer.param_groups:
+        for param in group["params"]:
+            if not optimizer.state[param]:
+                optimizer.state[param].update(
+                    exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
+                    step=torch.tensor(0.0))
+
+
+def _patch_distributed_optimizer_torch_adam() -> None:
+    """Patch 5: distributed-optimizer checkpoints with torch's AdamW (no apex/TE)."""
+    module = _module("optimizer.distrib_optimizer")
+    if module.HAVE_APEX_OR_TE:
+        return
+    optimizer_cls = module.DistributedOptimizer
+    state_dict, load_state_dict = optimizer_cls.state_dict, optimizer_cls.load_state_dict
+
+    @functools.wraps(state_dict)
+    def state_dict_with_state(self):
+        if isinstance(self.optimizer, torch.optim.Adam | torch.optim.AdamW) and not self.optimizer.state:
+            _zero_adam_state(self.optimizer)
+        return state_dict(self)
+
+    @functools.wraps(load_state_dict)
+    def load_own_steps(self, *args, **kwargs):
+        load_state_dict(self, *args, **kwargs)
+        for state in self.optimizer.state.values():
+            if "step" in state:
+                state["step"] = state["step"].clone()
+
+    set_states = optimizer_cls._set_main_param_and_optimizer_states
+
+    @functools.wraps(set_states)
+    def set_states_keeping_step(self, model_param, tensors):
+        group_index, group_order = self.model_param_group_index_map[model_param]
+        state = self.optimizer.state[self.optimizer.param_groups[group_index]["params"][group_order]]
+        if "step" in state and "step" not in tensors:
+            tensors = {**tensors, "step": state["step"]}
+        return set_states(self, model_param, tensors)
+
+    optimizer_cls.state_dict = state_dict_with_state
+    optimizer_cls.load_state_dict = load_own_steps
+    optimizer_cls._set_main_param_and_optimizer_states = set_states_keeping_step
 
 
 def _drop_spurious_rng_warning(record: logging.LogRecord) -> bool:
@@ -278,6 +346,7 @@ def enable_cpu_support() -> bool:
         _patch_torch_standins()
         _patch_rng_state_functions()
         _patch_tensor_method_users()
+        _patch_distributed_optimizer_torch_adam()
         logging.getLogger(_PREFIX + "tensor_parallel.random").addFilter(_drop_spurious_rng_warning)
         _enabled = True
     return True

@@ -40,6 +40,7 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
+from megatron.core.utils import unwrap_model
 
 from lime_megatron import arguments, checkpointing, data
 from lime_megatron.arguments import UsageError
@@ -56,7 +57,6 @@ from lime_megatron.model import build_model
 from lime_megatron.optimizer import build_optimizer, build_scheduler, group_learning_rates
 from lime_megatron.parallel import initialize_parallel
 from lime_megatron.pipeline import schedule_arguments
-from lime_megatron.router import ROUTER_PARAM_ATTR
 
 
 @dataclass
@@ -169,17 +169,22 @@ def build_model_chunks(args: argparse.Namespace, config, vocab_size: int) -> lis
 
 
 def count_parameters(model: list) -> tuple[int, int]:
-    """(all, router) parameters of the whole model, summed over the model-parallel ranks
-    (tensor-parallel copies and the last stage's tied output weight counted once)."""
+    """(all, router) parameters of the whole model, summed over the model-parallel ranks:
+    tensor-parallel replicas and the last stage's copy of a tied embedding counted once (router
+    weights are split by input head; replicated heads count on their primary rank)."""
     counts = torch.zeros(2, dtype=torch.float64, device=default_device())
     for chunk in model:
+        routers = {id(router.weight): router for router in unwrap_model(chunk).routers() if router.learned}
         for param in chunk.parameters():
-            if getattr(param, "shared", False):
-                continue
-            if not tensor_parallel.param_is_not_tensor_parallel_duplicate(param):
-                continue
-            counts[0] += param.numel()
-            counts[1] += param.numel() if getattr(param, ROUTER_PARAM_ATTR, False) else 0
+            router = routers.get(id(param))
+            if router is not None:
+                counted = router.sharding.primary
+            else:
+                counted = not getattr(param, "shared", False) and (
+                    tensor_parallel.param_is_not_tensor_parallel_duplicate(param))
+            if counted:
+                counts += torch.tensor([param.numel(), param.numel() if router else 0], dtype=counts.dtype,
+                                       device=counts.device)
     torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
     return int(counts[0]), int(counts[1])
 
