@@ -207,12 +207,8 @@ class StageTensorCommunicator(P2PCommunicator):
         return super()._communicate(recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape, **kwargs)
 
 
-def schedule_arguments(config) -> dict:
-    """Keyword arguments for megatron's ``get_forward_backward_func()(...)`` that LIMe needs
-    under pipeline parallelism (``p2p_communicator`` and the matching ``pg_collection``);
-    empty without pipelining or for the baseline."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not getattr(config, "lime", False):
-        return {}
+def schedule_groups() -> ProcessGroupCollection:
+    """megatron's process groups as its schedules take them with a ``p2p_communicator``."""
     groups = ProcessGroupCollection()
     groups.tp = parallel_state.get_tensor_model_parallel_group()
     groups.cp = parallel_state.get_context_parallel_group()
@@ -222,4 +218,14 @@ def schedule_arguments(config) -> dict:
     groups.dp = parallel_state.get_data_parallel_group()
     groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
     groups.tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
+    return groups
+
+
+def schedule_arguments(config) -> dict:
+    """Keyword arguments for megatron's ``get_forward_backward_func()(...)`` that LIMe needs
+    under pipeline parallelism (``p2p_communicator`` and the matching ``pg_collection``);
+    empty without pipelining or for the baseline."""
+    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not getattr(config, "lime", False):
+        return {}
+    groups = schedule_groups()
     return dict(p2p_communicator=StageTensorCommunicator(groups.pp, config), pg_collection=groups)
