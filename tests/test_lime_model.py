@@ -178,3 +178,33 @@ def test_routed_kv_are_rebuilt_not_saved():
     cfg = model.config
     per_layer = 3 * tokens.numel() * cfg.kv_heads * cfg.kv_channels * 8  # float64
     assert saved[False] - saved[True] == cfg.num_layers * per_layer
+
+
+def test_full_recompute_keeps_its_savings():
+    """After the forward under megatron's full recompute, LIMe keeps what the baseline keeps (the
+    checkpointed layer inputs; LIMe's memory handle adds 8 bytes) and, outside autograd, its
+    buffer of raw K/V, which recomputed layers read: a small part of what full recompute drops."""
+    from lime_megatron.accounting import SavedTensorBytes
+    from lime_megatron.memory import LayerIntegratedMemory
+
+    tokens, positions, mask = batch()
+    saved, buffers = {}, []
+    original_allocate = LayerIntegratedMemory._allocate
+
+    def allocate(memory, key):
+        original_allocate(memory, key)
+        buffers.append(memory.buffer.numel() * memory.buffer.element_size())
+
+    for lime in (False, True):
+        for recompute in ({}, RECOMPUTE["full-uniform"]):
+            model = tiny_model(num_query_groups=2, lime=lime, **recompute)
+            LayerIntegratedMemory._allocate = allocate
+            try:
+                with SavedTensorBytes(model) as counter:
+                    logits = megatron_logits(model, tokens, positions, mask)
+                logits.sum().backward()
+            finally:
+                LayerIntegratedMemory._allocate = original_allocate
+            saved[lime, bool(recompute)] = counter.bytes
+    assert saved[True, True] <= saved[False, True] + 8
+    assert saved[True, True] + buffers[0] < 0.5 * saved[True, False]
