@@ -579,13 +579,15 @@ def peak_in_flight(config: LimeTransformerConfig, pp_rank: int, num_microbatches
 
 def estimate(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int,
              micro_batch_size: int, num_microbatches: int,
-             transformer_impl: str = "local",
+             transformer_impl: str | None = None,
              share_embeddings_and_output_weights: bool = True) -> DryRunEstimate:
     """Parameters, FLOPs and activation memory of ``config``'s layout (see module docstring).
 
-    ``vocab_size`` is the padded vocabulary the model is built with; ``transformer_impl`` is
-    Megatron-LM's ``--transformer-impl`` (``local`` or ``transformer_engine``).
+    ``vocab_size`` is the padded vocabulary the model is built with; ``transformer_impl``
+    (``local`` or ``transformer_engine``, Megatron-LM's ``--transformer-impl``) defaults to
+    ``config.transformer_impl``.
     """
+    transformer_impl = transformer_impl or config.transformer_impl
     for name, value in (("vocab_size", vocab_size), ("seq_length", seq_length),
                         ("micro_batch_size", micro_batch_size), ("num_microbatches", num_microbatches)):
         if value < 1:
@@ -653,7 +655,7 @@ def _layout(result: DryRunEstimate) -> str:
     elif recompute == "full":
         recompute += f" ({c.recompute_method}, {c.recompute_num_layers} layers)"
     gpus = c.tensor_model_parallel_size * c.pipeline_model_parallel_size
-    return (f"layout: {', '.join(parts)} ({gpus} GPUs per model replica); micro batch "
+    return (f"layout: {', '.join(parts)} ({gpus} GPU{'s' if gpus > 1 else ''} per model replica); micro batch "
             f"{result.micro_batch_size} x {result.num_microbatches} microbatches, seq "
             f"{result.seq_length}; recompute: {recompute}; {result.transformer_impl}")
 
@@ -693,7 +695,7 @@ def report_lines(result: DryRunEstimate) -> list[str]:
 
 def dry_run_report(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int,
                    micro_batch_size: int, num_microbatches: int,
-                   transformer_impl: str = "local",
+                   transformer_impl: str | None = None,
                    share_embeddings_and_output_weights: bool = True) -> str:
     """The ``--dry-run`` report of ``config``'s layout (see ``estimate``)."""
     result = estimate(config, vocab_size=vocab_size, seq_length=seq_length,

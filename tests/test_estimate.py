@@ -22,7 +22,7 @@ VOCAB, SEQ, BATCH = 128, 32, 2
 # Saved bytes the estimate leaves out on purpose: LIMe's 8-byte memory handle and a few scalars.
 SAVED_BYTES_SLACK = 16
 TINY = dict(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-            use_cpu_initialization=True)
+            use_cpu_initialization=True, transformer_impl="local")
 
 
 def tiny_config(**overrides):
@@ -229,9 +229,9 @@ def test_bad_input_fails_with_one_clear_message(overrides, kwargs, message):
 LAYOUTS = {  # name: (Layout fields, config overrides)
     "tp2-pp2-lime-gqa": (dict(tp=2, pp=2), dict(num_query_groups=2)),
     "pp4-vpp2-lime-last2": (dict(pp=4, vpp=2), dict(lime_router="last", lime_router_window=2)),
-    "pp4-uneven-lime-last3": (dict(pp=4), dict(num_layers_in_first_pipeline_stage=1,
+    "pp4-uneven-lime-first2": (dict(pp=4), dict(num_layers_in_first_pipeline_stage=1,
                                                 num_layers_in_last_pipeline_stage=1,
-                                                lime_router="last", lime_router_window=3)),
+                                                lime_router="first", lime_router_window=2)),
     "pp2-vpp2-uneven-first": (dict(pp=2, vpp=2), dict(num_layers=10,
                                                       num_layers_in_first_pipeline_stage=4)),
     "tp4-sp-lime-kv2": (dict(tp=4, sp=True), dict(num_query_groups=2)),

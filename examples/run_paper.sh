@@ -1,0 +1,31 @@
+#!/usr/bin/env bash
+# Run a group of the paper's experiments one after the other through examples/launch.sh (same
+# environment variables; on a multi-node job run it on every node).
+#
+#   examples/run_paper.sh GROUP [pretrain_lime.py flags for every run ...]
+#
+# Groups: 1b (Tables 2/3: LIMe and LLaMA, GQA and MHA), ablation (App. D: the 150M routers),
+# deep (§5.5: 32/64/128 layers with pipeline parallelism), all.
+set -euo pipefail
+
+configs() {
+    case "$1" in
+        1b) echo lime_1b_gqa8 llama_1b_gqa8 lime_1b_mha llama_1b_mha ;;
+        ablation) echo llama_150m lime_150m_full lime_150m_average lime_150m_last2 \
+                       lime_150m_last4 lime_150m_last6 lime_150m_first2 lime_150m_first4 \
+                       lime_150m_first6 ;;
+        deep) echo lime_deep32 llama_deep32 lime_deep64 llama_deep64 lime_deep128 llama_deep128 ;;
+        all) echo "$(configs 1b) $(configs ablation) $(configs deep)" ;;
+        *) return 1 ;;
+    esac
+}
+
+here=$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)
+if ! names=$(configs "${1-}"); then
+    echo "usage: $0 {1b|ablation|deep|all} [pretrain_lime.py flags ...]" >&2
+    exit 2
+fi
+shift
+for name in $names; do
+    "$here/launch.sh" "$here/$name.yaml" "$@"
+done

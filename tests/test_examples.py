@@ -1,0 +1,187 @@
+"""examples/: every YAML config goes through the trainer's --config parsing and
+``pretrain_lime.py --dry-run``, carries the paper's hyperparameters (Table 2) and shapes (Table 3,
+App. D, §5.5), and the launch scripts pass the launch environment on to torchrun."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from lime_megatron import arguments, estimate
+from lime_megatron.data import tokenizer_of
+from test_lime_config import TABLE_8
+
+ROOT = Path(__file__).resolve().parents[1]
+EXAMPLES = ROOT / "examples"
+sys.path.insert(0, str(ROOT))
+import pretrain_lime  # noqa: E402
+
+CONFIGS = sorted(EXAMPLES.glob("*.yaml"))
+DATA_PARALLEL = 8  # data-parallel replicas assumed by the dry runs
+# Paper Table 2 (and App. A for the router), as the trainer's parsed options.
+TABLE_2 = dict(optimizer="adam", lr=1e-3, min_lr=1e-6, lr_decay_style="cosine", lr_warmup_iters=200,
+               weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
+               bf16=True, seq_length=2048, global_batch_size=1024, train_iters=20000)
+LIME_ROUTER = dict(lime_router_lr=1e-2, lime_router_weight_decay=0.0)
+GPT2_VOCAB = 50257
+SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
+
+
+def world_size(path: Path) -> int:
+    """GPUs for the dry run of ``path``: its model-parallel size times DATA_PARALLEL."""
+    values = yaml.safe_load(path.read_text())
+    return (values.get("tensor_model_parallel_size", 1) * values.get("pipeline_model_parallel_size", 1)
+            * DATA_PARALLEL)
+
+
+def parsed(path: Path):
+    return arguments.parse_args(["--config", str(path), "--dry-run", "--dry-run-world-size",
+                                 str(world_size(path))])
+
+
+def shape(args) -> tuple:
+    return tuple(getattr(args, key) for key in SHAPE)
+
+
+@pytest.fixture(scope="module")
+def configs() -> dict:
+    """Every example's parsed options, by file stem."""
+    return {path.stem: parsed(path) for path in CONFIGS}
+
+
+def test_every_config_has_the_paper_hyperparameters(configs):
+    assert len(configs) == 19
+    for name, args in configs.items():
+        assert {key: getattr(args, key) for key in TABLE_2} == TABLE_2, name
+        if args.lime:
+            assert {key: getattr(args, key) for key in LIME_ROUTER} == LIME_ROUTER, name
+        assert args.tokenizer_type == "GPT2BPETokenizer" and args.data_path, name
+        assert not args.untie_embeddings_and_output_weights, name
+        assert args.save == args.load == f"checkpoints/{name}" and args.wandb_exp_name == name
+        assert name.startswith("lime_" if args.lime else "llama_"), name
+        assert args.num_microbatches * args.micro_batch_size * args.data_parallel_size == 1024
+
+
+def test_1b_configs_are_table_3_and_count_table_8(configs):
+    """The 1B runs: Table 3's shape, GQA (8 kv heads) or MHA, and Table 8's parameter counts
+    (plus the rows Megatron pads the GPT-2 vocabulary with)."""
+    for (name, lime, kv_heads), (_, exact) in TABLE_8.items():
+        stem = f"{'lime' if lime else 'llama'}_1b_{'gqa8' if kv_heads == 8 else 'mha'}"
+        args = configs[stem]
+        assert shape(args) == (16, 2048, 8192, 32, 8 if kv_heads == 8 else None), stem
+        vocab = tokenizer_of(args).vocab_size
+        result = estimate.estimate(arguments.transformer_config(args), vocab_size=vocab,
+                                   seq_length=2048, micro_batch_size=args.micro_batch_size,
+                                   num_microbatches=args.num_microbatches,
+                                   transformer_impl=args.transformer_impl)
+        assert result.total_parameters == exact + (vocab - GPT2_VOCAB) * 2048, stem
+
+
+def test_ablation_configs_cover_app_d(configs):
+    ablation = {name: args for name, args in configs.items() if "_150m" in name}
+    routers = {(args.lime_router, args.lime_router_window) for args in ablation.values() if args.lime}
+    assert routers == {("full", None), ("average", None), ("last", 2), ("last", 4), ("last", 6),
+                       ("first", 2), ("first", 4), ("first", 6)}
+    assert {shape(args) for args in ablation.values()} == {(12, 768, 3072, 12, None)}
+    assert sum(not args.lime for args in ablation.values()) == 1
+
+
+def test_deep_configs_pair_lime_and_llama_with_pipeline_layouts(configs):
+    for depth in (32, 64, 128):
+        lime, llama = configs[f"lime_deep{depth}"], configs[f"llama_deep{depth}"]
+        assert shape(lime) == shape(llama) == (depth, 512, 2048, 8, None)
+        assert lime.lime_router == "full" and not llama.lime
+        layout = ("pipeline_model_parallel_size", "virtual_pipeline_size",
+                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        assert [getattr(lime, key) for key in layout] == [getattr(llama, key) for key in layout]
+        assert lime.pipeline_model_parallel_size > 1
+
+
+def dry_run(path: Path, capsys) -> str:
+    argv = ["--config", str(path), "--dry-run", "--dry-run-world-size", str(world_size(path))]
+    assert pretrain_lime.main(argv) == 0
+    report = capsys.readouterr().out
+    assert "parameters:" in report and "peak activation memory per GPU" in report
+    return report
+
+
+REPRESENTATIVE = ["lime_1b_gqa8", "lime_150m_first2", "lime_deep128"]
+
+
+@pytest.mark.parametrize("stem", REPRESENTATIVE)
+def test_dry_run_of_representative_configs(stem, capsys):
+    report = dry_run(EXAMPLES / f"{stem}.yaml", capsys)
+    if stem == "lime_deep128":  # the uneven first and last stages
+        assert "    0           0-13 " in report and "    7        116-127 " in report
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("path", CONFIGS, ids=[p.stem for p in CONFIGS])
+def test_dry_run_of_every_config(path, capsys):
+    dry_run(path, capsys)
+
+
+# ------------------------------------------------------------------------------ scripts
+
+
+@pytest.fixture
+def stub_torchrun(tmp_path):
+    """A ``torchrun`` on PATH that records its arguments; returns (environment, log file)."""
+    log = tmp_path / "torchrun.log"
+    stub = tmp_path / "bin" / "torchrun"
+    stub.parent.mkdir()
+    stub.write_text('#!/bin/sh\necho "$CUDA_DEVICE_MAX_CONNECTIONS $*" >> "$STUB_LOG"\n')
+    stub.chmod(0o755)
+    env = {key: value for key, value in os.environ.items()
+           if key not in ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
+                          "SLURM_NNODES", "SLURM_NODEID", "CUDA_DEVICE_MAX_CONNECTIONS")}
+    env.update(PATH=f"{stub.parent}:{env['PATH']}", STUB_LOG=str(log))
+    return env, log
+
+
+def run_script(script: str, *args, env) -> subprocess.CompletedProcess:
+    return subprocess.run(["bash", str(EXAMPLES / script), *map(str, args)], env=env,
+                          capture_output=True, text=True, timeout=60)
+
+
+def test_launch_passes_the_environment_to_torchrun(stub_torchrun):
+    env, log = stub_torchrun
+    config = EXAMPLES / "lime_1b_gqa8.yaml"
+    multi_node = dict(env, GPUS_PER_NODE="8", NNODES="4", NODE_RANK="2", MASTER_ADDR="node0",
+                      MASTER_PORT="29500")
+    assert run_script("launch.sh", config, "--train-iters", "10", env=multi_node).returncode == 0
+    slurm = dict(env, GPUS_PER_NODE="4", SLURM_NNODES="2", SLURM_NODEID="1")
+    assert run_script("launch.sh", config, env=slurm).returncode == 0
+    script = ROOT / "pretrain_lime.py"
+    assert log.read_text().splitlines() == [
+        f"1 --nproc-per-node 8 --nnodes 4 --node-rank 2 --master-addr node0 --master-port 29500 "
+        f"{script} --config {config} --train-iters 10",
+        f"1 --nproc-per-node 4 --nnodes 2 --node-rank 1 --master-addr localhost --master-port 6000 "
+        f"{script} --config {config}",
+    ]
+
+
+def test_launch_without_a_config_fails_with_usage(stub_torchrun):
+    env, log = stub_torchrun
+    result = run_script("launch.sh", EXAMPLES / "missing.yaml", env=env)
+    assert result.returncode == 2 and "usage:" in result.stderr and "missing.yaml" in result.stderr
+    assert not log.exists()
+
+
+def test_run_paper_launches_every_config_once(stub_torchrun):
+    env, log = stub_torchrun
+    assert run_script("run_paper.sh", "all", "--dry-run", env=env).returncode == 0
+    launched = [line.split("--config ")[1].split()[0] for line in log.read_text().splitlines()]
+    assert sorted(launched) == [str(path) for path in CONFIGS]
+    assert all(line.endswith("--dry-run") for line in log.read_text().splitlines())
+    assert run_script("run_paper.sh", "tables", env=env).returncode == 2
+
+
+def test_readme_lists_every_config():
+    readme = (EXAMPLES / "README.md").read_text()
+    assert all(f"`{path.name}`" in readme for path in CONFIGS)
