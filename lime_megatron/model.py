@@ -70,7 +70,8 @@ class LimeGPTModel(GPTModel):
         extra_block_kwargs = {**(extra_block_kwargs or {}), "context": memory.handle()}
         output = super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
         if not self.post_process:
-            output = SendStage.apply(output, memory, layers.sent, stage_tensor_width(self.config, layers.own.stop))
+            width = stage_tensor_width(self.config, layers.own.stop)
+            output = SendStage.apply(output, memory, layers.sent, width)
         return output
 
     def routers(self) -> list[LimeRouter]:

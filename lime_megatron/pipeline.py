@@ -37,14 +37,15 @@ from lime_megatron.memory import LayerIntegratedMemory
 from lime_megatron.router import routing_consumers
 
 
-def carried_layers(boundary: int, num_layers: int, variant: str, window: int | None) -> range:
-    """Layers before ``boundary`` read by some layer at or after it: the K/V rows a stage
+def carried_layers(config, boundary: int) -> range:
+    """Layers before ``boundary`` read by some layer at or after it (of the model ``config``
+    describes): the K/V rows a stage
     tensor carries across the boundary before layer ``boundary``.  A contiguous range for every
     router variant: ``[0, b)`` for ``full``/``average``, ``[b - j + 1, b)`` for ``last``-j,
     ``[0, min(j, b))`` for ``first``-j (empty at 0 and at ``num_layers``)."""
     carried = [
         layer for layer in range(boundary)
-        if routing_consumers(layer, num_layers, variant, window)[1] > boundary
+        if routing_consumers(layer, config.num_layers, config.lime_router, config.lime_router_window)[1] > boundary
     ]
     if not carried:
         return range(boundary, boundary)
@@ -67,10 +68,7 @@ class ChunkLayers:
     @classmethod
     def of(cls, own: range, config) -> "ChunkLayers":
         """The boundaries of the chunk of layers ``own`` in a model described by ``config``."""
-        def carried(boundary):
-            return carried_layers(boundary, config.num_layers, config.lime_router, config.lime_router_window)
-
-        return cls(own=own, received=carried(own.start), sent=carried(own.stop))
+        return cls(own=own, received=carried_layers(config, own.start), sent=carried_layers(config, own.stop))
 
 
 def _heads_and_sequence_factor(config) -> tuple[int, int]:
@@ -91,7 +89,7 @@ def exact_stage_width(config, boundary: int) -> int:
     carried layers' K/V rows spread over the ``[s', b]`` positions."""
     if not getattr(config, "lime", False):
         return config.hidden_size
-    carried = carried_layers(boundary, config.num_layers, config.lime_router, config.lime_router_window)
+    carried = carried_layers(config, boundary)
     local_heads, factor = _heads_and_sequence_factor(config)
     return config.hidden_size + len(carried) * local_heads * 2 * config.kv_channels * factor
 
@@ -125,6 +123,7 @@ class SendStage(torch.autograd.Function):
         for part in rows:
             flat[offset : offset + part.numel()].view_as(part).copy_(part)
             offset += part.numel()
+        flat[offset:].zero_()  # padding to the widest boundary (virtual stages), never read
         ctx.memory, ctx.layers, ctx.hidden_shape = memory, layers, hidden.shape
         return stage
 
