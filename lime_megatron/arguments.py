@@ -513,6 +513,7 @@ def transformer_config(args: argparse.Namespace):
         recompute_method=args.recompute_method,
         recompute_num_layers=args.recompute_num_layers,
         use_cpu_initialization=not torch.cuda.is_available(),
+        transformer_impl=args.transformer_impl,
         lime=args.lime,
         lime_router=args.lime_router or "full",
         lime_router_window=args.lime_router_window,

@@ -113,7 +113,9 @@ def dry_run_report(args: argparse.Namespace) -> str:
     config = arguments.transformer_config(args)
     return estimate.dry_run_report(
         config, vocab_size=data.tokenizer_of(args).vocab_size, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches)
+        micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
+        transformer_impl=args.transformer_impl,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
 
 
 @contextlib.contextmanager
