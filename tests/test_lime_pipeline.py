@@ -46,7 +46,8 @@ def make_chunk(config, *, pre_process, post_process, vp_stage):
     return build_model(config, VOCAB, SEQ, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
-def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ, stages: dict = {}):
+def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ, stages: dict = {},
+          micro_batches: int = MICRO_BATCHES):
     """``steps`` SGD steps; returns (losses, [full grads per step], initial full weights).
     ``stages``: config options of the pipeline split (left out of the single-stage reference)."""
     initialize_layout(layout)
@@ -55,7 +56,7 @@ def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: in
     torch.manual_seed(7)
     chunks = build_chunks(partial(make_chunk, config), config, weights, extra_shard_rules=rules)
     initial = gather_full(chunks, extra_shard_rules=rules)
-    batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, seq, VOCAB))
+    batches = data_parallel_share(make_batches(micro_batches, 2, seq, VOCAB))
     losses, grads = [], []
     for _ in range(steps):
         losses.append(forward_backward(chunks, batches))
@@ -161,8 +162,9 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
 
 
 def deep_eight_stages() -> dict:
-    reference = train(Layout(), DEEP, steps=1, seq=8)
-    return {layout.name: compare(layout, DEEP, reference, steps=1, seq=8)
+    settings = dict(steps=1, seq=8, micro_batches=8)
+    reference = train(Layout(), DEEP, **settings)
+    return {layout.name: compare(layout, DEEP, reference, **settings)
             for layout in (Layout(pp=8), Layout(pp=4, vpp=2))}
 
 
