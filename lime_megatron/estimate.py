@@ -6,9 +6,9 @@ behind it (a ``StageEstimate`` per pipeline rank, a ``ChunkEstimate`` per model 
 needs ``torch.distributed`` nor more than one process.
 
 **Parameters** are counted on models that megatron builds on the meta device, one pipeline
-stage / virtual chunk at a time: megatron's own ``get_num_layers_to_build`` and
-``get_transformer_layer_offset`` say which layers each chunk holds (uneven first/last stages
-included), and the chunk is built for its pipeline rank with a one-rank stand-in for the process
+stage / virtual chunk at a time: ``config.pipeline_layer_split`` (megatron's own
+``get_num_layers_to_build`` and ``get_transformer_layer_offset``) says which layers each chunk
+holds (uneven first/last stages included), and the chunk is built for its pipeline rank with a one-rank stand-in for the process
 groups (nothing communicates while building on meta). Chunks are built at tensor-parallel size 1
 and divided exactly by megatron's sharding rules: a parameter that megatron marks
 tensor-parallel (``tensor_model_parallel``, ``partition_dim``) holds 1/TP of its
@@ -54,11 +54,13 @@ LIMe adds, per layer, its raw keys and values in the layer-integrated memory,
 setting). With ``lime_recompute_routed_kv`` (default) the routed keys/values that attention saves
 are rebuilt in backward: attention keeps no keys/values except copies it makes itself (local
 GQA expansion) and no QKV output; without it, the routed tensor 2*s*b*g_t*d replaces the QKV
-output as the values' storage. A chunk after a pipeline boundary keeps the received K/V rows of
-earlier layers (``pipeline.carried_layers``: all b layers before a boundary after layer b for
-the ``full`` router, at most the window for ``last``/``first``), 2*s*b*g_t*d each; a chunk
-before a boundary keeps the stage tensor it sent (hidden state plus the carried rows) until its
-backward unless ``deallocate_pipeline_outputs``.
+output as the values' storage. Pipeline stages exchange ``pipeline``'s stage tensor
+[s_h, b, width]: the hidden state plus the K/V rows of the earlier layers that later ones read
+(``pipeline.carried_layers``: all b layers before a boundary after layer b for the ``full``
+router, at most the window for ``last``/``first``), 2*s*b*g_t*d each; with virtual stages every
+stage tensor is padded to the widest boundary (``pipeline.stage_tensor_width``). A chunk keeps
+the stage tensor it received (its hidden part is counted as the first layer's input) and, until
+its backward, the one it sent (unless ``deallocate_pipeline_outputs``).
 
 Per chunk also: token ids (first chunk; with TP also the bool mask of ids outside the rank's
 vocabulary rows); the final norm, the output layer's input and the
@@ -83,14 +85,12 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron.core.process_groups_config import ProcessGroupCollection
-from megatron.core.transformer.transformer_block import get_num_layers_to_build
-from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from lime_megatron.accounting import forward_flops_per_token, layer_flops_per_token, router_flops_per_token
-from lime_megatron.config import LimeTransformerConfig
+from lime_megatron.config import LimeTransformerConfig, pipeline_layer_split
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.model import LimeGPTModel
-from lime_megatron.pipeline import ChunkLayers
+from lime_megatron.pipeline import stage_tensor_width
 from lime_megatron.router import HeadSharding, LimeRouter, routing_sources
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -112,8 +112,9 @@ class ActivationBytes:
     """Transformer layers (after recomputation)."""
     lime_memory: int = 0
     """The chunk's own raw keys/values in the layer-integrated memory."""
-    received_rows: int = 0
-    """K/V rows of earlier stages' layers received with the stage tensor."""
+    received_stage: int = 0
+    """The received stage tensor beyond its hidden state (the first layer's input): K/V rows
+    of earlier stages' layers, and padding under virtual stages."""
     sent_stage: int = 0
     """The stage tensor sent on, kept until backward (0 with deallocate_pipeline_outputs)."""
     embedding: int = 0
@@ -123,7 +124,7 @@ class ActivationBytes:
 
     @property
     def total(self) -> int:
-        return (self.layers + self.lime_memory + self.received_rows + self.sent_stage
+        return (self.layers + self.lime_memory + self.received_stage + self.sent_stage
                 + self.embedding + self.output)
 
 
@@ -221,24 +222,18 @@ class _Chunk:
 
 
 def chunk_layout(config: LimeTransformerConfig) -> list[list[_Chunk]]:
-    """Per pipeline rank, its chunks in virtual-stage order, with megatron's layer assignment."""
+    """Per pipeline rank, its chunks in virtual-stage order (``config.pipeline_layer_split``:
+    megatron's layer assignment)."""
     if config.pipeline_model_parallel_layout is not None:
         raise ValueError("the dry-run estimate does not support pipeline_model_parallel_layout; "
                          "use num_layers_in_first/last_pipeline_stage")
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    stages = []
-    for rank in range(pp):
-        chunks = []
-        for vp in (range(vpp) if vpp else [None]):
-            first = get_transformer_layer_offset(config, vp, rank)
-            layers = range(first, first + get_num_layers_to_build(config, vp, rank))
-            chunks.append(_Chunk(rank, vp, layers, rank == 0 and vp in (None, 0),
-                                 rank == pp - 1 and vp in (None, (vpp or 1) - 1)))
-        stages.append(chunks)
-    built = sorted(layer for chunks in stages for chunk in chunks for layer in chunk.layers)
-    if built != list(range(config.num_layers)):
-        raise ValueError(f"the pipeline layout builds layers {built}, not 0..{config.num_layers - 1}")
-    return stages
+    split = pipeline_layer_split(config)
+    last = (vpp or 1) - 1
+    return [[_Chunk(rank, vp, split[rank, vp], rank == 0 and vp in (None, 0),
+                    rank == pp - 1 and vp in (None, last))
+             for vp in (range(vpp) if vpp else [None])]
+            for rank in range(pp)]
 
 
 # ------------------------------------------------------------------------------ parameters
@@ -509,19 +504,23 @@ def chunk_activations(config: LimeTransformerConfig, chunk: _Chunk, geometry: Ge
     layers = kept * per_layer + checkpoints * checkpoint
     if checkpoints:  # every checkpoint also keeps the rotary frequencies [s, 1, 1, d] (one tensor)
         layers += geometry.seq * geometry.head_dim * FP32
-    boundaries = ChunkLayers.of(chunk.layers, config) if config.lime else None
-    rows = geometry.kv_rows
+
+    def stage_tensor(boundary: int) -> int:  # bytes of the stage tensor [s_h, b, width]
+        width = stage_tensor_width(config, boundary)
+        return geometry.hidden_rows * geometry.batch * width * geometry.element
+
+    received = 0 if chunk.pre_process else stage_tensor(chunk.layers.start) - geometry.hidden_state
     sent = 0
     if not chunk.post_process and not config.deallocate_pipeline_outputs:
-        sent = geometry.hidden_state + (len(boundaries.sent) * rows if boundaries else 0)
+        sent = stage_tensor(chunk.layers.stop)
     output = 0
     if chunk.post_process:
         loss = geometry.seq * geometry.batch * (geometry.vocab * FP32 + 1 + INT64)
         output = _norm_bytes(geometry, impl) + geometry.hidden_state + loss
     activations = ActivationBytes(
         layers=layers,
-        lime_memory=len(chunk.layers) * rows if config.lime else 0,
-        received_rows=len(boundaries.received) * rows if boundaries else 0,
+        lime_memory=len(chunk.layers) * geometry.kv_rows if config.lime else 0,
+        received_stage=received,
         sent_stage=sent,
         embedding=_embedding_bytes(config, geometry) if chunk.pre_process else 0,
         output=output,
@@ -677,7 +676,7 @@ def report_lines(result: DryRunEstimate) -> list[str]:
             a = chunk.activations
             name = f"stage {chunk.pp_rank}" + (f" chunk {chunk.vp_stage}" if chunk.vp_stage is not None else "")
             lines.append(f"  {name}, layers {_layers(chunk.layers)}, one microbatch: layers {_gib(a.layers)}, "
-                         f"LIMe memory {_gib(a.lime_memory)}, received K/V {_gib(a.received_rows)}, "
+                         f"LIMe memory {_gib(a.lime_memory)}, received K/V {_gib(a.received_stage)}, "
                          f"sent stage tensor {_gib(a.sent_stage)}, embedding/output "
                          f"{_gib(a.embedding + a.output)}, recompute working set "
                          f"{_gib(chunk.recompute_peak_bytes)}")
