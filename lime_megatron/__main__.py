@@ -60,23 +60,44 @@ def _run(step: str, command: list[str]) -> None:
     print(f"({step}: {time.perf_counter() - start:.1f} s)", flush=True)
 
 
+TOKENIZER_VOCAB = 48  # SentencePiece pieces: the task's 18 characters and frequent merges
+
+
+def data_steps(out: Path, num_samples: int) -> list[tuple[str, str, list[str]]]:
+    """The data stages as ``(name, tool script, its arguments)``: generate, train the tokenizer,
+    preprocess."""
+    jsonl, tokenizer = out / "arith.jsonl", out / "tokenizer"
+    return [
+        ("arithmetic data", "make_arithmetic_data.py",
+         ["--output", str(jsonl), "--num-samples", str(num_samples), "--seed", "0", "--no-progress"]),
+        ("tokenizer", "train_tokenizer.py",
+         ["--input", str(jsonl), "--kind", "sentencepiece", "--vocab-size", str(TOKENIZER_VOCAB),
+          "--character-coverage", "1.0", "--no-byte-fallback", "--output-dir", str(tokenizer),
+          "--no-progress"]),
+        ("preprocessing", "preprocess_data.py",
+         ["--input", str(jsonl), "--output-prefix", str(out / "arith"), "--append-eod",
+          "--no-progress", *tokenizer_flags(out)]),
+    ]
+
+
+def tokenizer_flags(out: Path) -> list[str]:
+    """Tokenizer flags shared by the preprocessing tool and the trainer."""
+    return ["--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", str(out / "tokenizer" / "tokenizer.model"),
+            "--make-vocab-size-divisible-by", "64"]
+
+
+def trainer_data_flags(out: Path) -> list[str]:
+    """The trainer's data and tokenizer flags for the data of :func:`data_steps`."""
+    return ["--data-path", str(out / "arith_text_document"), "--data-cache-path",
+            str(out / "cache"), *tokenizer_flags(out)]
+
+
 def prepare_data(out: Path, num_samples: int) -> list[str]:
-    """Generate, tokenize and preprocess the task; the trainer's data/tokenizer flags."""
-    python = sys.executable
-    jsonl, tokenizer, prefix = out / "arith.jsonl", out / "tokenizer", out / "arith"
-    _run("arithmetic data", [python, "tools/make_arithmetic_data.py", "--output", str(jsonl),
-                             "--num-samples", str(num_samples), "--seed", "0", "--no-progress"])
-    _run("tokenizer", [python, "tools/train_tokenizer.py", "--input", str(jsonl), "--kind",
-                       "sentencepiece", "--vocab-size", "48", "--character-coverage", "1.0",
-                       "--no-byte-fallback", "--output-dir", str(tokenizer), "--no-progress"])
-    tokenizer_flags = ["--tokenizer-type", "SentencePieceTokenizer",
-                       "--tokenizer-model", str(tokenizer / "tokenizer.model"),
-                       "--make-vocab-size-divisible-by", "64"]
-    _run("preprocessing", [python, "tools/preprocess_data.py", "--input", str(jsonl),
-                           "--output-prefix", str(prefix), "--append-eod", "--no-progress",
-                           *tokenizer_flags])
-    return ["--data-path", f"{prefix}_text_document", "--data-cache-path", str(out / "cache"),
-            *tokenizer_flags]
+    """Run the data stages; the trainer's data flags."""
+    for name, tool, tool_args in data_steps(out, num_samples):
+        _run(name, [sys.executable, f"tools/{tool}", *tool_args])
+    return trainer_data_flags(out)
 
 
 def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:

@@ -33,6 +33,7 @@ import torch
 from megatron.core import dist_checkpointing, parallel_state, tensor_parallel
 from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
+from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
 from lime_megatron.arguments import MODEL_SHAPE_KEYS, UsageError
 
@@ -214,11 +215,20 @@ def _read_common(directory: str) -> dict:
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
     except Exception as error:  # noqa: BLE001 - any failure to read means a corrupt checkpoint
-        raise CheckpointError(f"corrupt checkpoint {directory}: {type(error).__name__}: {error}") from None
+        raise CheckpointError(f"corrupt checkpoint {directory}: {_cause(error)}") from None
     if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{directory} is not a checkpoint of this trainer (format "
                               f"{FORMAT_VERSION})")
     return common
+
+
+def _cause(error: Exception) -> str:
+    """One line naming what went wrong. torch.distributed.checkpoint wraps each rank's failure
+    in a ``CheckpointException`` (a ``BaseException``) whose text is that rank's traceback: its
+    last line is the cause."""
+    lines = [line.strip() for line in str(error).strip().splitlines() if line.strip()]
+    last = lines[-1] if lines else ""
+    return last if len(lines) > 1 else f"{type(error).__name__}: {last}"
 
 
 def check_compatible(directory: str, saved: dict, current: dict, load_optim: bool) -> None:
@@ -269,8 +279,9 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, run: dict, *, 
                               rng=rng, is_loading=True)
     try:
         loaded = dist_checkpointing.load(template, directory)
-    except Exception as error:  # noqa: BLE001 - report which checkpoint and why
-        raise CheckpointError(f"cannot load checkpoint {directory}: {type(error).__name__}: {error}") from None
+    except (Exception, TorchCheckpointException) as error:  # noqa: BLE001 - say which and why
+        raise CheckpointError(f"cannot load checkpoint {directory} (corrupt or truncated?): "
+                              f"{_cause(error)}") from None
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"])
     state = TrainingState()

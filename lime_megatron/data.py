@@ -54,17 +54,18 @@ class NullTokenizer:
 
 
 def tokenizer_of(args: argparse.Namespace):
-    """The run's tokenizer: a :class:`NullTokenizer` for ``--mock-data --vocab-size N``, else
+    """The run's tokenizer: a :class:`NullTokenizer` for ``--vocab-size N`` (mock data and dry
+    runs only), else
     the one the tokenizer flags describe (``lime_megatron.tokenizer``).
 
     The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` alone (which
     must be divisible by the TP size), not of that times the TP size as in Megatron-LM, so the
     embedding's shape, and with it every checkpoint, does not depend on the layout."""
-    if args.mock_data and args.vocab_size is not None:
+    if args.vocab_size is not None:
         return NullTokenizer.of(args.vocab_size, args.make_vocab_size_divisible_by, 1)
     try:
         return build_tokenizer(**{**tokenizer_kwargs(args), "tensor_model_parallel_size": 1})
-    except (OSError, ValueError) as error:
+    except (OSError, ValueError, RuntimeError) as error:  # sentencepiece raises RuntimeError
         raise DataError(f"cannot build the {args.tokenizer_type} tokenizer: {error}") from None
 
 

@@ -323,9 +323,9 @@ def _resume(args, model, optimizer, scheduler, run: dict, result: TrainingResult
 
 def pretrain(args: argparse.Namespace) -> TrainingResult:
     """Train as ``args`` say, inside an initialised :func:`distributed` context."""
+    config = arguments.transformer_config(args)
     tokenizer = data.tokenizer_of(args)
     datasets = data.build_datasets(args, tokenizer)
-    config = arguments.transformer_config(args)
     model = build_model_chunks(args, config, tokenizer.vocab_size)
     optimizer = build_optimizer(args, model)
     scheduler = build_scheduler(args, optimizer)

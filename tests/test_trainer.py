@@ -1,0 +1,360 @@
+"""pretrain_lime.py in one process: options and config files, the router parameter group, loss
+going down on the main job's data, exact resume, signals, checkpoint and data errors, metrics
+sinks and the dry run. Runs call the trainer in-process (``training.train``/``main``).
+"""
+
+import importlib
+import json
+import os
+import re
+import shutil
+import signal
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from lime_megatron import arguments, training
+from lime_megatron import __main__ as main_job
+from lime_megatron.arguments import ArgumentsError, parse_args
+from lime_megatron.checkpointing import TRACKER, CheckpointError, published_iterations
+from lime_megatron.data import DataError
+from lime_megatron.optimizer import NO_WEIGHT_DECAY, param_group_overrides, router_override
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+# megatron-core's notices on CPU (no apex/TE, deprecated defaults) repeat for every model built.
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+        "--seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data "
+        "--vocab-size 128 --log-interval 100 --eval-iters 0").split()
+# LIMe with its own router schedule (lr 1e-2) and dropout, so that resuming needs the optimizer's
+# router group, the scheduler and the RNG states to come back exactly.
+RESUMABLE = TINY + "--lime --hidden-dropout 0.1 --train-iters 6".split()
+
+
+def flatten(parts) -> list[str]:
+    """Command-line tokens from strings, paths and (nested) lists of them."""
+    return [token for part in parts
+            for token in (flatten(part) if isinstance(part, list) else [str(part)])]
+
+
+def run(*argv):
+    """``training.train`` on the flags ``argv`` (strings, paths, lists of them)."""
+    return training.train(flatten(argv))
+
+
+def metrics(path) -> list:
+    return [json.loads(line) for line in Path(path).read_text().splitlines()]
+
+
+# --------------------------------------------------------------------------- options
+
+
+def test_config_file_command_line_and_defaults(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("num_layers: 8\nhidden_size: 64\nlime: true\nlime_router: last\n"
+                      "lime_router_window: 2\ndata_path: [0.3, data/a, 0.7, data/b]\n"
+                      "sequence_parallel: false\nlr: 1.0e-3\n")
+    args = parse_args(["--config", str(config), "--num-layers", "4", "--num-attention-heads", "4",
+                       "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "5"],
+                      world_size=2)
+    assert (args.num_layers, args.hidden_size, args.lime, args.lime_router) == (4, 64, True, "last")
+    assert args.data_path == ["0.3", "data/a", "0.7", "data/b"] and args.lr == 1e-3
+    assert (args.data_parallel_size, args.global_batch_size, args.num_microbatches) == (2, 4, 1)
+    assert args.lime_router_lr == arguments.PAPER_ROUTER_LR and args.lime_router_weight_decay == 0.0
+    assert args.lr_decay_iters == 5 and args.split == "969,30,1"
+    rest = ["--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
+            "--train-iters", "5"]
+    with pytest.raises(ArgumentsError, match="--lime-router, --lime-router-window only apply to LIMe"):
+        parse_args(["--config", str(config), "--no-lime", *rest], world_size=1)
+    config.write_text("num_layers: 8\nhidden_size: 64\nlime: true\nmock_data: true\nlr: 1.0e-3\n")
+    baseline = parse_args(["--config", str(config), "--no-lime", *rest], world_size=1)
+    assert not baseline.lime and baseline.lime_router is None and baseline.mock_data
+
+
+BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
+        "16", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data"]
+INVALID = [
+    ([], 1, "missing required option.*--num-layers.*--lr"),
+    (BASE + ["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
+    (BASE + ["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
+    (BASE + ["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by micro batch"),
+    (BASE + ["--num-virtual-stages-per-pipeline-rank", "2"], 1, "virtual pipeline stages need"),
+    (BASE + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
+             "--num-layers-per-virtual-pipeline-stage", "1"], 2, "give one of"),
+    (BASE + ["--lime-router", "last"], 1, "only apply to LIMe: add --lime"),
+    (BASE + ["--lime", "--lime-router", "first"], 1, "--lime-router first needs --lime-router-window"),
+    (BASE + ["--lime", "--lime-router-window", "2"], 1, "applies to the last/first routers, not to full"),
+    (BASE + ["--lime", "--lime-router-weight-decay", "0.1", "--weight-decay", "0"], 1,
+     "needs --weight-decay > 0"),
+    (BASE + ["--bf16", "--fp16"], 1, "choose one of --bf16 and --fp16"),
+    (BASE + ["--fp8-format", "e4m3"], 1, "--fp8-format needs --transformer-impl transformer_engine"),
+    (BASE + ["--data-path", "data/x"], 1, "give exactly one data source"),
+    (BASE[:-1], 1, "give exactly one data source"),
+    (BASE[:-1] + ["--valid-data-path", "data/v"], 1, "--valid-data-path/--test-data-path need --train"),
+    (BASE[:-1] + ["--data-path", "0.5", "a", "b"], 1, "give either prefixes only or weight/prefix pairs"),
+    (BASE[:-1] + ["--data-path", "a", "--vocab-size", "64"], 1, "--vocab-size sets the --mock-data"),
+    (BASE + ["--save-interval", "5"], 1, "--save-interval needs --save"),
+    (BASE + ["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be smaller than the decay"),
+    (BASE + ["--min-lr", "1"], 1, "--min-lr 1.0 must lie in"),
+    (BASE + ["--tensor-model-parallel-size", "3", "--num-attention-heads", "6"], 3,
+     "--make-vocab-size-divisible-by 128 must be divisible by --tensor-model-parallel-size 3"),
+    (BASE + ["--use-distributed-optimizer", "--optimizer", "sgd"], 1, "supports only --optimizer adam"),
+    (BASE + ["--num-layers", "x"], 1, "command line: argument --num-layers: invalid int value"),
+    (BASE + ["--lime-router", "middle"], 1, "invalid choice: 'middle'"),
+]
+
+
+@pytest.mark.parametrize("argv, world_size, message", INVALID,
+                         ids=[f"{i}-{m.split()[0]}" for i, (_, _, m) in enumerate(INVALID)])
+def test_invalid_options_fail_with_one_clear_message(argv, world_size, message):
+    if "--bf16" in argv and "--fp16" not in argv and torch.cuda.is_available():
+        pytest.skip("bf16 is valid on GPU")
+    with pytest.raises(ArgumentsError, match=message):
+        parse_args(argv, world_size=world_size)
+
+
+def test_gpu_only_options_fail_on_cpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    for flags, message in ((["--bf16"], "need a CUDA GPU"),
+                           (["--transformer-impl", "transformer_engine"], "needs a CUDA GPU")):
+        with pytest.raises(ArgumentsError, match=message):
+            parse_args(BASE + flags, world_size=1)
+
+
+def test_invalid_model_shape_fails_at_start(capsys):
+    assert training.main(BASE + ["--num-query-groups", "3", "--train-iters", "2"]) == 2
+    error = capsys.readouterr().err
+    assert "pretrain_lime.py: error: invalid model configuration" in error and "must divide" in error
+
+
+@pytest.mark.parametrize("content, message", [
+    ("num_layerz: 4\n", "unknown option 'num_layerz'"),
+    ("lime: yes please\n", "lime must be true or false"),
+    ("num_layers: [1, 2]\n", "num_layers takes one value"),
+    ("num_layers: four\n", "argument --num-layers: invalid int value: 'four'"),
+    ("- 1\n- 2\n", "must hold a mapping"),
+    ("a: [\n", "is not valid YAML"),
+])
+def test_config_file_errors(tmp_path, content, message):
+    config = tmp_path / "bad.yaml"
+    config.write_text(content)
+    with pytest.raises(ArgumentsError, match=f"config file .*{message}"):
+        parse_args(["--config", str(config)], world_size=1)
+    with pytest.raises(ArgumentsError, match="cannot read config file"):
+        parse_args(["--config", str(tmp_path / "missing.yaml")], world_size=1)
+
+
+# --------------------------------------------------------------------------- optimizer groups
+
+
+def test_router_group_is_distinct_or_merged():
+    paper = parse_args(BASE + ["--lime", "--weight-decay", "0.1", "--min-lr", "1e-6"], world_size=1)
+    assert router_override(paper) == dict(wd_mult=0.0, max_lr=1e-2, min_lr=pytest.approx(1e-5),
+                                          lr_mult=pytest.approx(10.0))
+    # Same lr and no decay: exactly the no-weight-decay group's override, so megatron merges them
+    # (a group differing only in max_lr would collide with it when a checkpoint is loaded).
+    same_lr = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3"], world_size=1)
+    assert router_override(same_lr) == param_group_overrides(same_lr)[NO_WEIGHT_DECAY]
+    default = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.05",
+                                 "--lime-router-weight-decay", "0.05"], world_size=1)
+    assert router_override(default) == {} and len(param_group_overrides(default)) == 1
+    halved = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.1",
+                                "--lime-router-weight-decay", "0.05"], world_size=1)
+    assert router_override(halved) == {"wd_mult": 0.5}
+
+
+# --------------------------------------------------------------------------- training
+
+
+@pytest.fixture(scope="module")
+def arithmetic_data(tmp_path_factory):
+    """The main job's data (fewer samples), made in-process by the real tools."""
+    out = tmp_path_factory.mktemp("arith")
+    for _, tool, tool_args in main_job.data_steps(out, num_samples=3000):
+        module = importlib.import_module(tool[:-3])
+        assert module.main(tool_args) in (0, None)
+    return out
+
+
+def test_loss_decreases_on_the_main_jobs_data(arithmetic_data, tmp_path):
+    result = run(main_job.TRAINER_OPTIONS, main_job.trainer_data_flags(arithmetic_data),
+                 "--lime --train-iters 20 --global-batch-size 16 --lr-warmup-iters 5 "
+                 "--eval-interval 20 --eval-iters 1".split(),
+                 "--metrics-file", tmp_path / "m.jsonl")
+    losses = [result.losses[i] for i in sorted(result.losses)]
+    # From log(vocabulary) (random guessing) to clearly below: ~4.2 -> ~3.3 nats in 20 steps.
+    assert len(losses) == 20 and losses[0] > 3.5
+    assert sum(losses[-5:]) / 5 < losses[0] - 0.6, losses
+    assert result.validation[20] < losses[0] - 0.6
+    records = metrics(tmp_path / "m.jsonl")
+    assert [r["iteration"] for r in records] == list(range(1, 21))
+    assert records[-1]["validation_ppl"] == pytest.approx(torch.tensor(result.validation[20]).exp().item())
+    assert all(r["router_lr"] == pytest.approx(r["lr"] * 10 / 3) for r in records)  # lr 3e-3
+
+
+@pytest.fixture(scope="module")
+def uninterrupted(tmp_path_factory):
+    """Six iterations of ``RESUMABLE`` in one go: (result, metrics records)."""
+    path = tmp_path_factory.mktemp("uninterrupted") / "metrics.jsonl"
+    return run(RESUMABLE, "--metrics-file", path), metrics(path)
+
+
+def test_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
+    reference, reference_records = uninterrupted
+    save = tmp_path / "ckpt"
+    flags = [RESUMABLE, "--save", save, "--load", save, "--save-interval", "2", "--ckpt-keep-last",
+             "2", "--metrics-file", tmp_path / "m.jsonl"]
+    first = run(flags, "--exit-interval", "3")
+    assert sorted(first.losses) == [1, 2, 3] and published_iterations(save) == [2, 3]
+    (save / "iter_0000004.tmp").mkdir()  # a save that was killed half-way
+    (save / "iter_0000004.tmp" / "__0_0.distcp").write_bytes(b"partial")
+    second = run(flags)
+    assert second.resumed_from == str(save / "iter_0000003")
+    assert {**first.losses, **second.losses} == reference.losses  # bit-identical
+    assert published_iterations(save) == [4, 6] and (save / TRACKER).read_text() == "6\n"
+    assert not [p for p in save.iterdir() if p.name.endswith(".tmp")]
+    records = metrics(tmp_path / "m.jsonl")
+    assert [r["iteration"] for r in records] == list(range(1, 7))
+    assert [r["lr"] for r in records] == [r["lr"] for r in reference_records]
+    assert [r["grad_norm"] for r in records] == [r["grad_norm"] for r in reference_records]
+    # The test can fail: without the RNG states, dropout draws differ after the resume.
+    shutil.rmtree(save / "iter_0000006")
+    (save / TRACKER).write_text("4\n")
+    without_rng = run(RESUMABLE, "--load", save, "--no-load-rng")
+    assert without_rng.losses[5] != reference.losses[5]
+
+
+def test_signal_stops_with_a_checkpoint_and_resume_continues(uninterrupted, tmp_path):
+    """SIGINT (in-process; SIGTERM is handled the same way) ends the run at an iteration
+    boundary with a checkpoint; resuming reproduces the uninterrupted run."""
+    reference, _ = uninterrupted
+    save, path = tmp_path / "ckpt", tmp_path / "m.jsonl"
+
+    def interrupt_after_first_iteration():
+        while not path.exists() or not path.read_text():
+            time.sleep(0.005)
+        os.kill(os.getpid(), signal.SIGINT)
+
+    threading.Thread(target=interrupt_after_first_iteration, daemon=True).start()
+    stopped = run(RESUMABLE, "--save", save, "--metrics-file", path)
+    assert stopped.stopped_by == "SIGINT" and 1 <= stopped.iteration < 6
+    assert published_iterations(save) == [stopped.iteration]
+    resumed = run(RESUMABLE, "--load", save)
+    assert {**stopped.losses, **resumed.losses} == reference.losses
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.fixture(scope="module")
+def checkpoint(tmp_path_factory):
+    """A one-iteration checkpoint of ``RESUMABLE`` (its root directory)."""
+    root = tmp_path_factory.mktemp("checkpoint") / "ckpt"
+    run(RESUMABLE, "--save", root, "--exit-interval", "1")
+    return root
+
+
+def _break(root: Path, how: str) -> None:
+    directory = root / "iter_0000001"
+    if how == "tracker":
+        (root / TRACKER).write_text("latest\n")
+    elif how == "missing":
+        (root / TRACKER).write_text("7\n")
+    elif how == "incomplete":
+        (directory / "metadata.json").unlink()
+    elif how == "truncated":
+        for shard in directory.glob("*.distcp"):
+            shard.write_bytes(shard.read_bytes()[:100])
+
+
+@pytest.mark.parametrize("how, flags, message", [
+    ("tracker", [], "corrupt checkpoint tracker .*found 'latest'"),
+    ("missing", [], "names iteration 7, but .*iter_0000007 does not exist"),
+    ("incomplete", [], "is not a complete checkpoint"),
+    ("truncated", [], "cannot load checkpoint .*iter_0000001"),
+    (None, ["--vocab-size", "200"], "vocabulary mismatch: .*128 tokens, padded 128.*200 tokens, padded 256"),
+    (None, ["--num-layers", "2", "--hidden-size", "32"], "model shape mismatch.*num_layers 4 vs 2, hidden_size 64 vs 32"),
+    (None, ["--use-distributed-optimizer"], "state of the regular optimizer, this run uses the distributed"),
+])
+def test_bad_checkpoints_fail_with_one_clear_message(checkpoint, tmp_path, capsys, how, flags, message):
+    root = tmp_path / "ckpt"
+    shutil.copytree(checkpoint, root)
+    if how:
+        _break(root, how)
+    argv = flatten([RESUMABLE, "--load", root, flags])
+    assert training.main(argv) == 2
+    error = capsys.readouterr().err.strip()
+    assert error.startswith("pretrain_lime.py: error: ") and len(error.splitlines()) == 1
+    assert re.search(message, error), error
+
+
+def test_missing_checkpoint_and_data(tmp_path, checkpoint):
+    with pytest.raises(CheckpointError, match="no checkpoint in --load .*nowhere"):
+        run(RESUMABLE, "--load", tmp_path / "nowhere")
+    with pytest.raises(CheckpointError, match="no checkpoint in --load"):
+        run(RESUMABLE, "--load", tmp_path / "a", "--save", tmp_path / "a", "--exit-on-missing-checkpoint")
+    weights_only = run(RESUMABLE, "--load", checkpoint, "--no-load-optim", "--train-iters", "2")
+    assert sorted(weights_only.losses) == [1, 2]
+    argv = [a for a in RESUMABLE if a not in ("--mock-data", "--vocab-size", "128")]
+    with pytest.raises(DataError, match="data path '.*nothing': .*nothing.bin and .*nothing.idx not found"):
+        run(argv, "--data-path", tmp_path / "nothing")
+    with pytest.raises(DataError, match="cannot build the SentencePieceTokenizer tokenizer"):
+        run(argv, "--data-path", tmp_path / "nothing", "--tokenizer-type", "SentencePieceTokenizer",
+            "--tokenizer-model", tmp_path / "none.model")
+
+
+# --------------------------------------------------------------------------- sinks and dry run
+
+
+def test_tensorboard_wandb_and_metrics_file(tmp_path, monkeypatch):
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    result = run(TINY, "--train-iters 3 --eval-iters 1 --eval-interval 2 --log-interval 1".split(),
+                 "--tensorboard-dir", tmp_path / "tb", "--wandb-project", "lime-test",
+                 "--wandb-save-dir", tmp_path / "wandb", "--metrics-file", tmp_path / "m.jsonl")
+    records = metrics(tmp_path / "m.jsonl")
+    assert [r["iteration"] for r in records] == [1, 2, 3]
+    assert {"iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec"} <= set(records[0])
+    assert "validation_loss" in records[1] and "validation_loss" not in records[0]
+    assert [r["lm_loss"] for r in records] == [result.losses[i] for i in (1, 2, 3)]
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(tmp_path / "tb"))
+    events.Reload()
+    assert [e.value for e in events.Scalars("lm_loss")] == pytest.approx([r["lm_loss"] for r in records])
+    assert list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
+
+
+def test_dry_run_needs_no_distributed(capsys):
+    assert training.main(BASE[:-1] + ["--lime", "--dry-run", "--tensor-model-parallel-size", "2",
+                                      "--pipeline-model-parallel-size", "2", "--vocab-size", "96",
+                                      "--global-batch-size", "8"]) == 0
+    report = capsys.readouterr().out
+    assert "TP 2, PP 2" in report and "parameters" in report
+    assert not torch.distributed.is_initialized()
+
+
+# --------------------------------------------------------------------------- the main job
+
+
+@pytest.mark.slow
+def test_main_job_end_to_end(tmp_path):
+    """``python -m lime_megatron`` (shortened): both models train on 2 processes; report and
+    plot written."""
+    import subprocess
+
+    completed = subprocess.run(
+        [sys.executable, "-m", "lime_megatron", "--output-dir", str(tmp_path), "--train-iters", "8",
+         "--num-samples", "2000"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+    assert completed.returncode == 0, completed.stderr[-3000:]
+    assert "LIMe - LLaMA validation loss" in completed.stdout
+    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert len(metrics(tmp_path / "lime.jsonl")) == 8 and len(metrics(tmp_path / "llama.jsonl")) == 8
