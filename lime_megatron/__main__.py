@@ -34,7 +34,7 @@ TRAINER_OPTIONS = [
     "--num-layers", "6", "--hidden-size", "64", "--ffn-hidden-size", "256",
     "--num-attention-heads", "4", "--seq-length", "64",
     "--micro-batch-size", "16", "--global-batch-size", "64",
-    "--lr", "3e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine", "--lr-warmup-iters", "15",
+    "--lr", "3e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
     "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
     "--clip-grad", "1.0", "--split", "95,5,0", "--eval-interval", "30", "--eval-iters", "2",
     "--log-interval", "20", "--seed", "1234",
@@ -100,6 +100,11 @@ def prepare_data(out: Path, num_samples: int) -> list[str]:
     return trainer_data_flags(out)
 
 
+def warmup_iters(train_iters: int) -> int:
+    """Linear warmup over the first eighth of the run (15 of the default 120 iterations)."""
+    return max(1, train_iters // 8)
+
+
 def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
     """Train each model with torchrun on 2 processes; per-iteration metrics of each."""
     metrics = {}
@@ -109,7 +114,8 @@ def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> 
         _run(f"training {name} ({args.layout}, 2 processes)", [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "pretrain_lime.py", *TRAINER_OPTIONS, *LAYOUTS[args.layout], *data_flags, *model_flags,
-            "--train-iters", str(args.train_iters), "--metrics-file", str(path)])
+            "--train-iters", str(args.train_iters),
+            "--lr-warmup-iters", str(warmup_iters(args.train_iters)), "--metrics-file", str(path)])
         metrics[name] = [json.loads(line) for line in path.read_text().splitlines()]
     return metrics
 
@@ -122,14 +128,17 @@ def report(metrics: dict[str, list[dict]], out: Path) -> None:
     """Print the losses side by side and a summary; plot the curves."""
     names = list(metrics)
     iterations = len(metrics[names[0]])
-    step = max(1, iterations // 16)
+    step = max(1, iterations // 12)
+    shown = sorted(set(range(step, iterations + 1, step)) | {iterations} | {
+        r["iteration"] for r in metrics[names[0]] if "validation_loss" in r})
     print(f"\n{'iteration':>9} " + " ".join(f"{n + ' loss':>11}" for n in names)
           + " " + " ".join(f"{n + ' val':>10}" for n in names))
-    for i in list(range(step - 1, iterations, step)) + ([iterations - 1] if (iterations - 1) % step != step - 1 else []):
-        rows = [metrics[n][i] for n in names]
+    for iteration in shown:
+        rows = [metrics[n][iteration - 1] for n in names]
         losses = " ".join(f"{r['lm_loss']:>11.4f}" for r in rows)
-        vals = " ".join(f"{r['validation_loss']:>10.4f}" if "validation_loss" in r else f"{'':>10}" for r in rows)
-        print(f"{rows[0]['iteration']:>9} {losses} {vals}")
+        vals = " ".join(f"{r['validation_loss']:>10.4f}" if "validation_loss" in r else f"{'':>10}"
+                        for r in rows)
+        print(f"{iteration:>9} {losses} {vals}")
     speed = {n: float(np.median([r["tokens_per_sec"] for r in metrics[n][1:]])) for n in names}
     final_val = {n: next((r["validation_loss"] for r in reversed(metrics[n]) if "validation_loss" in r), float("nan"))
                  for n in names}

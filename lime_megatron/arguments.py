@@ -482,11 +482,16 @@ def _check_checkpointing(args, world_size) -> None:
 # --------------------------------------------------------------------------- model config
 
 
+def params_dtype(args: argparse.Namespace) -> torch.dtype:
+    """Parameter dtype of the run: bfloat16, float16 or float32."""
+    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+
+
 def transformer_config(args: argparse.Namespace):
     """The run's ``LimeTransformerConfig``: LLaMA architecture, layout, precision, FP8, recompute
     and LIMe options (CPU overrides merged). Raises :class:`ArgumentsError` for shapes or
     layouts megatron or LIMe reject."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    dtype = params_dtype(args)
     kwargs = dict(
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,

@@ -31,6 +31,7 @@ from megatron.core.optimizer import (
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 
+from lime_megatron.arguments import params_dtype
 from lime_megatron.router import ROUTER_PARAM_ATTR
 
 
@@ -50,7 +51,7 @@ ROUTER = ParamKey(attr=ROUTER_PARAM_ATTR)
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
     """megatron ``OptimizerConfig`` from the training flags (Adam is AdamW)."""
-    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+    dtype = params_dtype(args)
     return OptimizerConfig(
         optimizer=args.optimizer,
         lr=args.lr,
