@@ -219,8 +219,12 @@ def build_parser() -> argparse.ArgumentParser:
 # --------------------------------------------------------------------------- config files
 
 
-def _yaml_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
-    """Command-line tokens equivalent to the YAML config ``path``."""
+DATA_SOURCES = ("data_path", "train_data_path", "valid_data_path", "test_data_path", "mock_data")
+"""Options that choose the data; one given on the command line replaces all of the file's."""
+
+
+def _yaml_tokens(parser: argparse.ArgumentParser, path: str, skip=()) -> list[str]:
+    """Command-line tokens equivalent to the YAML config ``path`` (keys in ``skip`` left out)."""
     try:
         with open(path, encoding="utf-8") as handle:
             values = yaml.safe_load(handle)
@@ -240,7 +244,8 @@ def _yaml_tokens(parser: argparse.ArgumentParser, path: str) -> list[str]:
             raise ArgumentsError(
                 f"config file {path}: unknown option {key!r} (keys are flag names with "
                 "underscores, e.g. num_layers)")
-        tokens += _tokens_of(action, value, path, key)
+        if key not in skip:
+            tokens += _tokens_of(action, value, path, key)
     return tokens
 
 
@@ -272,13 +277,15 @@ def _parse(parser: argparse.ArgumentParser, tokens: list[str], where: str) -> ar
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
     """Defaults < ``--config`` file < command line, validated for a world of ``world_size``
-    processes (default ``$WORLD_SIZE``, else 1). Raises :class:`ArgumentsError`."""
+    processes (default ``$WORLD_SIZE``, else 1). A data source on the command line replaces the
+    file's (``--mock-data`` for a file with ``data_path``). Raises :class:`ArgumentsError`."""
     parser = build_parser()
     argv = list(sys.argv[1:] if argv is None else argv)
     command_line = _parse(parser, argv, "command line")
     tokens = []
     if command_line.config:
-        tokens = _yaml_tokens(parser, command_line.config)
+        data_given = any(getattr(command_line, key) for key in DATA_SOURCES)
+        tokens = _yaml_tokens(parser, command_line.config, DATA_SOURCES if data_given else ())
         _parse(parser, tokens, f"config file {command_line.config}")
     args = _parse(parser, tokens + argv, "command line")
     if world_size is None:

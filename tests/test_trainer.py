@@ -76,6 +76,9 @@ def test_config_file_command_line_and_defaults(tmp_path):
     config.write_text("num_layers: 8\nhidden_size: 64\nlime: true\nmock_data: true\nlr: 1.0e-3\n")
     baseline = parse_args(["--config", str(config), "--no-lime", *rest], world_size=1)
     assert not baseline.lime and baseline.lime_router is None and baseline.mock_data
+    # A data source on the command line replaces the file's (not a second source).
+    real = parse_args(["--config", str(config), "--data-path", "data/x", *rest], world_size=1)
+    assert real.data_path == ["data/x"] and not real.mock_data
 
 
 BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
