@@ -19,6 +19,7 @@ setup(
         "psutil",
         "sentencepiece",
         "wandb",
+        "tensorboard",  # the trainer's --tensorboard-dir (torch.utils.tensorboard)
         "tqdm",
         "pyyaml",
         "matplotlib",
