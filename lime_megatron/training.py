@@ -42,7 +42,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import unwrap_model
 
-from lime_megatron import arguments, checkpointing, data
+from lime_megatron import arguments, checkpointing, data, estimate
 from lime_megatron.arguments import UsageError
 from lime_megatron.compat import default_device
 from lime_megatron.config import LimeConfigError
@@ -108,8 +108,6 @@ def train(argv=None) -> TrainingResult | str:
 def dry_run_report(args: argparse.Namespace) -> str:
     """``lime_megatron.estimate``'s report for the requested model and layout (one process, no
     ``torch.distributed``)."""
-    from lime_megatron import estimate
-
     config = arguments.transformer_config(args)
     return estimate.dry_run_report(
         config, vocab_size=data.tokenizer_of(args).vocab_size, seq_length=args.seq_length,
