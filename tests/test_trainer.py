@@ -364,3 +364,21 @@ def test_main_job_end_to_end(tmp_path):
     assert "LIMe - LLaMA validation loss" in completed.stdout
     assert (tmp_path / "loss.png").stat().st_size > 0
     assert len(metrics(tmp_path / "lime.jsonl")) == 8 and len(metrics(tmp_path / "llama.jsonl")) == 8
+
+
+def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figures():
+    from lime_megatron.accounting import router_flops_per_token
+    from lime_megatron.metrics import IterationMetrics, console_line, training_flops_per_iteration
+
+    args = parse_args(BASE + ["--lime", "--global-batch-size", "8"], world_size=1)
+    lime = arguments.transformer_config(args)
+    baseline = arguments.transformer_config(parse_args(BASE + ["--global-batch-size", "8"], world_size=1))
+    tokens = 8 * 16
+    extra = training_flops_per_iteration(lime, args, 128) - training_flops_per_iteration(baseline, args, 128)
+    assert router_flops_per_token(lime) > 0
+    assert extra == pytest.approx(3 * router_flops_per_token(lime) * tokens)
+    line = console_line(IterationMetrics(iteration=5, lm_loss=2.5, lr=1e-3, grad_norm=0.5,
+                                         tokens_per_sec=1234.0, router_lr=1e-2, tflops_per_gpu=400.0,
+                                         mfu=0.4, loss_scale=1024.0), 10)
+    assert ("iteration       5/     10 | lm loss 2.500000E+00 | lr 1.000E-03 | router lr 1.000E-02 | "
+            "grad norm 0.500 | tokens/s 1,234 | TFLOP/s/GPU 400.0 | MFU 40.0% | loss scale 1024.0") in line
