@@ -26,6 +26,7 @@ from typing import Any
 import torch
 from megatron.core import parallel_state
 from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTensorFactory
+from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
 from lime_megatron.config import LimeTransformerConfig
@@ -175,6 +176,9 @@ class LimeRouter(nn.Module):
             init_router_weight(weight, config.kv_heads)
         self.weight = nn.Parameter(self._local_columns(weight))
         setattr(self.weight, ROUTER_PARAM_ATTR, True)
+        # Split by input head: megatron's gradient norm counts a tensor-parallel parameter on
+        # every rank, others on rank 0 only; a replica of another rank's heads is not counted.
+        set_tensor_model_parallel_attributes(self.weight, is_parallel=self.sharding.primary, dim=1, stride=1)
 
     def _local_columns(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a full router matrix ``[kv_heads, n_sources * kv_heads]``."""
