@@ -269,10 +269,12 @@ class LayerIntegratedMemory:
         grad_kv = self._consumer_grad(layer).view(self.kv_heads, 2, *self.kv_shape[:2], -1)
         return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
 
-    def received_grad(self) -> torch.Tensor:
-        """Gradient of the received rows, ``[len(received_layers) * kv_heads, 2*s*b*d]``, once
-        every own layer's backward ran."""
-        return torch.cat([self._consumer_grad(layer) for layer in self.received_layers], dim=0)
+    def write_received_grad(self, out: torch.Tensor) -> None:
+        """Write the gradient of the received rows into ``out``
+        ``[len(received_layers) * kv_heads, 2*s*b*d]``, once every own layer's backward ran."""
+        h = self.kv_heads
+        for index, layer in enumerate(self.received_layers):
+            out[index * h : (index + 1) * h].copy_(self._consumer_grad(layer))
 
 
 def _scatter_heads(partial: torch.Tensor, sharding: HeadSharding) -> torch.Tensor:

@@ -19,7 +19,7 @@ from megatron.core.transformer.transformer_layer import get_transformer_layer_of
 from lime_megatron.config import LimeTransformerConfig
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.memory import LayerIntegratedMemory
-from lime_megatron.pipeline import ChunkLayers, ReceiveStage, SendStage, stage_tensor_width
+from lime_megatron.pipeline import ChunkLayers, ReceiveStage, SendStage
 from lime_megatron.router import LimeRouter
 
 
@@ -70,8 +70,7 @@ class LimeGPTModel(GPTModel):
         extra_block_kwargs = {**(extra_block_kwargs or {}), "context": memory.handle()}
         output = super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
         if not self.post_process:
-            width = stage_tensor_width(self.config, layers.own.stop)
-            output = SendStage.apply(output, memory, layers.sent, width)
+            output = SendStage.apply(output, memory, layers.sent, layers.sent_width)
         return output
 
     def routers(self) -> list[LimeRouter]:

@@ -56,7 +56,8 @@ def carried_layers(config, boundary: int) -> range:
 
 @dataclass(frozen=True)
 class ChunkLayers:
-    """The global layers of one model chunk and the K/V rows crossing its two boundaries."""
+    """The global layers of one model chunk, the K/V rows crossing its two boundaries and the
+    widths of the stage tensors there."""
 
     own: range
     """Layers built in this chunk."""
@@ -64,11 +65,21 @@ class ChunkLayers:
     """Earlier layers whose rows arrive with the incoming stage tensor."""
     sent: range
     """Layers whose rows leave with the outgoing stage tensor (empty on the last stage)."""
+    received_width: int
+    """Last dimension of the incoming stage tensor (``stage_tensor_width``)."""
+    sent_width: int
+    """Last dimension of the outgoing stage tensor."""
 
     @classmethod
     def of(cls, own: range, config) -> "ChunkLayers":
         """The boundaries of the chunk of layers ``own`` in a model described by ``config``."""
-        return cls(own=own, received=carried_layers(config, own.start), sent=carried_layers(config, own.stop))
+        return cls(
+            own=own,
+            received=carried_layers(config, own.start),
+            sent=carried_layers(config, own.stop),
+            received_width=stage_tensor_width(config, own.start),
+            sent_width=stage_tensor_width(config, own.stop),
+        )
 
 
 def _heads_and_sequence_factor(config) -> tuple[int, int]:
@@ -151,7 +162,7 @@ class ReceiveStage(torch.autograd.Function):
     def forward(ctx, stage, memory: LayerIntegratedMemory, chunk: ChunkLayers, config):
         s, b, width = stage.shape
         hidden_shape = torch.Size((s, b, config.hidden_size))
-        expected, layers = stage_tensor_width(config, chunk.own.start), chunk.received
+        expected, layers = chunk.received_width, chunk.received
         if width != expected:
             raise RuntimeError(
                 f"the stage tensor {tuple(stage.shape)} received before layer {chunk.own.start} should be "
@@ -172,9 +183,10 @@ class ReceiveStage(torch.autograd.Function):
         grad = grad_hidden.new_zeros(ctx.stage_shape)
         flat = grad.view(-1)
         flat[: grad_hidden.numel()].view_as(grad_hidden).copy_(grad_hidden)
-        if len(ctx.memory.received_layers):
-            rows = ctx.memory.received_grad()
-            flat[grad_hidden.numel() : grad_hidden.numel() + rows.numel()].view_as(rows).copy_(rows)
+        received = len(ctx.memory.received_layers) * ctx.memory.kv_heads * ctx.row_length
+        if received:
+            rows = flat[grad_hidden.numel() : grad_hidden.numel() + received].view(-1, ctx.row_length)
+            ctx.memory.write_received_grad(rows)
         return grad, None, None, None
 
 

@@ -46,12 +46,12 @@ def make_chunk(config, *, pre_process, post_process, vp_stage):
     return build_model(config, VOCAB, SEQ, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
 
 
-def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ, stages: dict = {},
-          micro_batches: int = MICRO_BATCHES):
+def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ,
+          stages: dict | None = None, micro_batches: int = MICRO_BATCHES):
     """``steps`` SGD steps; returns (losses, [full grads per step], initial full weights).
     ``stages``: config options of the pipeline split (left out of the single-stage reference)."""
     initialize_layout(layout)
-    config = make_config(layout, **model, **stages)
+    config = make_config(layout, **model, **(stages or {}))
     rules = partial(router_rule, config)
     torch.manual_seed(7)
     chunks = build_chunks(partial(make_chunk, config), config, weights, extra_shard_rules=rules)
@@ -100,7 +100,7 @@ def pipeline_checks(directory: str) -> dict:
     for name, model, layouts, *stages in CASES:
         reference = train(Layout(), model)
         for layout in layouts:
-            report[f"{name} {layout.name}"] = compare(layout, model, reference, stages=stages[0] if stages else {})
+            report[f"{name} {layout.name}"] = compare(layout, model, reference, stages=stages[0] if stages else None)
     deep = train(Layout(), DEEP, steps=1, seq=8)
     report["deep-128 tp1-pp4"] = compare(Layout(pp=4), DEEP, deep, steps=1, seq=8)
     return dict(cases=report, checkpoint=reshard_checkpoint(directory))
