@@ -23,8 +23,10 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from lime_megatron.memory import LayerIntegratedMemory, Rebuilt, recompute_in_backward, route_keys_values
-from lime_megatron.router import HeadSharding, LimeRouter
+from lime_megatron.head_parallel import HeadSharding
+from lime_megatron.memory import LayerIntegratedMemory, route_keys_values
+from lime_megatron.recompute import Rebuilt, recompute_in_backward
+from lime_megatron.router import LimeRouter
 
 
 class LimeSelfAttention(SelfAttention):

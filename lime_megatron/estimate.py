@@ -14,7 +14,7 @@ and divided exactly by megatron's sharding rules: a parameter that megatron mark
 tensor-parallel (``tensor_model_parallel``, ``partition_dim``) holds 1/TP of its
 ``partition_dim`` on every rank, the others (norms) are replicated. The non-router parameters
 of LIMe and of the baseline are the same; each chunk's LIMe routers are built as
-``router.LimeRouter`` for their true layer and the rank's ``HeadSharding`` (split by input kv
+``router.LimeRouter`` for their true layer and the rank's ``head_parallel.HeadSharding`` (split by input kv
 head). Under pipeline parallelism the last stage holds its own output weight (megatron's copy
 of the tied embedding); the model total counts it once when embeddings are tied.
 
@@ -91,7 +91,8 @@ from lime_megatron.config import LimeTransformerConfig, pipeline_layer_split
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.model import LimeGPTModel
 from lime_megatron.pipeline import stage_tensor_width
-from lime_megatron.router import HeadSharding, LimeRouter, routing_sources
+from lime_megatron.head_parallel import HeadSharding
+from lime_megatron.router import LimeRouter, routing_sources
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 RECOMPUTED_MODULES = ("core_attn", "mlp")

@@ -20,7 +20,7 @@ allocated for gradients.
 
 Recomputed routed K/V.  Attention keeps its K and V for backward; for LIMe those are the routed
 (and RoPE-rotated) tensors, which would double the saved K/V on top of the buffer.
-``recompute_in_backward`` drops them from autograd's saved tensors and rebuilds them from the
+``recompute.recompute_in_backward`` drops them from autograd's saved tensors and rebuilds them from the
 buffer when backward first needs them (one extra router product per layer).
 
 The memory of a pass is found by layers through a small handle tensor that megatron threads
@@ -32,12 +32,12 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from contextlib import contextmanager
-from typing import Callable, Iterator
+from typing import Iterator
 
 import torch
 
-from lime_megatron.router import HeadSharding, LimeRouter, routing_consumers
+from lime_megatron.head_parallel import gather_heads, scatter_heads
+from lime_megatron.router import LimeRouter, routing_consumers
 
 _MEMORIES: "weakref.WeakValueDictionary[int, LayerIntegratedMemory]" = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count()
@@ -202,7 +202,7 @@ class LayerIntegratedMemory:
                 partial = part if partial is None else partial.add_(part)
         else:  # a replica of another rank's heads: those terms are added once, by the primary
             partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
-        return self.from_rows(_scatter_heads(partial, router.sharding))
+        return self.from_rows(scatter_heads(partial, router.sharding))
 
     def register(self, router: LimeRouter) -> None:
         """Record that ``router``'s layer read the memory in this pass (its weight is needed by
@@ -277,28 +277,6 @@ class LayerIntegratedMemory:
             out[index * h : (index + 1) * h].copy_(self._consumer_grad(layer))
 
 
-def _scatter_heads(partial: torch.Tensor, sharding: HeadSharding) -> torch.Tensor:
-    """Sum ``partial`` [kv_heads, n] over tensor-parallel ranks; each keeps its own heads' rows."""
-    if sharding.size == 1:
-        return partial
-    rows = partial[sharding.heads_by_rank()] if sharding.replicas > 1 else partial
-    out = partial.new_empty(len(sharding.local_heads), partial.shape[1])
-    torch.distributed.reduce_scatter_tensor(out, rows.contiguous(), group=sharding.group)
-    return out
-
-
-def _gather_heads(local: torch.Tensor, sharding: HeadSharding) -> torch.Tensor:
-    """Adjoint of ``_scatter_heads``: every rank's rows [local heads, n] -> [kv_heads, n]."""
-    if sharding.size == 1:
-        return local
-    gathered = local.new_empty(sharding.size * local.shape[0], local.shape[1])
-    torch.distributed.all_gather_into_tensor(gathered, local.contiguous(), group=sharding.group)
-    if sharding.replicas == 1:
-        return gathered
-    index = torch.tensor(sharding.heads_by_rank(), device=local.device)
-    return local.new_zeros(sharding.kv_heads, local.shape[1]).index_add_(0, index, gathered)
-
-
 class RouteKeysValues(torch.autograd.Function):
     """Store a layer's keys/values in the memory and return the routed ones (Eqs. 1-2).
 
@@ -319,7 +297,7 @@ class RouteKeysValues(torch.autograd.Function):
     def backward(ctx, grad_routed):
         ctx.saved_tensors  # noqa: B018 - releases the saved view through the hooks
         memory, router = ctx.memory, ctx.router
-        grad_rows = _gather_heads(memory.to_rows(grad_routed), router.sharding)
+        grad_rows = gather_heads(memory.to_rows(grad_routed), router.sharding)
         grad_weight = memory.weight_grad(router, grad_rows) if ctx.needs_input_grad[0] else None
         grad_key, grad_value = memory.kv_grad(router, grad_rows)
         return grad_weight, grad_key, grad_value, None, None
@@ -330,62 +308,3 @@ def route_keys_values(
 ) -> torch.Tensor:
     """Routed keys and values of ``router``'s layer, ``[2, s, b, kv_heads, d]``."""
     return RouteKeysValues.apply(router.weight, key, value, memory, router)
-
-
-# --------------------------------------------------------------------------------- recompute
-class Rebuilt:
-    """A tensor dropped from autograd's saved tensors, rebuilt once when backward first needs it."""
-
-    def __init__(self, build: Callable[[], torch.Tensor]):
-        self._build = build
-        self._value: torch.Tensor | None = None
-
-    def value(self) -> torch.Tensor:
-        """The rebuilt tensor (built on the first call, without autograd)."""
-        if self._value is None:
-            with torch.no_grad():
-                self._value = self._build()
-        return self._value
-
-
-class _SavedView:
-    """What autograd keeps instead of a view of a rebuilt tensor: how to take the view again."""
-
-    def __init__(self, source: Rebuilt, tensor: torch.Tensor):
-        self.source = source
-        self.geometry = (tensor.size(), tensor.stride(), tensor.storage_offset())
-
-    def unpack(self) -> torch.Tensor:
-        return self.source.value().as_strided(*self.geometry)
-
-
-def _outer_saved_tensor_hooks():
-    """The saved-tensor hooks active around ours (e.g. activation offloading or memory
-    accounting), so that tensors we do not rebuild still go through them."""
-    return torch._C._autograd._top_saved_tensors_default_hooks(False)
-
-
-@contextmanager
-def recompute_in_backward(rebuilds: dict[torch.Tensor, Rebuilt]) -> Iterator[None]:
-    """Within the block, tensors saved for backward that are views of a key of ``rebuilds`` are
-    not kept: backward rebuilds them through the paired ``Rebuilt`` instead.
-
-    Each rebuild must produce a tensor with the same layout as its key.  All other saved tensors
-    pass to the enclosing saved-tensor hooks, if any.
-    """
-    by_storage = {tensor.untyped_storage().data_ptr(): rebuilt for tensor, rebuilt in rebuilds.items()}
-    outer = _outer_saved_tensor_hooks()
-
-    def pack(tensor: torch.Tensor):
-        source = by_storage.get(tensor.untyped_storage().data_ptr())
-        if source is not None:
-            return _SavedView(source, tensor)
-        return outer[0](tensor) if outer else tensor
-
-    def unpack(packed):
-        if isinstance(packed, _SavedView):
-            return packed.unpack()
-        return outer[1](packed) if outer else packed
-
-    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield

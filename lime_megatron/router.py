@@ -20,8 +20,6 @@ the last source, so the identity initialisation of the paper sets the last ``kv_
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
-from typing import Any
 
 import torch
 from megatron.core import parallel_state
@@ -30,6 +28,7 @@ from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attri
 from torch import nn
 
 from lime_megatron.config import LimeTransformerConfig
+from lime_megatron.head_parallel import HeadSharding
 
 ROUTER_PARAM_ATTR = "is_lime_router"
 """Attribute set to True on every router weight; optimizer overrides select it (see
@@ -105,48 +104,6 @@ def fixed_routing_weight(sources: int, kv_heads: int, variant: str, dtype: torch
         return eye
     assert variant == "average", f"variant {variant!r} has learned routing weights"
     return torch.cat([eye / sources] * sources, dim=1)
-
-
-@dataclass(frozen=True)
-class HeadSharding:
-    """The key/value heads one tensor-parallel rank holds, following megatron's GQA split.
-
-    With ``kv_heads >= size`` rank r holds heads r*k..(r+1)*k-1 (k = kv_heads / size); with
-    ``kv_heads < size`` megatron gives every rank one head, shared by ``replicas`` consecutive
-    ranks, of which the first (``primary``) contributes the head's routing terms.
-    """
-
-    kv_heads: int
-    rank: int = 0
-    size: int = 1
-    group: Any = field(default=None, compare=False)
-    """The tensor-parallel process group (None without tensor parallelism)."""
-
-    @property
-    def replicas(self) -> int:
-        """Ranks that hold the same heads."""
-        return max(1, self.size // self.kv_heads)
-
-    def heads_of(self, rank: int) -> list[int]:
-        """Heads held by ``rank``."""
-        if self.kv_heads >= self.size:
-            per_rank = self.kv_heads // self.size
-            return list(range(rank * per_rank, (rank + 1) * per_rank))
-        return [rank // self.replicas]
-
-    @property
-    def local_heads(self) -> list[int]:
-        """Heads held by this rank."""
-        return self.heads_of(self.rank)
-
-    @property
-    def primary(self) -> bool:
-        """Whether this rank contributes its heads' routing terms (one rank per replica group)."""
-        return self.rank % self.replicas == 0
-
-    def heads_by_rank(self) -> list[int]:
-        """Heads of every rank in rank order: the row order of a reduce-scatter over ranks."""
-        return [head for rank in range(self.size) for head in self.heads_of(rank)]
 
 
 class LimeRouter(nn.Module):
