@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 import yaml
 
+from lime_megatron import fusions
 from lime_megatron.compat import cpu_config_overrides
 from lime_megatron.config import ROUTER_VARIANTS, WINDOWED_VARIANTS, LimeConfigError, lime_config
 from lime_megatron.tokenizer import add_tokenizer_args
@@ -496,7 +497,7 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 def transformer_config(args: argparse.Namespace):
     """The run's ``LimeTransformerConfig``: LLaMA architecture, layout, precision, FP8, recompute
-    and LIMe options (CPU overrides merged). Raises :class:`ArgumentsError` for shapes or
+    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.fusions`` decides. Raises :class:`ArgumentsError` for shapes or
     layouts megatron or LIMe reject."""
     dtype = params_dtype(args)
     kwargs = dict(
@@ -534,9 +535,10 @@ def transformer_config(args: argparse.Namespace):
         **cpu_config_overrides(),
     )
     try:
-        return lime_config(**kwargs)
+        config = lime_config(**kwargs)
     except (LimeConfigError, ValueError, AssertionError) as error:
         raise ArgumentsError(f"invalid model configuration: {error}") from None
+    return fusions.run_choices(args).apply(config)
 
 
 def _fp8_options(args) -> dict:
