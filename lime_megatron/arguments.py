@@ -23,6 +23,7 @@ import torch
 import yaml
 from megatron.core.optimizer import OptimizerConfig
 
+from lime_megatron import fusions
 from lime_megatron.compat import cpu_config_overrides
 from lime_megatron.config import ROUTER_VARIANTS, WINDOWED_VARIANTS, LimeConfigError, lime_config
 from lime_megatron.optimizer import LRSchedule, RouterGroup
@@ -498,7 +499,7 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 def transformer_config(args: argparse.Namespace):
     """The run's ``LimeTransformerConfig``: LLaMA architecture, layout, precision, FP8, recompute
-    and LIMe options (CPU overrides merged). Raises :class:`ArgumentsError` for shapes or
+    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.fusions`` decides. Raises :class:`ArgumentsError` for shapes or
     layouts megatron or LIMe reject."""
     dtype = params_dtype(args)
     kwargs = dict(
@@ -536,9 +537,10 @@ def transformer_config(args: argparse.Namespace):
         **cpu_config_overrides(),
     )
     try:
-        return lime_config(**kwargs)
+        config = lime_config(**kwargs)
     except (LimeConfigError, ValueError, AssertionError) as error:
         raise ArgumentsError(f"invalid model configuration: {error}") from None
+    return fusions.run_choices(args).apply(config)
 
 
 def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:

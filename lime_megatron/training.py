@@ -42,7 +42,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config, unwrap_model
 
-from lime_megatron import arguments, checkpointing, data, estimate
+from lime_megatron import arguments, checkpointing, data, estimate, fusions
 from lime_megatron.arguments import UsageError
 from lime_megatron.compat import default_device
 from lime_megatron.config import LimeConfigError
@@ -109,7 +109,7 @@ def dry_run_report(args: argparse.Namespace) -> str:
     """``lime_megatron.estimate``'s report for the requested model and layout (one process, no
     ``torch.distributed``)."""
     config = arguments.transformer_config(args)
-    return estimate.dry_run_report(
+    return fusions.report(args) + "\n" + estimate.dry_run_report(
         config, vocab_size=data.tokenizer_of(args).vocab_size, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
         transformer_impl=args.transformer_impl,
