@@ -129,7 +129,7 @@ import functools
 import importlib
 import inspect
 import logging
-from typing import Callable
+from collections.abc import Callable
 
 import torch
 

@@ -33,8 +33,8 @@ import math
 import statistics
 import sys
 import time
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
-from typing import Callable, Iterable
 
 import torch
 
@@ -115,11 +115,13 @@ def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
     Raises ValueError naming the parameters that do not match one to one, or differ in shape."""
     sources, targets = local_named(source.named_parameters()), local_named(target.named_parameters())
     if sources.keys() != targets.keys():
-        raise ValueError(f"parameters differ between the specs: only in the source {sorted(sources.keys() - targets.keys())}, "
-                         f"only in the target {sorted(targets.keys() - sources.keys())}")
+        raise ValueError(f"parameters differ between the specs: only in the source "
+                         f"{sorted(sources.keys() - targets.keys())}, only in the target "
+                         f"{sorted(targets.keys() - sources.keys())}")
     shapes = [name for name in sources if sources[name].shape != targets[name].shape]
     if shapes:
-        raise ValueError(f"parameter shapes differ: {[(n, tuple(sources[n].shape), tuple(targets[n].shape)) for n in shapes]}")
+        differ = [(name, tuple(sources[name].shape), tuple(targets[name].shape)) for name in shapes]
+        raise ValueError(f"parameter shapes differ (name, source, target): {differ}")
     with torch.no_grad():
         for name, tensor in sources.items():
             targets[name].copy_(tensor)

@@ -9,12 +9,12 @@ import math
 
 import pytest
 import torch
+from lime_fixtures import batch, loss_of, tiny_model
+from test_lime_model import init_single_process
 from torch import nn
 
-from lime_fixtures import batch, loss_of, tiny_model
 from lime_megatron import gpu_check
 from lime_megatron.gpu_check import Row
-from test_lime_model import init_single_process
 
 
 @pytest.fixture(scope="module", autouse=True)

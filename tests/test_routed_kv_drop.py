@@ -13,10 +13,10 @@ import logging
 
 import pytest
 import torch
-from megatron.core.transformer.dot_product_attention import DotProductAttention
-
 from lime_fixtures import SEQ, batch, loss_of, relative_error, tiny_model
+from megatron.core.transformer.dot_product_attention import DotProductAttention
 from test_lime_model import init_single_process
+
 from lime_megatron.config import lime_config
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.model import LimeGPTModel
