@@ -26,7 +26,7 @@ import torch
 import yaml
 
 from lime_megatron.compat import cpu_config_overrides
-from lime_megatron.config import WINDOWED_VARIANTS, LimeConfigError, lime_config
+from lime_megatron.config import LimeConfigError, lime_config, validate_router
 from lime_megatron.run_config import GROUPS, PAPER_ROUTER_LR, DataOptions, PrecisionOptions, RunConfig
 from lime_megatron.tokenizer import add_tokenizer_args
 
@@ -252,12 +252,10 @@ def _check_lime(args, world_size) -> None:
             raise ArgumentsError(f"{options} only apply to LIMe: add --lime (or drop them)")
         return
     args.lime_router = args.lime_router or "full"
-    if args.lime_router in WINDOWED_VARIANTS and args.lime_router_window is None:
-        raise ArgumentsError(f"--lime-router {args.lime_router} needs --lime-router-window")
-    if args.lime_router not in WINDOWED_VARIANTS and args.lime_router_window is not None:
-        raise ArgumentsError(
-            f"--lime-router-window applies to the {'/'.join(WINDOWED_VARIANTS)} routers, "
-            f"not to {args.lime_router}")
+    try:
+        validate_router(args.lime_router, args.lime_router_window, flags=True)
+    except LimeConfigError as error:
+        raise ArgumentsError(str(error)) from None
     if args.lime_router_lr is None:
         args.lime_router_lr = PAPER_ROUTER_LR
     if args.lime_router_weight_decay is None:

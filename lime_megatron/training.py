@@ -168,7 +168,7 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
     for vp_stage in range(vpp) if vpp else [None]:
         chunk = build_model(
             config, vocab_size, max_sequence_length,
-            backend="te" if transformer_impl == "transformer_engine" else "local",
+            transformer_impl=transformer_impl,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
