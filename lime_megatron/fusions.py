@@ -177,14 +177,13 @@ def run_platform(dry_run: bool, transformer_impl: str) -> Platform:
     return Platform.target_gpu(transformer_impl) if dry_run and not detected.cuda else detected
 
 
-def run_choices(args) -> FusionChoices:
-    """The fusion choices of the run described by parsed trainer ``args``."""
-    platform = run_platform(args.dry_run, args.transformer_impl)
-    return resolve(platform, args.transformer_impl, args.pipeline_model_parallel_size)
+def run_choices(run) -> FusionChoices:
+    """The fusion choices of the run described by ``run`` (a ``run_config.RunConfig``)."""
+    platform = run_platform(run.dry_run, run.model.transformer_impl)
+    return resolve(platform, run.model.transformer_impl, run.parallel.pipeline_model_parallel_size)
 
 
-def report(args) -> str:
+def report(run) -> str:
     """The ``--dry-run`` section: platform and the choices, one per line."""
-    platform = run_platform(args.dry_run, args.transformer_impl)
-    choices = resolve(platform, args.transformer_impl, args.pipeline_model_parallel_size)
-    return f"fused kernels on {platform.describe()}:\n{choices.describe()}"
+    platform = run_platform(run.dry_run, run.model.transformer_impl)
+    return f"fused kernels on {platform.describe()}:\n{run_choices(run).describe()}"

@@ -14,6 +14,7 @@ import yaml
 
 from lime_megatron import arguments, estimate
 from lime_megatron.data import tokenizer_of
+from lime_megatron.run_config import RunConfig
 from test_lime_config import TABLE_8
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -74,8 +75,9 @@ def test_1b_configs_are_table_3_and_count_table_8(configs):
         stem = f"{'lime' if lime else 'llama'}_1b_{'gqa8' if kv_heads == 8 else 'mha'}"
         args = configs[stem]
         assert shape(args) == (16, 2048, 8192, 32, 8 if kv_heads == 8 else None), stem
-        vocab = tokenizer_of(args).vocab_size
-        result = estimate.estimate(arguments.transformer_config(args), vocab_size=vocab,
+        run = RunConfig.from_namespace(args)
+        vocab = tokenizer_of(run.data, run.model.vocab_size).vocab_size
+        result = estimate.estimate(arguments.transformer_config(run), vocab_size=vocab,
                                    seq_length=2048, micro_batch_size=args.micro_batch_size,
                                    num_microbatches=args.num_microbatches,
                                    transformer_impl=args.transformer_impl)

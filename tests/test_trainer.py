@@ -22,7 +22,14 @@ from lime_megatron import __main__ as main_job
 from lime_megatron.arguments import ArgumentsError, parse_args
 from lime_megatron.checkpointing import TRACKER, CheckpointError, published_iterations
 from lime_megatron.data import DataError
-from lime_megatron.optimizer import NO_WEIGHT_DECAY, param_group_overrides, router_override
+from lime_megatron.optimizer import (
+    NO_WEIGHT_DECAY,
+    optimizer_config,
+    param_group_overrides,
+    router_group,
+    router_override,
+)
+from lime_megatron.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -160,7 +167,8 @@ def test_config_file_errors(tmp_path, content, message):
 
 def _groups(args):
     """The optimizer config and router group of parsed ``args``."""
-    return arguments.optimizer_config(args), arguments.router_group(args)
+    run = RunConfig.from_namespace(args)
+    return optimizer_config(run), router_group(run)
 
 
 def test_router_group_is_distinct_or_merged():
@@ -376,8 +384,8 @@ def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figur
     from lime_megatron.metrics import IterationMetrics, console_line, training_flops_per_iteration
 
     args = parse_args(BASE + ["--lime", "--global-batch-size", "8"], world_size=1)
-    lime = arguments.transformer_config(args)
-    baseline = arguments.transformer_config(parse_args(BASE + ["--global-batch-size", "8"], world_size=1))
+    lime = arguments.transformer_config(RunConfig.from_namespace(args))
+    baseline = arguments.transformer_config(arguments.parse_run(BASE + ["--global-batch-size", "8"], world_size=1))
     tokens = 8 * 16
     extra = training_flops_per_iteration(lime, args, 128) - training_flops_per_iteration(baseline, args, 128)
     assert router_flops_per_token(lime) > 0
