@@ -177,6 +177,16 @@ class RoutedKVLog:
         return dict(sorted(layers.items()))
 
 
+def describe(counts: dict[int, LayerDrops]) -> str:
+    """One line of ``RoutedKVLog.take``'s counts: layers that dropped/kept, rebuilds by name."""
+    dropped = sum(1 for drops in counts.values() if drops.dropped and not drops.kept)
+    kept = sorted(layer for layer, drops in counts.items() if drops.kept)
+    rebuilt = sum((drops.rebuilt for drops in counts.values()), Counter())
+    line = (f"LIMe routed K/V: dropped from the saved tensors in {dropped}/{len(counts)} layers, rebuilt in backward: "
+            + (", ".join(f"{count} {name}" for name, count in sorted(rebuilt.items())) or "none"))
+    return line + (f"; copies kept in layers {kept}" if kept else "")
+
+
 routed_kv_log = RoutedKVLog()
 """The process's log of LIMe's routed-K/V drops (every ``LimeSelfAttention`` records here)."""
 

@@ -47,7 +47,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config, unwrap_model
 
-from lime_megatron import arguments, checkpointing, data, estimate, fusions
+from lime_megatron import arguments, checkpointing, data, estimate, fusions, recompute
 from lime_megatron.arguments import UsageError
 from lime_megatron.compat import default_device
 from lime_megatron.config import LimeConfigError, LimeTransformerConfig
@@ -452,6 +452,9 @@ def _step(trainer: Trainer) -> IterationMetrics:
     seconds = time.perf_counter() - start
     progress.iteration += 1
     progress.consumed_samples += training.global_batch_size
+    routed_kv = recompute.routed_kv_log.take()  # counts per step; the first step's are printed
+    if progress.iteration == 1 and routed_kv:
+        _print0(recompute.describe(routed_kv))
     rates = group_learning_rates(trainer.optimizer, training.lr)
     record = IterationMetrics(
         iteration=progress.iteration, lm_loss=loss, lr=rates["lr"], grad_norm=grad_norm,
