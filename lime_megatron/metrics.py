@@ -12,8 +12,8 @@ already averaged over data-parallel ranks). Destinations:
 - TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``; ``--wandb-mode`` or
   ``$WANDB_MODE``: online, offline or disabled): every iteration's scalars.
 
-Model FLOPs per token come from ``lime_megatron.accounting`` (router included); a training
-iteration counts 3x the forward FLOPs (forward + backward, recomputation not counted). MFU is
+Model FLOPs come from ``lime_megatron.flops`` (router included); a training iteration counts 3x
+the forward FLOPs (forward + backward, recomputation not counted). MFU is
 relative to the dense bf16 peak of the GPU (``--gpu-peak-tflops``, or the table below).
 """
 
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lime_megatron.accounting import forward_flops_per_token
+from lime_megatron import flops
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "B200": 2250.0, "L40S": 362.1}
 """Dense bf16 tensor-core peak (TFLOP/s) by GPU name fragment, for MFU."""
@@ -57,9 +57,9 @@ class IterationMetrics:
 
 
 def training_flops_per_iteration(config, args: argparse.Namespace, vocab_size: int) -> float:
-    """Model FLOPs of one training iteration: 3 x forward FLOPs/token x tokens per iteration."""
-    tokens = args.global_batch_size * args.seq_length
-    return 3.0 * forward_flops_per_token(config, args.seq_length, vocab_size) * tokens
+    """Model FLOPs of one training iteration of the run (``flops.training_flops_per_iteration``
+    over the global batch)."""
+    return flops.training_flops_per_iteration(config, args.seq_length, vocab_size, args.global_batch_size)
 
 
 def gpu_peak_tflops(args: argparse.Namespace) -> float | None:
