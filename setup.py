@@ -14,7 +14,7 @@ setup(
     # in the same pip command so that no CUDA build is ever pulled).
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        "megatron-core>=0.16.1,<0.20",  # tested: 0.16.1 (CPU) and 0.19.x (GPU); lime_megatron.compat
         "numpy",
         "psutil",
         "sentencepiece",

@@ -10,12 +10,12 @@ from functools import partial
 
 import pytest
 import torch
-
 from distributed import Layout, run_distributed
+from test_examples import CONFIGS, parsed
+
 from lime_megatron import arguments, fusions
 from lime_megatron.fusions import Platform
 from lime_megatron.run_config import RunConfig
-from test_examples import CONFIGS, parsed
 
 H100_TE = Platform(cuda=True, te=True)
 H100_TE_APEX = Platform(cuda=True, te=True, fused_wgrad=True, softmax_kernels=True)
@@ -89,7 +89,6 @@ def deallocated_pipeline_runs() -> dict:
     """PP=2 and PP=2 with virtual stages, stage tensors deallocated after sending, against the
     single-stage run; counts the stage tensors megatron freed."""
     from megatron.core.pipeline_parallel import schedules
-
     from test_lime_pipeline import compare, train
 
     freed = []
