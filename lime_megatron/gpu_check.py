@@ -15,7 +15,7 @@ On one CUDA GPU, in a few minutes, in one process:
 3. **Speed and memory.**  Forward+backward of LIMe and the baseline at the paper's 1B shapes
    (GQA-8 and MHA, 16 layers) and at the deep-narrow shape (128 layers, hidden 512), timed
    interleaved (LIMe, baseline, LIMe, ...) in bf16 with the TE spec: median step time, LIMe's
-   overhead, tokens/s, TFLOP/s and MFU (``accounting`` FLOPs, routers included, training = 3x
+   overhead, tokens/s, TFLOP/s and MFU (``flops`` module, routers included, training = 3x
    forward), and peak memory (``torch.cuda.max_memory_allocated`` during the step).  The
    issue's targets (overhead <= 1% GQA-8 / 3% MHA, memory within 2%, MFU >= 40%) are reported,
    not enforced: timings are not tolerances.
@@ -38,7 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lime_megatron import accounting, fusions
+from lime_megatron import flops, fusions
 from lime_megatron.config import PAPER_1B, lime_config
 from lime_megatron.fusions import Choice, Platform
 
@@ -348,7 +348,7 @@ def time_shape(shape: TimedShape, peak_tflops: float | None, warmup: int = 3, re
     rows = []
     for name, (_, config) in models.items():
         seconds = statistics.median(times[name])
-        tflops = 3 * accounting.forward_flops_per_token(config, shape.seq, VOCAB) * tokens / seconds / 1e12
+        tflops = 3 * flops.forward_flops_per_token(config, shape.seq, VOCAB) * tokens / seconds / 1e12
         label = f"{shape.name} {name}"
         rows += [Row("speed", label, "fwd+bwd ms (median)", seconds * 1e3),
                  Row("speed", label, "tokens/s", tokens / seconds),

@@ -33,7 +33,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -47,7 +46,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config, unwrap_model
 
-from lime_megatron import arguments, checkpointing, data, estimate, fusions, recompute
+from lime_megatron import arguments, checkpointing, data, estimate, flops, fusions, recompute
 from lime_megatron.arguments import UsageError
 from lime_megatron.compat import default_device
 from lime_megatron.config import LimeConfigError, LimeTransformerConfig
@@ -56,7 +55,6 @@ from lime_megatron.metrics import (
     MetricsLogger,
     gpu_peak_tflops,
     perplexity,
-    training_flops_per_iteration,
 )
 from lime_megatron.model import build_model
 from lime_megatron.optimizer import (
@@ -369,13 +367,13 @@ def build_trainer(run: RunConfig) -> Trainer:
     result = TrainingResult()
     result.parameters, result.router_parameters = count_parameters(model)
     reporting = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    batch = SimpleNamespace(global_batch_size=run.training.global_batch_size, seq_length=run.model.seq_length)
     trainer = Trainer(
         run=run, config=config, tokenizer=tokenizer, datasets=datasets, model=model, optimizer=optimizer,
         scheduler=scheduler, progress=checkpointing.TrainingState(),
         metrics=MetricsLogger(run.logging, run.training.train_iters, reporting, run.name, run.as_flat_dict()),
         description=checkpointing.run_description(run, config, tokenizer), result=result,
-        flops_per_iteration=training_flops_per_iteration(config, batch, tokenizer.vocab_size),
+        flops_per_iteration=flops.training_flops_per_iteration(
+            config, run.model.seq_length, tokenizer.vocab_size, run.training.global_batch_size),
         peak_tflops=gpu_peak_tflops(run.logging.gpu_peak_tflops))
     trainer.progress = _resume(trainer)
     return trainer

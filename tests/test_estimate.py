@@ -1,6 +1,6 @@
 """lime_megatron.estimate against measured reality: parameter counts of models megatron builds
 (one process, and every rank of TP/PP/VPP/uneven layouts on 4 gloo ranks), saved activation
-bytes against ``accounting.SavedTensorBytes`` (TP=1 in-process; TP=2 with and without sequence
+bytes against ``saved_tensors.SavedTensorBytes`` (TP=1 in-process; TP=2 with and without sequence
 parallelism on ranks), megatron's pipeline schedule order, the report and bad input."""
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
+from lime_megatron import activations
 from lime_megatron import estimate as E
-from lime_megatron.accounting import SavedTensorBytes
 from lime_megatron.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
 from lime_megatron.model import build_model
 from lime_megatron.parallel import initialize_parallel
+from lime_megatron.saved_tensors import SavedTensorBytes
 from test_lime_config import TABLE_8
 
 VOCAB, SEQ, BATCH = 128, 32, 2
@@ -90,8 +91,8 @@ def test_full_recompute_keeps_the_lime_memory_live_but_not_saved():
     measured = saved_bytes(config)
     assert chunk.activations.lime_memory == 3 * 2 * SEQ * BATCH * 4 * 16 * 4  # layers*K,V*s*b*g*d*4
     assert abs(chunk.activations.total - chunk.activations.lime_memory - measured) <= SAVED_BYTES_SLACK
-    assert chunk.recompute_peak_bytes == 3 * E.layer_activation_bytes(
-        config, E.Geometry.of(config, SEQ, BATCH, VOCAB), "local")
+    assert chunk.recompute_peak_bytes == 3 * activations.layer_activation_bytes(
+        config, activations.Geometry.of(config, SEQ, BATCH, VOCAB), "local")
 
 
 ROUTER_CASES = {
@@ -161,7 +162,7 @@ def test_lime_stage_tensors_follow_the_router_window():
     only the one layer its first layer reads; the sender keeps the stage tensor it sent. With
     virtual stages every stage tensor is padded to the widest boundary."""
     layout = dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
-    geometry = E.Geometry.of(tiny_config(**layout), SEQ, BATCH, VOCAB)
+    geometry = activations.Geometry.of(tiny_config(**layout), SEQ, BATCH, VOCAB)
     rows = geometry.kv_rows
     for router, carried in ((dict(), 4), (dict(lime_router="last", lime_router_window=2), 1)):
         result = E.estimate(tiny_config(**layout, **router), vocab_size=VOCAB, seq_length=SEQ,
