@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from lime_megatron.config import ROUTER_VARIANTS
+from lime_megatron.optimizer import WEIGHT_DECAY_GROUPINGS
 
 PAPER_ROUTER_LR = 1e-2
 """Router learning rate of the paper (Table 2); the default of ``--lime-router-lr``."""
@@ -144,6 +145,9 @@ class TrainingOptions:
     lr_warmup_init: float = option(0.0, type=float)
     lr_decay_iters: int | None = option(type=int, help="default: --train-iters")
     weight_decay: float = option(0.01, type=float)
+    weight_decay_grouping: str = option("megatron", choices=WEIGHT_DECAY_GROUPINGS,
+                                        help="megatron: no decay on biases and norms; official (the paper's "
+                                             "runs): nor on the word embedding")
     clip_grad: float = option(1.0, type=float)
     adam_beta1: float = option(0.9, type=float)
     adam_beta2: float = option(0.999, type=float)

@@ -365,7 +365,7 @@ def build_trainer(run: RunConfig) -> Trainer:
         config, tokenizer.vocab_size, run.model.max_sequence_length, transformer_impl=run.model.transformer_impl,
         share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
         rotary_base=run.model.rotary_base, use_distributed_optimizer=run.parallel.use_distributed_optimizer)
-    optimizer = build_optimizer(model, optimizer_config(run), router_group(run))
+    optimizer = build_optimizer(model, optimizer_config(run), router_group(run), run.training.weight_decay_grouping)
     scheduler = build_scheduler(optimizer, lr_schedule(run))
     result = TrainingResult()
     result.parameters, result.router_parameters = count_parameters(model)

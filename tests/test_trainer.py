@@ -23,6 +23,7 @@ from lime_megatron.arguments import ArgumentsError, parse_args
 from lime_megatron.checkpointing import TRACKER, CheckpointError, published_iterations
 from lime_megatron.data import DataError, tokenizer_of
 from lime_megatron.optimizer import (
+    EMBEDDING,
     NO_WEIGHT_DECAY,
     optimizer_config,
     param_group_overrides,
@@ -190,6 +191,36 @@ def test_router_group_is_distinct_or_merged():
     halved = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.1",
                                 "--lime-router-weight-decay", "0.05"], world_size=1)
     assert router_override(*_groups(halved)) == {"wd_mult": 0.5}
+
+
+def _decayed(*flags) -> dict[str, bool]:
+    """Whether the trainer's optimizer decays each parameter (by name) of a tiny LIMe run."""
+    from megatron.core.utils import unwrap_model
+
+    run = arguments.parse_run(TINY + ["--lime", "--weight-decay", "0.1", "--train-iters", "1", *flags],
+                              world_size=1)
+    with training.distributed(run):
+        trainer = training.build_trainer(run)
+        trainer.metrics.close()
+        names = {id(param): name for chunk in trainer.model for name, param in unwrap_model(chunk).named_parameters()}
+        return {names[id(param)]: group["weight_decay"] > 0
+                for group in trainer.optimizer.param_groups for param in group["params"]}
+
+
+def test_weight_decay_groupings():
+    megatron = _decayed()
+    official = _decayed("--weight-decay-grouping", "official", "--untie-embeddings-and-output-weights")
+    for decayed in (megatron, official):
+        assert sum("linear" in name for name in decayed) > 4 and sum("norm" in name for name in decayed) > 4
+        assert not any(decayed[name] for name in decayed if "norm" in name or "router" in name)
+        assert all(decayed[name] for name in decayed if "linear" in name)
+    assert megatron["embedding.word_embeddings.weight"] and "output_layer.weight" not in megatron  # tied
+    assert not official["embedding.word_embeddings.weight"] and official["output_layer.weight"]  # untied
+    # The last pipeline stage's copy of a tied embedding (megatron marks it shared_embedding).
+    copy, untied = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2, 2))
+    copy.shared_embedding = True
+    assert EMBEDDING.matches(copy, "module.output_layer.weight")
+    assert not EMBEDDING.matches(untied, "module.output_layer.weight")
 
 
 # --------------------------------------------------------------------------- training
