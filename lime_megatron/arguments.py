@@ -28,7 +28,14 @@ import yaml
 from lime_megatron import fusions
 from lime_megatron.compat import cpu_config_overrides
 from lime_megatron.config import LimeConfigError, lime_config, validate_router
-from lime_megatron.run_config import GROUPS, PAPER_ROUTER_LR, DataOptions, PrecisionOptions, RunConfig
+from lime_megatron.run_config import (
+    GROUPS,
+    NULL_TOKENIZER,
+    PAPER_ROUTER_LR,
+    DataOptions,
+    PrecisionOptions,
+    RunConfig,
+)
 from lime_megatron.tokenizer import add_tokenizer_args
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
@@ -66,7 +73,9 @@ def _add_flag(group, spec: dataclasses.Field) -> None:
 def _add_group(parser, options: type) -> None:
     """One ``--help`` section with the flags of the option group ``options``."""
     if options is DataOptions:
-        add_tokenizer_args(parser)
+        tokenizer_flags = add_tokenizer_args(parser)
+        tokenizer_type = next(action for action in tokenizer_flags._group_actions if action.dest == "tokenizer_type")
+        tokenizer_type.choices = [*tokenizer_type.choices, NULL_TOKENIZER]
     group = parser.add_argument_group(options.group)
     for spec in dataclasses.fields(options):
         if spec.metadata.get("flag"):
@@ -179,7 +188,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if missing:
         raise ArgumentsError(f"missing required option(s): {', '.join(missing)}")
     for check in (_check_positive, _check_layout, _check_batch, _check_lime, _check_precision,
-                  _check_schedule, _check_data, _check_checkpointing):
+                  _check_schedule, _check_data, _check_checkpointing, _check_profiling):
         check(args, world_size)
 
 
@@ -300,6 +309,9 @@ def _check_schedule(args, world_size) -> None:
 def _check_data(args, world_size) -> None:
     per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
     sources = sum([args.mock_data, args.data_path is not None, any(p is not None for p in per_split)])
+    null_tokenizer = args.tokenizer_type == NULL_TOKENIZER
+    if null_tokenizer and args.vocab_size is None:
+        raise ArgumentsError(f"--tokenizer-type {NULL_TOKENIZER} needs --vocab-size")
     if args.dry_run:
         return
     if sources != 1:
@@ -308,9 +320,9 @@ def _check_data(args, world_size) -> None:
             "--valid-data-path/--test-data-path) or --mock-data")
     if args.train_data_path is None and any(p is not None for p in per_split):
         raise ArgumentsError("--valid-data-path/--test-data-path need --train-data-path")
-    if args.vocab_size is not None and not args.mock_data:
-        raise ArgumentsError("--vocab-size sets the --mock-data vocabulary; with real data the "
-                             "tokenizer decides it")
+    if args.vocab_size is not None and not (args.mock_data or null_tokenizer):
+        raise ArgumentsError(f"--vocab-size sets the --mock-data vocabulary; with real data the "
+                             f"tokenizer decides it (pre-tokenized ids: --tokenizer-type {NULL_TOKENIZER})")
     for path in [args.data_path] + per_split:
         if path is not None:
             parse_blend(path)
@@ -352,6 +364,20 @@ def _check_checkpointing(args, world_size) -> None:
             raise ArgumentsError("--ckpt-keep-last needs --save")
         if args.ckpt_keep_last < 1:
             raise ArgumentsError("--ckpt-keep-last must be >= 1")
+
+
+def _check_profiling(args, world_size) -> None:
+    if args.use_pytorch_profiler and not args.profile:
+        raise ArgumentsError("--use-pytorch-profiler needs --profile")
+    if not args.profile:
+        return
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentsError(f"--profile-step-end {args.profile_step_end} must be larger than "
+                             f"--profile-step-start {args.profile_step_start} (>= 0)")
+    if args.use_pytorch_profiler and not (args.profile_dir or args.tensorboard_dir):
+        raise ArgumentsError("--use-pytorch-profiler needs --profile-dir or --tensorboard-dir for its trace")
+    if not args.use_pytorch_profiler and not (torch.cuda.is_available() or args.dry_run):
+        raise ArgumentsError("--profile without --use-pytorch-profiler drives nsys and needs a CUDA GPU")
 
 
 # --------------------------------------------------------------------------- model config

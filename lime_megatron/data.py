@@ -24,7 +24,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 
 from lime_megatron.arguments import UsageError, parse_blend
 from lime_megatron.compat import default_device
-from lime_megatron.run_config import DataOptions, RunConfig, TrainingOptions
+from lime_megatron.run_config import NULL_TOKENIZER, DataOptions, RunConfig, TrainingOptions
 from lime_megatron.tokenizer import NO_PAD, build_tokenizer, padded_vocab_size, tokenizer_kwargs
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -37,8 +37,10 @@ class DataError(UsageError):
 
 @dataclass
 class NullTokenizer:
-    """The tokenizer of ``--mock-data``: ``vocab_size`` ids (padded the Megatron way), the last
-    unpadded id is the end-of-document token, no padding token."""
+    """The tokenizer of ``--mock-data`` and ``--tokenizer-type NullTokenizer``: ``vocab_size`` ids
+    (padded the Megatron way), the last unpadded id is the end-of-document token, no padding
+    token. (Megatron-LM's NullTokenizer adds the end-of-document id after the ``--vocab-size``
+    ones; here ``--vocab-size`` counts it, so the vocabulary is exactly the flag's.)"""
 
     unpadded_vocab_size: int
     vocab_size: int
@@ -54,13 +56,14 @@ class NullTokenizer:
 
 
 def tokenizer_of(options: DataOptions, vocab_size: int | None = None):
-    """The run's tokenizer: a :class:`NullTokenizer` for ``--vocab-size N`` (mock data and dry
-    runs only), else the one the tokenizer flags describe (``lime_megatron.tokenizer``).
+    """The run's tokenizer: a :class:`NullTokenizer` for ``--tokenizer-type NullTokenizer
+    --vocab-size N`` or ``--vocab-size N`` alone (mock data and dry runs), else the one the
+    tokenizer flags describe (``lime_megatron.tokenizer``).
 
     The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` alone (which
     must be divisible by the TP size), not of that times the TP size as in Megatron-LM, so the
     embedding's shape, and with it every checkpoint, does not depend on the layout."""
-    if vocab_size is not None:
+    if vocab_size is not None or options.tokenizer_type == NULL_TOKENIZER:
         return NullTokenizer.of(vocab_size, options.make_vocab_size_divisible_by, 1)
     try:
         return build_tokenizer(**{**tokenizer_kwargs(options), "tensor_model_parallel_size": 1})

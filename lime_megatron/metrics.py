@@ -5,7 +5,8 @@ reports (the last one: it holds the last pipeline stage, where the loss is compu
 already averaged over data-parallel ranks). Destinations:
 
 - console: one line every ``--log-interval`` iterations (iteration, loss, learning rates,
-  gradient norm, tokens/s and, on GPU, TFLOP/s per GPU and MFU), and every validation result;
+  gradient norm; with ``--log-throughput`` also tokens/s and, on GPU, TFLOP/s per GPU and MFU),
+  and every validation result;
 - ``--metrics-file PATH``: one JSON object per iteration, appended (a resumed run continues the
   file): ``iteration``, ``lm_loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``, plus
   ``router_lr``, ``tflops_per_gpu``, ``mfu``, ``validation_loss``/``validation_ppl`` when known;
@@ -109,7 +110,7 @@ class MetricsLogger:
         if self._wandb is not None:
             self._wandb.log(scalars, step=metrics.iteration)
         if metrics.iteration % self.options.log_interval == 0:
-            print(console_line(metrics, self.train_iters), flush=True)
+            print(console_line(metrics, self.train_iters, self.options.log_throughput), flush=True)
         if metrics.validation_loss is not None:
             print(f" validation at iteration {metrics.iteration}: loss {metrics.validation_loss:.4f}"
                   f" | ppl {metrics.validation_ppl:.3f}", flush=True)
@@ -124,17 +125,20 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def console_line(metrics: IterationMetrics, train_iters: int) -> str:
-    """The Megatron-style console line of one iteration."""
+def console_line(metrics: IterationMetrics, train_iters: int, throughput: bool = False) -> str:
+    """The Megatron-style console line of one iteration; tokens/s, TFLOP/s per GPU and MFU only
+    with ``throughput`` (``--log-throughput``, as in Megatron-LM)."""
     parts = [f" iteration {metrics.iteration:>7d}/{train_iters:>7d}",
              f"lm loss {metrics.lm_loss:.6E}", f"lr {metrics.lr:.3E}"]
     if metrics.router_lr is not None:
         parts.append(f"router lr {metrics.router_lr:.3E}")
-    parts += [f"grad norm {metrics.grad_norm:.3f}", f"tokens/s {metrics.tokens_per_sec:,.0f}"]
-    if metrics.tflops_per_gpu is not None:
-        parts.append(f"TFLOP/s/GPU {metrics.tflops_per_gpu:.1f}")
-    if metrics.mfu is not None:
-        parts.append(f"MFU {100 * metrics.mfu:.1f}%")
+    parts.append(f"grad norm {metrics.grad_norm:.3f}")
+    if throughput:
+        parts.append(f"tokens/s {metrics.tokens_per_sec:,.0f}")
+        if metrics.tflops_per_gpu is not None:
+            parts.append(f"TFLOP/s/GPU {metrics.tflops_per_gpu:.1f}")
+        if metrics.mfu is not None:
+            parts.append(f"MFU {100 * metrics.mfu:.1f}%")
     if metrics.loss_scale is not None:
         parts.append(f"loss scale {metrics.loss_scale:.1f}")
     if metrics.skipped:

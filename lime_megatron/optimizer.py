@@ -9,6 +9,10 @@ model's 1e-3) and without weight decay. megatron-core builds parameter groups fr
   router follows the main warmup/decay schedule scaled by ``lr_mult = router lr / lr``;
 - ``wd_mult`` = router weight decay / ``--weight-decay`` (0 by default).
 
+Biases and 1-D weights (norms) are not decayed (megatron's rule). ``--weight-decay-grouping
+official`` also spares the word embedding, as the paper's own implementation did (its optimizer
+groups follow minGPT: decay only the weights of linear layers); megatron decays embeddings.
+
 The resume trap: megatron-core 0.16 matches saved and current parameter groups only by
 ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``. A router group that differed from
 the no-weight-decay group (norms, biases) only in ``max_lr`` would collide with it on resume and
@@ -20,6 +24,7 @@ an existing group's, its override is exactly that group's, and megatron merges t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.optimizer import (
@@ -33,7 +38,9 @@ from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
 from lime_megatron.router import ROUTER_PARAM_ATTR
-from lime_megatron.run_config import RunConfig
+
+if TYPE_CHECKING:  # run_config takes the weight-decay groupings from here
+    from lime_megatron.run_config import RunConfig
 
 
 def _is_router(param: torch.nn.Parameter) -> bool:
@@ -48,6 +55,15 @@ NO_WEIGHT_DECAY = ParamKey(
 
 ROUTER = ParamKey(attr=ROUTER_PARAM_ATTR)
 """The LIMe router weights."""
+
+EMBEDDING = ParamKey(name="*embedding.word_embeddings.weight", attr="shared_embedding")
+"""The word embedding, and the last pipeline stage's copy of it when the output layer is tied to
+it (megatron marks both copies ``shared_embedding``; an untied output layer is not included)."""
+
+WEIGHT_DECAY_GROUPINGS = ("megatron", "official")
+"""``--weight-decay-grouping``: ``megatron`` decays every weight but biases and 1-D weights (norms),
+embedding included; ``official`` (the paper's implementation, minGPT's rule) also spares the
+word embedding (and so a tied output layer)."""
 
 
 @dataclass(frozen=True)
@@ -86,10 +102,17 @@ def router_override(config: OptimizerConfig, router: RouterGroup) -> dict:
     return override
 
 
-def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = None) -> dict:
-    """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights,
-    and the LIMe router group (``router`` None: the LLaMA baseline, no routers)."""
+def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = None,
+                          weight_decay_grouping: str = "megatron") -> dict:
+    """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights
+    (and, for the ``official`` grouping, on the word embedding), and the LIMe router group
+    (``router`` None: the LLaMA baseline, no routers)."""
+    if weight_decay_grouping not in WEIGHT_DECAY_GROUPINGS:
+        raise ValueError(f"unknown weight-decay grouping {weight_decay_grouping!r}; choose one of "
+                         f"{WEIGHT_DECAY_GROUPINGS}")
     overrides = {NO_WEIGHT_DECAY: {"wd_mult": 0.0}}
+    if weight_decay_grouping == "official":
+        overrides[EMBEDDING] = {"wd_mult": 0.0}
     if router is not None:
         routed = router_override(config, router)
         if routed:
@@ -126,12 +149,13 @@ def lr_schedule(run: RunConfig) -> LRSchedule:
                       weight_decay=training.weight_decay)
 
 
-def build_optimizer(model_chunks: list, config: OptimizerConfig,
-                    router: RouterGroup | None = None) -> MegatronOptimizer:
-    """megatron's optimizer over this rank's DDP-wrapped ``model_chunks``; the chunks' schedule
-    scales the loss with it (fp16 loss scaling)."""
-    optimizer = get_megatron_optimizer(config, model_chunks,
-                                       config_overrides=param_group_overrides(config, router))
+def build_optimizer(model_chunks: list, config: OptimizerConfig, router: RouterGroup | None = None,
+                    weight_decay_grouping: str = "megatron") -> MegatronOptimizer:
+    """megatron's optimizer over this rank's DDP-wrapped ``model_chunks`` with the parameter
+    groups of :func:`param_group_overrides`; the chunks' schedule scales the loss with it (fp16
+    loss scaling)."""
+    overrides = param_group_overrides(config, router, weight_decay_grouping)
+    optimizer = get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
     get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
     return optimizer
 

@@ -17,14 +17,18 @@ from __future__ import annotations
 import argparse
 import dataclasses
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Sequence
 
 import torch
 
 from lime_megatron.config import ROUTER_VARIANTS
+from lime_megatron.optimizer import WEIGHT_DECAY_GROUPINGS
 
 PAPER_ROUTER_LR = 1e-2
 """Router learning rate of the paper (Table 2); the default of ``--lime-router-lr``."""
+
+NULL_TOKENIZER = "NullTokenizer"
+"""``--tokenizer-type`` of Megatron-LM's vocabulary-only tokenizer (ids ``0..--vocab-size - 1``)."""
 
 
 def option(default: Any = None, *, type: Any = None, help: str | None = None, **argparse_kwargs) -> Any:
@@ -141,6 +145,9 @@ class TrainingOptions:
     lr_warmup_init: float = option(0.0, type=float)
     lr_decay_iters: int | None = option(type=int, help="default: --train-iters")
     weight_decay: float = option(0.01, type=float)
+    weight_decay_grouping: str = option("megatron", choices=WEIGHT_DECAY_GROUPINGS,
+                                        help="megatron: no decay on biases and norms; official (the paper's "
+                                             "runs): nor on the word embedding")
     clip_grad: float = option(1.0, type=float)
     adam_beta1: float = option(0.9, type=float)
     adam_beta2: float = option(0.999, type=float)
@@ -240,6 +247,22 @@ class LoggingOptions:
     metrics_file: str | None = option(help="append one JSON object per iteration to this file")
     gpu_peak_tflops: float | None = option(type=float, help="dense bf16 peak of one GPU for MFU (default: "
                                                             "known devices)")
+    log_throughput: bool = option(type=bool, help="show tokens/s (and, on GPU, TFLOP/s per GPU and MFU) in the "
+                                                  "console line; the metrics sinks always record them")
+    profile: bool = option(type=bool, help="profile the iterations after --profile-step-start up to "
+                                           "--profile-step-end (GPU: nsys ranges; see --use-pytorch-profiler)")
+    profile_step_start: int = option(10, type=int, help="iterations completed before profiling starts")
+    profile_step_end: int = option(12, type=int, help="iteration after which profiling stops")
+    profile_ranks: Sequence[int] = option((0,), type=int, nargs="+", help="global ranks that profile")
+    use_pytorch_profiler: bool = option(type=bool, help="with --profile: a torch.profiler trace "
+                                                        "(CPU and GPU) under --profile-dir")
+    profile_dir: str | None = option(help="where --use-pytorch-profiler writes its trace (default: "
+                                          "--tensorboard-dir)")
+
+    @property
+    def trace_dir(self) -> str | None:
+        """Directory of the torch.profiler trace (``--profile-dir``, else ``--tensorboard-dir``)."""
+        return self.profile_dir or self.tensorboard_dir
 
 
 GROUPS = dict(model=ModelOptions, lime=LimeOptions, parallel=ParallelOptions, training=TrainingOptions,

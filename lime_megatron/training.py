@@ -38,8 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
 from megatron.core.optimizer import MegatronOptimizer
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
@@ -67,6 +66,7 @@ from lime_megatron.optimizer import (
 )
 from lime_megatron.parallel import initialize_parallel
 from lime_megatron.pipeline import schedule_arguments
+from lime_megatron.profiling import IterationProfiler
 from lime_megatron.run_config import RunConfig, TrainingOptions
 
 
@@ -338,6 +338,7 @@ class Trainer:
     optimizer: MegatronOptimizer
     scheduler: OptimizerParamScheduler
     metrics: MetricsLogger
+    profiler: IterationProfiler
     progress: checkpointing.TrainingState
     """Completed iterations and consumed samples."""
     description: dict
@@ -362,7 +363,7 @@ def build_trainer(run: RunConfig) -> Trainer:
         config, tokenizer.vocab_size, run.model.max_sequence_length, transformer_impl=run.model.transformer_impl,
         share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
         rotary_base=run.model.rotary_base, use_distributed_optimizer=run.parallel.use_distributed_optimizer)
-    optimizer = build_optimizer(model, optimizer_config(run), router_group(run))
+    optimizer = build_optimizer(model, optimizer_config(run), router_group(run), run.training.weight_decay_grouping)
     scheduler = build_scheduler(optimizer, lr_schedule(run))
     result = TrainingResult()
     result.parameters, result.router_parameters = count_parameters(model)
@@ -371,6 +372,7 @@ def build_trainer(run: RunConfig) -> Trainer:
         run=run, config=config, tokenizer=tokenizer, datasets=datasets, model=model, optimizer=optimizer,
         scheduler=scheduler, progress=checkpointing.TrainingState(),
         metrics=MetricsLogger(run.logging, run.training.train_iters, reporting, run.name, run.as_flat_dict()),
+        profiler=IterationProfiler(run.logging, torch.distributed.get_rank()),
         description=checkpointing.run_description(run, config, tokenizer), result=result,
         flops_per_iteration=flops.training_flops_per_iteration(
             config, run.model.seq_length, tokenizer.vocab_size, run.training.global_batch_size),
@@ -412,7 +414,7 @@ def pretrain(run: RunConfig) -> TrainingResult:
             f"{training.micro_batch_size} x {run.model.seq_length} tokens per data-parallel rank, "
             f"vocabulary {trainer.tokenizer.vocab_size}")
     try:
-        with StopSignals() as signals:
+        with StopSignals() as signals, trainer.profiler:
             _loop(trainer, signals)
         if trainer.datasets.test is not None and run.logging.eval_iters:
             result.test_loss = evaluate(trainer.model, trainer.datasets.test, run.logging.eval_iters, training)
@@ -444,7 +446,8 @@ def _step(trainer: Trainer) -> IterationMetrics:
     training, progress = trainer.run.training, trainer.progress
     start = time.perf_counter()
     batches = data.microbatches(trainer.datasets.train, progress.consumed_samples, training)
-    loss, grad_norm, skipped = train_step(trainer.model, trainer.optimizer, trainer.scheduler, batches)
+    with trainer.profiler.iteration(progress.iteration + 1):
+        loss, grad_norm, skipped = train_step(trainer.model, trainer.optimizer, trainer.scheduler, batches)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

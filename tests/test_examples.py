@@ -29,6 +29,8 @@ TABLE_2 = dict(optimizer="adam", lr=1e-3, min_lr=1e-6, lr_decay_style="cosine", 
                weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
                bf16=True, seq_length=2048, global_batch_size=1024, train_iters=20000)
 LIME_ROUTER = dict(lime_router_lr=1e-2, lime_router_weight_decay=0.0)
+# What the paper's runs (the official implementation) used beyond Table 2.
+OFFICIAL = dict(norm_epsilon=1e-6, weight_decay_grouping="official")
 GPT2_VOCAB = 50257
 SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
 
@@ -59,6 +61,7 @@ def test_every_config_has_the_paper_hyperparameters(configs):
     assert len(configs) == 19
     for name, args in configs.items():
         assert {key: getattr(args, key) for key in TABLE_2} == TABLE_2, name
+        assert {key: getattr(args, key) for key in OFFICIAL} == OFFICIAL, name
         if args.lime:
             assert {key: getattr(args, key) for key in LIME_ROUTER} == LIME_ROUTER, name
         assert args.tokenizer_type == "GPT2BPETokenizer" and args.data_path, name
