@@ -210,6 +210,14 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print parameters, FLOPs and memory per GPU for the layout; no training")
     parser.add_argument("--dry-run-world-size", type=int,
                         help="GPUs assumed by --dry-run (default $WORLD_SIZE, else TP x PP)")
+    # --dry-run's step-time model (lime_megatron.schedule_model)
+    parser.add_argument("--compute-tflops", type=float, default=400.0,
+                        help="achieved TFLOP/s per GPU the step-time model converts FLOPs with (default 400)")
+    parser.add_argument("--link-bandwidth-gbps", type=float,
+                        help="pipeline link bandwidth in Gb/s for the step-time model (default: both "
+                             "NVLink-like 3600 and InfiniBand-like 400)")
+    parser.add_argument("--link-latency-us", type=float, default=5.0,
+                        help="pipeline link latency in microseconds with --link-bandwidth-gbps (default 5)")
     for add in (_model_args, _lime_args, _parallel_args, _training_args, _precision_args,
                 _data_args, _checkpoint_args, _logging_args):
         add(parser)

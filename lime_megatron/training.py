@@ -113,7 +113,9 @@ def dry_run_report(args: argparse.Namespace) -> str:
         config, vocab_size=data.tokenizer_of(args).vocab_size, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
         transformer_impl=args.transformer_impl,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        compute_tflops=args.compute_tflops, link_bandwidth_gbps=args.link_bandwidth_gbps,
+        link_latency_us=args.link_latency_us)
 
 
 @contextlib.contextmanager
