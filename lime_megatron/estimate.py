@@ -20,7 +20,6 @@ from typing import Iterator
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lime_megatron.activations import (
@@ -36,6 +35,14 @@ from lime_megatron.head_parallel import HeadSharding
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.model import LimeGPTModel
 from lime_megatron.router import LimeRouter
+from lime_megatron.schedule_model import (
+    DEFAULT_COMPUTE_TFLOPS,
+    INFINIBAND,
+    NVLINK,
+    Link,
+    rank_operations,
+    step_time_lines,
+)
 
 # Process groups a GPTModel reads while it is built.
 _GROUPS = ("tp", "pp", "mp", "embd", "pos_embd", "cp", "tp_cp", "dp", "dp_cp", "tp_dp_cp")
@@ -247,45 +254,19 @@ def _chunk_parameters(config, chunk: _Chunk, vocab_size, seq_length, tied) -> _P
 # ------------------------------------------------------------------------------ schedules
 
 
-def _interleaved_chunk_order(config: LimeTransformerConfig, num_microbatches: int) -> list[int]:
-    """Model chunk of each forward, in the interleaved schedule's order (megatron's table);
-    the same checks as megatron's schedule."""
-    pp, group = config.pipeline_model_parallel_size, config.microbatch_group_size_per_vp_stage
-    if not pp <= group <= num_microbatches:
-        raise ValueError(f"the interleaved schedule needs pipeline_model_parallel_size={pp} <= "
-                         f"microbatch_group_size_per_vp_stage={group} <= num_microbatches={num_microbatches}")
-    if 0 < num_microbatches % group < pp:
-        raise ValueError(f"the interleaved schedule needs num_microbatches={num_microbatches} to leave "
-                         f"0 or at least {pp} microbatches after whole groups of {group}")
-    table = get_schedule_table(num_microbatches, config.virtual_pipeline_model_parallel_size, group)
-    return [chunk for _, chunk in table]
-
-
 def peak_in_flight(config: LimeTransformerConfig, pp_rank: int, num_microbatches: int,
                    chunk_bytes: list[int]) -> tuple[int, int]:
     """(chunk-microbatches in flight, their bytes) at the peak of megatron's schedule on
-    ``pp_rank``; ``chunk_bytes[c]`` is one microbatch of chunk c."""
-    pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
-    if not vpp:
-        count = min(pp - pp_rank, num_microbatches)
-        return count, count * chunk_bytes[0]
-    order = _interleaved_chunk_order(config, num_microbatches)
-    total = len(order)
-    warmup = min(total, 2 * (pp - pp_rank - 1) + (vpp - 1) * config.microbatch_group_size_per_vp_stage)
-    in_flight = [0] * vpp
+    ``pp_rank`` (``schedule_model.rank_operations`` replayed); ``chunk_bytes[c]`` is one
+    microbatch of chunk c."""
+    pp = config.pipeline_model_parallel_size
+    in_flight = [0] * len(chunk_bytes)
     peak = (0, 0)
-
-    def forward(k):
-        nonlocal peak
-        in_flight[order[k]] += 1
-        current = sum(n * size for n, size in zip(in_flight, chunk_bytes))
-        peak = max(peak, (current, sum(in_flight)))
-
-    for k in range(warmup):
-        forward(k)
-    for k in range(total - warmup):
-        forward(warmup + k)
-        in_flight[vpp - 1 - order[k]] -= 1
+    for op in rank_operations(pp, config.virtual_pipeline_model_parallel_size or 1, pp_rank, num_microbatches,
+                              config.microbatch_group_size_per_vp_stage or pp):
+        in_flight[op.chunk] += 1 if op.forward else -1
+        if op.forward:
+            peak = max(peak, (sum(n * size for n, size in zip(in_flight, chunk_bytes)), sum(in_flight)))
     return peak[1], peak[0]
 
 
@@ -413,10 +394,20 @@ def report_lines(result: DryRunEstimate) -> list[str]:
 def dry_run_report(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int,
                    micro_batch_size: int, num_microbatches: int,
                    transformer_impl: str | None = None,
-                   share_embeddings_and_output_weights: bool = True) -> str:
-    """The ``--dry-run`` report of ``config``'s layout (see ``estimate``)."""
+                   share_embeddings_and_output_weights: bool = True,
+                   compute_tflops: float = DEFAULT_COMPUTE_TFLOPS,
+                   link_bandwidth_gbps: float | None = None, link_latency_us: float = 5.0) -> str:
+    """The ``--dry-run`` report of ``config``'s layout (see ``estimate``), with the step-time
+    model's table (``schedule_model``) over one link of ``link_bandwidth_gbps`` Gb/s, or over
+    the NVLink-like and InfiniBand-like links when it is None."""
     result = estimate(config, vocab_size=vocab_size, seq_length=seq_length,
                       micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                       transformer_impl=transformer_impl,
                       share_embeddings_and_output_weights=share_embeddings_and_output_weights)
-    return "\n".join(report_lines(result))
+    links = (NVLINK, INFINIBAND)
+    if link_bandwidth_gbps is not None:
+        links = (Link("link", link_bandwidth_gbps, link_latency_us),)
+    step_times = step_time_lines(config, vocab_size=vocab_size, seq_length=seq_length,
+                                 micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
+                                 compute_tflops=compute_tflops, links=links)
+    return "\n".join(report_lines(result) + [""] + step_times)

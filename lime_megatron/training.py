@@ -123,11 +123,14 @@ def dry_run_report(run: RunConfig) -> str:
     """``lime_megatron.estimate``'s report for the requested model and layout (one process, no
     ``torch.distributed``)."""
     config = arguments.transformer_config(run)
+    step_time = run.step_time
     return fusions.report(run) + "\n" + estimate.dry_run_report(
         config, vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
         seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size,
         num_microbatches=run.training.num_microbatches, transformer_impl=run.model.transformer_impl,
-        share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights)
+        share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
+        compute_tflops=step_time.compute_tflops, link_bandwidth_gbps=step_time.link_bandwidth_gbps,
+        link_latency_us=step_time.link_latency_us)
 
 
 @contextlib.contextmanager
