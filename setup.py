@@ -32,6 +32,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
+        # tools/analyze_checkpoint.py: linear probes and t-SNE (lime_megatron.analysis)
+        "analysis": ["scikit-learn>=1.3"],
         # GPU machines only: installing transformer-engine on a CPU machine breaks megatron.core.
         "gpu": ["transformer-engine[pytorch]"],
     },

@@ -170,6 +170,16 @@ def _wgrad_choice(platform: Platform, te_layers: bool) -> Choice:
     return Choice(True, "TransformerEngine's fused wgrad accumulation (apex GEMM for the output layer)")
 
 
+def replace_config(config, **changes):
+    """``dataclasses.replace`` for a config whose fusions ``FusionChoices.apply`` set: the copy is
+    built with RoPE fusion off (megatron's ``__post_init__`` would import TransformerEngine to
+    check it), then gets the original's value back unless ``changes`` sets it."""
+    rope_fusion = changes.pop("apply_rope_fusion", config.apply_rope_fusion)
+    copy = dataclasses.replace(config, apply_rope_fusion=False, **changes)
+    copy.apply_rope_fusion = rope_fusion
+    return copy
+
+
 def run_platform(dry_run: bool, transformer_impl: str) -> Platform:
     """The platform a run resolves against: this machine, or for a ``--dry-run`` on a machine
     without CUDA the GPU machine the run needs (``Platform.target_gpu``)."""

@@ -127,3 +127,21 @@ def test_results_table_and_plots(tmp_path):
     for path in paths:
         if path.suffix == ".png":
             assert path.read_bytes()[:4] == b"\x89PNG" and path.stat().st_size > 5000, path
+
+
+def test_the_paper_sweep_resolves_at_its_layouts(tmp_path):
+    """examples/sweeps/depth_paper.yaml: six runs of 5,000 iterations whose configs the trainer
+    accepts (dry run, one 8-GPU node) with the layouts of examples/*_deep*.yaml."""
+    from lime_megatron import arguments
+
+    sweep = depth_sweep.load_sweep(str(ROOT / "examples" / "sweeps" / "depth_paper.yaml"), str(tmp_path))
+    assert [run.name for run in sweep.runs] == ["LIMe-L32", "LIMe-L64", "LIMe-L128", "LLaMA-L32", "LLaMA-L64",
+                                                "LLaMA-L128"]
+    for run in sweep.runs:
+        args = arguments.parse_args([*depth_sweep.trainer_argv(sweep, run, []), "--dry-run", "--dry-run-world-size",
+                                     str(run.nproc)])
+        assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.train_iters) == (run.depth, 256, 1024, 5000)
+        example = yaml.safe_load((ROOT / "examples" / f"{run.family.lower()}_deep{run.depth}.yaml").read_text())
+        for key in ("pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
+                    "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank"):
+            assert run.options.get(key) == example.get(key), (run.name, key)
