@@ -32,6 +32,8 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
+        # lm-evaluation-harness on checkpoints: tools/evaluate.py, lime_megatron.evaluation
+        "eval": ["lm-eval>=0.4,<0.5"],
         # GPU machines only: installing transformer-engine on a CPU machine breaks megatron.core.
         "gpu": ["transformer-engine[pytorch]"],
     },
