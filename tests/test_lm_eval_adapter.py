@@ -135,7 +135,7 @@ def test_lm_eval_command_line_scores_local_tasks_with_known_answers(tmp_path):
     environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
                    "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     command = [sys.executable, str(ROOT / "tools" / "evaluate.py"), "--model", "lime_megatron",
-               "--model_args", f"checkpoint={checkpoint},batch_size=2", "--include_path", str(tmp_path),
+               "--model_args", f"checkpoint={checkpoint}", "--batch_size", "2", "--include_path", str(tmp_path),
                "--tasks", "tiny_best,tiny_worst,tiny_generation", "--output_path", str(tmp_path / "results")]
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]

@@ -1,7 +1,7 @@
 #!/usr/bin/env python
 """lm-evaluation-harness's command line with the ``lime_megatron`` model registered.
 
-    python tools/evaluate.py --model lime_megatron --model_args checkpoint=ckpt/lime-1b,batch_size=16 \\
+    python tools/evaluate.py --model lime_megatron --model_args checkpoint=ckpt/lime-1b --batch_size 16 \\
         --tasks arc_easy,piqa --num_fewshot 3
     torchrun --nproc-per-node 8 tools/evaluate.py --model lime_megatron ...   # data parallel
 
