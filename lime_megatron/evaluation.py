@@ -43,8 +43,9 @@ class LimeMegatronLM(LM):
     Args (``--model_args`` for the command line):
         checkpoint: a ``--save`` root or one ``iter_NNNNNNN`` directory;
         dtype: weights' dtype (default: as trained);
-        batch_size: sequences per forward; max_length: context length (default: the run's
-        ``--seq-length``); max_gen_toks: default new-token limit of ``generate_until``.
+        max_length: context length (default: the run's ``--seq-length``);
+        max_gen_toks: default new-token limit of ``generate_until``.
+        batch_size: sequences per forward (lm-eval's ``--batch_size``; ``auto`` means 8).
         model, tokenizer: an already built model and tokenizer instead of a checkpoint.
     """
 
