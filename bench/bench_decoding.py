@@ -64,8 +64,9 @@ def main(argv=None) -> None:
         rates[name, cache].append(result.tokens_per_second)
         tokens.setdefault((name, cache), result.tokens)
     median = {key: statistics.median(values) for key, values in rates.items()}
-    print(f"\n{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads / {args.kv_heads} kv "
-          f"heads, batch {args.batch_size}, prompt {args.prompt_length}, {args.new_tokens} new tokens, "
+    print(f"\n{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads / "
+          f"{args.kv_heads} kv heads, batch {args.batch_size}, prompt {args.prompt_length}, "
+          f"{args.new_tokens} new tokens, "
           f"median of {args.repeats}, {torch.get_num_threads()} threads")
     print(f"{'model':<10}{'KV cache tok/s':>16}{'recompute tok/s':>17}{'cache speed-up':>16}{'same tokens':>13}")
     for name in models:

@@ -36,6 +36,7 @@ from lime_megatron.decoding import full_logits
 from lime_megatron.generation import DTYPES, Generator, SamplingOptions
 from lime_megatron.model import LimeGPTModel
 
+
 @register_model("lime_megatron")
 class LimeMegatronLM(LM):
     """lm-eval ``LM`` over a LIMe/baseline megatron model (see the module docstring).

@@ -4,14 +4,11 @@ top-k/top-p restrict the choice, and generation stops at stop strings and the en
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
-
 from decoding_fixtures import char_tokenizer
 from lime_fixtures import tiny_model
+
 from lime_megatron.generation import Generator, SamplingOptions, sample_next
 from lime_megatron.parallel import initialize_parallel
 

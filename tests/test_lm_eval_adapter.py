@@ -14,10 +14,10 @@ import pytest
 import torch
 
 pytest.importorskip("lm_eval")
-from lm_eval.api.instance import Instance  # noqa: E402
-
 from decoding_fixtures import char_tokenizer, tiny_checkpoint  # noqa: E402
 from lime_fixtures import tiny_model  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
 from lime_megatron.checkpoint_model import load_model  # noqa: E402
 from lime_megatron.evaluation import LimeMegatronLM  # noqa: E402
 from lime_megatron.generation import Generator, SamplingOptions  # noqa: E402
@@ -106,7 +106,8 @@ def _write_tasks(directory: Path, docs: list[dict], generation_docs: list[dict])
     (directory / "generation.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in generation_docs))
     for name, target in (("tiny_best", "best"), ("tiny_worst", "worst")):
         (directory / f"{name}.yaml").write_text(
-            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n    test: {directory / 'choice.jsonl'}\n"
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {directory / 'choice.jsonl'}\n"
             "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
             f"doc_to_choice: choices\ndoc_to_target: {target}\nmetric_list:\n  - metric: acc\n")
     (directory / "tiny_generation.yaml").write_text(
@@ -132,7 +133,8 @@ def test_lm_eval_command_line_scores_local_tasks_with_known_answers(tmp_path):
     generation_docs = [dict(question=question + " ", answer=text)
                        for question, text in zip([q for q in QUESTIONS if q], greedy.texts)]
     _write_tasks(tmp_path, docs, generation_docs)
-    environment = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+    inherited = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    environment = {**inherited, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
                    "HF_DATASETS_CACHE": str(tmp_path / "hf")}
     command = [sys.executable, str(ROOT / "tools" / "evaluate.py"), "--model", "lime_megatron",
                "--model_args", f"checkpoint={checkpoint}", "--batch_size", "2", "--include_path", str(tmp_path),

@@ -14,8 +14,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-import lime_megatron.evaluation  # noqa: E402,F401  - registers --model lime_megatron
 from lm_eval.__main__ import cli_evaluate  # noqa: E402
+
+import lime_megatron.evaluation  # noqa: E402,F401  - registers --model lime_megatron
 
 if __name__ == "__main__":
     cli_evaluate()
