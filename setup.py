@@ -34,6 +34,8 @@ setup(
         "test": ["pytest>=8"],
         # tools/analyze_checkpoint.py: linear probes and t-SNE (lime_megatron.analysis)
         "analysis": ["scikit-learn>=1.3"],
+        # lm-evaluation-harness on checkpoints: tools/evaluate.py, lime_megatron.evaluation
+        "eval": ["lm-eval>=0.4,<0.5"],
         # GPU machines only: installing transformer-engine on a CPU machine breaks megatron.core.
         "gpu": ["transformer-engine[pytorch]"],
     },
