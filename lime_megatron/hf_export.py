@@ -116,7 +116,8 @@ class Description:
         extra = config.get(EXTRA) or {}
         for name, allowed in (("hidden_act", ("silu",)), ("attention_bias", (False,)), ("mlp_bias", (False,))):
             if config.get(name, allowed[0]) not in allowed:
-                raise ConversionError(f"config.json: {name}={config[name]!r} is not supported (LLaMA uses {allowed[0]})")
+                raise ConversionError(
+                    f"config.json: {name}={config[name]!r} is not supported (LLaMA uses {allowed[0]})")
         heads, hidden = _required(config, "num_attention_heads"), _required(config, "hidden_size")
         router = extra.get("lime_router") or "full" if lime else None
         shape = ModelShape(
@@ -234,16 +235,17 @@ def write_tokenizer(tokenizer, directory: str) -> list[str]:
     """Copy the run's tokenizer into ``directory`` as transformers expects it; returns the files
     (none for the mock-data vocabulary)."""
     kind = type(tokenizer).__name__
+    sources = getattr(tokenizer, "unique_identifiers", {}).get("files", [])
     if kind == "GPT2BPETokenizer":
-        vocab, merges = tokenizer.files
+        vocab, merges = sources
         shutil.copyfile(vocab, os.path.join(directory, "vocab.json"))
         shutil.copyfile(merges, os.path.join(directory, "merges.txt"))
         settings = dict(tokenizer_class="GPT2Tokenizer", eos_token="<|endoftext|>", bos_token="<|endoftext|>",
                         unk_token="<|endoftext|>")
         files = ["vocab.json", "merges.txt"]
     elif kind == "HuggingFaceTokenizer":
-        source = os.path.dirname(os.path.abspath(tokenizer.files[0]))
-        shutil.copyfile(tokenizer.files[0], os.path.join(directory, "tokenizer.json"))
+        source = os.path.dirname(sources[0])
+        shutil.copyfile(sources[0], os.path.join(directory, "tokenizer.json"))
         files = ["tokenizer.json"]
         for extra in ("tokenizer_config.json", "special_tokens_map.json"):
             if os.path.isfile(os.path.join(source, extra)):
@@ -253,7 +255,7 @@ def write_tokenizer(tokenizer, directory: str) -> list[str]:
             return files
         settings = dict(tokenizer_class="PreTrainedTokenizerFast", eos_token=tokenizer.detokenize([tokenizer.eod]))
     elif kind == "SentencePieceTokenizer":
-        shutil.copyfile(tokenizer.files[0], os.path.join(directory, "tokenizer.model"))
+        shutil.copyfile(sources[0], os.path.join(directory, "tokenizer.model"))
         settings = dict(tokenizer_class="LlamaTokenizer", add_bos_token=False)
         files = ["tokenizer.model"]
     else:
@@ -359,7 +361,7 @@ def import_run(directory: str, description: Description, dtype: torch.dtype) -> 
     """The run description of a model read from the Hugging Face ``directory``: the trainer's
     options for its shape, RoPE, norm, tokenizer and padding (validated by the trainer's parser)."""
     shape = description.shape
-    flags = [f"--{key}={value}" for key, value in dict(
+    flags = [f"--{key.replace('_', '-')}={value}" for key, value in dict(
         num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
         num_attention_heads=shape.num_attention_heads, num_query_groups=shape.kv_heads, kv_channels=shape.head_dim,
         seq_length=description.max_positions, max_position_embeddings=description.max_positions,

@@ -167,7 +167,8 @@ def _qkv_map(shape: ModelShape, layer: int) -> TensorMap:
 
 def _fc1_map(layer: int) -> TensorMap:
     mlp = f"model.layers.{layer}.mlp."
-    return TensorMap(f"decoder.layers.{layer}.mlp.linear_fc1.weight", (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+    return TensorMap(f"decoder.layers.{layer}.mlp.linear_fc1.weight",
+                     (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
                      lambda weight: tuple(weight.chunk(2, dim=0)), lambda tensors: torch.cat(tensors, dim=0))
 
 

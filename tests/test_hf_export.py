@@ -39,8 +39,9 @@ TOLERANCE = 1e-10
 EPS, ROPE_BASE = 1e-6, 5000
 
 
-@pytest.fixture(scope="module", autouse=True)
+@pytest.fixture(autouse=True)
 def parallel():
+    """A one-process world (the trainer test tears its own down)."""
     initialize_parallel()
 
 
@@ -116,7 +117,8 @@ def official_shapes(config: dict) -> dict[str, list[int]]:
             p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
             p + "self_attn.q_proj.weight": [heads * d, h], p + "self_attn.o_proj.weight": [h, heads * d],
             p + "self_attn.kv_proj_weight": [2 * d * kv, h],
-            p + "mlp.gate_proj.weight": [ffn, h], p + "mlp.up_proj.weight": [ffn, h], p + "mlp.down_proj.weight": [h, ffn],
+            p + "mlp.gate_proj.weight": [ffn, h], p + "mlp.up_proj.weight": [ffn, h],
+            p + "mlp.down_proj.weight": [h, ffn],
         })
         if i > 0:
             shapes[p + "self_attn.lime_router.static_weights"] = [kv, (i + 1) * kv]
@@ -156,10 +158,13 @@ def read_official(directory: str) -> tuple[dict, dict]:
     return params, spec
 
 
-LIME_CASES = {"full-mha": dict(num_query_groups=4), "full-gqa": dict(num_query_groups=2),
-              "last2-gqa": dict(num_query_groups=2, lime_router="last", lime_router_window=2),
-              "first2": dict(lime_router="first", lime_router_window=2), "average-gqa": dict(num_query_groups=2,
-                                                                                             lime_router="average")}
+LIME_CASES = {
+    "full-mha": dict(num_query_groups=4),
+    "full-gqa": dict(num_query_groups=2),
+    "last2-gqa": dict(num_query_groups=2, lime_router="last", lime_router_window=2),
+    "first2": dict(lime_router="first", lime_router_window=2),
+    "average-gqa": dict(num_query_groups=2, lime_router="average"),
+}
 
 
 @pytest.mark.parametrize("case", LIME_CASES)
@@ -184,6 +189,7 @@ def test_lime_official_layout_reproduces_our_logits(tmp_path, case):
 
 def _checkpoint(root, flags: list[str]) -> str:
     """A random single-process checkpoint of the run the trainer ``flags`` describe."""
+    initialize_parallel()
     args = arguments.parse_args(flags + "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3".split()
                                + ["--mock-data"] * ("--mock-data" not in flags))
     run = checkpointing.run_description(args, arguments.transformer_config(args), data.tokenizer_of(args))
@@ -231,7 +237,7 @@ def test_gpt2_tokenizer_files_load_in_transformers(tmp_path):
     assert main(["export", source, str(tmp_path / "hf")]) == 0
     ours = load_model(source).tokenizer()
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
-    text = "Layer-integrated memory, exported.<|endoftext|>"
+    text = "Layer-integrated memory, exported to  Hugging Face!"
     assert theirs.encode(text) == list(ours.tokenize(text))
     assert theirs.eos_token_id == ours.eod
 
