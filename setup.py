@@ -32,6 +32,9 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
+        # Hugging Face export/import (tools/convert_checkpoint.py); transformers only to load the
+        # exported LLaMA in LlamaForCausalLM (tests) -- the official LIMe code pins 4.51.1.
+        "hf": ["safetensors>=0.4", "transformers>=4.51"],
         # GPU machines only: installing transformer-engine on a CPU machine breaks megatron.core.
         "gpu": ["transformer-engine[pytorch]"],
     },
