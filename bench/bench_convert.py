@@ -12,7 +12,8 @@ weights (``checkpoint_model.new_model``: no init cost, the bytes are what counts
   write safetensors and config.json),
 - import: ``import_checkpoint`` (read safetensors, map back, write the distributed checkpoint),
 
-each timed end to end in this process (imports excluded); GB/s = safetensors bytes / seconds.
+each timed end to end in this process (imports excluded), with its steps; GB/s = safetensors
+bytes / seconds.
 Prints a markdown table.
 """
 
@@ -22,7 +23,6 @@ import argparse
 import shutil
 import sys
 import tempfile
-import time
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -66,15 +66,13 @@ def make_checkpoint(root: Path, flags: list[str], num_layers: int) -> tuple[str,
 def measure(workdir: Path, name: str, num_layers: int) -> dict:
     """Export and import times of one model."""
     source, count = make_checkpoint(workdir / f"{name}-ckpt", MODELS[name], num_layers)
-    start = time.perf_counter()
     exported = export_checkpoint(source, str(workdir / f"{name}-hf"), progress=False)
-    export_s = time.perf_counter() - start
-    start = time.perf_counter()
     imported = import_checkpoint(str(workdir / f"{name}-hf"), str(workdir / f"{name}-back"), progress=False)
-    import_s = time.perf_counter() - start
-    return dict(model=name, params=count, gb=exported.bytes / 1e9, export_s=export_s,
-                export_gbs=exported.bytes / 1e9 / export_s, import_s=import_s,
-                import_gbs=imported.bytes / 1e9 / import_s)
+    return dict(model=name, params=count, gb=exported.bytes / 1e9, export=exported, imported=imported)
+
+
+def _steps(summary) -> str:
+    return " + ".join(f"{seconds:.1f}" for seconds in summary.phases.values())
 
 
 def main(argv=None) -> int:
@@ -90,11 +88,15 @@ def main(argv=None) -> int:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     print(f"\n1B shapes at {args.num_layers} layers, float32, 1 process\n")
+    print("export s = read checkpoint + map and write safetensors; "
+          "import s = read safetensors + map + write checkpoint\n")
     print("| model | parameters | safetensors GB | export s | export GB/s | import s | import GB/s |")
     print("|---|---:|---:|---:|---:|---:|---:|")
     for row in rows:
-        print(f"| {row['model']} | {row['params'] / 1e6:.0f} M | {row['gb']:.2f} | {row['export_s']:.1f} | "
-              f"{row['export_gbs']:.2f} | {row['import_s']:.1f} | {row['import_gbs']:.2f} |")
+        export, imported = row["export"], row["imported"]
+        print(f"| {row['model']} | {row['params'] / 1e6:.0f} M | {row['gb']:.2f} | {export.seconds:.1f} "
+              f"({_steps(export)}) | {export.gigabytes_per_second:.3f} | {imported.seconds:.1f} ({_steps(imported)}) | "
+              f"{imported.gigabytes_per_second:.3f} |")
     return 0
 
 

@@ -309,6 +309,8 @@ class Summary:
     bytes: int
     seconds: float
     files: list[str] = field(default_factory=list)
+    phases: dict[str, float] = field(default_factory=dict)
+    """Seconds per step (reading, mapping, writing)."""
 
     @property
     def gigabytes_per_second(self) -> float:
@@ -316,8 +318,26 @@ class Summary:
 
     def __str__(self) -> str:
         return (f"{self.source} -> {self.destination}: {self.architecture}, {self.tensors} tensors, "
-                f"{self.bytes / 1e9:.3f} GB in {self.seconds:.1f} s ({self.gigabytes_per_second:.2f} GB/s); "
+                f"{self.bytes / 1e9:.3f} GB in {self.seconds:.1f} s ({self.gigabytes_per_second:.2f} GB/s: "
+                f"{', '.join(f'{step} {seconds:.1f} s' for step, seconds in self.phases.items())}); "
                 f"files: {', '.join(self.files)}")
+
+
+class Stopwatch:
+    """Seconds since the previous lap, by step name."""
+
+    def __init__(self):
+        self.start = self.last = time.perf_counter()
+        self.laps: dict[str, float] = {}
+
+    def lap(self, step: str) -> None:
+        now = time.perf_counter()
+        self.laps[step] = now - self.last
+        self.last = now
+
+    @property
+    def total(self) -> float:
+        return self.last - self.start
 
 
 def write_hf(model, description: Description, directory: str, *, dtype: torch.dtype | None = None,
@@ -341,16 +361,18 @@ def export_checkpoint(checkpoint: str, directory: str, *, dtype: torch.dtype | N
                       shard_bytes: int = SHARD_BYTES, progress: bool = True) -> Summary:
     """Checkpoint (any layout; a ``--save`` root or an ``iter_NNNNNNN`` directory) -> Hugging Face
     directory with the run's tokenizer."""
-    start = time.perf_counter()
+    watch = Stopwatch()
     loaded = load_model(checkpoint)
     tokenizer = loaded.tokenizer()
+    watch.lap("read checkpoint")
     description = Description.of_run(loaded.run, ModelShape.of_model(loaded.model), tokenizer)
     tensors, files = write_hf(loaded.model, description, directory, dtype=dtype, shard_bytes=shard_bytes,
                               progress=progress)
     files += write_tokenizer(tokenizer, directory)
+    watch.lap("map and write safetensors")
     architecture = LIME_ARCHITECTURE if description.shape.lime else LLAMA_ARCHITECTURE
-    return Summary(loaded.directory, directory, architecture, len(tensors), _nbytes(tensors),
-                   time.perf_counter() - start, files)
+    return Summary(loaded.directory, directory, architecture, len(tensors), _nbytes(tensors), watch.total, files,
+                   watch.laps)
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -393,9 +415,10 @@ def import_checkpoint(directory: str, root: str, *, dtype: torch.dtype | None = 
     the tracker), which ``pretrain_lime.py --load root --no-load-optim`` reads at any layout.
     Weights keep their dtype when it is a training dtype (float32, bfloat16, float16), else
     float32; ``dtype`` overrides."""
-    start = time.perf_counter()
+    watch = Stopwatch()
     config = _read_json(os.path.join(directory, "config.json"))
     tensors = read_safetensors(directory, progress)
+    watch.lap("read safetensors")
     description = Description.of_config(config, set(tensors))
     if "model.embed_tokens.weight" not in tensors:
         raise ConversionError(f"missing tensor model.embed_tokens.weight in {directory}")
@@ -412,7 +435,9 @@ def import_checkpoint(directory: str, root: str, *, dtype: torch.dtype | None = 
     with torch.no_grad():
         for name, tensor in tqdm(converted.items(), desc="convert", unit="tensor", disable=not progress):
             state[name].copy_(tensor)
+    watch.lap("map")
     written = save_model(model, run, root, iteration)
+    watch.lap("write checkpoint")
     architecture = LIME_ARCHITECTURE if description.shape.lime else LLAMA_ARCHITECTURE
-    return Summary(directory, written, architecture, len(tensors), _nbytes(tensors), time.perf_counter() - start,
-                   [os.path.basename(written)])
+    return Summary(directory, written, architecture, len(tensors), _nbytes(tensors), watch.total,
+                   [os.path.basename(written)], watch.laps)

@@ -19,8 +19,10 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
+
+pytest.importorskip("safetensors")  # the hf extra: pip install torch==2.13.0 -e .[hf]
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
 
 import reference_lime
 from lime_fixtures import SEQ, VOCAB, batch, relative_error, tiny_model
@@ -242,6 +244,7 @@ def test_gpt2_tokenizer_files_load_in_transformers(tmp_path):
     assert theirs.eos_token_id == ours.eod
 
 
+@pytest.mark.slow
 def test_trainer_starts_from_an_import(tmp_path):
     from lime_megatron import training
 
