@@ -36,6 +36,9 @@ setup(
         "analysis": ["scikit-learn>=1.3"],
         # lm-evaluation-harness on checkpoints: tools/evaluate.py, lime_megatron.evaluation
         "eval": ["lm-eval>=0.4,<0.5"],
+        # Hugging Face export/import (tools/convert_checkpoint.py); transformers only to load the
+        # exported LLaMA in LlamaForCausalLM (tests) -- the official LIMe code pins 4.51.1.
+        "hf": ["safetensors>=0.4", "transformers>=4.51"],
         # GPU machines only: installing transformer-engine on a CPU machine breaks megatron.core.
         "gpu": ["transformer-engine[pytorch]"],
     },

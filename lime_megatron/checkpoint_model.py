@@ -117,6 +117,15 @@ def _build(config: LimeTransformerConfig, run: dict) -> LimeGPTModel:
     )
 
 
+def new_model(run: dict, dtype: torch.dtype) -> LimeGPTModel:
+    """An uninitialised single-process model of ``run`` in ``dtype``, to be filled (e.g. by a
+    Hugging Face import, ``lime_megatron.hf_export``) and written with :func:`save_model`."""
+    initialize_parallel()
+    config = single_process_config(run, dtype)
+    config.perform_initialization = False
+    return _build(config, run)
+
+
 def save_model(model: LimeGPTModel, run: dict, root: str, iteration: int = 0) -> str:
     """Write the single-process ``model`` as a weights-only checkpoint under ``root`` (published
     and tracked like the trainer's) with the run description ``run``; returns its directory.
