@@ -23,7 +23,8 @@ Distributions (``INIT_STYLES``):
   N(0, 0.02)-style normal (init_method_std) for every linear layer including the output
   projections, and, for LIMe, Kaiming-uniform with a = sqrt(5) (bound 1 / sqrt(hidden)) for the
   key/value projection (a bare parameter there, which HF's initialiser leaves at torch's
-  default); the released code also uses RMSNorm epsilon 1e-6 (``STYLE_CONFIG``).
+  default); the released code also uses RMSNorm epsilon 1e-6 (``--norm-epsilon``, set with
+  ``--init-style official`` in the paper's example configs).
 """
 
 from __future__ import annotations
@@ -40,8 +41,6 @@ from torch import nn
 from lime_megatron.router import LimeRouter, init_router_weight
 
 INIT_STYLES = ("megatron", "official")
-STYLE_CONFIG = {"megatron": {}, "official": {"layernorm_epsilon": 1e-6}}
-"""Config values each style implies besides the weights (the released code's RMSNorm epsilon)."""
 
 OUTPUT_PROJECTIONS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 QKV = "self_attention.linear_qkv.weight"

@@ -22,6 +22,7 @@ from typing import Any, Sequence
 import torch
 
 from lime_megatron.config import ROUTER_VARIANTS
+from lime_megatron.initialization import INIT_STYLES
 from lime_megatron.optimizer import WEIGHT_DECAY_GROUPINGS
 
 PAPER_ROUTER_LR = 1e-2
@@ -77,6 +78,9 @@ class ModelOptions:
     transformer_impl: str = option("local", choices=("local", "transformer_engine"),
                                    help="local: megatron-only modules (CPU and GPU); transformer_engine: GPU, "
                                         "bf16/FP8")
+    init_style: str = option("megatron", choices=INIT_STYLES,
+                             help="initial weight distributions: megatron's defaults or the paper's released "
+                                  "code (lime_megatron.initialization); drawn the same at every layout")
     recompute_granularity: str | None = option(choices=("full", "selective"))
     recompute_method: str | None = option(choices=("uniform", "block"))
     recompute_num_layers: int | None = option(type=int)

@@ -30,7 +30,7 @@ TABLE_2 = dict(optimizer="adam", lr=1e-3, min_lr=1e-6, lr_decay_style="cosine", 
                bf16=True, seq_length=2048, global_batch_size=1024, train_iters=20000)
 LIME_ROUTER = dict(lime_router_lr=1e-2, lime_router_weight_decay=0.0)
 # What the paper's runs (the official implementation) used beyond Table 2.
-OFFICIAL = dict(norm_epsilon=1e-6, weight_decay_grouping="official")
+OFFICIAL = dict(norm_epsilon=1e-6, weight_decay_grouping="official", init_style="official")
 GPT2_VOCAB = 50257
 SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
 

@@ -12,7 +12,7 @@ import torch
 from distributed import ShardRule, run_distributed
 from lime_megatron.config import lime_config
 from lime_megatron.head_parallel import HeadSharding
-from lime_megatron.initialization import INIT_STYLES, STYLE_CONFIG, initialize_weights, local_shard
+from lime_megatron.initialization import INIT_STYLES, initialize_weights, local_shard
 from lime_megatron.model import build_model
 from lime_megatron.parallel import initialize_parallel
 
@@ -94,7 +94,6 @@ def test_official_style_keeps_the_baselines_key_values_normal():
     params = _params(_model("official", lime=False))
     _, keys_values = _split_qkv(params["decoder.layers.1.self_attention.linear_qkv.weight"])
     _assert_normal(keys_values, 0.02)
-    assert STYLE_CONFIG["official"] == {"layernorm_epsilon": 1e-6}
 
 
 def test_weights_depend_on_the_seed_and_differ_between_layers():
@@ -190,3 +189,14 @@ def test_from_scratch_layouts_reproduce_the_single_process_losses():
         assert sorted(losses) == sorted(reference), name
         errors = {i: abs(losses[i] - reference[i]) for i in reference}
         assert max(errors.values()) <= 1e-5, (name, errors)
+
+
+def test_init_style_and_seed_come_from_the_trainer_flags():
+    from lime_megatron import arguments
+
+    flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+             "--lr 1e-3 --train-iters 1 --mock-data --vocab-size 64 --lime --seed 77").split()
+    default = arguments.transformer_config(arguments.parse_run(flags))
+    official = arguments.transformer_config(arguments.parse_run(flags + ["--init-style", "official"]))
+    assert (default.init_style, default.init_seed) == ("megatron", 77)
+    assert (official.init_style, official.init_seed) == ("official", 77)
