@@ -348,7 +348,7 @@ def time_shape(shape: TimedShape, peak_tflops: float | None, warmup: int = 3, re
     rows = []
     for name, (_, config) in models.items():
         seconds = statistics.median(times[name])
-        tflops = 3 * flops.forward_flops_per_token(config, shape.seq, VOCAB) * tokens / seconds / 1e12
+        tflops = flops.training_flops_per_iteration(config, shape.seq, VOCAB, shape.micro_batch) / seconds / 1e12
         label = f"{shape.name} {name}"
         rows += [Row("speed", label, "fwd+bwd ms (median)", seconds * 1e3),
                  Row("speed", label, "tokens/s", tokens / seconds),
