@@ -240,12 +240,13 @@ def build(config, seq: int, te: bool):
     return build_model(config, VOCAB, seq, backend="te" if te else "local").cuda()
 
 
-def make_batch(micro_batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(micro_batch: int, seq: int, seed: int, vocab: int = VOCAB,
+               device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, labels) ``[b, s]`` of a learnable sequence: random start, then +1 mod vocab."""
     generator = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, VOCAB, (micro_batch, 1), generator=generator)
-    tokens = (start + torch.arange(seq + 1)) % VOCAB
-    return tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
+    start = torch.randint(0, vocab, (micro_batch, 1), generator=generator)
+    tokens = (start + torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
 def loss_of(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
