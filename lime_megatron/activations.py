@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from lime_megatron.config import LimeTransformerConfig
 from lime_megatron.pipeline import stage_tensor_width
+from lime_megatron.recompute import drops_routed_kv
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 RECOMPUTED_MODULES = ("core_attn", "mlp")
@@ -119,7 +120,7 @@ def _norm_bytes(geometry: Geometry, impl: str) -> int:
 def _attention_bytes(config: LimeTransformerConfig, geometry: Geometry, impl: str) -> int:
     """What self-attention keeps for backward beyond its linear layers' inputs."""
     g, heads = geometry, geometry.heads
-    rebuilt = config.lime and config.lime_recompute_routed_kv  # routed K/V rebuilt in backward
+    rebuilt = drops_routed_kv(config, impl)  # routed K/V dropped and rebuilt in backward, as LIMe's attention decides
     if config.lime:  # values are a view of the routed [2, s, b, g_t, d] keys/values
         values = 0 if rebuilt else g.kv_rows
     else:  # values are a view of the QKV output

@@ -116,7 +116,11 @@ class LimeSelfAttention(SelfAttention):
         return self.linear_proj(context)
 
     def _rotate(self, tensor: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
-        """RoPE on ``[s, b, heads, d]``."""
+        """RoPE on ``[s, b, heads, d]``: TransformerEngine's fused kernel with
+        ``config.apply_rope_fusion`` (``lime_megatron.fusions``; it takes the fp32 ``[s, 1, 1, d]``
+        frequencies megatron's ``RotaryEmbedding`` gives and saves only them for backward, so the
+        rebuilt rotated keys of ``_recompute_routed`` come out of the same kernel with the same
+        layout), else megatron's unfused one."""
         return apply_rotary_pos_emb(tensor, freqs, config=self.config, cp_group=self.pg_collection.cp)
 
     def _attend(self, query, key, value, attention_mask) -> torch.Tensor:
@@ -149,5 +153,5 @@ def _reject_unsupported(**arguments) -> None:
     if given:
         raise NotImplementedError(
             f"LIMe self-attention does not support {', '.join(given)} "
-            "(no cross-attention, packed sequences, fused RoPE or flash decode)"
+            "(no cross-attention, packed sequences, precomputed RoPE cos/sin or flash decode)"
         )

@@ -240,12 +240,13 @@ def build(config, seq: int, te: bool):
     return build_model(config, VOCAB, seq, backend="te" if te else "local").cuda()
 
 
-def make_batch(micro_batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+def make_batch(micro_batch: int, seq: int, seed: int, vocab: int = VOCAB,
+               device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
     """(tokens, labels) ``[b, s]`` of a learnable sequence: random start, then +1 mod vocab."""
     generator = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, VOCAB, (micro_batch, 1), generator=generator)
-    tokens = (start + torch.arange(seq + 1)) % VOCAB
-    return tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
+    start = torch.randint(0, vocab, (micro_batch, 1), generator=generator)
+    tokens = (start + torch.arange(seq + 1)) % vocab
+    return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
 def loss_of(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
@@ -348,7 +349,7 @@ def time_shape(shape: TimedShape, peak_tflops: float | None, warmup: int = 3, re
     rows = []
     for name, (_, config) in models.items():
         seconds = statistics.median(times[name])
-        tflops = 3 * flops.forward_flops_per_token(config, shape.seq, VOCAB) * tokens / seconds / 1e12
+        tflops = flops.training_flops_per_iteration(config, shape.seq, VOCAB, shape.micro_batch) / seconds / 1e12
         label = f"{shape.name} {name}"
         rows += [Row("speed", label, "fwd+bwd ms (median)", seconds * 1e3),
                  Row("speed", label, "tokens/s", tokens / seconds),

@@ -196,9 +196,12 @@ def drops_routed_kv(config, transformer_impl: str) -> bool:
     ``config`` (the decision the memory estimate uses): with ``lime_recompute_routed_kv``,
     unless the core attention saves copies: megatron's local attention repeats GQA keys/values
     to the query heads; TransformerEngine's FP8 dot-product attention saves FP8 copies (its
-    cuDNN fused attention in bf16/fp16 saves the tensors given)."""
+    cuDNN fused attention in bf16/fp16 saves the tensors given).  A selectively recomputed
+    (checkpointed) core attention saves the tensors given, whatever the attention."""
     if not (config.lime and config.lime_recompute_routed_kv):
         return False
+    if config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or ["core_attn"]):
+        return True
     if transformer_impl == "local":
         return config.num_attention_heads == config.kv_heads
     return not (config.fp8 and config.fp8_dot_product_attention)

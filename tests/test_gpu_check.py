@@ -9,7 +9,7 @@ import math
 
 import pytest
 import torch
-from lime_fixtures import batch, loss_of, tiny_model
+from lime_fixtures import SEQ, VOCAB, batch, loss_of, tiny_model
 from test_lime_model import init_single_process
 from torch import nn
 
@@ -133,3 +133,19 @@ def test_bf16_tolerances_hold_for_bf16_rounding_on_cpu():
     assert sum("router" in row.quantity for row in rows) == 4
     assert all(row.passed for row in rows), [row for row in rows if not row.passed]
     assert max(row.value for row in rows) > 1e-4  # bf16 did round: the comparison is not vacuous
+
+
+def test_check_configs_and_the_training_loop_on_cpu():
+    """The pieces the GPU runs share with CPU: configs (no fusions for the fp32 reference, no
+    gradient-accumulation fusion without DDP), loss and local-named gradients, AdamW steps."""
+    reference = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False)
+    assert not any(getattr(reference, name) for name in ("apply_rope_fusion", "bias_activation_fusion",
+                                                         "bias_dropout_fusion", "gradient_accumulation_fusion"))
+    assert reference.params_dtype == torch.float32 and reference.num_query_groups == 2
+    model = tiny_model(dtype=torch.float32, seed=5)
+    batch_ = gpu_check.make_batch(2, SEQ, seed=0, vocab=VOCAB, device="cpu")
+    loss, grads = gpu_check.loss_and_gradients(model, batch_)
+    assert math.isfinite(loss) and sum("router" in name for name in grads) == 4
+    assert set(grads) == set(gpu_check.local_named(model.named_parameters()))
+    losses = gpu_check.train_losses(model, [batch_] * 8, lr=1e-2)
+    assert losses[-1] < losses[0] - 0.5  # the sequence task is learnable

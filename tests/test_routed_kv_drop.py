@@ -17,6 +17,7 @@ from lime_fixtures import SEQ, batch, loss_of, relative_error, tiny_model
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from test_lime_model import init_single_process
 
+from lime_megatron.activations import Geometry, layer_activation_bytes
 from lime_megatron.config import lime_config
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.model import LimeGPTModel
@@ -118,7 +119,22 @@ def test_estimate_decision_matches_the_attention():
                                            lime_recompute_routed_kv=False), "local")
 
 
-def test_gqa_on_megatron_attention_keeps_repeated_copies(fresh_log):
-    gradients(tiny_model(num_query_groups=2))
+@pytest.mark.parametrize("settings", [dict(), dict(num_query_groups=2),
+                                      dict(num_query_groups=2, recompute_granularity="selective")],
+                         ids=["mha", "gqa-repeats-kv", "gqa-checkpointed-core-attention"])
+def test_the_estimate_decision_is_what_the_attention_does(fresh_log, settings):
+    model = tiny_model(**settings)
+    gradients(model)
     counts = fresh_log.take()
-    assert all(drops.kept == {"keys": 1, "values": 1} for drops in counts.values()), counts
+    dropped = all(drops.dropped == {"keys": 1, "values": 1} and not drops.kept for drops in counts.values())
+    kept = all(drops.kept == {"keys": 1, "values": 1} and not drops.dropped for drops in counts.values())
+    assert (dropped, kept) == ((True, False) if drops_routed_kv(model.config, "local") else (False, True)), counts
+
+
+def test_the_estimate_counts_fp8_attention_copies():
+    config = lime_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+    geometry = Geometry.of(config, seq_length=32, micro_batch_size=2, vocab_size=128)
+    dropped = layer_activation_bytes(config, geometry, "transformer_engine")
+    config.fp8, config.fp8_dot_product_attention = "e4m3", True
+    assert layer_activation_bytes(config, geometry, "transformer_engine") - dropped == geometry.kv_rows + \
+        geometry.heads_bytes(config.kv_heads)  # the routed K/V storage and the rotated keys stay
