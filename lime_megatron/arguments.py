@@ -25,6 +25,7 @@ from typing import Any, Sequence
 import torch
 import yaml
 
+from lime_megatron import fusions
 from lime_megatron.compat import cpu_config_overrides
 from lime_megatron.config import LimeConfigError, lime_config, validate_router
 from lime_megatron.run_config import (
@@ -389,8 +390,8 @@ def parse_run(argv: Sequence[str] | None = None, world_size: int | None = None) 
 
 def transformer_config(run: RunConfig):
     """The run's ``LimeTransformerConfig``: LLaMA architecture, layout, precision, FP8, recompute
-    and LIMe options (CPU overrides merged). Raises :class:`ArgumentsError` for shapes or
-    layouts megatron or LIMe reject."""
+    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.fusions`` decides.
+    Raises :class:`ArgumentsError` for shapes or layouts megatron or LIMe reject."""
     model, parallel, precision, lime = run.model, run.parallel, run.precision, run.lime
     dtype = precision.params_dtype
     kwargs = dict(
@@ -428,9 +429,10 @@ def transformer_config(run: RunConfig):
         **cpu_config_overrides(),
     )
     try:
-        return lime_config(**kwargs)
+        config = lime_config(**kwargs)
     except (LimeConfigError, ValueError, AssertionError) as error:
         raise ArgumentsError(f"invalid model configuration: {error}") from None
+    return fusions.run_choices(run).apply(config)
 
 
 def _fp8_options(precision: PrecisionOptions) -> dict:

@@ -13,14 +13,13 @@ already averaged over data-parallel ranks). Destinations:
 - TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``; ``--wandb-mode`` or
   ``$WANDB_MODE``: online, offline or disabled): every iteration's scalars.
 
-Model FLOPs per token come from ``lime_megatron.accounting`` (router included); a training
-iteration counts 3x the forward FLOPs (forward + backward, recomputation not counted). MFU is
+Model FLOPs come from ``lime_megatron.flops`` (router included); a training iteration counts 3x
+the forward FLOPs (forward + backward, recomputation not counted). MFU is
 relative to the dense bf16 peak of the GPU (``--gpu-peak-tflops``, or the table below).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -28,7 +27,6 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lime_megatron.accounting import forward_flops_per_token
 from lime_megatron.run_config import LoggingOptions
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "B200": 2250.0, "L40S": 362.1}
@@ -56,12 +54,6 @@ class IterationMetrics:
         """Non-None fields (``skipped`` only when True)."""
         return {key: value for key, value in asdict(self).items()
                 if value is not None and (key != "skipped" or value)}
-
-
-def training_flops_per_iteration(config, args: argparse.Namespace, vocab_size: int) -> float:
-    """Model FLOPs of one training iteration: 3 x forward FLOPs/token x tokens per iteration."""
-    tokens = args.global_batch_size * args.seq_length
-    return 3.0 * forward_flops_per_token(config, args.seq_length, vocab_size) * tokens
 
 
 def gpu_peak_tflops(configured: float | None = None) -> float | None:

@@ -265,9 +265,22 @@ class LoggingOptions:
         return self.profile_dir or self.tensorboard_dir
 
 
+@dataclass(frozen=True)
+class StepTimeOptions:
+    """``--dry-run``'s step-time model of the pipeline schedule (``lime_megatron.schedule_model``)."""
+
+    group = "dry-run step-time model"
+
+    compute_tflops: float = option(400.0, type=float,
+                                   help="achieved TFLOP/s per GPU the step-time model converts FLOPs with")
+    link_bandwidth_gbps: float | None = option(type=float, help="pipeline link bandwidth in Gb/s (default: both "
+                                                                "NVLink-like 3600 and InfiniBand-like 400)")
+    link_latency_us: float = option(5.0, type=float, help="pipeline link latency in microseconds")
+
+
 GROUPS = dict(model=ModelOptions, lime=LimeOptions, parallel=ParallelOptions, training=TrainingOptions,
               precision=PrecisionOptions, data=DataOptions, checkpointing=CheckpointOptions,
-              logging=LoggingOptions)
+              logging=LoggingOptions, step_time=StepTimeOptions)
 """The option groups of :class:`RunConfig`, by attribute name, in ``--help`` order."""
 
 
@@ -283,6 +296,7 @@ class RunConfig:
     data: DataOptions = field(default_factory=DataOptions)
     checkpointing: CheckpointOptions = field(default_factory=CheckpointOptions)
     logging: LoggingOptions = field(default_factory=LoggingOptions)
+    step_time: StepTimeOptions = field(default_factory=StepTimeOptions)
     dry_run: bool = False
     dry_run_world_size: int | None = None
 
@@ -292,6 +306,14 @@ class RunConfig:
         groups = {name: group(**{f.name: getattr(args, f.name) for f in dataclasses.fields(group)})
                   for name, group in GROUPS.items()}
         return cls(**groups, dry_run=args.dry_run, dry_run_world_size=args.dry_run_world_size)
+
+    @classmethod
+    def from_flat_dict(cls, flat: dict[str, Any]) -> RunConfig:
+        """The run of :meth:`as_flat_dict`'s output (a checkpoint's saved options); options missing
+        from ``flat`` keep their defaults."""
+        groups = {name: group(**{f.name: flat[f.name] for f in dataclasses.fields(group) if f.name in flat})
+                  for name, group in GROUPS.items()}
+        return cls(**groups, dry_run=flat.get("dry_run", False), dry_run_world_size=flat.get("dry_run_world_size"))
 
     def as_flat_dict(self) -> dict[str, Any]:
         """Every option by its flag's name (``num_layers``, ``lr``, ...): for checkpoints and wandb."""

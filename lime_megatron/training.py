@@ -33,7 +33,6 @@ import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
-from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -46,7 +45,7 @@ from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config, unwrap_model
 
-from lime_megatron import arguments, checkpointing, data, estimate
+from lime_megatron import arguments, checkpointing, data, estimate, flops, fusions, recompute
 from lime_megatron.arguments import UsageError
 from lime_megatron.compat import default_device
 from lime_megatron.config import LimeConfigError, LimeTransformerConfig
@@ -55,7 +54,6 @@ from lime_megatron.metrics import (
     MetricsLogger,
     gpu_peak_tflops,
     perplexity,
-    training_flops_per_iteration,
 )
 from lime_megatron.model import build_model
 from lime_megatron.optimizer import (
@@ -125,11 +123,14 @@ def dry_run_report(run: RunConfig) -> str:
     """``lime_megatron.estimate``'s report for the requested model and layout (one process, no
     ``torch.distributed``)."""
     config = arguments.transformer_config(run)
-    return estimate.dry_run_report(
+    step_time = run.step_time
+    return fusions.report(run) + "\n" + estimate.dry_run_report(
         config, vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
         seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size,
         num_microbatches=run.training.num_microbatches, transformer_impl=run.model.transformer_impl,
-        share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights)
+        share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
+        compute_tflops=step_time.compute_tflops, link_bandwidth_gbps=step_time.link_bandwidth_gbps,
+        link_latency_us=step_time.link_latency_us)
 
 
 @contextlib.contextmanager
@@ -372,14 +373,13 @@ def build_trainer(run: RunConfig) -> Trainer:
     description = checkpointing.run_description(run, config, tokenizer)
     progress = _resume(run.checkpointing, model, optimizer, scheduler, description, result)
     reporting = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    # The FLOPs helper reads these two options by attribute.
-    batch = SimpleNamespace(global_batch_size=run.training.global_batch_size, seq_length=run.model.seq_length)
     return Trainer(
         run=run, config=config, tokenizer=tokenizer, datasets=datasets, model=model, optimizer=optimizer,
         scheduler=scheduler, progress=progress, description=description, result=result,
         metrics=MetricsLogger(run.logging, run.training.train_iters, reporting, run.name, run.as_flat_dict()),
         profiler=IterationProfiler(run.logging, torch.distributed.get_rank()),
-        flops_per_iteration=training_flops_per_iteration(config, batch, tokenizer.vocab_size),
+        flops_per_iteration=flops.training_flops_per_iteration(
+            config, run.model.seq_length, tokenizer.vocab_size, run.training.global_batch_size),
         peak_tflops=gpu_peak_tflops(run.logging.gpu_peak_tflops))
 
 
@@ -455,6 +455,9 @@ def _step(trainer: Trainer) -> IterationMetrics:
     seconds = time.perf_counter() - start
     progress.iteration += 1
     progress.consumed_samples += training.global_batch_size
+    routed_kv = recompute.routed_kv_log.take()  # counts per step; the first step's are printed
+    if progress.iteration == 1 and routed_kv:
+        _print0(recompute.describe(routed_kv))
     rates = group_learning_rates(trainer.optimizer, training.lr)
     record = IterationMetrics(
         iteration=progress.iteration, lm_loss=loss, lr=rates["lr"], grad_norm=grad_norm,

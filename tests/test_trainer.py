@@ -446,16 +446,16 @@ def test_main_job_end_to_end(tmp_path):
 
 
 def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figures():
-    from lime_megatron.accounting import router_flops_per_token
-    from lime_megatron.metrics import IterationMetrics, console_line, training_flops_per_iteration
+    from lime_megatron import flops
+    from lime_megatron.metrics import IterationMetrics, console_line
 
-    args = parse_args(BASE + ["--lime", "--global-batch-size", "8"], world_size=1)
-    lime = arguments.transformer_config(RunConfig.from_namespace(args))
+    lime = arguments.transformer_config(arguments.parse_run(BASE + ["--lime", "--global-batch-size", "8"], world_size=1))
     baseline = arguments.transformer_config(arguments.parse_run(BASE + ["--global-batch-size", "8"], world_size=1))
-    tokens = 8 * 16
-    extra = training_flops_per_iteration(lime, args, 128) - training_flops_per_iteration(baseline, args, 128)
-    assert router_flops_per_token(lime) > 0
-    assert extra == pytest.approx(3 * router_flops_per_token(lime) * tokens)
+    extra = flops.training_flops_per_iteration(lime, 16, 128, 8) - flops.training_flops_per_iteration(baseline, 16, 128, 8)
+    # BASE: 4 layers, 4 heads of dim 16, no GQA. Full router: layer l >= 1 mixes l + 1 sources, 2 + 3 + 4 = 9;
+    # per token and source, keys and values: 2 * (4 x 4 weights x 16 dims) multiply-adds, 2 FLOPs each;
+    # 3x forward over 8 sequences of 16 tokens.
+    assert extra == 3 * 8 * 16 * 9 * 2 * 4 * 4 * 16 * 2
     line = console_line(IterationMetrics(iteration=5, lm_loss=2.5, lr=1e-3, grad_norm=0.5,
                                          tokens_per_sec=1234.0, router_lr=1e-2, tflops_per_gpu=400.0,
                                          mfu=0.4, loss_scale=1024.0), 10, throughput=True)
