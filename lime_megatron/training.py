@@ -67,7 +67,7 @@ from lime_megatron.optimizer import (
 from lime_megatron.parallel import initialize_parallel
 from lime_megatron.pipeline import schedule_arguments
 from lime_megatron.profiling import IterationProfiler
-from lime_megatron.run_config import RunConfig, TrainingOptions
+from lime_megatron.run_config import CheckpointOptions, RunConfig, TrainingOptions
 
 
 @dataclass
@@ -370,27 +370,26 @@ def build_trainer(run: RunConfig) -> Trainer:
     scheduler = build_scheduler(optimizer, lr_schedule(run))
     result = TrainingResult()
     result.parameters, result.router_parameters = count_parameters(model)
+    description = checkpointing.run_description(run, config, tokenizer)
+    progress = _resume(run.checkpointing, model, optimizer, scheduler, description, result)
     reporting = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    trainer = Trainer(
+    return Trainer(
         run=run, config=config, tokenizer=tokenizer, datasets=datasets, model=model, optimizer=optimizer,
-        scheduler=scheduler, progress=checkpointing.TrainingState(),
+        scheduler=scheduler, progress=progress, description=description, result=result,
         metrics=MetricsLogger(run.logging, run.training.train_iters, reporting, run.name, run.as_flat_dict()),
         profiler=IterationProfiler(run.logging, torch.distributed.get_rank()),
-        description=checkpointing.run_description(run, config, tokenizer), result=result,
         flops_per_iteration=flops.training_flops_per_iteration(
             config, run.model.seq_length, tokenizer.vocab_size, run.training.global_batch_size),
         peak_tflops=gpu_peak_tflops(run.logging.gpu_peak_tflops))
-    trainer.progress = _resume(trainer)
-    return trainer
 
 
-def _resume(trainer: Trainer) -> checkpointing.TrainingState:
+def _resume(options: CheckpointOptions, model: list, optimizer, scheduler, description: dict,
+            result: TrainingResult) -> checkpointing.TrainingState:
     """Load ``--load`` if it holds a checkpoint; the progress to start from."""
-    options, result = trainer.run.checkpointing, trainer.result
     if options.load is None:
         return checkpointing.TrainingState()
     outcome = checkpointing.load_checkpoint(
-        options.load, trainer.model, trainer.optimizer, trainer.scheduler, trainer.description,
+        options.load, model, optimizer, scheduler, description,
         load_optim=not options.no_load_optim, load_rng=not options.no_load_rng)
     if outcome is None:
         same_as_save = options.save is not None and os.path.abspath(options.save) == os.path.abspath(options.load)
