@@ -22,7 +22,6 @@ an incompatible vocabulary or model shape before touching any tensor.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -35,11 +34,16 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
-from lime_megatron.arguments import MODEL_SHAPE_KEYS, UsageError
+from lime_megatron.arguments import UsageError
+from lime_megatron.run_config import RunConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 FORMAT_VERSION = 1
+MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_query_groups", "kv_channels", "lime", "lime_router", "lime_router_window",
+                    "untie_embeddings_and_output_weights")
+"""Options that fix the shapes of the model's weights (a checkpoint must agree on all of them)."""
 
 
 class CheckpointError(UsageError):
@@ -59,7 +63,7 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def run_description(args: argparse.Namespace, config, tokenizer) -> dict:
+def run_description(run: RunConfig, config, tokenizer) -> dict:
     """What a checkpoint records about its run: options, model shape, vocabulary, layout."""
     shape = dict(
         num_layers=config.num_layers, hidden_size=config.hidden_size,
@@ -67,7 +71,7 @@ def run_description(args: argparse.Namespace, config, tokenizer) -> dict:
         num_query_groups=config.kv_heads, kv_channels=config.kv_channels, lime=config.lime,
         lime_router=config.lime_router if config.lime else None,
         lime_router_window=config.lime_router_window,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        untie_embeddings_and_output_weights=run.model.untie_embeddings_and_output_weights,
     )
     assert set(shape) == set(MODEL_SHAPE_KEYS)
     return dict(
@@ -75,8 +79,8 @@ def run_description(args: argparse.Namespace, config, tokenizer) -> dict:
         vocab=dict(tokenizer=type(tokenizer).__name__, size=tokenizer.unpadded_vocab_size,
                    padded=tokenizer.vocab_size),
         layout=_layout(),
-        distributed_optimizer=args.use_distributed_optimizer,
-        args={key: value for key, value in vars(args).items()
+        distributed_optimizer=run.parallel.use_distributed_optimizer,
+        args={key: value for key, value in run.as_flat_dict().items()
               if isinstance(value, (int, float, str, bool, list, type(None)))},
     )
 
@@ -154,14 +158,14 @@ def save_checkpoint(root: str, model: list, optimizer, scheduler, state: Trainin
     torch.distributed.barrier()
     if rank0:
         os.rename(staging, final)
-        _write_tracker(root, state.iteration)
+        write_tracker(root, state.iteration)
         if keep_last is not None:
             _prune(root, keep_last)
     torch.distributed.barrier()
     return final
 
 
-def _write_tracker(root: str, iteration: int) -> None:
+def write_tracker(root: str, iteration: int) -> None:
     """Atomically point the tracker at ``iteration``."""
     temporary = os.path.join(root, TRACKER + ".tmp")
     with open(temporary, "w", encoding="utf-8") as handle:
@@ -208,21 +212,21 @@ def latest_checkpoint(root: str) -> tuple[int, str] | None:
     return int(text), directory
 
 
-def _read_common(directory: str) -> dict:
+def read_common(directory: str) -> dict:
     """The non-sharded part of a checkpoint; :class:`CheckpointError` if it is unreadable."""
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
         raise CheckpointError(f"{directory} is not a complete checkpoint (no metadata.json)")
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
     except Exception as error:  # noqa: BLE001 - any failure to read means a corrupt checkpoint
-        raise CheckpointError(f"corrupt checkpoint {directory}: {_cause(error)}") from None
+        raise CheckpointError(f"corrupt checkpoint {directory}: {cause(error)}") from None
     if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{directory} is not a checkpoint of this trainer (format "
                               f"{FORMAT_VERSION})")
     return common
 
 
-def _cause(error: Exception) -> str:
+def cause(error: Exception) -> str:
     """One line naming what went wrong. torch.distributed.checkpoint wraps each rank's failure
     in a ``CheckpointException`` (a ``BaseException``) whose text is that rank's traceback: its
     last line is the cause."""
@@ -245,6 +249,9 @@ def check_compatible(directory: str, saved: dict, current: dict, load_optim: boo
         details = ", ".join(f"{key} {saved['shape'][key]} vs {current['shape'][key]}" for key in differing)
         raise CheckpointError(f"model shape mismatch with checkpoint {directory} "
                               f"(checkpoint vs this run): {details}")
+    if load_optim and saved.get("weights_only"):
+        raise CheckpointError(f"checkpoint {directory} holds weights only (no optimizer state): "
+                              "pass --no-load-optim to start from its weights")
     if load_optim and saved["distributed_optimizer"] != current["distributed_optimizer"]:
         kinds = {True: "the distributed optimizer", False: "the regular optimizer"}
         raise CheckpointError(
@@ -267,21 +274,22 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, run: dict, *, 
                     load_rng: bool = True) -> LoadOutcome | None:
     """Resume from the newest checkpoint under ``root`` (collective). Returns None when there is
     none. Without ``load_optim`` only the weights are loaded and training starts at iteration 0;
-    RNG states are restored only with ``load_rng`` and an unchanged layout."""
+    RNG states are restored only with ``load_rng``, an unchanged layout and a checkpoint that
+    has them (a weights-only one, ``checkpoint_model.save_model``, has not)."""
     found = latest_checkpoint(root)
     if found is None:
         return None
     _, directory = found
-    common = _read_common(directory)
-    check_compatible(directory, common["run"], run, load_optim)
-    rng = load_rng and common["run"]["layout"] == run["layout"]
+    saved = read_common(directory)["run"]
+    check_compatible(directory, saved, run, load_optim)
+    rng = load_rng and not saved.get("weights_only") and saved["layout"] == run["layout"]
     template = _sharded_state(model, optimizer, scheduler, TrainingState(), None, optim=load_optim,
                               rng=rng, is_loading=True)
     try:
         loaded = dist_checkpointing.load(template, directory)
     except (Exception, TorchCheckpointException) as error:  # noqa: BLE001 - say which and why
         raise CheckpointError(f"cannot load checkpoint {directory} (corrupt or truncated?): "
-                              f"{_cause(error)}") from None
+                              f"{cause(error)}") from None
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"])
     state = TrainingState()

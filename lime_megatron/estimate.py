@@ -13,7 +13,6 @@ docs/estimate.md is the specification: every counting rule, formula and what che
 
 from __future__ import annotations
 
-import dataclasses
 from contextlib import contextmanager
 from dataclasses import dataclass
 from typing import Iterator
@@ -31,6 +30,7 @@ from lime_megatron.activations import (
 )
 from lime_megatron.config import LimeTransformerConfig, pipeline_layer_split
 from lime_megatron.flops import chunk_forward_flops_per_token, forward_flops_per_token
+from lime_megatron.fusions import replace_config
 from lime_megatron.head_parallel import HeadSharding
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.model import LimeGPTModel
@@ -209,9 +209,8 @@ def _baseline_chunk(config: LimeTransformerConfig, chunk: _Chunk, vocab_size: in
     pipeline parallelism the last stage gets an untied output weight, the same shape as
     megatron's tied copy, without the copy's cross-stage set-up.
     """
-    build = dataclasses.replace(config, lime=False, tensor_model_parallel_size=1,
-                                sequence_parallel=False, use_cpu_initialization=True,
-                                perform_initialization=True)
+    build = replace_config(config, lime=False, tensor_model_parallel_size=1, sequence_parallel=False,
+                           use_cpu_initialization=True, perform_initialization=True, apply_rope_fusion=False)
     with _pipeline_rank(chunk.pp_rank), torch.device("meta"):
         return LimeGPTModel(
             config=build, transformer_layer_spec=lime_block_spec(build, "local", chunk.vp_stage),

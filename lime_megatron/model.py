@@ -17,6 +17,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from lime_megatron.config import LimeTransformerConfig
+from lime_megatron.initialization import initialize_weights
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.memory import LayerIntegratedMemory
 from lime_megatron.pipeline import ChunkLayers, ReceiveStage, SendStage
@@ -83,7 +84,7 @@ def build_model(
     vocab_size: int,
     max_sequence_length: int,
     *,
-    backend: str = "local",
+    transformer_impl: str = "local",
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
@@ -92,13 +93,14 @@ def build_model(
 ) -> LimeGPTModel:
     """LIMe (or, with ``config.lime=False``, the LLaMA baseline) as a megatron GPT model.
 
-    ``vocab_size`` is the padded vocabulary; ``backend`` picks the layer spec (``local`` or
-    ``te``).  RoPE positions, no learned absolute embeddings, tied input/output embeddings by
-    default (paper Table 3).
+    ``vocab_size`` is the padded vocabulary; ``transformer_impl`` picks the layer spec (``local``
+    or ``transformer_engine``).  RoPE positions, no learned absolute embeddings, tied input/output
+    embeddings by default (paper Table 3).  Weights are drawn by ``lime_megatron.initialization``
+    from ``config.init_seed`` and ``config.init_style``, the same at every parallel layout.
     """
-    return LimeGPTModel(
+    model = LimeGPTModel(
         config=config,
-        transformer_layer_spec=lime_block_spec(config, backend, vp_stage),
+        transformer_layer_spec=lime_block_spec(config, transformer_impl, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,
@@ -108,3 +110,7 @@ def build_model(
         rotary_base=rotary_base,
         vp_stage=vp_stage,
     )
+    if config.perform_initialization:
+        # Layout-invariant initial weights (megatron's own draw depends on the layout).
+        initialize_weights(model, config.init_seed, config.init_style)
+    return model

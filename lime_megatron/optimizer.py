@@ -9,6 +9,10 @@ model's 1e-3) and without weight decay. megatron-core builds parameter groups fr
   router follows the main warmup/decay schedule scaled by ``lr_mult = router lr / lr``;
 - ``wd_mult`` = router weight decay / ``--weight-decay`` (0 by default).
 
+Biases and 1-D weights (norms) are not decayed (megatron's rule). ``--weight-decay-grouping
+official`` also spares the word embedding, as the paper's own implementation did (its optimizer
+groups follow minGPT: decay only the weights of linear layers); megatron decays embeddings.
+
 The resume trap: megatron-core 0.16 matches saved and current parameter groups only by
 ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``. A router group that differed from
 the no-weight-decay group (norms, biases) only in ``max_lr`` would collide with it on resume and
@@ -19,7 +23,8 @@ an existing group's, its override is exactly that group's, and megatron merges t
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.optimizer import (
@@ -30,9 +35,12 @@ from megatron.core.optimizer import (
     get_megatron_optimizer,
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
 
-from lime_megatron.arguments import params_dtype
 from lime_megatron.router import ROUTER_PARAM_ATTR
+
+if TYPE_CHECKING:  # run_config takes the weight-decay groupings from here
+    from lime_megatron.run_config import RunConfig
 
 
 def _is_router(param: torch.nn.Parameter) -> bool:
@@ -48,74 +56,124 @@ NO_WEIGHT_DECAY = ParamKey(
 ROUTER = ParamKey(attr=ROUTER_PARAM_ATTR)
 """The LIMe router weights."""
 
+EMBEDDING = ParamKey(name="*embedding.word_embeddings.weight", attr="shared_embedding")
+"""The word embedding, and the last pipeline stage's copy of it when the output layer is tied to
+it (megatron marks both copies ``shared_embedding``; an untied output layer is not included)."""
 
-def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    """megatron ``OptimizerConfig`` from the training flags (Adam is AdamW)."""
-    dtype = params_dtype(args)
-    return OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=dtype,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    )
+WEIGHT_DECAY_GROUPINGS = ("megatron", "official")
+"""``--weight-decay-grouping``: ``megatron`` decays every weight but biases and 1-D weights (norms),
+embedding included; ``official`` (the paper's implementation, minGPT's rule) also spares the
+word embedding (and so a tied output layer)."""
 
 
-def router_override(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class RouterGroup:
+    """The LIMe routers' own learning rate and weight decay (paper Table 2: 1e-2 and 0)."""
+
+    lr: float
+    weight_decay: float = 0.0
+
+
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warmup from ``init_lr`` to ``max_lr`` over ``warmup_iters``, then ``decay_style``
+    decay to ``min_lr`` at ``decay_iters`` (megatron's ``OptimizerParamScheduler``); constant
+    ``weight_decay`` over the run's ``train_iters`` (megatron records that length in checkpoints;
+    default ``decay_iters``)."""
+
+    max_lr: float
+    decay_iters: int
+    train_iters: int | None = None
+    min_lr: float = 0.0
+    init_lr: float = 0.0
+    warmup_iters: int = 0
+    decay_style: str = "linear"
+    weight_decay: float = 0.0
+
+
+def router_override(config: OptimizerConfig, router: RouterGroup) -> dict:
     """The router group's ``ParamGroupOverride`` (empty when it matches the default group)."""
     override = {}
-    if args.lime_router_weight_decay != args.weight_decay:
-        override["wd_mult"] = args.lime_router_weight_decay / args.weight_decay if args.weight_decay else 0.0
-    if args.lime_router_lr != args.lr:
-        ratio = args.lime_router_lr / args.lr
-        override.update(max_lr=args.lime_router_lr, min_lr=args.min_lr * ratio, lr_mult=ratio)
+    if router.weight_decay != config.weight_decay:
+        override["wd_mult"] = router.weight_decay / config.weight_decay if config.weight_decay else 0.0
+    if router.lr != config.lr:
+        ratio = router.lr / config.lr
+        override.update(max_lr=router.lr, min_lr=config.min_lr * ratio, lr_mult=ratio)
     return override
 
 
-def param_group_overrides(args: argparse.Namespace) -> dict:
-    """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights,
-    and the LIMe router group."""
+def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = None,
+                          weight_decay_grouping: str = "megatron") -> dict:
+    """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights
+    (and, for the ``official`` grouping, on the word embedding), and the LIMe router group
+    (``router`` None: the LLaMA baseline, no routers)."""
+    if weight_decay_grouping not in WEIGHT_DECAY_GROUPINGS:
+        raise ValueError(f"unknown weight-decay grouping {weight_decay_grouping!r}; choose one of "
+                         f"{WEIGHT_DECAY_GROUPINGS}")
     overrides = {NO_WEIGHT_DECAY: {"wd_mult": 0.0}}
-    if args.lime:
-        routed = router_override(args)
+    if weight_decay_grouping == "official":
+        overrides[EMBEDDING] = {"wd_mult": 0.0}
+    if router is not None:
+        routed = router_override(config, router)
         if routed:
             overrides[ROUTER] = routed
     return overrides
 
 
-def build_optimizer(args: argparse.Namespace, model_chunks: list) -> MegatronOptimizer:
-    """megatron's optimizer over this rank's DDP-wrapped ``model_chunks``."""
-    return get_megatron_optimizer(optimizer_config(args), model_chunks,
-                                  config_overrides=param_group_overrides(args))
+def optimizer_config(run: RunConfig) -> OptimizerConfig:
+    """megatron ``OptimizerConfig`` of the run (Adam is AdamW)."""
+    training, precision = run.training, run.precision
+    return OptimizerConfig(
+        optimizer=training.optimizer, lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
+        adam_beta1=training.adam_beta1, adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
+        sgd_momentum=training.sgd_momentum, clip_grad=training.clip_grad, bf16=precision.bf16,
+        fp16=precision.fp16, params_dtype=precision.params_dtype, loss_scale=precision.loss_scale,
+        initial_loss_scale=precision.initial_loss_scale, min_loss_scale=precision.min_loss_scale,
+        loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
+        use_distributed_optimizer=run.parallel.use_distributed_optimizer,
+    )
 
 
-def build_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
-    """Warmup then ``--lr-decay-style`` decay to ``--min-lr`` (per group: its own max/min lr),
-    constant weight decay. One scheduler step per iteration."""
+def router_group(run: RunConfig) -> RouterGroup | None:
+    """The LIMe routers' parameter group of the run (None for the LLaMA baseline)."""
+    lime = run.lime
+    return RouterGroup(lime.lime_router_lr, lime.lime_router_weight_decay) if lime.lime else None
+
+
+def lr_schedule(run: RunConfig) -> LRSchedule:
+    """The learning-rate schedule of the run."""
+    training = run.training
+    return LRSchedule(max_lr=training.lr, decay_iters=training.lr_decay_iters, train_iters=training.train_iters,
+                      min_lr=training.min_lr, init_lr=training.lr_warmup_init,
+                      warmup_iters=training.lr_warmup_iters, decay_style=training.lr_decay_style,
+                      weight_decay=training.weight_decay)
+
+
+def build_optimizer(model_chunks: list, config: OptimizerConfig, router: RouterGroup | None = None,
+                    weight_decay_grouping: str = "megatron") -> MegatronOptimizer:
+    """megatron's optimizer over this rank's DDP-wrapped ``model_chunks`` with the parameter
+    groups of :func:`param_group_overrides`; the chunks' schedule scales the loss with it (fp16
+    loss scaling)."""
+    overrides = param_group_overrides(config, router, weight_decay_grouping)
+    optimizer = get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
+    get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
+    return optimizer
+
+
+def build_scheduler(optimizer: MegatronOptimizer, schedule: LRSchedule) -> OptimizerParamScheduler:
+    """``schedule`` for every parameter group (each with its own max/min lr). One scheduler step
+    per iteration."""
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
+        init_lr=schedule.init_lr,
+        max_lr=schedule.max_lr,
+        min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.warmup_iters,
+        lr_decay_steps=schedule.decay_iters,
+        lr_decay_style=schedule.decay_style,
+        start_wd=schedule.weight_decay,
+        end_wd=schedule.weight_decay,
+        wd_incr_steps=schedule.train_iters or schedule.decay_iters,
         wd_incr_style="constant",
     )
 

@@ -35,7 +35,6 @@ not hide. Compute time is FLOPs (``flops``) / (``compute_tflops`` x TP) per GPU;
 
 from __future__ import annotations
 
-import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -45,6 +44,7 @@ from megatron.core.pipeline_parallel.schedules import get_schedule_table
 from lime_megatron.activations import Geometry
 from lime_megatron.config import LimeTransformerConfig, pipeline_layer_split
 from lime_megatron.flops import chunk_forward_flops_per_token
+from lime_megatron.fusions import replace_config
 from lime_megatron.pipeline import exact_stage_width
 
 
@@ -251,7 +251,7 @@ def step_time(work: PipelineWork, link: Link) -> StepTime:
 def step_time_lines(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int, micro_batch_size: int,
                     num_microbatches: int, compute_tflops: float, links: Sequence[Link]) -> list[str]:
     """The ``--dry-run`` step-time table: LIMe (or the configured model) and its baseline over each link."""
-    models = {"baseline": dataclasses.replace(config, lime=False)}
+    models = {"baseline": replace_config(config, lime=False)}
     if config.lime:
         models = {"LIMe": config, **models}
     works = {name: pipeline_work(model, vocab_size=vocab_size, seq_length=seq_length,
