@@ -1,0 +1,81 @@
+"""Simulated iteration time of the deep examples (32/64/128 layers) by pipeline layout and link.
+
+For each deep example config (LIMe and its LLaMA baseline, shape, batch and precision as in
+examples/*.yaml) at a world of ``--world-size`` GPUs, for PP 4/8 x VPP 1/2/4 with layers split
+evenly, and the example's own uneven layout: the step-time model's iteration time
+(``lime_megatron.schedule_model``; transfers overlapped with compute, hops at
+``pipeline.exact_stage_width``), LIMe over baseline, the bubble and the transfer left exposed,
+over the NVLink-like and InfiniBand-like links. Prints a markdown table (examples/README.md).
+
+Run:
+    python bench/step_time_table.py
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from tqdm import tqdm
+
+from lime_megatron import arguments, data
+from lime_megatron.schedule_model import DEFAULT_COMPUTE_TFLOPS, INFINIBAND, NVLINK, pipeline_work, step_time
+
+EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
+LAYOUTS = [(pp, vpp) for pp in (4, 8) for vpp in (1, 2, 4)]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--world-size", type=int, default=64, help="GPUs of the run (default 64)")
+    parser.add_argument("--compute-tflops", type=float, default=DEFAULT_COMPUTE_TFLOPS)
+    parser.add_argument("--depths", type=int, nargs="+", default=[32, 64, 128])
+    return parser.parse_args(argv)
+
+
+def run_arguments(model: str, depth: int, world_size: int, layout: tuple[int, int] | None):
+    """Parsed arguments of examples/{model}_deep{depth}.yaml at ``layout`` (PP, VPP; layers split
+    evenly), or at the example's own layout (None)."""
+    argv = ["--config", str(EXAMPLES / f"{model}_deep{depth}.yaml"), "--dry-run", "--mock-data",
+            "--dry-run-world-size", str(world_size)]
+    if layout is not None:
+        pp, vpp = layout
+        argv += ["--pipeline-model-parallel-size", str(pp), "--num-virtual-stages-per-pipeline-rank", str(vpp)]
+    args = arguments.parse_args(argv)
+    if layout is not None:
+        args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
+    return args
+
+
+def simulate(model: str, depth: int, world_size: int, layout, compute_tflops: float, link):
+    args = run_arguments(model, depth, world_size, layout)
+    config = arguments.transformer_config(args)
+    work = pipeline_work(config, vocab_size=data.tokenizer_of(args).vocab_size, seq_length=args.seq_length,
+                         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
+                         compute_tflops=compute_tflops)
+    return config, args.num_microbatches, step_time(work, link)
+
+
+def main(argv=None) -> None:
+    options = parse_args(argv)
+    cases = [(depth, layout, link) for depth in options.depths for layout in [None, *LAYOUTS]
+             for link in (NVLINK, INFINIBAND)]
+    rows = []
+    for depth, layout, link in tqdm(cases, desc="layouts"):
+        config, m, lime = simulate("lime", depth, options.world_size, layout, options.compute_tflops, link)
+        _, _, llama = simulate("llama", depth, options.world_size, layout, options.compute_tflops, link)
+        pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
+        name = f"PP{pp} x VPP{vpp}" + (" (example)" if layout is None else "")
+        rows.append(f"| {depth} | {name} | {m} | {link.name} | {1e3 * llama.iteration_s:,.0f} | "
+                    f"{1e3 * lime.iteration_s:,.0f} | {100 * (lime.iteration_s / llama.iteration_s - 1):+.1f}% | "
+                    f"{100 * lime.bubble:.1f}% | {1e3 * lime.exposed_s:,.0f} |")
+    print(f"world {options.world_size} GPUs, {options.compute_tflops:g} TFLOP/s per GPU; iteration times in ms, "
+          "transfers overlapped with compute\n")
+    print("| layers | layout | microbatches | link | LLaMA | LIMe | LIMe over LLaMA | LIMe bubble | "
+          "LIMe exposed transfer |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
