@@ -41,7 +41,8 @@ def test_the_cpu_sweep_plans_six_runs():
     sweep = depth_sweep.load_sweep(str(ROOT / "tools" / "depth_sweep_cpu.yaml"), "/tmp/unused")
     assert [run.name for run in sweep.runs] == ["LIMe-L2", "LIMe-L4", "LIMe-L8", "LLaMA-L2", "LLaMA-L4", "LLaMA-L8"]
     lime8 = sweep.runs[2]
-    assert (lime8.nproc, lime8.options["train_iters"], lime8.options["num_virtual_stages_per_pipeline_rank"]) == (2, 100, 2)
+    options = lime8.options
+    assert (lime8.nproc, options["train_iters"], options["num_virtual_stages_per_pipeline_rank"]) == (2, 100, 2)
     assert lime8.options["save"] == lime8.options["load"] == "/tmp/unused/runs/LIMe-L8/checkpoints"
     assert sweep.runs[3].options["lime"] is False
 
@@ -140,7 +141,8 @@ def test_the_paper_sweep_resolves_at_its_layouts(tmp_path):
     for run in sweep.runs:
         args = arguments.parse_args([*depth_sweep.trainer_argv(sweep, run, []), "--dry-run", "--dry-run-world-size",
                                      str(run.nproc)])
-        assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.train_iters) == (run.depth, 256, 1024, 5000)
+        shape = (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.train_iters)
+        assert shape == (run.depth, 256, 1024, 5000)
         example = yaml.safe_load((ROOT / "examples" / f"{run.family.lower()}_deep{run.depth}.yaml").read_text())
         for key in ("pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
                     "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank"):

@@ -8,11 +8,16 @@ import math
 
 import pytest
 import torch
-
 from distributed import ShardRule, run_distributed
+
 from lime_megatron.config import lime_config
 from lime_megatron.head_parallel import HeadSharding
-from lime_megatron.initialization import INIT_STYLES, STYLE_CONFIG, initialize_weights, local_shard
+from lime_megatron.initialization import (
+    INIT_STYLES,
+    STYLE_CONFIG,
+    initialize_weights,
+    local_shard,
+)
 from lime_megatron.model import build_model
 from lime_megatron.parallel import initialize_parallel
 

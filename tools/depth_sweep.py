@@ -261,8 +261,9 @@ def summarize(sweep: Sweep, flags: list[str], nnodes: int = 1) -> list[dict]:
 
 def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table."""
-    lines = ["| family | layers | processes | final val loss | best val loss | final train loss | tokens | "
-             "training FLOPs | wall time (s) | tokens/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    header = ("| family | layers | processes | final val loss | best val loss | final train loss | tokens | "
+              "training FLOPs | wall time (s) | tokens/s |")
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         val = f"{row['final_validation_loss']:.4f}" if row["final_validation_loss"] is not None else "-"
         best = f"{row['best_validation_loss']:.4f}" if row["best_validation_loss"] is not None else "-"
