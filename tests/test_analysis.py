@@ -10,8 +10,8 @@ import math
 import numpy as np
 import pytest
 import torch
-
 from lime_fixtures import SEQ, VOCAB, tiny_model
+
 from lime_megatron import analysis
 from lime_megatron.parallel import initialize_parallel
 

@@ -39,11 +39,13 @@ def _sweep_file(tmp_path, **changes) -> Path:
 
 def test_the_cpu_sweep_plans_six_runs():
     sweep = depth_sweep.load_sweep(str(ROOT / "tools" / "depth_sweep_cpu.yaml"), "/tmp/unused")
-    assert [run.name for run in sweep.runs] == ["LIMe-L2", "LIMe-L4", "LIMe-L8", "LLaMA-L2", "LLaMA-L4", "LLaMA-L8"]
-    lime8 = sweep.runs[2]
-    assert (lime8.nproc, lime8.options["train_iters"], lime8.options["num_virtual_stages_per_pipeline_rank"]) == (2, 100, 2)
+    assert [run.name for run in sweep.runs] == ["LIMe-L2", "LLaMA-L2", "LIMe-L4", "LLaMA-L4", "LIMe-L8", "LLaMA-L8"]
+    assert [run.nproc for run in sweep.runs] == [1, 1, 2, 2, 2, 2]
+    lime8 = sweep.runs[4]
+    options = lime8.options
+    assert (lime8.nproc, options["train_iters"], options["num_virtual_stages_per_pipeline_rank"]) == (2, 100, 2)
     assert lime8.options["save"] == lime8.options["load"] == "/tmp/unused/runs/LIMe-L8/checkpoints"
-    assert sweep.runs[3].options["lime"] is False
+    assert sweep.runs[5].options["lime"] is False
 
 
 def test_the_run_config_resolves_through_the_trainers_arguments(tmp_path):
@@ -93,18 +95,27 @@ def test_interrupted_runs_resume_and_finished_runs_are_skipped(tmp_path):
         launches.append(command)
         return subprocess.CompletedProcess(command, 1)
 
+    def stopped(command, cwd):  # a SIGTERM: the trainer saves a checkpoint and exits 0 early
+        launches.append(command)
+        _metrics(run, [(1, 4.0), (2, 3.9)])
+        return subprocess.CompletedProcess(command, 0)
+
     def finishing(command, cwd):
         launches.append(command)
+        _metrics(run, [(i, 4.0 - 0.1 * i) for i in range(3, run.options["train_iters"] + 1)])
         return subprocess.CompletedProcess(command, 0)
 
     with pytest.raises(SystemExit, match="LIMe-L2 failed"):
         depth_sweep.execute(sweep, run, [], {}, launch=interrupted)
     assert not run.done_file.exists()
+    with pytest.raises(SystemExit, match="LIMe-L2 stopped at iteration 2 of 16"):
+        depth_sweep.execute(sweep, run, [], {}, launch=stopped)
+    assert not run.done_file.exists()
     assert depth_sweep.execute(sweep, run, [], {}, launch=finishing) == "resumed"
-    assert launches[0] == launches[1] and "--standalone" in launches[0]
-    assert json.loads(run.done_file.read_text())["attempts"] == 2
+    assert launches[0] == launches[1] == launches[2] and "--standalone" in launches[0]
+    assert json.loads(run.done_file.read_text())["attempts"] == 3
     assert depth_sweep.execute(sweep, run, [], {}, launch=finishing) == "skipped"
-    assert len(launches) == 2
+    assert len(launches) == 3
 
 
 def test_results_table_and_plots(tmp_path):
@@ -135,12 +146,13 @@ def test_the_paper_sweep_resolves_at_its_layouts(tmp_path):
     from lime_megatron import arguments
 
     sweep = depth_sweep.load_sweep(str(ROOT / "examples" / "sweeps" / "depth_paper.yaml"), str(tmp_path))
-    assert [run.name for run in sweep.runs] == ["LIMe-L32", "LIMe-L64", "LIMe-L128", "LLaMA-L32", "LLaMA-L64",
+    assert [run.name for run in sweep.runs] == ["LIMe-L32", "LLaMA-L32", "LIMe-L64", "LLaMA-L64", "LIMe-L128",
                                                 "LLaMA-L128"]
     for run in sweep.runs:
         args = arguments.parse_args([*depth_sweep.trainer_argv(sweep, run, []), "--dry-run", "--dry-run-world-size",
                                      str(run.nproc)])
-        assert (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.train_iters) == (run.depth, 256, 1024, 5000)
+        shape = (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.train_iters)
+        assert shape == (run.depth, 256, 1024, 5000)
         example = yaml.safe_load((ROOT / "examples" / f"{run.family.lower()}_deep{run.depth}.yaml").read_text())
         for key in ("pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
                     "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank"):

@@ -8,8 +8,8 @@ import math
 
 import pytest
 import torch
-
 from distributed import ShardRule, run_distributed
+
 from lime_megatron.config import lime_config
 from lime_megatron.head_parallel import HeadSharding
 from lime_megatron.initialization import INIT_STYLES, initialize_weights, local_shard

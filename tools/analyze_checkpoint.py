@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lime_megatron import analysis  # noqa: E402
-from lime_megatron.checkpoint_model import load_model  # noqa: E402
+from lime_megatron import analysis
+from lime_megatron.checkpoint_model import load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:

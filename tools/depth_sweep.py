@@ -99,9 +99,9 @@ def load_sweep(path: str, output_dir: str | None = None) -> Sweep:
     out = Path(output_dir or spec.get("output_dir") or "depth_sweep").resolve()
     sweep = Sweep(out, config=spec.get("config"), data=spec.get("data") or {})
     common = dict(spec.get("common") or {})
-    for family, family_options in spec["families"].items():
-        for depth in spec["depths"]:
-            depth = dict(depth)
+    for entry in spec["depths"]:  # depth by depth, so a partial sweep compares families
+        for family, family_options in spec["families"].items():
+            depth = dict(entry)
             if "num_layers" not in depth:
                 raise SweepError(f"{path}: a depth entry has no num_layers: {depth}")
             nproc = int(depth.pop("nproc", 1))
@@ -204,6 +204,10 @@ def execute(sweep: Sweep, run: Run, flags: list[str], env: dict, launch=subproce
     attempts_file.write_text(json.dumps(attempts))
     if completed.returncode:
         raise SystemExit(f"{run.name} failed (exit status {completed.returncode}); rerun the sweep to resume it")
+    trained = read_metrics(run.metrics_file)[-1]["iteration"] if run.metrics_file.exists() else 0
+    if trained < run.options["train_iters"]:
+        raise SystemExit(f"{run.name} stopped at iteration {trained} of {run.options['train_iters']} (signal?); "
+                         "rerun the sweep to resume it")
     if int(env.get("NODE_RANK", 0)) == 0:
         run.done_file.write_text(json.dumps({"wall_seconds": sum(a["seconds"] for a in attempts),
                                              "attempts": len(attempts)}))
@@ -261,8 +265,9 @@ def summarize(sweep: Sweep, flags: list[str], nnodes: int = 1) -> list[dict]:
 
 def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table."""
-    lines = ["| family | layers | processes | final val loss | best val loss | final train loss | tokens | "
-             "training FLOPs | wall time (s) | tokens/s |", "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
+    header = ("| family | layers | processes | final val loss | best val loss | final train loss | tokens | "
+              "training FLOPs | wall time (s) | tokens/s |")
+    lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         val = f"{row['final_validation_loss']:.4f}" if row["final_validation_loss"] is not None else "-"
         best = f"{row['best_validation_loss']:.4f}" if row["best_validation_loss"] is not None else "-"
