@@ -1,14 +1,20 @@
 """lime_megatron.generation and tools/generate.py: the KV cache generates what recomputing the
 full sequence per token generates (greedy and sampled), sampling is reproducible with a seed,
-top-k/top-p restrict the choice, and generation stops at stop strings and the end of document."""
+top-k/top-p restrict the choice, generation stops at stop strings and the end of document, and
+the command line generates from a checkpoint what the module generates from the loaded model."""
 
 from __future__ import annotations
 
+import json
+import sys
+from pathlib import Path
+
 import pytest
 import torch
-from decoding_fixtures import char_tokenizer
+from decoding_fixtures import char_tokenizer, tiny_checkpoint
 from lime_fixtures import tiny_model
 
+from lime_megatron.checkpoint_model import load_model
 from lime_megatron.generation import Generator, SamplingOptions, sample_next
 from lime_megatron.parallel import initialize_parallel
 
@@ -98,3 +104,20 @@ def test_bad_options_and_prompts_fail_with_one_message(tokenizer, lime):
         Generator(lime, tokenizer).generate([""], SamplingOptions())
     with pytest.raises(ValueError, match="need a tokenizer"):
         Generator(lime).generate(["text"], SamplingOptions())
+
+
+def test_generate_tool_reads_a_checkpoint_and_prompt_file(tmp_path, capsys):
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import generate as tool
+
+    checkpoint, tokenizer = tiny_checkpoint(tmp_path, "--lime")
+    (tmp_path / "prompts.txt").write_text("1 + 2 =\nab\n")
+    output = tmp_path / "out.jsonl"
+    status = tool.main([checkpoint, "--prompt", "x = ", "--prompt-file", str(tmp_path / "prompts.txt"),
+                        "--max-new-tokens", "5", "--output", str(output)])
+    assert status == 0 and "tokens/s (KV cache" in capsys.readouterr().out
+    records = [json.loads(line) for line in output.read_text().splitlines()]
+    expected = Generator(load_model(checkpoint).model, tokenizer).generate(
+        ["x = ", "1 + 2 =", "ab"], SamplingOptions(max_new_tokens=5))
+    assert [record["generation"] for record in records] == expected.texts
+    assert tool.main([checkpoint]) == 1 and "no prompts" in capsys.readouterr().err
