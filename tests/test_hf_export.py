@@ -231,6 +231,27 @@ def test_round_trip_is_bit_exact(tmp_path, case):
     assert config["vocab_size"] == before.run["vocab"]["padded"] > before.run["vocab"]["size"]
 
 
+def test_official_style_directory_imports(tmp_path):
+    """A bare LlamaConfig as the official trainer saves it (no architectures, no lime_megatron
+    block): LIMe is recognised by its kv_proj_weight tensors; the weights come back bit-exact."""
+    from convert_checkpoint import main
+
+    source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS["lime-gqa-untied-mock"].split())
+    assert main(["export", source, str(tmp_path / "hf")]) == 0
+    config_path = tmp_path / "hf" / "config.json"
+    config = json.load(open(config_path))
+    for key in ("architectures", "lime_megatron", "lime_config", "rope_parameters"):
+        config.pop(key)
+    json.dump(config, open(config_path, "w"))
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    before, after = load_model(source), load_model(str(tmp_path / "back"))
+    assert after.config.lime and after.config.lime_router == "full" and after.run["args"]["rotary_base"] == 20000
+    assert after.run["vocab"]["padded"] == before.run["vocab"]["padded"]
+    for name, tensor in before.model.state_dict().items():
+        if isinstance(tensor, torch.Tensor):
+            assert torch.equal(tensor, after.model.state_dict()[name]), name
+
+
 def test_gpt2_tokenizer_files_load_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
     from convert_checkpoint import main
