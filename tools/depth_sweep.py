@@ -23,7 +23,7 @@ under ``output_dir/runs/<name>/``.  Nodes: ``--nnodes``/``--node-rank``/``--mast
 system.  A run with ``done.json`` is skipped; an interrupted one is relaunched and the trainer
 resumes from its last checkpoint exactly.  The results go to ``output_dir``: ``results.md`` and
 ``results.json`` (final and best validation loss, tokens, training FLOPs with the router's from
-``lime_megatron.metrics.training_flops_per_iteration``, wall time, tokens/s), ``loss_vs_tokens.png``
+``lime_megatron.flops.training_flops_per_iteration``, wall time, tokens/s), ``loss_vs_tokens.png``
 and ``loss_vs_flops.png`` (per depth, Fig. 6) and ``validation_vs_depth.png`` (per family).
 """
 
@@ -230,12 +230,13 @@ def read_metrics(path: Path) -> list[dict]:
 
 def flops_per_iteration(sweep: Sweep, run: Run, flags: list[str], world_size: int) -> float:
     """Training FLOPs of one iteration of ``run`` (router included): the trainer's own options,
-    config and ``metrics.training_flops_per_iteration``."""
-    from lime_megatron import arguments, data
-    from lime_megatron.metrics import training_flops_per_iteration
+    config and ``flops.training_flops_per_iteration``."""
+    from lime_megatron import arguments, data, flops
 
-    args = arguments.parse_args(trainer_argv(sweep, run, flags), world_size=world_size)
-    return training_flops_per_iteration(arguments.transformer_config(args), args, data.tokenizer_of(args).vocab_size)
+    options = arguments.parse_run(trainer_argv(sweep, run, flags), world_size=world_size)
+    vocab = data.tokenizer_of(options.data, options.model.vocab_size).vocab_size
+    return flops.training_flops_per_iteration(arguments.transformer_config(options), options.model.seq_length,
+                                              vocab, options.training.global_batch_size)
 
 
 def summarize(sweep: Sweep, flags: list[str], nnodes: int = 1) -> list[dict]:
