@@ -19,6 +19,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from lime_megatron import arguments, data
+from lime_megatron.run_config import RunConfig
 from lime_megatron.schedule_model import DEFAULT_COMPUTE_TFLOPS, INFINIBAND, NVLINK, pipeline_work, step_time
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
@@ -33,8 +34,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def run_arguments(model: str, depth: int, world_size: int, layout: tuple[int, int] | None):
-    """Parsed arguments of examples/{model}_deep{depth}.yaml at ``layout`` (PP, VPP; layers split
+def run_config(model: str, depth: int, world_size: int, layout: tuple[int, int] | None) -> RunConfig:
+    """The run of examples/{model}_deep{depth}.yaml at ``layout`` (PP, VPP; layers split
     evenly), or at the example's own layout (None)."""
     argv = ["--config", str(EXAMPLES / f"{model}_deep{depth}.yaml"), "--dry-run", "--mock-data",
             "--dry-run-world-size", str(world_size)]
@@ -44,16 +45,17 @@ def run_arguments(model: str, depth: int, world_size: int, layout: tuple[int, in
     args = arguments.parse_args(argv)
     if layout is not None:
         args.decoder_first_pipeline_num_layers = args.decoder_last_pipeline_num_layers = None
-    return args
+    return RunConfig.from_namespace(args)
 
 
 def simulate(model: str, depth: int, world_size: int, layout, compute_tflops: float, link):
-    args = run_arguments(model, depth, world_size, layout)
-    config = arguments.transformer_config(args)
-    work = pipeline_work(config, vocab_size=data.tokenizer_of(args).vocab_size, seq_length=args.seq_length,
-                         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
-                         compute_tflops=compute_tflops)
-    return config, args.num_microbatches, step_time(work, link)
+    run = run_config(model, depth, world_size, layout)
+    config = arguments.transformer_config(run)
+    m = run.training.num_microbatches
+    work = pipeline_work(config, vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
+                         seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size,
+                         num_microbatches=m, compute_tflops=compute_tflops)
+    return config, m, step_time(work, link)
 
 
 def main(argv=None) -> None:
