@@ -83,7 +83,8 @@ def retrieval(name: str, router: dict, path: str) -> str:
     shares = np.array(router["shares"])
     figure, axes = plt.subplots(1, 3, figsize=(15, 4.5))
     masked = np.ma.masked_where(np.triu(np.ones_like(shares), 1) > 0, shares)
-    image = axes[0].imshow(masked, cmap="viridis", origin="upper")
+    edge = len(shares) + 0.5  # 1-based layer numbers on both axes
+    image = axes[0].imshow(masked, cmap="viridis", origin="upper", extent=(0.5, edge, edge, 0.5))
     axes[0].set(xlabel="buffered layer j", ylabel="layer l", title=f"{name}: mean |R| share of layer j in layer l")
     figure.colorbar(image, ax=axes[0])
     layers = np.arange(1, len(shares) + 1)
