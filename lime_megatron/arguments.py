@@ -21,9 +21,12 @@ from typing import Any, Sequence
 
 import torch
 import yaml
+from megatron.core.optimizer import OptimizerConfig
 
+from lime_megatron import fusions
 from lime_megatron.compat import cpu_config_overrides
 from lime_megatron.config import ROUTER_VARIANTS, WINDOWED_VARIANTS, LimeConfigError, lime_config
+from lime_megatron.optimizer import LRSchedule, RouterGroup
 from lime_megatron.tokenizer import add_tokenizer_args
 
 PAPER_ROUTER_LR = 1e-2
@@ -496,7 +499,7 @@ def params_dtype(args: argparse.Namespace) -> torch.dtype:
 
 def transformer_config(args: argparse.Namespace):
     """The run's ``LimeTransformerConfig``: LLaMA architecture, layout, precision, FP8, recompute
-    and LIMe options (CPU overrides merged). Raises :class:`ArgumentsError` for shapes or
+    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.fusions`` decides. Raises :class:`ArgumentsError` for shapes or
     layouts megatron or LIMe reject."""
     dtype = params_dtype(args)
     kwargs = dict(
@@ -534,9 +537,35 @@ def transformer_config(args: argparse.Namespace):
         **cpu_config_overrides(),
     )
     try:
-        return lime_config(**kwargs)
+        config = lime_config(**kwargs)
     except (LimeConfigError, ValueError, AssertionError) as error:
         raise ArgumentsError(f"invalid model configuration: {error}") from None
+    return fusions.run_choices(args).apply(config)
+
+
+def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
+    """megatron ``OptimizerConfig`` from the training flags (Adam is AdamW)."""
+    return OptimizerConfig(
+        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
+        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
+        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
+        params_dtype=params_dtype(args), loss_scale=args.loss_scale,
+        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
+        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
+        use_distributed_optimizer=args.use_distributed_optimizer,
+    )
+
+
+def router_group(args: argparse.Namespace) -> RouterGroup | None:
+    """The LIMe routers' parameter group (None for the LLaMA baseline)."""
+    return RouterGroup(args.lime_router_lr, args.lime_router_weight_decay) if args.lime else None
+
+
+def lr_schedule(args: argparse.Namespace) -> LRSchedule:
+    """The learning-rate schedule of the training flags."""
+    return LRSchedule(max_lr=args.lr, decay_iters=args.lr_decay_iters, train_iters=args.train_iters,
+                      min_lr=args.min_lr, init_lr=args.lr_warmup_init, warmup_iters=args.lr_warmup_iters,
+                      decay_style=args.lr_decay_style, weight_decay=args.weight_decay)
 
 
 def _fp8_options(args) -> dict:

@@ -10,8 +10,16 @@ Per layer l (``layer_number - 1``), with X the layer input ``[s, b, hidden]``:
 
 Queries are the layer's own.  The core attention is whatever the spec gives (megatron's
 ``DotProductAttention`` on CPU, TransformerEngine's fused attention on GPU), so LIMe keeps
-flash/fused kernels.  This module is the training forward; megatron's inference paths (KV cache,
-packed sequences, flash decode) are rejected with a clear error.
+flash/fused kernels.
+
+KV-cache decoding (``inference_context``: megatron's ``StaticInferenceContext``) runs steps 1-3 on
+the step's new tokens only (``memory.route_new_tokens``: the pass's memory holds just their raw
+K/V of all layers) and hands the routed K~, V~ to megatron's own ``_adjust_key_value_for_inference``,
+which appends them to the layer's cache and returns the cached sequence; RoPE and attention then
+run as in megatron's ``SelfAttention``.  Routing mixes heads at one position and RoPE rotates all
+heads of a position alike, so caching routed keys before RoPE (megatron's cache layout) gives the
+full forward's keys: the cache is the baseline's size, ``[max length, batch, kv_heads, d]`` per
+layer.  Packed sequences, fused RoPE and flash decode are rejected with a clear error.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from lime_megatron.head_parallel import HeadSharding
-from lime_megatron.memory import LayerIntegratedMemory, route_keys_values
+from lime_megatron.memory import LayerIntegratedMemory, route_keys_values, route_new_tokens
 from lime_megatron.recompute import Rebuilt, recompute_in_backward
 from lime_megatron.router import LimeRouter
 
@@ -61,7 +69,6 @@ class LimeSelfAttention(SelfAttention):
         """[s, b, hidden] -> (output [s, b, hidden], bias); see the module docstring."""
         _reject_unsupported(
             key_value_states=key_value_states,
-            inference_context=inference_context,
             packed_seq_params=packed_seq_params,
             rotary_pos_cos=rotary_pos_cos,
             rotary_pos_sin=rotary_pos_sin,
@@ -70,6 +77,8 @@ class LimeSelfAttention(SelfAttention):
             sequence_len_offset=sequence_len_offset,
             **unsupported,
         )
+        if inference_context is not None:
+            return self._decoding_forward(hidden_states, attention_mask, inference_context, rotary_pos_emb)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         routed = route_keys_values(self.memory, self.router, key, value)
         key, value = routed[0], routed[1]
@@ -83,6 +92,27 @@ class LimeSelfAttention(SelfAttention):
             k_freqs = None
         with self._recompute_routed(routed, key, k_freqs):
             context = self._attend(query, key, value, attention_mask)
+        return self.linear_proj(context)
+
+    def _decoding_forward(self, hidden_states, attention_mask, inference_context, rotary_pos_emb):
+        """One KV-cache decoding step on the new tokens ``hidden_states`` [s_new, b, hidden]:
+        route their K/V (Eq. 2), append them to the cache (megatron), attend over the cache."""
+        if not inference_context.is_static_batching():
+            raise NotImplementedError("LIMe decodes with megatron's StaticInferenceContext; dynamic batching "
+                                      "(paged KV cache) is not supported")
+        if self.config.flash_decode:
+            raise NotImplementedError("LIMe decoding does not support flash_decode")
+        query, key, value = self.get_query_key_value_tensors(hidden_states)
+        key, value = route_new_tokens(self.memory, self.router, key, value)
+        if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
+            rotary_pos_emb = (rotary_pos_emb,) * 2
+        query, key, value, rotary_pos_emb, attn_mask_type, _ = self._adjust_key_value_for_inference(
+            inference_context, query, key, value, rotary_pos_emb
+        )
+        if rotary_pos_emb is not None:
+            query = self._rotate(query, rotary_pos_emb[0])
+            key = self._rotate(key, rotary_pos_emb[1])
+        context = self.core_attention(query, key, value, attention_mask, attn_mask_type=attn_mask_type)
         return self.linear_proj(context)
 
     def _rotate(self, tensor: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
@@ -116,5 +146,5 @@ def _reject_unsupported(**arguments) -> None:
     if given:
         raise NotImplementedError(
             f"LIMe self-attention does not support {', '.join(given)} "
-            "(training forward only: no KV-cache inference, packed sequences or fused RoPE)"
+            "(no cross-attention, packed sequences, fused RoPE or flash decode)"
         )

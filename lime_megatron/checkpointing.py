@@ -154,14 +154,14 @@ def save_checkpoint(root: str, model: list, optimizer, scheduler, state: Trainin
     torch.distributed.barrier()
     if rank0:
         os.rename(staging, final)
-        _write_tracker(root, state.iteration)
+        write_tracker(root, state.iteration)
         if keep_last is not None:
             _prune(root, keep_last)
     torch.distributed.barrier()
     return final
 
 
-def _write_tracker(root: str, iteration: int) -> None:
+def write_tracker(root: str, iteration: int) -> None:
     """Atomically point the tracker at ``iteration``."""
     temporary = os.path.join(root, TRACKER + ".tmp")
     with open(temporary, "w", encoding="utf-8") as handle:
@@ -208,21 +208,21 @@ def latest_checkpoint(root: str) -> tuple[int, str] | None:
     return int(text), directory
 
 
-def _read_common(directory: str) -> dict:
+def read_common(directory: str) -> dict:
     """The non-sharded part of a checkpoint; :class:`CheckpointError` if it is unreadable."""
     if not os.path.isfile(os.path.join(directory, "metadata.json")):
         raise CheckpointError(f"{directory} is not a complete checkpoint (no metadata.json)")
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
     except Exception as error:  # noqa: BLE001 - any failure to read means a corrupt checkpoint
-        raise CheckpointError(f"corrupt checkpoint {directory}: {_cause(error)}") from None
+        raise CheckpointError(f"corrupt checkpoint {directory}: {cause(error)}") from None
     if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{directory} is not a checkpoint of this trainer (format "
                               f"{FORMAT_VERSION})")
     return common
 
 
-def _cause(error: Exception) -> str:
+def cause(error: Exception) -> str:
     """One line naming what went wrong. torch.distributed.checkpoint wraps each rank's failure
     in a ``CheckpointException`` (a ``BaseException``) whose text is that rank's traceback: its
     last line is the cause."""
@@ -245,6 +245,9 @@ def check_compatible(directory: str, saved: dict, current: dict, load_optim: boo
         details = ", ".join(f"{key} {saved['shape'][key]} vs {current['shape'][key]}" for key in differing)
         raise CheckpointError(f"model shape mismatch with checkpoint {directory} "
                               f"(checkpoint vs this run): {details}")
+    if load_optim and saved.get("weights_only"):
+        raise CheckpointError(f"checkpoint {directory} holds weights only (no optimizer state): "
+                              "pass --no-load-optim to start from its weights")
     if load_optim and saved["distributed_optimizer"] != current["distributed_optimizer"]:
         kinds = {True: "the distributed optimizer", False: "the regular optimizer"}
         raise CheckpointError(
@@ -267,21 +270,22 @@ def load_checkpoint(root: str, model: list, optimizer, scheduler, run: dict, *, 
                     load_rng: bool = True) -> LoadOutcome | None:
     """Resume from the newest checkpoint under ``root`` (collective). Returns None when there is
     none. Without ``load_optim`` only the weights are loaded and training starts at iteration 0;
-    RNG states are restored only with ``load_rng`` and an unchanged layout."""
+    RNG states are restored only with ``load_rng``, an unchanged layout and a checkpoint that
+    has them (a weights-only one, ``checkpoint_model.save_model``, has not)."""
     found = latest_checkpoint(root)
     if found is None:
         return None
     _, directory = found
-    common = _read_common(directory)
-    check_compatible(directory, common["run"], run, load_optim)
-    rng = load_rng and common["run"]["layout"] == run["layout"]
+    saved = read_common(directory)["run"]
+    check_compatible(directory, saved, run, load_optim)
+    rng = load_rng and not saved.get("weights_only") and saved["layout"] == run["layout"]
     template = _sharded_state(model, optimizer, scheduler, TrainingState(), None, optim=load_optim,
                               rng=rng, is_loading=True)
     try:
         loaded = dist_checkpointing.load(template, directory)
     except (Exception, TorchCheckpointException) as error:  # noqa: BLE001 - say which and why
         raise CheckpointError(f"cannot load checkpoint {directory} (corrupt or truncated?): "
-                              f"{_cause(error)}") from None
+                              f"{cause(error)}") from None
     for i, chunk in enumerate(model):
         unwrap_model(chunk).load_state_dict(loaded[f"model{i}"])
     state = TrainingState()

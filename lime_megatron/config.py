@@ -50,6 +50,14 @@ class LimeTransformerConfig(TransformerConfig):
     Keeps LIMe's saved activations at the baseline's size (the raw K/V of every layer are stored
     once in the memory buffer); costs one extra router product per layer in backward."""
 
+    # Initialisation (``lime_megatron.initialization``).
+    init_style: str = "megatron"
+    """Initial weight distributions: ``megatron`` (megatron's defaults) or ``official`` (the paper's
+    released code); see ``lime_megatron.initialization.INIT_STYLES``."""
+
+    init_seed: int = 1234
+    """Seed of the layout-invariant initial weights (the run's ``--seed``)."""
+
     def __post_init__(self) -> None:
         validate_lime_options(self)
         super().__post_init__()

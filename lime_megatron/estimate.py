@@ -289,7 +289,7 @@ def _baseline_chunk(config: LimeTransformerConfig, chunk: _Chunk, vocab_size: in
     """
     build = dataclasses.replace(config, lime=False, tensor_model_parallel_size=1,
                                 sequence_parallel=False, use_cpu_initialization=True,
-                                perform_initialization=True)
+                                perform_initialization=True, apply_rope_fusion=False)
     with _pipeline_rank(chunk.pp_rank), torch.device("meta"):
         return LimeGPTModel(
             config=build, transformer_layer_spec=lime_block_spec(build, "local", chunk.vp_stage),

@@ -23,6 +23,12 @@ Recomputed routed K/V.  Attention keeps its K and V for backward; for LIMe those
 ``recompute.recompute_in_backward`` drops them from autograd's saved tensors and rebuilds them from the
 buffer when backward first needs them (one extra router product per layer).
 
+Decoding.  With a KV cache (``lime_megatron.decoding``) each forward pass is one decoding step
+over the step's new tokens only: its memory holds their raw keys/values of all layers
+(``[num_layers * kv_heads, 2 * s_new * b * d]``, one token per sequence after the prompt) and is
+freed with the step; the routed keys/values go to the per-layer cache.  ``route_new_tokens`` is
+that path: Eqs. 1-2 without autograd.
+
 The memory of a pass is found by layers through a small handle tensor that megatron threads
 through every layer (and through its activation-recompute checkpoints) as the decoder's
 ``context``; see ``lime_megatron.model``.
@@ -310,3 +316,16 @@ def route_keys_values(
 ) -> torch.Tensor:
     """Routed keys and values of ``router``'s layer, ``[2, s, b, kv_heads, d]``."""
     return RouteKeysValues.apply(router.weight, key, value, memory, router)
+
+
+# --------------------------------------------------------------------------------- decoding
+def route_new_tokens(
+    memory: LayerIntegratedMemory, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
+) -> torch.Tensor:
+    """KV-cache decoding step (no autograd): store the new tokens' keys/values ``[s_new, b, h, d]``
+    of ``router``'s layer in the step's memory (Eq. 1) and return their routed keys and values
+    ``[2, s_new, b, h, d]`` (Eq. 2), which the caller appends to the layer's cache."""
+    if torch.is_grad_enabled():
+        raise RuntimeError("LIMe KV-cache decoding runs without autograd: call the model under torch.no_grad()")
+    memory.store(router.layer, key, value)
+    return memory.mix(router, router.weight)

@@ -18,6 +18,7 @@ from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
 from lime_megatron.config import LimeTransformerConfig
+from lime_megatron.initialization import initialize_weights
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.memory import LayerIntegratedMemory
 from lime_megatron.pipeline import kept_rows
@@ -102,9 +103,10 @@ def build_model(
 
     ``vocab_size`` is the padded vocabulary; ``backend`` picks the layer spec (``local`` or
     ``te``).  RoPE positions, no learned absolute embeddings, tied input/output embeddings by
-    default (paper Table 3).
+    default (paper Table 3).  Weights are drawn by ``lime_megatron.initialization`` from
+    ``config.init_seed`` and ``config.init_style``, the same at every parallel layout.
     """
-    return LimeGPTModel(
+    model = LimeGPTModel(
         config=config,
         transformer_layer_spec=lime_block_spec(config, backend, vp_stage),
         vocab_size=vocab_size,
@@ -116,3 +118,7 @@ def build_model(
         rotary_base=rotary_base,
         vp_stage=vp_stage,
     )
+    if config.perform_initialization:
+        # Layout-invariant initial weights (megatron's own draw depends on the layout).
+        initialize_weights(model, config.init_seed, config.init_style)
+    return model

@@ -19,7 +19,7 @@ an existing group's, its override is exactly that group's, and megatron merges t
 
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 
 import torch
 from megatron.core.optimizer import (
@@ -30,8 +30,8 @@ from megatron.core.optimizer import (
     get_megatron_optimizer,
 )
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
+from megatron.core.utils import get_model_config
 
-from lime_megatron.arguments import params_dtype
 from lime_megatron.router import ROUTER_PARAM_ATTR
 
 
@@ -49,73 +49,77 @@ ROUTER = ParamKey(attr=ROUTER_PARAM_ATTR)
 """The LIMe router weights."""
 
 
-def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    """megatron ``OptimizerConfig`` from the training flags (Adam is AdamW)."""
-    dtype = params_dtype(args)
-    return OptimizerConfig(
-        optimizer=args.optimizer,
-        lr=args.lr,
-        min_lr=args.min_lr,
-        weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1,
-        adam_beta2=args.adam_beta2,
-        adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum,
-        clip_grad=args.clip_grad,
-        bf16=args.bf16,
-        fp16=args.fp16,
-        params_dtype=dtype,
-        loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale,
-        min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window,
-        hysteresis=args.hysteresis,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    )
+@dataclass(frozen=True)
+class RouterGroup:
+    """The LIMe routers' own learning rate and weight decay (paper Table 2: 1e-2 and 0)."""
+
+    lr: float
+    weight_decay: float = 0.0
 
 
-def router_override(args: argparse.Namespace) -> dict:
+@dataclass(frozen=True)
+class LRSchedule:
+    """Linear warmup from ``init_lr`` to ``max_lr`` over ``warmup_iters``, then ``decay_style``
+    decay to ``min_lr`` at ``decay_iters`` (megatron's ``OptimizerParamScheduler``); constant
+    ``weight_decay`` over the run's ``train_iters`` (megatron records that length in checkpoints;
+    default ``decay_iters``)."""
+
+    max_lr: float
+    decay_iters: int
+    train_iters: int | None = None
+    min_lr: float = 0.0
+    init_lr: float = 0.0
+    warmup_iters: int = 0
+    decay_style: str = "linear"
+    weight_decay: float = 0.0
+
+
+def router_override(config: OptimizerConfig, router: RouterGroup) -> dict:
     """The router group's ``ParamGroupOverride`` (empty when it matches the default group)."""
     override = {}
-    if args.lime_router_weight_decay != args.weight_decay:
-        override["wd_mult"] = args.lime_router_weight_decay / args.weight_decay if args.weight_decay else 0.0
-    if args.lime_router_lr != args.lr:
-        ratio = args.lime_router_lr / args.lr
-        override.update(max_lr=args.lime_router_lr, min_lr=args.min_lr * ratio, lr_mult=ratio)
+    if router.weight_decay != config.weight_decay:
+        override["wd_mult"] = router.weight_decay / config.weight_decay if config.weight_decay else 0.0
+    if router.lr != config.lr:
+        ratio = router.lr / config.lr
+        override.update(max_lr=router.lr, min_lr=config.min_lr * ratio, lr_mult=ratio)
     return override
 
 
-def param_group_overrides(args: argparse.Namespace) -> dict:
+def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = None) -> dict:
     """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights,
-    and the LIMe router group."""
+    and the LIMe router group (``router`` None: the LLaMA baseline, no routers)."""
     overrides = {NO_WEIGHT_DECAY: {"wd_mult": 0.0}}
-    if args.lime:
-        routed = router_override(args)
+    if router is not None:
+        routed = router_override(config, router)
         if routed:
             overrides[ROUTER] = routed
     return overrides
 
 
-def build_optimizer(args: argparse.Namespace, model_chunks: list) -> MegatronOptimizer:
-    """megatron's optimizer over this rank's DDP-wrapped ``model_chunks``."""
-    return get_megatron_optimizer(optimizer_config(args), model_chunks,
-                                  config_overrides=param_group_overrides(args))
+def build_optimizer(model_chunks: list, config: OptimizerConfig,
+                    router: RouterGroup | None = None) -> MegatronOptimizer:
+    """megatron's optimizer over this rank's DDP-wrapped ``model_chunks``; the chunks' schedule
+    scales the loss with it (fp16 loss scaling)."""
+    optimizer = get_megatron_optimizer(config, model_chunks,
+                                       config_overrides=param_group_overrides(config, router))
+    get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
+    return optimizer
 
 
-def build_scheduler(args: argparse.Namespace, optimizer: MegatronOptimizer) -> OptimizerParamScheduler:
-    """Warmup then ``--lr-decay-style`` decay to ``--min-lr`` (per group: its own max/min lr),
-    constant weight decay. One scheduler step per iteration."""
+def build_scheduler(optimizer: MegatronOptimizer, schedule: LRSchedule) -> OptimizerParamScheduler:
+    """``schedule`` for every parameter group (each with its own max/min lr). One scheduler step
+    per iteration."""
     return OptimizerParamScheduler(
         optimizer,
-        init_lr=args.lr_warmup_init,
-        max_lr=args.lr,
-        min_lr=args.min_lr,
-        lr_warmup_steps=args.lr_warmup_iters,
-        lr_decay_steps=args.lr_decay_iters,
-        lr_decay_style=args.lr_decay_style,
-        start_wd=args.weight_decay,
-        end_wd=args.weight_decay,
-        wd_incr_steps=args.train_iters,
+        init_lr=schedule.init_lr,
+        max_lr=schedule.max_lr,
+        min_lr=schedule.min_lr,
+        lr_warmup_steps=schedule.warmup_iters,
+        lr_decay_steps=schedule.decay_iters,
+        lr_decay_style=schedule.decay_style,
+        start_wd=schedule.weight_decay,
+        end_wd=schedule.weight_decay,
+        wd_incr_steps=schedule.train_iters or schedule.decay_iters,
         wd_incr_style="constant",
     )
 

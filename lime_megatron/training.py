@@ -40,9 +40,9 @@ from megatron.core.distributed import DistributedDataParallel, DistributedDataPa
 from megatron.core.distributed import finalize_model_grads
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
-from megatron.core.utils import unwrap_model
+from megatron.core.utils import get_model_config, unwrap_model
 
-from lime_megatron import arguments, checkpointing, data, estimate
+from lime_megatron import arguments, checkpointing, data, estimate, fusions
 from lime_megatron.arguments import UsageError
 from lime_megatron.compat import default_device
 from lime_megatron.config import LimeConfigError
@@ -109,7 +109,7 @@ def dry_run_report(args: argparse.Namespace) -> str:
     """``lime_megatron.estimate``'s report for the requested model and layout (one process, no
     ``torch.distributed``)."""
     config = arguments.transformer_config(args)
-    return estimate.dry_run_report(
+    return fusions.report(args) + "\n" + estimate.dry_run_report(
         config, vocab_size=data.tokenizer_of(args).vocab_size, seq_length=args.seq_length,
         micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
         transformer_impl=args.transformer_impl,
@@ -142,30 +142,40 @@ def distributed(args: argparse.Namespace):
 # --------------------------------------------------------------------------- building
 
 
-def build_model_chunks(args: argparse.Namespace, config, vocab_size: int) -> list:
-    """This rank's model chunks (one per virtual pipeline stage), DDP-wrapped."""
+def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
+                       transformer_impl: str = "local", share_embeddings_and_output_weights: bool = True,
+                       rotary_base: int = 10000, use_distributed_optimizer: bool = False) -> list:
+    """This rank's model chunks (one per virtual pipeline stage), ``Float16Module`` for bf16/fp16,
+    each wrapped in megatron's ``DistributedDataParallel``; ``config`` gets the schedule's hooks
+    (gradient finalisation, no-sync).
+
+    ``vocab_size`` is the padded vocabulary; ``transformer_impl`` megatron's layer backend
+    (``local`` or ``transformer_engine``)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
         chunk = build_model(
-            config, vocab_size, args.max_position_embeddings or args.seq_length,
-            backend="te" if args.transformer_impl == "transformer_engine" else "local",
+            config, vocab_size, max_sequence_length,
+            backend="te" if transformer_impl == "transformer_engine" else "local",
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
-            share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-            rotary_base=args.rotary_base,
+            share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+            rotary_base=rotary_base,
         )
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
         if torch.cuda.is_available():
             chunk.cuda(torch.cuda.current_device())
-        if args.bf16 or args.fp16:
+        if config.bf16 or config.fp16:
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
     ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=args.use_distributed_optimizer)
-    return [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)
+    model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
+    config.finalize_model_grads_func = finalize_model_grads
+    config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
+    return model
 
 
 def count_parameters(model: list) -> tuple[int, int]:
@@ -207,17 +217,21 @@ def forward_step(data_iterator, model):
     return output, partial(_loss_func, batch["loss_mask"])
 
 
-def run_schedule(args, model: list, config, batches: list, forward_only: bool) -> float:
-    """megatron's forward(-backward) schedule over this rank's microbatches; returns the mean
-    loss per token over the global batch (identical on every rank)."""
+def run_schedule(model: list, batches: list, forward_only: bool = False) -> float:
+    """megatron's forward(-backward) schedule (no pipelining, 1F1B or interleaved, as the parallel
+    state says) over this rank's microbatches ``batches`` (dicts of ``[mbs, seq]`` tensors);
+    returns the mean loss per token over the global batch (identical on every rank). Gradients
+    accumulate in each parameter's ``main_grad``."""
+    config = get_model_config(model[0])
+    micro_batch_size, seq_length = batches[0]["tokens"].shape
     iterators = [iter(batches) for _ in model]
     reports = get_forward_backward_func()(
         forward_step_func=forward_step,
         data_iterator=iterators if len(model) > 1 else iterators[0],
         model=model,
         num_microbatches=len(batches),
-        seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
         forward_only=forward_only,
         **schedule_arguments(config),
     )
@@ -229,17 +243,27 @@ def run_schedule(args, model: list, config, batches: list, forward_only: bool) -
     return (totals[0] / totals[1]).item()
 
 
-def train_step(args, model, optimizer, scheduler, config, batches) -> tuple[float, float, bool]:
-    """One iteration: (loss, gradient norm, skipped). The scheduler advances only after a
-    successful update (fp16 overflow skips it)."""
+def forward_backward(model: list, batches: list) -> float:
+    """Zero the gradient buffers, then :func:`run_schedule` with backward; the loss."""
     for chunk in model:
         chunk.zero_grad_buffer()
-    optimizer.zero_grad()
-    loss = run_schedule(args, model, config, batches, forward_only=False)
+    return run_schedule(model, batches)
+
+
+def optimizer_step(optimizer, scheduler) -> tuple[float, bool]:
+    """The optimizer step on the gradients in ``main_grad``: (gradient norm, skipped). The
+    scheduler advances only after a successful update (fp16 overflow skips it)."""
     updated, grad_norm, _ = optimizer.step()
     if updated:
         scheduler.step(increment=1)
-    return loss, float(grad_norm) if grad_norm is not None else math.nan, not updated
+    return float(grad_norm) if grad_norm is not None else math.nan, not updated
+
+
+def train_step(model: list, optimizer, scheduler, batches: list) -> tuple[float, float, bool]:
+    """One iteration: (loss, gradient norm, skipped)."""
+    optimizer.zero_grad()
+    loss = forward_backward(model, batches)
+    return (loss, *optimizer_step(optimizer, scheduler))
 
 
 def evaluate(args, model, config, dataset) -> float:
@@ -250,7 +274,7 @@ def evaluate(args, model, config, dataset) -> float:
     with torch.no_grad():
         for index in range(args.eval_iters):
             batches = data.microbatches(dataset, index * args.global_batch_size, args)
-            total += run_schedule(args, model, config, batches, forward_only=True)
+            total += run_schedule(model, batches, forward_only=True)
     for chunk in model:
         chunk.train()
     return total / args.eval_iters
@@ -324,12 +348,13 @@ def pretrain(args: argparse.Namespace) -> TrainingResult:
     config = arguments.transformer_config(args)
     tokenizer = data.tokenizer_of(args)
     datasets = data.build_datasets(args, tokenizer)
-    model = build_model_chunks(args, config, tokenizer.vocab_size)
-    optimizer = build_optimizer(args, model)
-    scheduler = build_scheduler(args, optimizer)
-    config.finalize_model_grads_func = finalize_model_grads
-    config.grad_scale_func = optimizer.scale_loss
-    config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
+    model = build_model_chunks(
+        config, tokenizer.vocab_size, args.max_position_embeddings or args.seq_length,
+        transformer_impl=args.transformer_impl,
+        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
+        rotary_base=args.rotary_base, use_distributed_optimizer=args.use_distributed_optimizer)
+    optimizer = build_optimizer(model, arguments.optimizer_config(args), arguments.router_group(args))
+    scheduler = build_scheduler(optimizer, arguments.lr_schedule(args))
     run = checkpointing.run_description(args, config, tokenizer)
     result = TrainingResult()
     result.parameters, result.router_parameters = count_parameters(model)
@@ -361,7 +386,7 @@ def _loop(args, model, optimizer, scheduler, config, datasets, tokenizer, run, s
     while state.iteration < last:
         start = time.perf_counter()
         batches = data.microbatches(datasets.train, state.consumed_samples, args)
-        loss, grad_norm, skipped = train_step(args, model, optimizer, scheduler, config, batches)
+        loss, grad_norm, skipped = train_step(model, optimizer, scheduler, batches)
         if torch.cuda.is_available():
             torch.cuda.synchronize()
         seconds = time.perf_counter() - start

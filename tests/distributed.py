@@ -6,11 +6,14 @@ are forked from a fork server that imports them once per test session (the first
 things: :func:`run_distributed` runs one function on N ranks, which calls
 :func:`initialize_layout` once per parallel layout it wants to check.
 
-Model helpers build megatron models per pipeline stage / virtual chunk (:func:`build_model`,
-:func:`gpt_chunk`), run megatron's own schedules (:func:`forward_backward`) and gather
-parameters or gradients into full, unsharded tensors in the single-process (TP=1, PP=1) naming
-and layout (:func:`gather_full`), so a parallel layout can be compared with a single-process run.
-Models that add parameters with their own tensor-parallel split pass ``extra_shard_rules``.
+Models, optimizers and schedules are the trainer's own (``lime_megatron.training``:
+``build_model_chunks``, ``forward_backward``/``train_step``; ``lime_megatron.optimizer``), so the
+tests exercise the path ``pretrain_lime.py`` runs. This harness only launches ranks, initialises
+layouts, makes data and moves weights: :func:`load_full` copies full single-process tensors into
+a layout's shards and :func:`gather_full` gathers parameters or gradients back into full,
+unsharded tensors in the single-process (TP=1, PP=1) naming and layout, so a parallel layout can
+be compared with a single-process run. Models that add parameters with their own tensor-parallel
+split pass ``extra_shard_rules``.
 """
 
 import dataclasses
@@ -22,19 +25,16 @@ import socket
 import time
 import traceback
 from datetime import timedelta
-from functools import partial
 from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.multiprocessing as mp
-import torch.nn.functional as F
 
 from lime_megatron.compat import (
     cpu_config_overrides,
     distributed_backend,
     enable_cpu_support,
 )
-from lime_megatron.norm import TorchNorm
 
 MASTER_ADDR = "127.0.0.1"
 # Imported once by the fork server that starts every rank, so no launch pays for them again.
@@ -44,6 +44,7 @@ _PRELOAD = (
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
+    "lime_megatron.training",
 )
 _GRACE_S = 5.0  # how long the other ranks may still report once one rank failed
 _EXIT_WAIT_S = 10.0  # how long ranks that all reported may take to exit
@@ -236,100 +237,7 @@ def layout_config_kwargs(layout: Layout) -> dict:
     )
 
 
-# --------------------------------------------------------------------------- models
-
-
-def gpt_config(layout: Layout, **overrides):
-    """A tiny GPT ``TransformerConfig``: 4 layers, hidden 64, 4 heads in 2 query groups, RMSNorm,
-    SwiGLU, no biases, no dropout; ``overrides`` replace any field."""
-    from megatron.core.transformer import TransformerConfig
-
-    settings = dict(
-        num_layers=4,
-        hidden_size=64,
-        ffn_hidden_size=128,
-        num_attention_heads=4,
-        num_query_groups=2,
-        normalization="RMSNorm",
-        gated_linear_unit=True,
-        activation_func=F.silu,
-        add_bias_linear=False,
-        hidden_dropout=0.0,
-        attention_dropout=0.0,
-        **layout_config_kwargs(layout),
-    )
-    settings.update(overrides)
-    return TransformerConfig(**settings)
-
-
-def gpt_block_spec(config, vp_stage: Optional[int] = None):
-    """Block spec of this pipeline rank's chunk ``vp_stage``: megatron's local (non-TE) GPT layer
-    with :class:`TorchNorm` as every norm, final norm included."""
-    from megatron.core.models.gpt.gpt_layer_specs import get_gpt_layer_local_spec
-    from megatron.core.transformer.transformer_block import (
-        TransformerBlockSubmodules,
-        get_num_layers_to_build,
-    )
-
-    layer = get_gpt_layer_local_spec(normalization=config.normalization)
-    submodules = dataclasses.replace(
-        layer.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm
-    )
-    layer = dataclasses.replace(layer, submodules=submodules)
-    num_layers = get_num_layers_to_build(config, vp_stage=vp_stage)
-    return TransformerBlockSubmodules(layer_specs=[layer] * num_layers, layer_norm=TorchNorm)
-
-
-def gpt_chunk(config, vocab_size: int, max_sequence_length: int, *, pre_process, post_process,
-              vp_stage):
-    """One megatron ``GPTModel`` chunk with RoPE and tied embeddings (a ``make_chunk`` for
-    :func:`build_model`)."""
-    from megatron.core.models.gpt import GPTModel
-
-    return GPTModel(
-        config=config,
-        transformer_layer_spec=gpt_block_spec(config, vp_stage),
-        vocab_size=vocab_size,
-        max_sequence_length=max_sequence_length,
-        pre_process=pre_process,
-        post_process=post_process,
-        share_embeddings_and_output_weights=True,
-        position_embedding_type="rope",
-        vp_stage=vp_stage,
-    )
-
-
-def build_model(make_chunk: Callable, config, weights: Optional[Dict[str, torch.Tensor]] = None,
-                *, use_distributed_optimizer: bool = False, extra_shard_rules=None) -> list:
-    """This rank's model chunks (one per virtual pipeline stage), each wrapped in megatron's
-    ``DistributedDataParallel``.
-
-    ``make_chunk(pre_process=, post_process=, vp_stage=)`` builds one chunk (see
-    :func:`gpt_chunk`). ``weights``, full tensors in single-process naming (as returned by
-    :func:`gather_full`), are copied into the chunks' shards before wrapping.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-
-    vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
-    stages = range(vpp) if vpp else [None]
-    chunks = [
-        make_chunk(
-            pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-            post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp),
-            vp_stage=vp,
-        )
-        for vp in stages
-    ]
-    if weights is not None:
-        load_full(chunks, weights, extra_shard_rules)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer
-    )
-    return [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
-
-
-# --------------------------------------------------------------------------- data and schedules
+# --------------------------------------------------------------------------- data
 
 
 def make_batches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
@@ -361,61 +269,6 @@ def data_parallel_share(batches: Sequence) -> list:
     share = len(batches) // dp
     start = parallel_state.get_data_parallel_rank() * share
     return list(batches[start:start + share])
-
-
-def _masked_mean_loss(loss_mask, per_token_loss):
-    """megatron ``loss_func``: mean loss over unmasked tokens, also reported as ``lm loss``
-    (a copy: megatron divides the returned loss in place by the number of microbatches)."""
-    loss = (per_token_loss * loss_mask).sum() / loss_mask.sum()
-    return loss, {"lm loss": loss.detach().clone()}
-
-
-def _gpt_forward_step(data_iterator, model):
-    """megatron ``forward_step_func`` for models with ``GPTModel``'s forward signature."""
-    batch = next(data_iterator)
-    output = model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
-    return output, partial(_masked_mean_loss, batch["loss_mask"])
-
-
-def forward_backward(chunks: list, batches: Sequence, forward_step_func=_gpt_forward_step) -> float:
-    """Zero the gradients, then run megatron's forward/backward schedule (no pipelining, 1F1B or
-    interleaved, as the parallel state says) over this rank's microbatches, finishing with
-    ``finalize_model_grads``; pipeline stages communicate through LIMe's
-    ``lime_megatron.pipeline.schedule_arguments``. Gradients end up in ``param.main_grad``.
-
-    Returns the mean loss over all microbatches of all data-parallel ranks (on every rank).
-    Sets ``finalize_model_grads_func`` in the chunks' config.
-    """
-    from megatron.core import parallel_state
-    from megatron.core.distributed import finalize_model_grads
-    from megatron.core.pipeline_parallel import get_forward_backward_func
-    from megatron.core.utils import get_model_config
-
-    from lime_megatron.pipeline import schedule_arguments
-
-    config = get_model_config(chunks[0])
-    config.finalize_model_grads_func = finalize_model_grads
-    for chunk in chunks:
-        chunk.zero_grad_buffer()
-    micro_batch_size, seq_length = batches[0]["tokens"].shape
-    iterators = [iter(batches) for _ in chunks]
-    reduced = get_forward_backward_func()(
-        forward_step_func=forward_step_func,
-        data_iterator=iterators if len(chunks) > 1 else iterators[0],
-        model=chunks,
-        num_microbatches=len(batches),
-        seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
-        forward_only=False,
-        **schedule_arguments(config),
-    )
-    counted = parallel_state.get_tensor_model_parallel_rank() == 0 and bool(reduced)
-    totals = torch.tensor(
-        [sum(float(item["lm loss"]) for item in reduced), len(reduced)] if counted else [0.0, 0.0],
-        dtype=torch.float64,
-    )
-    torch.distributed.all_reduce(totals)
-    return (totals[0] / totals[1]).item()
 
 
 # --------------------------------------------------------------------------- sharding
@@ -508,8 +361,6 @@ def load_full(chunks: list, weights: Dict[str, torch.Tensor], extra_shard_rules=
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
 
-    from lime_megatron.pipeline import schedule_arguments
-
     config = get_model_config(chunks[0])
     rank = parallel_state.get_tensor_model_parallel_rank()
     size = parallel_state.get_tensor_model_parallel_world_size()
@@ -536,8 +387,6 @@ def gather_full(chunks: list, select: Callable = lambda param: param.data,
     """
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
-
-    from lime_megatron.pipeline import schedule_arguments
 
     config = get_model_config(chunks[0])
     tp_rank = parallel_state.get_tensor_model_parallel_rank()

@@ -270,24 +270,21 @@ def _rank_checks(layouts: dict, activation_cases: dict) -> dict:
     """On every rank: per layout, (pp rank, vp stage, tp rank, parameters, router parameters)
     of each chunk megatron builds; per TP activation case, this rank's saved bytes."""
     from megatron.core import parallel_state
+    from megatron.core.utils import unwrap_model
 
     from distributed import Layout, initialize_layout
+    from lime_megatron.training import build_model_chunks
 
     results = {}
     for name, (fields, overrides) in layouts.items():
         layout = Layout(**fields)
         initialize_layout(layout)
         config = _layout_config(layout, overrides)
-        tied = config.lime
-        vpp = layout.vpp
         rows = []
-        for vp in (range(vpp) if vpp else [None]):
-            model = build_model(
-                config, VOCAB, SEQ, vp_stage=vp, share_embeddings_and_output_weights=tied,
-                pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp),
-                post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp))
+        for chunk in build_model_chunks(config, VOCAB, SEQ, share_embeddings_and_output_weights=config.lime):
+            model = unwrap_model(chunk)
             routers = sum(p.numel() for n, p in model.named_parameters() if "router" in n)
-            rows.append((parallel_state.get_pipeline_model_parallel_rank(), vp,
+            rows.append((parallel_state.get_pipeline_model_parallel_rank(), model.vp_stage,
                          parallel_state.get_tensor_model_parallel_rank(),
                          sum(p.numel() for p in model.parameters()), routers))
         results[name] = rows

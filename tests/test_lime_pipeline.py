@@ -17,16 +17,14 @@ import torch
 
 from distributed import (
     Layout,
-    build_model as build_chunks,
     data_parallel_share,
-    forward_backward,
     gather_full,
     initialize_layout,
     layout_config_kwargs,
     make_batches,
     run_distributed,
 )
-from test_lime_tensor_parallel import router_rule
+from test_lime_tensor_parallel import build_chunks, router_rule, sgd
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 2, 0.5
 TOLERANCE = 1e-5
@@ -40,31 +38,24 @@ def make_config(layout: Layout, **model):
     return lime_config(use_cpu_initialization=True, **settings, **layout_config_kwargs(layout))
 
 
-def make_chunk(config, *, pre_process, post_process, vp_stage):
-    from lime_megatron.model import build_model
-
-    return build_model(config, VOCAB, SEQ, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
-
-
 def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ,
           stages: dict | None = None, micro_batches: int = MICRO_BATCHES):
     """``steps`` SGD steps; returns (losses, [full grads per step], initial full weights).
     ``stages``: config options of the pipeline split (left out of the single-stage reference)."""
+    from lime_megatron.training import train_step
+
     initialize_layout(layout)
     config = make_config(layout, **model, **(stages or {}))
     rules = partial(router_rule, config)
     torch.manual_seed(7)
-    chunks = build_chunks(partial(make_chunk, config), config, weights, extra_shard_rules=rules)
+    chunks = build_chunks(config, weights, rules)
+    optimizer, scheduler = sgd(chunks, LR, steps)
     initial = gather_full(chunks, extra_shard_rules=rules)
     batches = data_parallel_share(make_batches(micro_batches, 2, seq, VOCAB))
     losses, grads = [], []
     for _ in range(steps):
-        losses.append(forward_backward(chunks, batches))
+        losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
         grads.append(gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules))
-        with torch.no_grad():
-            for chunk in chunks:
-                for param in chunk.parameters():
-                    param -= LR * param.main_grad
     return losses, grads, initial
 
 
@@ -110,10 +101,12 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
     """Loss of a freshly initialised model at ``layout`` after loading ``checkpoint`` (if any)."""
     from megatron.core import dist_checkpointing
 
+    from lime_megatron.training import forward_backward
+
     initialize_layout(layout)
     config = make_config(layout, num_query_groups=2)
     torch.manual_seed(100 + layout.pp)
-    chunks = build_chunks(partial(make_chunk, config), config)
+    chunks = build_chunks(config)
     if checkpoint:
         state = {}
         for index, chunk in enumerate(chunks):
@@ -128,11 +121,13 @@ def reshard_checkpoint(directory: str):
     """Save at PP=2 (TP=2), load at PP=1 and PP=4 (with virtual stages): (saved, loaded, fresh)."""
     from megatron.core import dist_checkpointing
 
+    from lime_megatron.training import forward_backward
+
     layout = Layout(tp=2, pp=2)
     initialize_layout(layout)
     config = make_config(layout, num_query_groups=2)
     torch.manual_seed(11)
-    chunks = build_chunks(partial(make_chunk, config), config)
+    chunks = build_chunks(config)
     saved = forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
     dist_checkpointing.save({"model0": chunks[0].module.sharded_state_dict()}, directory)
     torch.distributed.barrier()

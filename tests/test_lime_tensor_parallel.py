@@ -11,12 +11,11 @@ import torch
 from distributed import (
     Layout,
     ShardRule,
-    build_model as build_chunks,
     data_parallel_share,
-    forward_backward,
     gather_full,
     initialize_layout,
     layout_config_kwargs,
+    load_full,
     make_batches,
     run_distributed,
 )
@@ -51,34 +50,50 @@ def router_rule(config, name, param):
     return RouterShardRule(dim=1, blocks=param.shape[1] // local_heads, kv_heads=config.kv_heads)
 
 
-def make_chunk(config, *, pre_process, post_process, vp_stage):
-    from lime_megatron.model import build_model
+def build_chunks(config, weights=None, extra_shard_rules=None) -> list:
+    """This rank's DDP-wrapped chunks as the trainer builds them, loaded with the full
+    single-process ``weights`` if given."""
+    from lime_megatron.training import build_model_chunks
 
-    return build_model(config, VOCAB, SEQ, pre_process=pre_process, post_process=post_process, vp_stage=vp_stage)
+    chunks = build_model_chunks(config, VOCAB, SEQ)
+    if weights is not None:
+        load_full(chunks, weights, extra_shard_rules)
+    return chunks
+
+
+def sgd(chunks, lr: float, steps: int):
+    """The trainer's optimizer and scheduler as plain SGD: ``param -= lr * main_grad`` for every
+    parameter, routers included (no momentum, weight decay or clipping; constant lr)."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from lime_megatron.optimizer import LRSchedule, RouterGroup, build_optimizer, build_scheduler
+
+    config = OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0,
+                             params_dtype=torch.float32)
+    optimizer = build_optimizer(chunks, config, RouterGroup(lr=lr))
+    return optimizer, build_scheduler(optimizer, LRSchedule(max_lr=lr, decay_iters=steps, decay_style="constant"))
 
 
 def train(layout: Layout, kv_heads: int, weights=None):
     """3 SGD steps; returns (losses, [full grads per step], initial full weights, [router gradient
     norm per step as megatron's clipping sees it])."""
     from lime_megatron.config import lime_config
+    from lime_megatron.training import train_step
 
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=kv_heads, use_cpu_initialization=True, **layout_config_kwargs(layout))
     rules = partial(router_rule, config)
     torch.manual_seed(7)
-    chunks = build_chunks(partial(make_chunk, config), config, weights, extra_shard_rules=rules)
+    chunks = build_chunks(config, weights, rules)
+    optimizer, scheduler = sgd(chunks, LR, STEPS)
     initial = gather_full(chunks, extra_shard_rules=rules)
     batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
     losses, grads, norms = [], [], []
     for _ in range(STEPS):
-        losses.append(forward_backward(chunks, batches))
+        losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
         grads.append(gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules))
         norms.append(router_grad_norm(chunks))
-        with torch.no_grad():
-            for chunk in chunks:
-                for param in chunk.parameters():
-                    param -= LR * param.main_grad
     return losses, grads, initial, norms
 
 
@@ -126,12 +141,13 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
     from megatron.core import dist_checkpointing
 
     from lime_megatron.config import lime_config
+    from lime_megatron.training import forward_backward
 
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=4, use_cpu_initialization=True, **layout_config_kwargs(layout))
     torch.manual_seed(layout.tp)
-    chunks = build_chunks(partial(make_chunk, config), config)
+    chunks = build_chunks(config)
     model = chunks[0].module
     if checkpoint:
         model.load_state_dict(dist_checkpointing.load(model.sharded_state_dict(), checkpoint))
@@ -142,13 +158,15 @@ def reshard_checkpoint(directory: str):
     """Save at TP=2, load at TP=1 and TP=4: (saved loss, [loaded losses], fresh-model loss)."""
     from megatron.core import dist_checkpointing
 
-    initialize_layout(Layout(tp=2))
     from lime_megatron.config import lime_config
+    from lime_megatron.training import forward_backward
+
+    initialize_layout(Layout(tp=2))
 
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=4, use_cpu_initialization=True, **layout_config_kwargs(Layout(tp=2)))
     torch.manual_seed(11)
-    chunks = build_chunks(partial(make_chunk, config), config)
+    chunks = build_chunks(config)
     saved_loss = forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
     dist_checkpointing.save(chunks[0].module.sharded_state_dict(), directory)
     torch.distributed.barrier()

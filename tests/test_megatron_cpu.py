@@ -1,6 +1,8 @@
 """megatron-core on CPU: parallel layouts reproduce the single-process run.
 
-A one-process launch trains a plain megatron ``GPTModel`` for one step (the reference); one
+A one-process launch trains the plain megatron LLaMA baseline (``lime=False``: megatron's own
+``GPTModel`` layers, built by the trainer's ``build_model_chunks``) for one step (the
+reference); one
 4-rank launch then trains it in several parallel layouts, each loaded with the reference's
 initial weights and fed the same global batch. Every layout must reproduce the reference's loss,
 every full gradient, the optimizer's clipped-gradient norm and the Adam update.
@@ -17,13 +19,11 @@ from distributed import (
     DistributedTestError,
     Layout,
     ShardRule,
-    build_model,
     data_parallel_share,
-    forward_backward,
     gather_full,
-    gpt_chunk,
-    gpt_config,
     initialize_layout,
+    layout_config_kwargs,
+    load_full,
     make_batches,
     merge_shards,
     run_distributed,
@@ -69,14 +69,18 @@ def _case_id(case) -> str:
 
 
 def _adam(chunks, distributed_optimizer: bool):
-    """megatron's Adam without weight decay, clipping gradients at ``CLIP_GRAD``."""
-    from megatron.core.optimizer import OptimizerConfig, get_megatron_optimizer
+    """The trainer's optimizer as megatron's Adam without weight decay, clipping gradients at
+    ``CLIP_GRAD``, with a constant learning rate."""
+    from megatron.core.optimizer import OptimizerConfig
+
+    from lime_megatron.optimizer import LRSchedule, build_optimizer, build_scheduler
 
     config = OptimizerConfig(
         optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.0, clip_grad=CLIP_GRAD,
         use_distributed_optimizer=distributed_optimizer, params_dtype=torch.float32,
     )
-    return get_megatron_optimizer(config, chunks)
+    optimizer = build_optimizer(chunks, config)
+    return optimizer, build_scheduler(optimizer, LRSchedule(max_lr=LR, decay_iters=1, decay_style="constant"))
 
 
 def _train_step(chunks, batches, distributed_optimizer: bool) -> dict:
@@ -85,21 +89,30 @@ def _train_step(chunks, batches, distributed_optimizer: bool) -> dict:
 
     The distributed optimizer's state is then loaded into a fresh one, as when resuming.
     """
+    from lime_megatron.training import forward_backward, optimizer_step
+
     loss = forward_backward(chunks, batches)
     grads = None if distributed_optimizer else gather_full(chunks, lambda param: param.main_grad)
-    optimizer = _adam(chunks, distributed_optimizer)
-    _, grad_norm, _ = optimizer.step()
+    optimizer, scheduler = _adam(chunks, distributed_optimizer)
+    grad_norm, _ = optimizer_step(optimizer, scheduler)
     if distributed_optimizer:
-        _adam(chunks, True).load_state_dict(optimizer.state_dict())
+        _adam(chunks, True)[0].load_state_dict(optimizer.state_dict())
     return dict(loss=loss, grads=grads, grad_norm=grad_norm, weights=gather_full(chunks))
 
 
 def _gpt_model(layout: Layout, weights=None, distributed_optimizer: bool = False):
-    """Initialise ``layout`` and build this rank's DDP-wrapped GPT chunks."""
+    """Initialise ``layout`` and build this rank's DDP-wrapped chunks of a tiny LLaMA baseline
+    (4 layers, hidden 64, 4 heads in 2 query groups), loaded with ``weights`` if given."""
+    from lime_megatron.config import lime_config
+    from lime_megatron.training import build_model_chunks
+
     initialize_layout(layout)
-    config = gpt_config(layout)
-    make_chunk = partial(gpt_chunk, config, VOCAB_SIZE, SEQ_LENGTH)
-    return build_model(make_chunk, config, weights, use_distributed_optimizer=distributed_optimizer)
+    config = lime_config(lime=False, num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                         num_query_groups=2, **layout_config_kwargs(layout))
+    chunks = build_model_chunks(config, VOCAB_SIZE, SEQ_LENGTH, use_distributed_optimizer=distributed_optimizer)
+    if weights is not None:
+        load_full(chunks, weights)
+    return chunks
 
 
 def _batches() -> list:

@@ -158,20 +158,25 @@ def test_config_file_errors(tmp_path, content, message):
 # --------------------------------------------------------------------------- optimizer groups
 
 
+def _groups(args):
+    """The optimizer config and router group of parsed ``args``."""
+    return arguments.optimizer_config(args), arguments.router_group(args)
+
+
 def test_router_group_is_distinct_or_merged():
     paper = parse_args(BASE + ["--lime", "--weight-decay", "0.1", "--min-lr", "1e-6"], world_size=1)
-    assert router_override(paper) == dict(wd_mult=0.0, max_lr=1e-2, min_lr=pytest.approx(1e-5),
+    assert router_override(*_groups(paper)) == dict(wd_mult=0.0, max_lr=1e-2, min_lr=pytest.approx(1e-5),
                                           lr_mult=pytest.approx(10.0))
     # Same lr and no decay: exactly the no-weight-decay group's override, so megatron merges them
     # (a group differing only in max_lr would collide with it when a checkpoint is loaded).
     same_lr = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3"], world_size=1)
-    assert router_override(same_lr) == param_group_overrides(same_lr)[NO_WEIGHT_DECAY]
+    assert router_override(*_groups(same_lr)) == param_group_overrides(*_groups(same_lr))[NO_WEIGHT_DECAY]
     default = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.05",
                                  "--lime-router-weight-decay", "0.05"], world_size=1)
-    assert router_override(default) == {} and len(param_group_overrides(default)) == 1
+    assert router_override(*_groups(default)) == {} and len(param_group_overrides(*_groups(default))) == 1
     halved = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.1",
                                 "--lime-router-weight-decay", "0.05"], world_size=1)
-    assert router_override(halved) == {"wd_mult": 0.5}
+    assert router_override(*_groups(halved)) == {"wd_mult": 0.5}
 
 
 # --------------------------------------------------------------------------- training

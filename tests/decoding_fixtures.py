@@ -1,0 +1,41 @@
+"""A character tokenizer that fits the tiny models' 96-token vocabulary, for decoding tests."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from lime_megatron.tokenizer import GPT2_EOD_TOKEN, HuggingFaceTokenizer
+
+CHARACTERS = "\n" + "".join(chr(code) for code in range(32, 126))
+"""Newline and printable ASCII up to ``}``: 95 characters, plus the end-of-document token = 96."""
+
+
+def _byte_level(character: str) -> str:
+    """GPT-2 byte-level stand-in of an ASCII character (space and newline are remapped)."""
+    return {" ": "\u0120", "\n": "\u010a"}.get(character, character)
+
+
+def char_tokenizer(directory: Path) -> HuggingFaceTokenizer:
+    """One token per character of ``CHARACTERS`` (ids 0..94) and ``<|endoftext|>`` (id 95),
+    written as a HuggingFace ``tokenizer.json`` under ``directory`` and loaded the project's way."""
+    vocab = {_byte_level(character): index for index, character in enumerate(CHARACTERS)}
+    vocab[GPT2_EOD_TOKEN] = len(vocab)
+    spec = {
+        "version": "1.0",
+        "truncation": None,
+        "padding": None,
+        "added_tokens": [{"id": len(CHARACTERS), "content": GPT2_EOD_TOKEN, "single_word": False, "lstrip": False,
+                          "rstrip": False, "normalized": False, "special": True}],
+        "normalizer": None,
+        "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "post_processor": None,
+        "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
+        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
+                  "merges": []},
+    }
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / "tokenizer.json"
+    path.write_text(json.dumps(spec))
+    return HuggingFaceTokenizer(str(path), divisible_by=32)
