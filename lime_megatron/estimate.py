@@ -54,13 +54,12 @@ LIMe adds, per layer, its raw keys and values in the layer-integrated memory,
 setting). With ``lime_recompute_routed_kv`` (default) the routed keys/values that attention saves
 are rebuilt in backward: attention keeps no keys/values except copies it makes itself (local
 GQA expansion) and no QKV output; without it, the routed tensor 2*s*b*g_t*d replaces the QKV
-output as the values' storage. Pipeline stages exchange ``pipeline``'s stage tensor
-[s_h, b, width]: the hidden state plus the K/V rows of the earlier layers that later ones read
-(``pipeline.carried_layers``: all b layers before a boundary after layer b for the ``full``
-router, at most the window for ``last``/``first``), 2*s*b*g_t*d each; with virtual stages every
-stage tensor is padded to the widest boundary (``pipeline.stage_tensor_width``). A chunk keeps
-the stage tensor it received (its hidden part is counted as the first layer's input) and, until
-its backward, the one it sent (unless ``deallocate_pipeline_outputs``).
+output as the values' storage. Pipeline stages exchange the hidden state [s_h, b, hidden] and,
+on ``pipeline``'s side channel, the K/V rows the receiving rank lacks (``pipeline.hop_blocks``:
+every row crosses to a rank once per micro-batch; the layers still read at or after the chunk,
+``pipeline.carried_layers``), 2*s*b*g_t*d each; a rank keeps the rows received at the hop into a
+chunk until that chunk's backward ends (its own rows are its chunks' LIMe memory). A chunk keeps,
+until its backward, the hidden state it sent (unless ``deallocate_pipeline_outputs``).
 
 Per chunk also: token ids (first chunk; with TP also the bool mask of ids outside the rank's
 vocabulary rows); the final norm, the output layer's input and the
@@ -90,7 +89,7 @@ from lime_megatron.accounting import forward_flops_per_token, layer_flops_per_to
 from lime_megatron.config import LimeTransformerConfig, pipeline_layer_split
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.model import LimeGPTModel
-from lime_megatron.pipeline import stage_tensor_width
+from lime_megatron.pipeline import hop_blocks
 from lime_megatron.head_parallel import HeadSharding
 from lime_megatron.router import LimeRouter, routing_sources
 
@@ -114,10 +113,10 @@ class ActivationBytes:
     lime_memory: int = 0
     """The chunk's own raw keys/values in the layer-integrated memory."""
     received_stage: int = 0
-    """The received stage tensor beyond its hidden state (the first layer's input): K/V rows
-    of earlier stages' layers, and padding under virtual stages."""
+    """K/V rows received at the hop into this chunk (``pipeline.hop_blocks``), kept by the rank
+    until the chunk's backward ends."""
     sent_stage: int = 0
-    """The stage tensor sent on, kept until backward (0 with deallocate_pipeline_outputs)."""
+    """The hidden state sent on, kept until backward (0 with deallocate_pipeline_outputs)."""
     embedding: int = 0
     """Token ids (first chunk)."""
     output: int = 0
@@ -506,14 +505,11 @@ def chunk_activations(config: LimeTransformerConfig, chunk: _Chunk, geometry: Ge
     if checkpoints:  # every checkpoint also keeps the rotary frequencies [s, 1, 1, d] (one tensor)
         layers += geometry.seq * geometry.head_dim * FP32
 
-    def stage_tensor(boundary: int) -> int:  # bytes of the stage tensor [s_h, b, width]
-        width = stage_tensor_width(config, boundary)
-        return geometry.hidden_rows * geometry.batch * width * geometry.element
-
-    received = 0 if chunk.pre_process else stage_tensor(chunk.layers.start) - geometry.hidden_state
-    sent = 0
-    if not chunk.post_process and not config.deallocate_pipeline_outputs:
-        sent = stage_tensor(chunk.layers.stop)
+    received = 0  # the K/V rows of the hop into this chunk, kept until its backward ends
+    if not chunk.pre_process and config.lime:
+        index = (chunk.vp_stage or 0) * config.pipeline_model_parallel_size + chunk.pp_rank
+        received = sum(len(block.layers) for block in hop_blocks(config, index)) * geometry.kv_rows
+    sent = 0 if chunk.post_process or config.deallocate_pipeline_outputs else geometry.hidden_state
     output = 0
     if chunk.post_process:
         loss = geometry.seq * geometry.batch * (geometry.vocab * FP32 + 1 + INT64)
