@@ -92,7 +92,7 @@ class P2PCounter:
                 self.hops[(tag // kept.p) % len(kept.chunks)] += size
         self.bytes[phase, kind, direction] += size
 
-    def __enter__(self) -> "P2PCounter":
+    def __enter__(self) -> P2PCounter:
         distributed = torch.distributed
         for name in self.NAMES:
             original = self._originals[name] = getattr(distributed, name)
@@ -101,7 +101,8 @@ class P2PCounter:
                 bound = inspect.signature(_original).bind(*args, **kwargs).arguments
                 peer = bound.get("dst" if _sending else "src")
                 if peer is None:  # group_dst / group_src: a rank of ``group``
-                    peer = torch.distributed.get_global_rank(bound["group"], bound.get("group_dst", bound.get("group_src")))
+                    local = bound.get("group_dst", bound.get("group_src"))
+                    peer = torch.distributed.get_global_rank(bound["group"], local)
                 self._record(_sending, bound["tensor"], peer, bound.get("group"), bound.get("tag", 0))
                 return _original(*args, **kwargs)
 

@@ -207,6 +207,7 @@ class KeptRows:
         return (micro_batch * len(self.chunks) + chunk) * self.p + index
 
     def _peer(self, group, rank: int) -> int:
+        """Global rank of pipeline rank ``rank`` in ``group``."""
         return torch.distributed.get_global_rank(group, rank)
 
     def _send(self, tensor: torch.Tensor, group, rank: int, tag: int):
@@ -255,7 +256,7 @@ class KeptRows:
                                     micro_batch, chunk + 1, index)
         read = carried_layers(self.config, self.chunks[chunk].start)
         external = []
-        for (batch, source), kept in sorted(self.blocks.items()):
+        for (batch, _), kept in sorted(self.blocks.items(), key=lambda item: item[0]):
             layers = range(max(kept.layers.start, read.start), min(kept.layers.stop, read.stop))
             if batch == micro_batch and len(layers):
                 external.append((layers, kept.view(layers, heads)))
@@ -312,7 +313,8 @@ class KeptRows:
         for index, block in enumerate(received):
             kept = self.blocks.pop((micro_batch, block.source))
             grad = kept.grad if kept.grad is not None else torch.zeros_like(kept.rows)
-            self.grad_sends.append(self._send(grad, self.grads_group, self.prev_rank, self._tag(micro_batch, chunk, index)))
+            tag = self._tag(micro_batch, chunk, index)
+            self.grad_sends.append(self._send(grad, self.grads_group, self.prev_rank, tag))
         self.grad_sends = [work for work in self.grad_sends if not work.is_completed()]
 
 

@@ -2,18 +2,21 @@
 
 One 4-process launch checks, against the single-stage model from the same initial weights (loss and
 every gradient, routers included, over two SGD steps; ``deallocate_pipeline_outputs`` on, as the
-trainer runs pipelines): PP=2 x TP=2 with virtual stages and SP, PP=4, PP=4 with 2 and 4 virtual
-stages, megatron's ``overlap_p2p_comm`` on and off, uneven splits with and without virtual stages,
-full and selective recompute, MHA and GQA, the ``last``/``first`` routers whose hops carry fewer
-rows, a 128-layer tiny model over PP=4 x VPP=4, a checkpoint saved at one virtual layout loaded at
-others, and two mutations of the side channel (a hop's returned gradient dropped, stale rows sent)
-that the comparison must catch.  Without processes: every K/V row reaches a rank at most once per
-micro-batch, and exactly the rows its chunks read that it does not produce.
-A slow 8-process launch splits the 128-layer model over PP=8 and PP=8 x VPP=2.
+trainer runs pipelines): TP=2 x PP=2 x VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages,
+megatron's ``overlap_p2p_comm`` on and off, an uneven split with virtual stages, full recompute,
+MHA and GQA, the ``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to
+``isend`` per hop against ``pipeline.hop_elements``, no kept row left after a training or an
+evaluation call; a checkpoint saved at one virtual layout loaded at others; two mutations of the
+side channel (a hop's returned gradient dropped, stale rows sent) that the comparison must catch.
+Without processes: every K/V row reaches a rank at most once per micro-batch, and exactly the rows
+its chunks read that it does not produce.  Slow: the rest of the matrix (selective recompute,
+uneven without virtual stages, ...) and the 128-layer tiny model over PP=4 x VPP=4 (4 processes),
+over PP=8 and PP=8 x VPP=2 (8 processes).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from functools import partial
 
 import pytest
@@ -81,17 +84,22 @@ UNEVEN_VIRTUAL = dict(num_layers_in_first_pipeline_stage=2, num_layers_in_last_p
 OVERLAP = dict(overlap_p2p_comm=True)
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
-    ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4), Layout(pp=4, vpp=2)]),
-    ("mha-overlap", {}, [Layout(pp=4, vpp=2)], OVERLAP),
+    ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4)]),
+    ("mha", {}, [Layout(pp=4, vpp=2)], OVERLAP),
     ("mha-16", dict(num_layers=16), [Layout(pp=4, vpp=4)], OVERLAP),
-    ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)], OVERLAP),
     ("gqa", dict(num_query_groups=2), [Layout(pp=4, vpp=2)]),
-    ("mha-uneven", {}, [Layout(pp=4)], UNEVEN),
     ("mha-12-uneven", dict(num_layers=12), [Layout(pp=4, vpp=2)], UNEVEN_VIRTUAL),
-    ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2), Layout(pp=4)]),
-    ("mha-selective-recompute", dict(recompute_granularity="selective"), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
+    ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)]),
     ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)], OVERLAP),
-    ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4), Layout(pp=4, vpp=2)]),
+    ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4, vpp=2)]),
+]
+SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
+    ("mha", {}, [Layout(pp=4, vpp=2)]),
+    ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)], OVERLAP),
+    ("mha-uneven", {}, [Layout(pp=4)], UNEVEN),
+    ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=4)]),
+    ("mha-selective-recompute", dict(recompute_granularity="selective"), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
+    ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4)]),
 ]
 DEEP = dict(num_layers=128, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2, num_query_groups=2)
 
@@ -132,21 +140,69 @@ def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
         setattr(KeptRows, name, original)
 
 
-def pipeline_checks(directory: str) -> dict:
-    """On every rank of 4: every case of ``CASES``, the mutations, the deep model over PP4 x VPP4,
-    resharding."""
-    report, mutations = {}, {}
-    references = {}
-    for name, model, layouts, *options in CASES:
+def side_channel_accounting() -> dict:
+    """PP=4 x VPP=2, one training and one evaluation schedule call: the K/V bytes handed to
+    ``torch.distributed.isend`` per hop (this rank's sends, keyed by receiving chunk) and what
+    ``pipeline.hop_elements`` says; the rows still kept after each call; both losses."""
+    from megatron.core import parallel_state
+
+    from lime_megatron import pipeline
+    from lime_megatron.training import forward_backward, run_schedule
+
+    layout = Layout(pp=4, vpp=2)
+    initialize_layout(layout)
+    config = make_config(layout)
+    chunks = build_chunks(config)
+    batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
+    sent, isend = defaultdict(int), torch.distributed.isend
+
+    def counted(tensor, dst=None, group=None, tag=0, **kwargs):
+        if group is pipeline._KEPT.rows_group:
+            sent[(tag // config.pipeline_model_parallel_size) % len(pipeline._KEPT.chunks)] += tensor.numel()
+        return isend(tensor, dst, group, tag, **kwargs)
+
+    torch.distributed.isend = counted
+    try:
+        loss = forward_backward(chunks, batches)
+    finally:
+        torch.distributed.isend = isend
+    kept_after_training = len(pipeline._KEPT.blocks)
+    with torch.no_grad():
+        evaluated = run_schedule(chunks, batches, forward_only=True)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    expected = {chunk: MICRO_BATCHES * pipeline.hop_elements(config, chunk, SEQ, 2)[1]
+                for chunk in range(rank + 1, 8, 4)}
+    return dict(sent={chunk: sent[chunk] for chunk in expected}, expected=expected, loss=(loss, evaluated),
+                kept=(kept_after_training, len(pipeline._KEPT.blocks)))
+
+
+def run_cases(cases: list) -> tuple[dict, dict]:
+    """(report per case and layout, single-stage reference per case name)."""
+    report, references = {}, {}
+    for name, model, layouts, *options in cases:
         reference = references.setdefault(name, train(Layout(), model))
         for layout in layouts:
             label = f"{name} {layout.name}" + (" overlap" if options and options[0] is OVERLAP else "")
             report[label] = compare(layout, model, reference, stages=options[0] if options else None)
-    for mutation in (drop_returned_gradients, send_stale_rows):
-        mutations[mutation.__name__] = mutated(Layout(pp=4, vpp=2), {}, references["mha"], mutation)
+    return report, references
+
+
+def pipeline_checks(directory: str) -> dict:
+    """On every rank of 4: every case of ``CASES``, the mutations, the side channel's bytes and
+    freeing, resharding across virtual layouts."""
+    report, references = run_cases(CASES)
+    mutations = {mutation.__name__: mutated(Layout(pp=4, vpp=2), {}, references["mha"], mutation)
+                 for mutation in (drop_returned_gradients, send_stale_rows)}
+    return dict(cases=report, mutations=mutations, accounting=side_channel_accounting(),
+                checkpoint=reshard_checkpoint(directory))
+
+
+def slow_pipeline_checks() -> dict:
+    """On every rank of 4: ``SLOW_CASES`` and the 128-layer model over PP=4 x VPP=4."""
+    report, _ = run_cases(SLOW_CASES)
     deep = train(Layout(), DEEP, steps=1, seq=8)
     report["deep-128 tp1-pp4-vpp4"] = compare(Layout(pp=4, vpp=4), DEEP, deep, steps=1, seq=8)
-    return dict(cases=report, mutations=mutations, checkpoint=reshard_checkpoint(directory))
+    return report
 
 
 def loss_after_loading(layout: Layout, checkpoint: str) -> float:
@@ -199,14 +255,20 @@ def check_report(report: dict) -> None:
 
 
 def test_pipeline_layouts_equal_single_stage(tmp_path):
-    result = run_distributed(pipeline_checks, 4, str(tmp_path), timeout=900)[0]
+    results = run_distributed(pipeline_checks, 4, str(tmp_path), timeout=900)
+    result = results[0]
     check_report(result["cases"])
     assert result["cases"]["mha tp1-pp4"]["routers"] == 7
-    assert result["cases"]["deep-128 tp1-pp4-vpp4"]["routers"] == 127
     for name, mutation in result["mutations"].items():
         print(f"mutation {name}: |loss diff| {mutation['loss']:.1e}, relative grad error {mutation['grad']:.1e}")
         assert mutation["grad"] > 100 * TOLERANCE, name
     assert result["mutations"]["send_stale_rows"]["loss"] > 100 * TOLERANCE
+    for rank, accounting in enumerate(result["accounting"] for result in results):
+        print(f"rank {rank}: K/V elements sent per hop {accounting['sent']}, kept rows after a training and an "
+              f"evaluation call {accounting['kept']}")
+        assert accounting["sent"] == accounting["expected"] and all(accounting["sent"].values()), rank
+        assert accounting["kept"] == (0, 0), rank
+        assert abs(accounting["loss"][0] - accounting["loss"][1]) <= TOLERANCE, rank
     saved, loaded, fresh = result["checkpoint"]
     print(f"checkpoint saved at tp2-pp2-vpp2 with loss {saved:.6f}; loaded at pp1, pp4-vpp2: {loaded}")
     assert all(abs(loss - saved) <= 1e-5 for loss in loaded)
@@ -218,6 +280,13 @@ def deep_eight_stages() -> dict:
     reference = train(Layout(), DEEP, **settings)
     return {layout.name: compare(layout, DEEP, reference, **settings)
             for layout in (Layout(pp=8), Layout(pp=8, vpp=2))}
+
+
+@pytest.mark.slow
+def test_rest_of_the_matrix_and_the_deep_model_over_four_ranks():
+    report = run_distributed(slow_pipeline_checks, 4, timeout=1800)[0]
+    check_report(report)
+    assert report["deep-128 tp1-pp4-vpp4"]["routers"] == 127
 
 
 @pytest.mark.slow
