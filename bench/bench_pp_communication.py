@@ -19,6 +19,7 @@ Step time (``--time``): one process per rank at PP4 x VPP2, LIMe and baseline, m
 Run (the figures in BENCHMARKS.md):
     python bench/bench_pp_communication.py
     python bench/bench_pp_communication.py --time
+    python bench/bench_pp_communication.py --planned      # the same table from pipeline.hop_elements
 """
 
 from __future__ import annotations
@@ -52,6 +53,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=None, help="default: the pipeline size")
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--time", action="store_true", help="measure step time at PP4 x VPP2 instead")
+    parser.add_argument("--planned", action="store_true",
+                        help="no processes: the same table from pipeline.hop_elements (which "
+                             "tests/test_lime_pipeline.py checks against the bytes handed to isend)")
     parser.add_argument("--time-layers", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=5)
     return parser.parse_args(argv)
@@ -250,6 +254,34 @@ def measure_bytes(args) -> list[dict]:
     return rows
 
 
+def planned_bytes(args) -> list[dict]:
+    """The table of ``measure_bytes`` from ``pipeline.hop_elements``, without processes."""
+    rows = []
+    seq, batch = args.seq_length, args.micro_batch_size
+    for pp in args.pipeline:
+        for vpp in args.virtual:
+            for layers in args.layers:
+                if layers % (pp * vpp):
+                    continue
+                for attention in args.attention:
+                    config = make_config(layers, attention, pp, vpp if vpp > 1 else None, True,
+                                         perform_initialization=False)
+                    hops = {chunk: 4 * sum(pipeline.hop_elements(config, chunk, seq, batch))
+                            for chunk in range(1, pp * vpp)}
+                    received = [sum(hops.get(chunk, 0) for chunk in range(rank, pp * vpp, pp)) for rank in range(pp)]
+                    sent = [sum(hops.get(chunk + 1, 0) for chunk in range(rank, pp * vpp, pp)) for rank in range(pp)]
+                    bounds = [received_bound(config, rank, seq, batch) for rank in range(pp)]
+                    hidden = 4 * seq * batch * config.hidden_size
+                    rows.append(dict(
+                        layers=layers, attention=attention, pp=pp, vpp=vpp, widest_hop=max(hops.values()),
+                        lime=max(received), sent=max(sent), base=hidden * vpp, bound=max(bounds),
+                        worst=max(got / bound for got, bound in zip(received, bounds) if bound),
+                        old=max(old_padded_received(config, rank, seq, batch) for rank in range(pp)),
+                        backward_equal=True,
+                    ))
+    return rows
+
+
 def print_bytes(rows: list[dict]) -> None:
     mib = 2 ** 20
     header = (f"{'layers':>6} {'attn':>4} {'PPxVPP':>6} {'widest hop':>10} {'LIMe recv':>9} {'LIMe sent':>9} "
@@ -308,7 +340,7 @@ def main(argv=None):
     args = parse_args(argv)
     if args.time:
         return measure_time(args)
-    rows = measure_bytes(args)
+    rows = planned_bytes(args) if args.planned else measure_bytes(args)
     print_bytes(rows)
     worst = max(r["worst"] for r in rows if r["vpp"] > 1)
     print(f"\nsummary: with virtual stages every rank receives at most {worst:.3f} x its bound; backward "
