@@ -14,7 +14,7 @@ setup(
     # in the same pip command so that no CUDA build is ever pulled).
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1",
+        "megatron-core>=0.16.1,<0.20",  # tested: 0.16.1 (CPU) and 0.19.x (GPU); lime_megatron.compat
         "numpy",
         "psutil",
         "sentencepiece",
@@ -32,6 +32,13 @@ setup(
     ],
     extras_require={
         "test": ["pytest>=8"],
+        # tools/analyze_checkpoint.py: linear probes and t-SNE (lime_megatron.analysis)
+        "analysis": ["scikit-learn>=1.3"],
+        # lm-evaluation-harness on checkpoints: tools/evaluate.py, lime_megatron.evaluation
+        "eval": ["lm-eval>=0.4,<0.5"],
+        # Hugging Face export/import (tools/convert_checkpoint.py); transformers only to load the
+        # exported LLaMA in LlamaForCausalLM (tests) -- the official LIMe code pins 4.51.1.
+        "hf": ["safetensors>=0.4", "transformers>=4.51"],
         # GPU machines only: installing transformer-engine on a CPU machine breaks megatron.core.
         "gpu": ["transformer-engine[pytorch]"],
     },

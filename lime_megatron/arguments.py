@@ -1,11 +1,13 @@
 """Command-line arguments of ``pretrain_lime.py``: Megatron-LM's flag names plus the LIMe options.
 
-``parse_args(argv, world_size)`` reads, in increasing priority, the defaults below, the YAML file
-given with ``--config FILE.yaml`` (keys are the flag names with underscores: ``num_layers: 16``,
-``lime: true``, ``data_path: [0.7, data/a, 0.3, data/b]``) and the command line. It then checks
-every combination the trainer cannot run and raises one :class:`ArgumentsError` naming the
-problem. ``transformer_config(args)`` turns the result into the ``LimeTransformerConfig`` of the
-run (layout, precision, FP8, recompute and LIMe options included).
+The flags are declared once, as the fields of the option groups in ``lime_megatron.run_config``
+(:func:`build_parser` adds one flag per field). ``parse_args(argv, world_size)`` reads, in
+increasing priority, their defaults, the YAML file given with ``--config FILE.yaml`` (keys are the
+flag names with underscores: ``num_layers: 16``, ``lime: true``, ``data_path: [0.7, data/a, 0.3,
+data/b]``) and the command line. It then checks every combination the trainer cannot run and
+raises one :class:`ArgumentsError` naming the problem. ``parse_run`` returns the result as the
+typed ``RunConfig``; ``transformer_config(run)`` turns that into the ``LimeTransformerConfig`` of
+the run (layout, precision, FP8, recompute and LIMe options included).
 
 Boolean options can be switched both ways (``--lime`` / ``--no-lime``), so a command line can
 override a config file; Megatron-LM's own negative flags (``--no-load-optim``,
@@ -15,31 +17,30 @@ override a config file; Megatron-LM's own negative flags (``--no-load-optim``,
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import sys
 from typing import Any, Sequence
 
 import torch
 import yaml
-from megatron.core.optimizer import OptimizerConfig
 
 from lime_megatron import fusions
 from lime_megatron.compat import cpu_config_overrides
-from lime_megatron.config import ROUTER_VARIANTS, WINDOWED_VARIANTS, LimeConfigError, lime_config
-from lime_megatron.optimizer import LRSchedule, RouterGroup
+from lime_megatron.config import LimeConfigError, lime_config, validate_router
+from lime_megatron.run_config import (
+    GROUPS,
+    NULL_TOKENIZER,
+    PAPER_ROUTER_LR,
+    DataOptions,
+    PrecisionOptions,
+    RunConfig,
+)
 from lime_megatron.tokenizer import add_tokenizer_args
-
-PAPER_ROUTER_LR = 1e-2
-"""Router learning rate of the paper (Table 2); the default of ``--lime-router-lr``."""
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "train_iters", "lr")
 """Options every training run must set (on the command line or in the config file)."""
-
-MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
-                    "num_query_groups", "kv_channels", "lime", "lime_router", "lime_router_window",
-                    "untie_embeddings_and_output_weights")
-"""Options that fix the shapes of the model's weights (a checkpoint must agree on all of them)."""
 
 
 class UsageError(Exception):
@@ -57,152 +58,28 @@ class _Parser(argparse.ArgumentParser):
         raise ArgumentsError(message)
 
 
-def _flag(parser, name: str, **kwargs) -> None:
-    """Add ``--name``; booleans (``kwargs['type'] is bool``) get ``--name`` / ``--no-name``."""
+def _add_flag(group, spec: dataclasses.Field) -> None:
+    """Add the flag of the :func:`run_config.option` field ``spec`` to ``group``; booleans
+    (``type=bool``) get ``--name`` / ``--no-name``."""
+    kwargs = {key: value for key, value in spec.metadata.items() if key != "flag" and value is not None}
+    flag = f"--{spec.name.replace('_', '-')}"
     if kwargs.get("type") is bool:
         kwargs.pop("type")
-        kwargs.setdefault("default", False)
-        parser.add_argument(f"--{name}", action=argparse.BooleanOptionalAction, **kwargs)
+        group.add_argument(flag, action=argparse.BooleanOptionalAction, default=spec.default, **kwargs)
     else:
-        parser.add_argument(f"--{name}", **kwargs)
+        group.add_argument(flag, default=spec.default, **kwargs)
 
 
-def _model_args(parser) -> None:
-    group = parser.add_argument_group("model")
-    _flag(group, "num-layers", type=int)
-    _flag(group, "hidden-size", type=int)
-    _flag(group, "ffn-hidden-size", type=int, help="default 4 * hidden size")
-    _flag(group, "num-attention-heads", type=int)
-    _flag(group, "group-query-attention", type=bool,
-          help="grouped-query attention; needs --num-query-groups")
-    _flag(group, "num-query-groups", type=int, help="key/value heads (default: attention heads)")
-    _flag(group, "kv-channels", type=int, help="head dimension (default hidden / heads)")
-    _flag(group, "seq-length", type=int)
-    _flag(group, "max-position-embeddings", type=int, help="default: --seq-length")
-    _flag(group, "rotary-base", type=int, default=10000)
-    _flag(group, "norm-epsilon", type=float, default=1e-5)
-    _flag(group, "init-method-std", type=float, default=0.02)
-    _flag(group, "hidden-dropout", type=float, default=0.0)
-    _flag(group, "attention-dropout", type=float, default=0.0)
-    _flag(group, "untie-embeddings-and-output-weights", type=bool)
-    _flag(group, "vocab-size", type=int,
-          help="vocabulary of --mock-data (real data: the tokenizer's, padded)")
-    _flag(group, "transformer-impl", default="local", choices=("local", "transformer_engine"),
-          help="local: megatron-only modules (CPU and GPU); transformer_engine: GPU, bf16/FP8")
-    _flag(group, "recompute-granularity", choices=("full", "selective"))
-    _flag(group, "recompute-method", choices=("uniform", "block"))
-    _flag(group, "recompute-num-layers", type=int)
-
-
-def _lime_args(parser) -> None:
-    group = parser.add_argument_group("LIMe")
-    _flag(group, "lime", type=bool, help="LIMe attention (without it: the LLaMA baseline)")
-    _flag(group, "lime-router", choices=ROUTER_VARIANTS, help="router variant (default full)")
-    _flag(group, "lime-router-window", type=int, help="window j of the last/first routers")
-    _flag(group, "lime-router-lr", type=float,
-          help=f"router learning rate (default {PAPER_ROUTER_LR}, the paper's); the router "
-               "schedule is the main one scaled by lime-router-lr / lr")
-    _flag(group, "lime-router-weight-decay", type=float, help="router weight decay (default 0)")
-    _flag(group, "lime-recompute-routed-kv", type=bool, default=True,
-          help="recompute the routed keys/values in backward instead of saving them")
-
-
-def _parallel_args(parser) -> None:
-    group = parser.add_argument_group("parallelism")
-    _flag(group, "tensor-model-parallel-size", type=int, default=1)
-    _flag(group, "pipeline-model-parallel-size", type=int, default=1)
-    _flag(group, "num-layers-per-virtual-pipeline-stage", type=int)
-    _flag(group, "num-virtual-stages-per-pipeline-rank", type=int)
-    _flag(group, "decoder-first-pipeline-num-layers", type=int)
-    _flag(group, "decoder-last-pipeline-num-layers", type=int)
-    _flag(group, "sequence-parallel", type=bool)
-    _flag(group, "use-distributed-optimizer", type=bool)
-
-
-def _training_args(parser) -> None:
-    group = parser.add_argument_group("training")
-    _flag(group, "micro-batch-size", type=int)
-    _flag(group, "global-batch-size", type=int, help="default: micro batch x data-parallel size")
-    _flag(group, "train-iters", type=int)
-    _flag(group, "exit-interval", type=int, help="stop (and save) after this iteration")
-    _flag(group, "seed", type=int, default=1234)
-    _flag(group, "optimizer", default="adam", choices=("adam", "sgd"),
-          help="adam is AdamW (decoupled weight decay)")
-    _flag(group, "lr", type=float)
-    _flag(group, "min-lr", type=float, default=0.0)
-    _flag(group, "lr-decay-style", default="linear",
-          choices=("constant", "linear", "cosine", "inverse-square-root"))
-    _flag(group, "lr-warmup-iters", type=int, default=0)
-    _flag(group, "lr-warmup-init", type=float, default=0.0)
-    _flag(group, "lr-decay-iters", type=int, help="default: --train-iters")
-    _flag(group, "weight-decay", type=float, default=0.01)
-    _flag(group, "clip-grad", type=float, default=1.0)
-    _flag(group, "adam-beta1", type=float, default=0.9)
-    _flag(group, "adam-beta2", type=float, default=0.999)
-    _flag(group, "adam-eps", type=float, default=1e-8)
-    _flag(group, "sgd-momentum", type=float, default=0.9)
-
-
-def _precision_args(parser) -> None:
-    group = parser.add_argument_group("mixed precision (GPU)")
-    _flag(group, "bf16", type=bool)
-    _flag(group, "fp16", type=bool)
-    _flag(group, "loss-scale", type=float, help="static fp16 loss scale (default: dynamic)")
-    _flag(group, "initial-loss-scale", type=float, default=2.0**32)
-    _flag(group, "min-loss-scale", type=float, default=1.0)
-    _flag(group, "loss-scale-window", type=float, default=1000)
-    _flag(group, "hysteresis", type=int, default=2)
-    _flag(group, "fp8-format", choices=("e4m3", "hybrid"),
-          help="FP8 through TransformerEngine (needs --transformer-impl transformer_engine)")
-    _flag(group, "fp8-recipe", default="delayed",
-          choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
-    _flag(group, "fp8-margin", type=int, default=0)
-    _flag(group, "fp8-amax-history-len", type=int, default=1)
-    _flag(group, "fp8-amax-compute-algo", default="most_recent", choices=("most_recent", "max"))
-
-
-def _data_args(parser) -> None:
-    group = add_tokenizer_args(parser)
-    group = parser.add_argument_group("data")
-    _flag(group, "data-path", nargs="+",
-          help="dataset prefixes, optionally weighted: [w1] prefix1 [w2] prefix2 ...")
-    _flag(group, "split", default="969,30,1", help="train,valid,test weights of --data-path")
-    _flag(group, "train-data-path", nargs="+", help="blend of the train split (instead of --split)")
-    _flag(group, "valid-data-path", nargs="+")
-    _flag(group, "test-data-path", nargs="+")
-    _flag(group, "mock-data", type=bool, help="random tokens from megatron's MockGPTDataset")
-    _flag(group, "data-cache-path", help="where GPTDataset index files are cached")
-    _flag(group, "eod-mask-loss", type=bool, help="no loss on end-of-document tokens")
-
-
-def _checkpoint_args(parser) -> None:
-    group = parser.add_argument_group("checkpointing")
-    _flag(group, "save", help="directory of the distributed checkpoints")
-    _flag(group, "load", help="directory to resume from (may be the same as --save)")
-    _flag(group, "save-interval", type=int, help="save every N iterations")
-    _flag(group, "ckpt-keep-last", type=int,
-          help="keep only the newest N checkpoints in --save (default: keep all)")
-    group.add_argument("--no-load-optim", action="store_true",
-                       help="load the model weights only (fresh optimizer and schedule)")
-    group.add_argument("--no-load-rng", action="store_true", help="do not restore RNG states")
-    group.add_argument("--exit-on-missing-checkpoint", action="store_true",
-                       help="fail when --load holds no checkpoint (always so when --load != --save)")
-
-
-def _logging_args(parser) -> None:
-    group = parser.add_argument_group("logging and evaluation")
-    _flag(group, "log-interval", type=int, default=100)
-    _flag(group, "eval-interval", type=int, default=1000)
-    _flag(group, "eval-iters", type=int, default=100, help="validation batches per evaluation")
-    _flag(group, "tensorboard-dir")
-    _flag(group, "wandb-project")
-    _flag(group, "wandb-exp-name")
-    _flag(group, "wandb-save-dir")
-    _flag(group, "wandb-mode", choices=("online", "offline", "disabled"),
-          help="default: $WANDB_MODE, else online")
-    _flag(group, "metrics-file", help="append one JSON object per iteration to this file")
-    _flag(group, "gpu-peak-tflops", type=float,
-          help="dense bf16 peak of one GPU for MFU (default: known devices)")
+def _add_group(parser, options: type) -> None:
+    """One ``--help`` section with the flags of the option group ``options``."""
+    if options is DataOptions:
+        tokenizer_flags = add_tokenizer_args(parser)
+        tokenizer_type = next(action for action in tokenizer_flags._group_actions if action.dest == "tokenizer_type")
+        tokenizer_type.choices = [*tokenizer_type.choices, NULL_TOKENIZER]
+    group = parser.add_argument_group(options.group)
+    for spec in dataclasses.fields(options):
+        if spec.metadata.get("flag"):
+            _add_flag(group, spec)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -213,9 +90,8 @@ def build_parser() -> argparse.ArgumentParser:
                         help="print parameters, FLOPs and memory per GPU for the layout; no training")
     parser.add_argument("--dry-run-world-size", type=int,
                         help="GPUs assumed by --dry-run (default $WORLD_SIZE, else TP x PP)")
-    for add in (_model_args, _lime_args, _parallel_args, _training_args, _precision_args,
-                _data_args, _checkpoint_args, _logging_args):
-        add(parser)
+    for options in GROUPS.values():
+        _add_group(parser, options)
     return parser
 
 
@@ -312,7 +188,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if missing:
         raise ArgumentsError(f"missing required option(s): {', '.join(missing)}")
     for check in (_check_positive, _check_layout, _check_batch, _check_lime, _check_precision,
-                  _check_schedule, _check_data, _check_checkpointing):
+                  _check_schedule, _check_data, _check_checkpointing, _check_profiling):
         check(args, world_size)
 
 
@@ -386,12 +262,10 @@ def _check_lime(args, world_size) -> None:
             raise ArgumentsError(f"{options} only apply to LIMe: add --lime (or drop them)")
         return
     args.lime_router = args.lime_router or "full"
-    if args.lime_router in WINDOWED_VARIANTS and args.lime_router_window is None:
-        raise ArgumentsError(f"--lime-router {args.lime_router} needs --lime-router-window")
-    if args.lime_router not in WINDOWED_VARIANTS and args.lime_router_window is not None:
-        raise ArgumentsError(
-            f"--lime-router-window applies to the {'/'.join(WINDOWED_VARIANTS)} routers, "
-            f"not to {args.lime_router}")
+    try:
+        validate_router(args.lime_router, args.lime_router_window, flags=True)
+    except LimeConfigError as error:
+        raise ArgumentsError(str(error)) from None
     if args.lime_router_lr is None:
         args.lime_router_lr = PAPER_ROUTER_LR
     if args.lime_router_weight_decay is None:
@@ -435,6 +309,9 @@ def _check_schedule(args, world_size) -> None:
 def _check_data(args, world_size) -> None:
     per_split = [args.train_data_path, args.valid_data_path, args.test_data_path]
     sources = sum([args.mock_data, args.data_path is not None, any(p is not None for p in per_split)])
+    null_tokenizer = args.tokenizer_type == NULL_TOKENIZER
+    if null_tokenizer and args.vocab_size is None:
+        raise ArgumentsError(f"--tokenizer-type {NULL_TOKENIZER} needs --vocab-size")
     if args.dry_run:
         return
     if sources != 1:
@@ -443,9 +320,9 @@ def _check_data(args, world_size) -> None:
             "--valid-data-path/--test-data-path) or --mock-data")
     if args.train_data_path is None and any(p is not None for p in per_split):
         raise ArgumentsError("--valid-data-path/--test-data-path need --train-data-path")
-    if args.vocab_size is not None and not args.mock_data:
-        raise ArgumentsError("--vocab-size sets the --mock-data vocabulary; with real data the "
-                             "tokenizer decides it")
+    if args.vocab_size is not None and not (args.mock_data or null_tokenizer):
+        raise ArgumentsError(f"--vocab-size sets the --mock-data vocabulary; with real data the "
+                             f"tokenizer decides it (pre-tokenized ids: --tokenizer-type {NULL_TOKENIZER})")
     for path in [args.data_path] + per_split:
         if path is not None:
             parse_blend(path)
@@ -489,88 +366,78 @@ def _check_checkpointing(args, world_size) -> None:
             raise ArgumentsError("--ckpt-keep-last must be >= 1")
 
 
+def _check_profiling(args, world_size) -> None:
+    if args.use_pytorch_profiler and not args.profile:
+        raise ArgumentsError("--use-pytorch-profiler needs --profile")
+    if not args.profile:
+        return
+    if not 0 <= args.profile_step_start < args.profile_step_end:
+        raise ArgumentsError(f"--profile-step-end {args.profile_step_end} must be larger than "
+                             f"--profile-step-start {args.profile_step_start} (>= 0)")
+    if args.use_pytorch_profiler and not (args.profile_dir or args.tensorboard_dir):
+        raise ArgumentsError("--use-pytorch-profiler needs --profile-dir or --tensorboard-dir for its trace")
+    if not args.use_pytorch_profiler and not (torch.cuda.is_available() or args.dry_run):
+        raise ArgumentsError("--profile without --use-pytorch-profiler drives nsys and needs a CUDA GPU")
+
+
 # --------------------------------------------------------------------------- model config
 
 
-def params_dtype(args: argparse.Namespace) -> torch.dtype:
-    """Parameter dtype of the run: bfloat16, float16 or float32."""
-    return torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else torch.float32
+def parse_run(argv: Sequence[str] | None = None, world_size: int | None = None) -> RunConfig:
+    """:func:`parse_args` as a typed :class:`RunConfig`."""
+    return RunConfig.from_namespace(parse_args(argv, world_size))
 
 
-def transformer_config(args: argparse.Namespace):
+def transformer_config(run: RunConfig):
     """The run's ``LimeTransformerConfig``: LLaMA architecture, layout, precision, FP8, recompute
-    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.fusions`` decides. Raises :class:`ArgumentsError` for shapes or
-    layouts megatron or LIMe reject."""
-    dtype = params_dtype(args)
+    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.fusions`` decides.
+    Raises :class:`ArgumentsError` for shapes or layouts megatron or LIMe reject."""
+    model, parallel, precision, lime = run.model, run.parallel, run.precision, run.lime
+    dtype = precision.params_dtype
     kwargs = dict(
-        num_layers=args.num_layers,
-        hidden_size=args.hidden_size,
-        ffn_hidden_size=args.ffn_hidden_size or 4 * args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=args.num_query_groups,
-        kv_channels=args.kv_channels,
-        layernorm_epsilon=args.norm_epsilon,
-        init_method_std=args.init_method_std,
-        hidden_dropout=args.hidden_dropout,
-        attention_dropout=args.attention_dropout,
-        tensor_model_parallel_size=args.tensor_model_parallel_size,
-        pipeline_model_parallel_size=args.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=args.virtual_pipeline_size,
-        num_layers_in_first_pipeline_stage=args.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=args.decoder_last_pipeline_num_layers,
-        sequence_parallel=args.sequence_parallel,
-        bf16=args.bf16,
-        fp16=args.fp16,
+        num_layers=model.num_layers,
+        hidden_size=model.hidden_size,
+        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
+        num_attention_heads=model.num_attention_heads,
+        num_query_groups=model.num_query_groups,
+        kv_channels=model.kv_channels,
+        layernorm_epsilon=model.norm_epsilon,
+        init_method_std=model.init_method_std,
+        hidden_dropout=model.hidden_dropout,
+        attention_dropout=model.attention_dropout,
+        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
+        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
+        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_size,
+        num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
+        num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
+        sequence_parallel=parallel.sequence_parallel,
+        bf16=precision.bf16,
+        fp16=precision.fp16,
         params_dtype=dtype,
         pipeline_dtype=dtype,
         autocast_dtype=dtype,
-        recompute_granularity=args.recompute_granularity,
-        recompute_method=args.recompute_method,
-        recompute_num_layers=args.recompute_num_layers,
+        recompute_granularity=model.recompute_granularity,
+        recompute_method=model.recompute_method,
+        recompute_num_layers=model.recompute_num_layers,
         use_cpu_initialization=not torch.cuda.is_available(),
-        transformer_impl=args.transformer_impl,
-        lime=args.lime,
-        lime_router=args.lime_router or "full",
-        lime_router_window=args.lime_router_window,
-        lime_recompute_routed_kv=args.lime_recompute_routed_kv,
-        **_fp8_options(args),
+        transformer_impl=model.transformer_impl,
+        lime=lime.lime,
+        lime_router=lime.lime_router or "full",
+        lime_router_window=lime.lime_router_window,
+        lime_recompute_routed_kv=lime.lime_recompute_routed_kv,
+        **_fp8_options(precision),
         **cpu_config_overrides(),
     )
     try:
         config = lime_config(**kwargs)
     except (LimeConfigError, ValueError, AssertionError) as error:
         raise ArgumentsError(f"invalid model configuration: {error}") from None
-    return fusions.run_choices(args).apply(config)
+    return fusions.run_choices(run).apply(config)
 
 
-def optimizer_config(args: argparse.Namespace) -> OptimizerConfig:
-    """megatron ``OptimizerConfig`` from the training flags (Adam is AdamW)."""
-    return OptimizerConfig(
-        optimizer=args.optimizer, lr=args.lr, min_lr=args.min_lr, weight_decay=args.weight_decay,
-        adam_beta1=args.adam_beta1, adam_beta2=args.adam_beta2, adam_eps=args.adam_eps,
-        sgd_momentum=args.sgd_momentum, clip_grad=args.clip_grad, bf16=args.bf16, fp16=args.fp16,
-        params_dtype=params_dtype(args), loss_scale=args.loss_scale,
-        initial_loss_scale=args.initial_loss_scale, min_loss_scale=args.min_loss_scale,
-        loss_scale_window=args.loss_scale_window, hysteresis=args.hysteresis,
-        use_distributed_optimizer=args.use_distributed_optimizer,
-    )
-
-
-def router_group(args: argparse.Namespace) -> RouterGroup | None:
-    """The LIMe routers' parameter group (None for the LLaMA baseline)."""
-    return RouterGroup(args.lime_router_lr, args.lime_router_weight_decay) if args.lime else None
-
-
-def lr_schedule(args: argparse.Namespace) -> LRSchedule:
-    """The learning-rate schedule of the training flags."""
-    return LRSchedule(max_lr=args.lr, decay_iters=args.lr_decay_iters, train_iters=args.train_iters,
-                      min_lr=args.min_lr, init_lr=args.lr_warmup_init, warmup_iters=args.lr_warmup_iters,
-                      decay_style=args.lr_decay_style, weight_decay=args.weight_decay)
-
-
-def _fp8_options(args) -> dict:
-    if args.fp8_format is None:
+def _fp8_options(precision: PrecisionOptions) -> dict:
+    if precision.fp8_format is None:
         return {}
-    return dict(fp8=args.fp8_format, fp8_recipe=args.fp8_recipe, fp8_margin=args.fp8_margin,
-                fp8_amax_history_len=args.fp8_amax_history_len,
-                fp8_amax_compute_algo=args.fp8_amax_compute_algo)
+    return dict(fp8=precision.fp8_format, fp8_recipe=precision.fp8_recipe, fp8_margin=precision.fp8_margin,
+                fp8_amax_history_len=precision.fp8_amax_history_len,
+                fp8_amax_compute_algo=precision.fp8_amax_compute_algo)

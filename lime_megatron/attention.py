@@ -33,7 +33,7 @@ from megatron.core.transformer.enums import AttnMaskType
 
 from lime_megatron.head_parallel import HeadSharding
 from lime_megatron.memory import LayerIntegratedMemory, route_keys_values, route_new_tokens
-from lime_megatron.recompute import Rebuilt, recompute_in_backward
+from lime_megatron.recompute import Rebuilt, recompute_in_backward, routed_kv_log
 from lime_megatron.router import LimeRouter
 
 
@@ -129,15 +129,18 @@ class LimeSelfAttention(SelfAttention):
 
     def _recompute_routed(self, routed: torch.Tensor, key: torch.Tensor, k_freqs):
         """Drop the routed keys/values (and the rotated keys) from attention's saved tensors;
-        backward rebuilds them from the memory buffer."""
+        backward rebuilds them from the memory buffer.  What was dropped and rebuilt is counted
+        in ``recompute.routed_kv_log`` (which warns once if the core attention kept copies)."""
         if not (self.config.lime_recompute_routed_kv and torch.is_grad_enabled()):
             return nullcontext()
-        memory, router = self.memory, self.router
-        routed_again = Rebuilt(lambda: memory.mix(router, router.weight.detach()))
+        memory, router, log, layer = self.memory, self.router, routed_kv_log, self.router.layer
+        routed_again = Rebuilt(lambda: memory.mix(router, router.weight.detach()), log.rebuilt(layer, "routed"))
         rebuilds = {routed: routed_again}
         if k_freqs is not None:
-            rebuilds[key] = Rebuilt(lambda: self._rotate(routed_again.value()[0], k_freqs))
-        return recompute_in_backward(rebuilds)
+            rebuilds[key] = Rebuilt(lambda: self._rotate(routed_again.value()[0], k_freqs),
+                                    log.rebuilt(layer, "rotated keys"))
+        return log.recording(layer, type(self.core_attention).__name__,
+                             recompute_in_backward(rebuilds, {"keys": key, "values": routed[1]}))
 
 
 def _reject_unsupported(**arguments) -> None:

@@ -16,7 +16,6 @@ single-process model back as a weights-only checkpoint that ``pretrain_lime.py -
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass
 
@@ -27,6 +26,7 @@ from lime_megatron import arguments, checkpointing, data
 from lime_megatron.config import LimeTransformerConfig
 from lime_megatron.model import LimeGPTModel, build_model
 from lime_megatron.parallel import initialize_parallel
+from lime_megatron.run_config import RunConfig
 
 SINGLE_PROCESS_LAYOUT = dict(
     tensor_model_parallel_size=1, pipeline_model_parallel_size=1, virtual_pipeline_size=None,
@@ -50,13 +50,13 @@ class CheckpointModel:
     iteration: int
 
     @property
-    def args(self) -> argparse.Namespace:
-        """The training run's options (as the trainer parsed them)."""
-        return argparse.Namespace(**self.run["args"])
+    def options(self) -> RunConfig:
+        """The training run's options."""
+        return RunConfig.from_flat_dict(self.run["args"])
 
     def tokenizer(self):
         """The tokenizer the run trained with (``data.tokenizer_of`` on its options)."""
-        return data.tokenizer_of(self.args)
+        return data.tokenizer_of(self.options.data, self.options.model.vocab_size)
 
 
 def resolve_checkpoint(path: str) -> tuple[int, str]:
@@ -78,9 +78,9 @@ def resolve_checkpoint(path: str) -> tuple[int, str]:
 
 def single_process_config(run: dict, dtype: torch.dtype) -> LimeTransformerConfig:
     """The model config of ``run`` (a checkpoint's run description) for one process."""
-    options = {**run["args"], **SINGLE_PROCESS_LAYOUT,
+    options = {**run["args"], **SINGLE_PROCESS_LAYOUT, "dry_run": False,
                "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16}
-    return arguments.transformer_config(argparse.Namespace(**options))
+    return arguments.transformer_config(RunConfig.from_flat_dict(options))
 
 
 def load_model(path: str, *, dtype: torch.dtype | None = None) -> CheckpointModel:
@@ -90,7 +90,7 @@ def load_model(path: str, *, dtype: torch.dtype | None = None) -> CheckpointMode
     iteration, directory = resolve_checkpoint(path)
     run = checkpointing.read_common(directory)["run"]
     initialize_parallel()
-    saved_dtype = arguments.params_dtype(argparse.Namespace(**run["args"]))
+    saved_dtype = RunConfig.from_flat_dict(run["args"]).precision.params_dtype
     config = single_process_config(run, saved_dtype)
     model = _build(config, run)
     template = {"model0": model.sharded_state_dict()}
@@ -115,6 +115,15 @@ def _build(config: LimeTransformerConfig, run: dict) -> LimeGPTModel:
         share_embeddings_and_output_weights=not options["untie_embeddings_and_output_weights"],
         rotary_base=options["rotary_base"],
     )
+
+
+def new_model(run: dict, dtype: torch.dtype) -> LimeGPTModel:
+    """An uninitialised single-process model of ``run`` in ``dtype``, to be filled (e.g. by a
+    Hugging Face import, ``lime_megatron.hf_export``) and written with :func:`save_model`."""
+    initialize_parallel()
+    config = single_process_config(run, dtype)
+    config.perform_initialization = False
+    return _build(config, run)
 
 
 def save_model(model: LimeGPTModel, run: dict, root: str, iteration: int = 0) -> str:

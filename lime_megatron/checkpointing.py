@@ -22,7 +22,6 @@ an incompatible vocabulary or model shape before touching any tensor.
 
 from __future__ import annotations
 
-import argparse
 import os
 import random
 import shutil
@@ -35,11 +34,16 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
-from lime_megatron.arguments import MODEL_SHAPE_KEYS, UsageError
+from lime_megatron.arguments import UsageError
+from lime_megatron.run_config import RunConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}
 FORMAT_VERSION = 1
+MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
+                    "num_query_groups", "kv_channels", "lime", "lime_router", "lime_router_window",
+                    "untie_embeddings_and_output_weights")
+"""Options that fix the shapes of the model's weights (a checkpoint must agree on all of them)."""
 
 
 class CheckpointError(UsageError):
@@ -59,7 +63,7 @@ def checkpoint_dir(root: str, iteration: int) -> str:
     return os.path.join(root, f"iter_{iteration:07d}")
 
 
-def run_description(args: argparse.Namespace, config, tokenizer) -> dict:
+def run_description(run: RunConfig, config, tokenizer) -> dict:
     """What a checkpoint records about its run: options, model shape, vocabulary, layout."""
     shape = dict(
         num_layers=config.num_layers, hidden_size=config.hidden_size,
@@ -67,7 +71,7 @@ def run_description(args: argparse.Namespace, config, tokenizer) -> dict:
         num_query_groups=config.kv_heads, kv_channels=config.kv_channels, lime=config.lime,
         lime_router=config.lime_router if config.lime else None,
         lime_router_window=config.lime_router_window,
-        untie_embeddings_and_output_weights=args.untie_embeddings_and_output_weights,
+        untie_embeddings_and_output_weights=run.model.untie_embeddings_and_output_weights,
     )
     assert set(shape) == set(MODEL_SHAPE_KEYS)
     return dict(
@@ -75,8 +79,8 @@ def run_description(args: argparse.Namespace, config, tokenizer) -> dict:
         vocab=dict(tokenizer=type(tokenizer).__name__, size=tokenizer.unpadded_vocab_size,
                    padded=tokenizer.vocab_size),
         layout=_layout(),
-        distributed_optimizer=args.use_distributed_optimizer,
-        args={key: value for key, value in vars(args).items()
+        distributed_optimizer=run.parallel.use_distributed_optimizer,
+        args={key: value for key, value in run.as_flat_dict().items()
               if isinstance(value, (int, float, str, bool, list, type(None)))},
     )
 

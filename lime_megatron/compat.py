@@ -84,12 +84,52 @@ Patches, all applied together by :func:`enable_cpu_support`:
 
 Not a patch but a trap with gloo: the interleaved pipeline schedule with ``batch_p2p_comm=True``
 silently swaps activations and gradients; :func:`cpu_config_overrides` turns it off.
+
+Private and internal APIs the project relies on
+------------------------------------------------
+Tested range: megatron-core 0.16.1 (CPU machines) to 0.19.x (GPU machines; ``setup.py`` bounds
+it), torch 2.4 and later.  Every private (``_``-prefixed) or internal megatron-core / torch API the
+project touches, what it expects, and who uses it; :func:`private_api_problems` probes each one
+(signatures and small behavioural checks) and names those that differ
+(``tests/test_compat_apis.py`` fails on any):
+
+- ``P2PCommunicator.__init__(pp_group, config)`` and ``P2PCommunicator._communicate`` with
+  keyword-only ``tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape``
+  (``pipeline.StageTensorCommunicator`` widens the receive shapes); the schedules accept
+  ``p2p_communicator`` and ``pg_collection`` (``pipeline.schedule_arguments``).
+- The decoder ``context`` threading: ``GPTModel.forward(extra_block_kwargs=...)``,
+  ``TransformerBlock.forward(context=...)`` passing ``context=context`` to every layer and to
+  ``TransformerBlock._checkpointed_forward(..., context, ...)`` (``model.LimeGPTModel`` hands the
+  memory handle through it; ``layer_spec.LimeTransformerLayer`` reads it).
+- ``SelfAttention.get_query_key_value_tensors(hidden_states, ...)`` and
+  ``SelfAttention._checkpointed_attention_forward(query, key, value, attention_mask, ...,
+  attn_mask_type=...)`` (``attention.LimeSelfAttention``); ``rope_utils.apply_rotary_pos_emb(t,
+  freqs, config, ..., cp_group=...)`` and its module global ``fused_apply_rotary_pos_emb``
+  (``fusions``, RoPE fusion after routing).
+- ``parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK``, set by
+  ``set_pipeline_model_parallel_rank`` (``estimate`` builds each pipeline rank's chunk on meta);
+  ``schedules.get_schedule_table(num_microbatches, num_model_chunks,
+  microbatch_group_size_per_vp_stage)`` (``estimate``'s interleaved in-flight count).
+- ``schedules.deallocate_output_tensor(out, deallocate_pipeline_outputs)`` (``fusions``: LIMe's
+  stage tensor is not a view).
+- torch's ``torch._C._autograd._top_saved_tensors_default_hooks(False)``: the innermost
+  ``saved_tensors_hooks`` pair ``(pack, unpack)``, or None outside any (``recompute``).
+- The targets of the patches above: ``tensor_parallel.random._get_cuda_rng_state`` /
+  ``_set_cuda_rng_state``; ``DistributedOptimizer._build_model_and_main_param_groups`` (a
+  classmethod), ``get_parameter_state_dp_zero``, ``state_dict``, ``load_state_dict``,
+  ``_set_main_param_and_optimizer_states(model_param, tensors)``;
+  ``distrib_optimizer.HAVE_APEX_OR_TE``; ``clip_grad_by_total_norm_fp32`` in
+  ``optimizer.clip_grads`` and ``optimizer.optimizer``;
+  ``LanguageModule.setup_embeddings_and_output_layer``; a module global ``torch`` in every module
+  of ``_TORCH_STANDIN_MODULES``.
 """
 
 import contextlib
 import functools
 import importlib
+import inspect
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -98,6 +138,7 @@ __all__ = [
     "default_device",
     "distributed_backend",
     "enable_cpu_support",
+    "private_api_problems",
 ]
 
 _PREFIX = "megatron.core."
@@ -350,3 +391,155 @@ def enable_cpu_support() -> bool:
         logging.getLogger(_PREFIX + "tensor_parallel.random").addFilter(_drop_spurious_rng_warning)
         _enabled = True
     return True
+
+
+# --------------------------------------------------------------------------- private API probes
+
+
+def missing_parameters(api: str, function, *names: str, keyword_only: bool = False) -> str | None:
+    """None if ``function`` takes every parameter of ``names`` (keyword-only ones when
+    ``keyword_only``), else one line naming ``api`` and what differs."""
+    try:
+        parameters = inspect.signature(function).parameters
+    except (TypeError, ValueError) as error:
+        return f"{api}: no signature ({error})"
+    missing = [name for name in names if name not in parameters]
+    if keyword_only:
+        missing += [name for name in names
+                    if name in parameters and parameters[name].kind is not inspect.Parameter.KEYWORD_ONLY]
+    if missing:
+        return f"{api}: expected parameters {list(names)}, missing or not keyword-only: {missing}"
+    return None
+
+
+def _source_passes(api: str, function, text: str) -> str | None:
+    """None if ``function``'s source contains ``text`` (e.g. a keyword argument it passes on)."""
+    return None if text in inspect.getsource(function) else f"{api}: its source no longer passes {text!r}"
+
+
+def _present(api: str, value) -> str | None:
+    """None if ``value`` (an attribute looked up for ``api``) exists, else one line."""
+    return None if value is not None else f"{api}: missing"
+
+
+def _probe_p2p() -> list[str | None]:
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    return [
+        missing_parameters("P2PCommunicator.__init__", P2PCommunicator.__init__, "pp_group", "config"),
+        missing_parameters("P2PCommunicator._communicate", P2PCommunicator._communicate, "tensor_send_next",
+                           "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape", keyword_only=True),
+        *(missing_parameters(f"schedules.{name}", getattr(schedules, name), "p2p_communicator", "pg_collection")
+          for name in ("forward_backward_pipelining_without_interleaving",
+                       "forward_backward_pipelining_with_interleaving")),
+        missing_parameters("schedules.deallocate_output_tensor", schedules.deallocate_output_tensor,
+                           "out", "deallocate_pipeline_outputs"),
+        missing_parameters("schedules.get_schedule_table", schedules.get_schedule_table, "num_microbatches",
+                           "num_model_chunks", "microbatch_group_size_per_vp_stage"),
+    ]
+
+
+def _probe_context_threading() -> list[str | None]:
+    from megatron.core.models.gpt.gpt_model import GPTModel
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    return [
+        missing_parameters("GPTModel.forward", GPTModel.forward, "extra_block_kwargs"),
+        missing_parameters("TransformerBlock.forward", TransformerBlock.forward, "context"),
+        missing_parameters("TransformerBlock._checkpointed_forward", TransformerBlock._checkpointed_forward,
+                           "context"),
+        _source_passes("TransformerBlock.forward (context to its layers)", TransformerBlock.forward,
+                       "context=context"),
+    ]
+
+
+def _probe_attention() -> list[str | None]:
+    from megatron.core.models.common.embeddings import rope_utils
+    from megatron.core.transformer.attention import SelfAttention
+
+    return [
+        missing_parameters("SelfAttention.get_query_key_value_tensors",
+                           SelfAttention.get_query_key_value_tensors, "hidden_states"),
+        missing_parameters("SelfAttention._checkpointed_attention_forward",
+                           SelfAttention._checkpointed_attention_forward, "query", "key", "value",
+                           "attention_mask", "attn_mask_type"),
+        missing_parameters("rope_utils.apply_rotary_pos_emb", rope_utils.apply_rotary_pos_emb, "t", "freqs",
+                           "config", "cp_group"),
+        None if hasattr(rope_utils, "fused_apply_rotary_pos_emb")
+        else "rope_utils.fused_apply_rotary_pos_emb: module global missing",
+    ]
+
+
+def _probe_pipeline_rank() -> list[str | None]:
+    """Behaviour: ``set_pipeline_model_parallel_rank`` sets ``_MPU_PIPELINE_MODEL_PARALLEL_RANK``."""
+    from megatron.core import parallel_state
+
+    api = "parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK"
+    if not hasattr(parallel_state, "_MPU_PIPELINE_MODEL_PARALLEL_RANK"):
+        return [f"{api}: missing"]
+    previous = parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK
+    try:
+        parallel_state.set_pipeline_model_parallel_rank(3)
+        seen = parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK
+    finally:
+        parallel_state._MPU_PIPELINE_MODEL_PARALLEL_RANK = previous
+    return [None if seen == 3 else f"{api}: set_pipeline_model_parallel_rank(3) left it at {seen!r}"]
+
+
+def _probe_saved_tensor_hooks() -> list[str | None]:
+    """Behaviour: the innermost hooks pair inside ``saved_tensors_hooks``, None outside."""
+    api = "torch._C._autograd._top_saved_tensors_default_hooks"
+    top = getattr(torch._C._autograd, "_top_saved_tensors_default_hooks", None)
+    if top is None:
+        return [f"{api}: missing"]
+
+    def pack(tensor):
+        return tensor
+
+    def unpack(tensor):
+        return tensor
+
+    outside = top(False)
+    with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
+        inside = top(False)
+    if outside is not None or inside is None or tuple(inside) != (pack, unpack):
+        return [f"{api}(False): expected None outside hooks and (pack, unpack) inside, got {outside!r}, {inside!r}"]
+    return [None]
+
+
+def _probe_patch_targets() -> list[str | None]:
+    random = _module("tensor_parallel.random")
+    distrib = _module("optimizer.distrib_optimizer")
+    optimizer_cls = distrib.DistributedOptimizer
+    language_module = _module("models.common.language_module.language_module").LanguageModule
+    build = inspect.getattr_static(optimizer_cls, "_build_model_and_main_param_groups", None)
+    return [
+        *(_present(f"tensor_parallel.random.{name}", getattr(random, name, None))
+          for name in ("_get_cuda_rng_state", "_set_cuda_rng_state")),
+        None if isinstance(build, classmethod)
+        else "DistributedOptimizer._build_model_and_main_param_groups: not a classmethod",
+        *(_present(f"DistributedOptimizer.{name}", getattr(optimizer_cls, name, None))
+          for name in ("get_parameter_state_dp_zero", "state_dict", "load_state_dict")),
+        missing_parameters("DistributedOptimizer._set_main_param_and_optimizer_states",
+                           optimizer_cls._set_main_param_and_optimizer_states, "model_param", "tensors"),
+        _present("distrib_optimizer.HAVE_APEX_OR_TE", getattr(distrib, "HAVE_APEX_OR_TE", None)),
+        *(_present(f"{name}.clip_grad_by_total_norm_fp32", getattr(_module(name), "clip_grad_by_total_norm_fp32", None))
+          for name in ("optimizer.clip_grads", "optimizer.optimizer")),
+        _present("LanguageModule.setup_embeddings_and_output_layer",
+                 getattr(language_module, "setup_embeddings_and_output_layer", None)),
+        *(_present(f"megatron.core.{name}.torch (module global)", getattr(_module(name), "torch", None))
+          for name in _TORCH_STANDIN_MODULES),
+    ]
+
+
+_PROBES: tuple[Callable[[], list[str | None]], ...] = (
+    _probe_p2p, _probe_context_threading, _probe_attention, _probe_pipeline_rank, _probe_saved_tensor_hooks,
+    _probe_patch_targets,
+)
+
+
+def private_api_problems() -> list[str]:
+    """One line per private/internal API (module docstring) whose signature or behaviour differs
+    from what the project expects under the installed megatron-core and torch; empty when all hold."""
+    return [problem for probe in _PROBES for problem in probe() if problem is not None]

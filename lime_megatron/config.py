@@ -78,21 +78,23 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
             f"num_query_groups (key/value heads) = {kv_heads} must divide "
             f"num_attention_heads = {heads}"
         )
-    if config.lime_router not in ROUTER_VARIANTS:
-        raise LimeConfigError(
-            f"unknown LIMe router variant {config.lime_router!r}; choose one of {ROUTER_VARIANTS}"
-        )
-    window = config.lime_router_window
-    if config.lime_router in WINDOWED_VARIANTS:
+    validate_router(config.lime_router, config.lime_router_window)
+
+
+def validate_router(router: str, window: int | None, *, flags: bool = False) -> None:
+    """The rules of the router options, for the config and the trainer's flags alike: a known
+    variant (``ROUTER_VARIANTS``), a window >= 1 for the windowed ones and none for the others.
+    Raises one ``LimeConfigError``; ``flags`` names the options as command-line flags."""
+    router_name, window_name = ("--lime-router", "--lime-router-window") if flags else (
+        "LIMe router", "lime_router_window")
+    if router not in ROUTER_VARIANTS:
+        raise LimeConfigError(f"unknown LIMe router variant {router!r}; choose one of {ROUTER_VARIANTS}")
+    if router in WINDOWED_VARIANTS:
         if window is None or window < 1:
-            raise LimeConfigError(
-                f"LIMe router '{config.lime_router}' needs lime_router_window >= 1, got {window}"
-            )
+            raise LimeConfigError(f"{router_name} {router} needs {window_name} >= 1, got {window}")
     elif window is not None:
         raise LimeConfigError(
-            f"lime_router_window={window} only applies to the {WINDOWED_VARIANTS} routers, "
-            f"not to '{config.lime_router}'"
-        )
+            f"{window_name} {window} only applies to the {'/'.join(WINDOWED_VARIANTS)} routers, not to {router}")
 
 
 def pipeline_layer_split(config: TransformerConfig) -> dict[tuple[int, int | None], range]:

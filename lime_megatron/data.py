@@ -14,7 +14,6 @@ microbatches. Resuming only needs ``c`` (stored in checkpoints). Validation alwa
 
 from __future__ import annotations
 
-import argparse
 import os
 from dataclasses import dataclass, field
 
@@ -25,6 +24,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 
 from lime_megatron.arguments import UsageError, parse_blend
 from lime_megatron.compat import default_device
+from lime_megatron.run_config import NULL_TOKENIZER, DataOptions, RunConfig, TrainingOptions
 from lime_megatron.tokenizer import NO_PAD, build_tokenizer, padded_vocab_size, tokenizer_kwargs
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -37,8 +37,10 @@ class DataError(UsageError):
 
 @dataclass
 class NullTokenizer:
-    """The tokenizer of ``--mock-data``: ``vocab_size`` ids (padded the Megatron way), the last
-    unpadded id is the end-of-document token, no padding token."""
+    """The tokenizer of ``--mock-data`` and ``--tokenizer-type NullTokenizer``: ``vocab_size`` ids
+    (padded the Megatron way), the last unpadded id is the end-of-document token, no padding
+    token. (Megatron-LM's NullTokenizer adds the end-of-document id after the ``--vocab-size``
+    ones; here ``--vocab-size`` counts it, so the vocabulary is exactly the flag's.)"""
 
     unpadded_vocab_size: int
     vocab_size: int
@@ -53,20 +55,20 @@ class NullTokenizer:
                    unique_identifiers={"class": "NullTokenizer", "vocab_size": padded})
 
 
-def tokenizer_of(args: argparse.Namespace):
-    """The run's tokenizer: a :class:`NullTokenizer` for ``--vocab-size N`` (mock data and dry
-    runs only), else
-    the one the tokenizer flags describe (``lime_megatron.tokenizer``).
+def tokenizer_of(options: DataOptions, vocab_size: int | None = None):
+    """The run's tokenizer: a :class:`NullTokenizer` for ``--tokenizer-type NullTokenizer
+    --vocab-size N`` or ``--vocab-size N`` alone (mock data and dry runs), else the one the
+    tokenizer flags describe (``lime_megatron.tokenizer``).
 
     The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` alone (which
     must be divisible by the TP size), not of that times the TP size as in Megatron-LM, so the
     embedding's shape, and with it every checkpoint, does not depend on the layout."""
-    if args.vocab_size is not None:
-        return NullTokenizer.of(args.vocab_size, args.make_vocab_size_divisible_by, 1)
+    if vocab_size is not None or options.tokenizer_type == NULL_TOKENIZER:
+        return NullTokenizer.of(vocab_size, options.make_vocab_size_divisible_by, 1)
     try:
-        return build_tokenizer(**{**tokenizer_kwargs(args), "tensor_model_parallel_size": 1})
+        return build_tokenizer(**{**tokenizer_kwargs(options), "tensor_model_parallel_size": 1})
     except (OSError, ValueError, RuntimeError) as error:  # sentencepiece raises RuntimeError
-        raise DataError(f"cannot build the {args.tokenizer_type} tokenizer: {error}") from None
+        raise DataError(f"cannot build the {options.tokenizer_type} tokenizer: {error}") from None
 
 
 def _blend(tokens):
@@ -84,22 +86,22 @@ def _blend(tokens):
     return prefixes, weights
 
 
-def dataset_config(args: argparse.Namespace, tokenizer) -> GPTDatasetConfig:
-    """``GPTDatasetConfig`` of the run (mock when no blend is given)."""
-    per_split = [_blend(args.train_data_path), _blend(args.valid_data_path),
-                 _blend(args.test_data_path)]
-    blend = _blend(args.data_path)
+def dataset_config(options: DataOptions, seq_length: int, seed: int, tokenizer) -> GPTDatasetConfig:
+    """``GPTDatasetConfig`` of sequences of ``seq_length`` tokens (mock when no blend is given)."""
+    per_split = [_blend(options.train_data_path), _blend(options.valid_data_path),
+                 _blend(options.test_data_path)]
+    blend = _blend(options.data_path)
     return GPTDatasetConfig(
-        random_seed=args.seed,
-        sequence_length=args.seq_length,
+        random_seed=seed,
+        sequence_length=seq_length,
         blend=blend,
         blend_per_split=per_split if any(per_split) else None,
-        split=args.split if blend is not None else None,
-        path_to_cache=args.data_cache_path,
+        split=options.split if blend is not None else None,
+        path_to_cache=options.data_cache_path,
         tokenizer=tokenizer,
         reset_position_ids=False,
         reset_attention_mask=False,
-        eod_mask_loss=args.eod_mask_loss,
+        eod_mask_loss=options.eod_mask_loss,
         create_attention_mask=False,
     )
 
@@ -113,13 +115,14 @@ class Datasets:
     test: GPTDataset | None
 
 
-def build_datasets(args: argparse.Namespace, tokenizer) -> Datasets:
+def build_datasets(run: RunConfig, tokenizer) -> Datasets:
     """Build the splits with megatron's ``BlendedMegatronDatasetBuilder`` (every rank builds
     them; the index cache is written once). Sizes: every training sample of the run, and
     ``--eval-iters`` global batches for validation and test."""
-    config = dataset_config(args, tokenizer)
-    eval_samples = args.eval_iters * args.global_batch_size
-    sizes = [args.train_iters * args.global_batch_size, eval_samples, eval_samples]
+    training = run.training
+    config = dataset_config(run.data, run.model.seq_length, training.seed, tokenizer)
+    eval_samples = run.logging.eval_iters * training.global_batch_size
+    sizes = [training.train_iters * training.global_batch_size, eval_samples, eval_samples]
     dataset_class = MockGPTDataset if config.mock else GPTDataset
     train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
     if train is None:
@@ -127,16 +130,17 @@ def build_datasets(args: argparse.Namespace, tokenizer) -> Datasets:
     return Datasets(train, valid, test)
 
 
-def microbatches(dataset, first_sample: int, args: argparse.Namespace) -> list[dict]:
+def microbatches(dataset, first_sample: int, training: TrainingOptions) -> list[dict]:
     """This data-parallel rank's microbatches of the global batch starting at sample
     ``first_sample``: ``num_microbatches`` dicts of ``BATCH_KEYS`` tensors ``[mbs, seq]``."""
-    share = args.global_batch_size // args.data_parallel_size
+    size = training.micro_batch_size
+    share = training.num_microbatches * size
     start = first_sample + parallel_state.get_data_parallel_rank() * share
     device = default_device()
     batches = []
-    for micro in range(args.num_microbatches):
-        first = start + micro * args.micro_batch_size
-        samples = [dataset[index] for index in range(first, first + args.micro_batch_size)]
+    for micro in range(training.num_microbatches):
+        first = start + micro * size
+        samples = [dataset[index] for index in range(first, first + size)]
         batches.append({key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device)
                         for key in BATCH_KEYS})
     return batches

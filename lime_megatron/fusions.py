@@ -171,6 +171,16 @@ def _wgrad_choice(platform: Platform, te_layers: bool) -> Choice:
     return Choice(True, "TransformerEngine's fused wgrad accumulation (apex GEMM for the output layer)")
 
 
+def replace_config(config, **changes):
+    """``dataclasses.replace`` for a config whose fusions ``FusionChoices.apply`` set: the copy is
+    built with RoPE fusion off (megatron's ``__post_init__`` would import TransformerEngine to
+    check it), then gets the original's value back unless ``changes`` sets it."""
+    rope_fusion = changes.pop("apply_rope_fusion", config.apply_rope_fusion)
+    copy = dataclasses.replace(config, apply_rope_fusion=False, **changes)
+    copy.apply_rope_fusion = rope_fusion
+    return copy
+
+
 def run_platform(dry_run: bool, transformer_impl: str) -> Platform:
     """The platform a run resolves against: this machine, or for a ``--dry-run`` on a machine
     without CUDA the GPU machine the run needs (``Platform.target_gpu``)."""
@@ -178,14 +188,13 @@ def run_platform(dry_run: bool, transformer_impl: str) -> Platform:
     return Platform.target_gpu(transformer_impl) if dry_run and not detected.cuda else detected
 
 
-def run_choices(args) -> FusionChoices:
-    """The fusion choices of the run described by parsed trainer ``args``."""
-    platform = run_platform(args.dry_run, args.transformer_impl)
-    return resolve(platform, args.transformer_impl, args.pipeline_model_parallel_size)
+def run_choices(run) -> FusionChoices:
+    """The fusion choices of the run described by ``run`` (a ``run_config.RunConfig``)."""
+    platform = run_platform(run.dry_run, run.model.transformer_impl)
+    return resolve(platform, run.model.transformer_impl, run.parallel.pipeline_model_parallel_size)
 
 
-def report(args) -> str:
+def report(run) -> str:
     """The ``--dry-run`` section: platform and the choices, one per line."""
-    platform = run_platform(args.dry_run, args.transformer_impl)
-    choices = resolve(platform, args.transformer_impl, args.pipeline_model_parallel_size)
-    return f"fused kernels on {platform.describe()}:\n{choices.describe()}"
+    platform = run_platform(run.dry_run, run.model.transformer_impl)
+    return f"fused kernels on {platform.describe()}:\n{run_choices(run).describe()}"

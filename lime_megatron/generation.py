@@ -27,6 +27,9 @@ import torch
 from lime_megatron.decoding import decode_step, full_logits, kv_cache_context
 from lime_megatron.model import LimeGPTModel
 
+DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
+"""Weight dtypes a checkpoint may be read in, by name (``tools/generate.py --dtype``, lm-eval's ``dtype``)."""
+
 
 @dataclass(frozen=True)
 class SamplingOptions:

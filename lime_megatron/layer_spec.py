@@ -1,8 +1,9 @@
 """Layer specs: megatron's GPT layer specs with LIMe's layer and attention swapped in.
 
-``lime_layer_spec`` starts from megatron-core's own spec for the chosen backend (``local``:
-megatron-only modules, runs on CPU; ``te``: TransformerEngine linear layers, fused attention,
-bf16/FP8 on GPU) and replaces two module classes, so both backends get identical LIMe wiring:
+``lime_layer_spec`` starts from megatron-core's own spec for the chosen ``transformer_impl``
+(megatron's name and values: ``local``: megatron-only modules, runs on CPU;
+``transformer_engine``: TransformerEngine linear layers, fused attention, bf16/FP8 on GPU) and
+replaces two module classes, so both get identical LIMe wiring:
 
 - the layer: ``LimeTransformerLayer`` (binds the pass's memory to its attention),
 - self-attention: ``LimeSelfAttention`` (routes K/V through the memory).
@@ -24,7 +25,7 @@ from lime_megatron.config import LimeTransformerConfig
 from lime_megatron.memory import LayerIntegratedMemory
 from lime_megatron.norm import TorchNorm
 
-BACKENDS = ("local", "te")
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
 
 class LimeTransformerLayer(TransformerLayer):
@@ -44,29 +45,30 @@ class LimeTransformerLayer(TransformerLayer):
             self.self_attention.memory = None
 
 
-def megatron_layer_spec(config: LimeTransformerConfig, backend: str) -> ModuleSpec:
-    """megatron-core's GPT layer spec for ``backend`` (the LLaMA baseline layer).
+def megatron_layer_spec(config: LimeTransformerConfig, transformer_impl: str) -> ModuleSpec:
+    """megatron-core's GPT layer spec for ``transformer_impl`` (the LLaMA baseline layer).
 
-    The local backend's norms are ``TorchNorm`` (megatron's ``WrappedTorchNorm`` refuses
-    sequence parallelism); the TE backend fuses the input norm into its QKV linear layer.
+    The local layer's norms are ``TorchNorm`` (megatron's ``WrappedTorchNorm`` refuses
+    sequence parallelism); TransformerEngine fuses the input norm into its QKV linear layer.
     """
-    if backend == "local":
+    if transformer_impl == "local":
         spec = get_gpt_layer_local_spec(normalization=config.normalization)
         submodules = dataclasses.replace(spec.submodules, input_layernorm=TorchNorm, pre_mlp_layernorm=TorchNorm)
         return dataclasses.replace(spec, submodules=submodules)
-    if backend == "te":
+    if transformer_impl == "transformer_engine":
         # Imported here: TransformerEngine exists on GPU machines only.
         from megatron.core.models.gpt.gpt_layer_specs import (
             get_gpt_layer_with_transformer_engine_spec,
         )
 
         return get_gpt_layer_with_transformer_engine_spec()
-    raise ValueError(f"unknown transformer backend {backend!r}; choose one of {BACKENDS}")
+    raise ValueError(f"unknown transformer_impl {transformer_impl!r}; choose one of {TRANSFORMER_IMPLS}")
 
 
-def lime_layer_spec(config: LimeTransformerConfig, backend: str = "local") -> ModuleSpec:
-    """The layer spec for ``config``: LIMe's layer/attention on megatron's spec for ``backend``."""
-    spec = megatron_layer_spec(config, backend)
+def lime_layer_spec(config: LimeTransformerConfig, transformer_impl: str = "local") -> ModuleSpec:
+    """The layer spec for ``config``: LIMe's layer/attention on megatron's spec for
+    ``transformer_impl``."""
+    spec = megatron_layer_spec(config, transformer_impl)
     if not config.lime:
         return spec
     attention = dataclasses.replace(spec.submodules.self_attention, module=LimeSelfAttention)
@@ -75,13 +77,13 @@ def lime_layer_spec(config: LimeTransformerConfig, backend: str = "local") -> Mo
 
 
 def lime_block_spec(
-    config: LimeTransformerConfig, backend: str = "local", vp_stage: int | None = None
+    config: LimeTransformerConfig, transformer_impl: str = "local", vp_stage: int | None = None
 ) -> TransformerBlockSubmodules:
     """The decoder spec of this pipeline rank's chunk ``vp_stage``: ``lime_layer_spec`` for each
     of its layers and the final norm (``TorchNorm`` locally, TransformerEngine's norm on TE)."""
-    if backend == "te":
+    if transformer_impl == "transformer_engine":
         from megatron.core.extensions.transformer_engine import TENorm as final_norm
     else:
         final_norm = TorchNorm
-    layers = [lime_layer_spec(config, backend)] * get_num_layers_to_build(config, vp_stage=vp_stage)
+    layers = [lime_layer_spec(config, transformer_impl)] * get_num_layers_to_build(config, vp_stage=vp_stage)
     return TransformerBlockSubmodules(layer_specs=layers, layer_norm=final_norm)

@@ -5,21 +5,21 @@ reports (the last one: it holds the last pipeline stage, where the loss is compu
 already averaged over data-parallel ranks). Destinations:
 
 - console: one line every ``--log-interval`` iterations (iteration, loss, learning rates,
-  gradient norm, tokens/s and, on GPU, TFLOP/s per GPU and MFU), and every validation result;
+  gradient norm; with ``--log-throughput`` also tokens/s and, on GPU, TFLOP/s per GPU and MFU),
+  and every validation result;
 - ``--metrics-file PATH``: one JSON object per iteration, appended (a resumed run continues the
   file): ``iteration``, ``lm_loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``, plus
   ``router_lr``, ``tflops_per_gpu``, ``mfu``, ``validation_loss``/``validation_ppl`` when known;
 - TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``; ``--wandb-mode`` or
   ``$WANDB_MODE``: online, offline or disabled): every iteration's scalars.
 
-Model FLOPs per token come from ``lime_megatron.accounting`` (router included); a training
-iteration counts 3x the forward FLOPs (forward + backward, recomputation not counted). MFU is
+Model FLOPs come from ``lime_megatron.flops`` (router included); a training iteration counts 3x
+the forward FLOPs (forward + backward, recomputation not counted). MFU is
 relative to the dense bf16 peak of the GPU (``--gpu-peak-tflops``, or the table below).
 """
 
 from __future__ import annotations
 
-import argparse
 import json
 import math
 import os
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lime_megatron.accounting import forward_flops_per_token
+from lime_megatron.run_config import LoggingOptions
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "B200": 2250.0, "L40S": 362.1}
 """Dense bf16 tensor-core peak (TFLOP/s) by GPU name fragment, for MFU."""
@@ -56,19 +56,13 @@ class IterationMetrics:
                 if value is not None and (key != "skipped" or value)}
 
 
-def training_flops_per_iteration(config, args: argparse.Namespace, vocab_size: int) -> float:
-    """Model FLOPs of one training iteration: 3 x forward FLOPs/token x tokens per iteration."""
-    tokens = args.global_batch_size * args.seq_length
-    return 3.0 * forward_flops_per_token(config, args.seq_length, vocab_size) * tokens
-
-
-def gpu_peak_tflops(args: argparse.Namespace) -> float | None:
-    """Dense bf16 peak of this GPU (``--gpu-peak-tflops`` or by device name); None on CPU or for
-    an unknown GPU."""
+def gpu_peak_tflops(configured: float | None = None) -> float | None:
+    """Dense bf16 peak of this GPU (``configured``: ``--gpu-peak-tflops``, else by device name);
+    None on CPU or for an unknown GPU."""
     if not torch.cuda.is_available():
         return None
-    if args.gpu_peak_tflops:
-        return args.gpu_peak_tflops
+    if configured:
+        return configured
     name = torch.cuda.get_device_name()
     return next((peak for key, peak in PEAK_BF16_TFLOPS.items() if key in name), None)
 
@@ -82,21 +76,24 @@ class MetricsLogger:
     """Sends :class:`IterationMetrics` to the console and the configured sinks (on the
     reporting rank only; other ranks' loggers do nothing)."""
 
-    def __init__(self, args: argparse.Namespace, reporting: bool, name: str):
-        self.args = args
+    def __init__(self, options: LoggingOptions, train_iters: int, reporting: bool, name: str,
+                 run_options: dict | None = None):
+        """``options``: the sinks; ``run_options``: every option of the run, for wandb's config."""
+        self.options = options
+        self.train_iters = train_iters
         self.reporting = reporting
         self._file = self._tensorboard = self._wandb = None
         if not reporting:
             return
-        if args.metrics_file:
-            os.makedirs(os.path.dirname(os.path.abspath(args.metrics_file)), exist_ok=True)
-            self._file = open(args.metrics_file, "a", encoding="utf-8")
-        if args.tensorboard_dir:
+        if options.metrics_file:
+            os.makedirs(os.path.dirname(os.path.abspath(options.metrics_file)), exist_ok=True)
+            self._file = open(options.metrics_file, "a", encoding="utf-8")
+        if options.tensorboard_dir:
             from torch.utils.tensorboard import SummaryWriter
 
-            self._tensorboard = SummaryWriter(log_dir=args.tensorboard_dir)
-        if args.wandb_project:
-            self._wandb = _start_wandb(args, name)
+            self._tensorboard = SummaryWriter(log_dir=options.tensorboard_dir)
+        if options.wandb_project:
+            self._wandb = _start_wandb(options, name, run_options or {})
 
     def log(self, metrics: IterationMetrics) -> None:
         """Record one iteration."""
@@ -112,8 +109,8 @@ class MetricsLogger:
                 self._tensorboard.add_scalar(key, float(value), metrics.iteration)
         if self._wandb is not None:
             self._wandb.log(scalars, step=metrics.iteration)
-        if metrics.iteration % self.args.log_interval == 0:
-            print(console_line(metrics, self.args.train_iters), flush=True)
+        if metrics.iteration % self.options.log_interval == 0:
+            print(console_line(metrics, self.train_iters, self.options.log_throughput), flush=True)
         if metrics.validation_loss is not None:
             print(f" validation at iteration {metrics.iteration}: loss {metrics.validation_loss:.4f}"
                   f" | ppl {metrics.validation_ppl:.3f}", flush=True)
@@ -128,17 +125,20 @@ class MetricsLogger:
             self._wandb.finish()
 
 
-def console_line(metrics: IterationMetrics, train_iters: int) -> str:
-    """The Megatron-style console line of one iteration."""
+def console_line(metrics: IterationMetrics, train_iters: int, throughput: bool = False) -> str:
+    """The Megatron-style console line of one iteration; tokens/s, TFLOP/s per GPU and MFU only
+    with ``throughput`` (``--log-throughput``, as in Megatron-LM)."""
     parts = [f" iteration {metrics.iteration:>7d}/{train_iters:>7d}",
              f"lm loss {metrics.lm_loss:.6E}", f"lr {metrics.lr:.3E}"]
     if metrics.router_lr is not None:
         parts.append(f"router lr {metrics.router_lr:.3E}")
-    parts += [f"grad norm {metrics.grad_norm:.3f}", f"tokens/s {metrics.tokens_per_sec:,.0f}"]
-    if metrics.tflops_per_gpu is not None:
-        parts.append(f"TFLOP/s/GPU {metrics.tflops_per_gpu:.1f}")
-    if metrics.mfu is not None:
-        parts.append(f"MFU {100 * metrics.mfu:.1f}%")
+    parts.append(f"grad norm {metrics.grad_norm:.3f}")
+    if throughput:
+        parts.append(f"tokens/s {metrics.tokens_per_sec:,.0f}")
+        if metrics.tflops_per_gpu is not None:
+            parts.append(f"TFLOP/s/GPU {metrics.tflops_per_gpu:.1f}")
+        if metrics.mfu is not None:
+            parts.append(f"MFU {100 * metrics.mfu:.1f}%")
     if metrics.loss_scale is not None:
         parts.append(f"loss scale {metrics.loss_scale:.1f}")
     if metrics.skipped:
@@ -146,12 +146,12 @@ def console_line(metrics: IterationMetrics, train_iters: int) -> str:
     return " | ".join(parts)
 
 
-def _start_wandb(args: argparse.Namespace, name: str):
+def _start_wandb(options: LoggingOptions, name: str, run_options: dict):
     """A wandb run in ``--wandb-mode`` (default ``$WANDB_MODE``, else online)."""
     import wandb
 
-    mode = args.wandb_mode or os.environ.get("WANDB_MODE", "online")
-    if args.wandb_save_dir:
-        os.makedirs(args.wandb_save_dir, exist_ok=True)
-    return wandb.init(project=args.wandb_project, name=args.wandb_exp_name or name,
-                      dir=args.wandb_save_dir, mode=mode, config=vars(args), resume="allow")
+    mode = options.wandb_mode or os.environ.get("WANDB_MODE", "online")
+    if options.wandb_save_dir:
+        os.makedirs(options.wandb_save_dir, exist_ok=True)
+    return wandb.init(project=options.wandb_project, name=options.wandb_exp_name or name,
+                      dir=options.wandb_save_dir, mode=mode, config=run_options, resume="allow")

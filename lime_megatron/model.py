@@ -92,7 +92,7 @@ def build_model(
     vocab_size: int,
     max_sequence_length: int,
     *,
-    backend: str = "local",
+    transformer_impl: str = "local",
     pre_process: bool = True,
     post_process: bool = True,
     vp_stage: int | None = None,
@@ -101,14 +101,14 @@ def build_model(
 ) -> LimeGPTModel:
     """LIMe (or, with ``config.lime=False``, the LLaMA baseline) as a megatron GPT model.
 
-    ``vocab_size`` is the padded vocabulary; ``backend`` picks the layer spec (``local`` or
-    ``te``).  RoPE positions, no learned absolute embeddings, tied input/output embeddings by
-    default (paper Table 3).  Weights are drawn by ``lime_megatron.initialization`` from
-    ``config.init_seed`` and ``config.init_style``, the same at every parallel layout.
+    ``vocab_size`` is the padded vocabulary; ``transformer_impl`` picks the layer spec (``local``
+    or ``transformer_engine``).  RoPE positions, no learned absolute embeddings, tied input/output
+    embeddings by default (paper Table 3).  Weights are drawn by ``lime_megatron.initialization``
+    from ``config.init_seed`` and ``config.init_style``, the same at every parallel layout.
     """
     model = LimeGPTModel(
         config=config,
-        transformer_layer_spec=lime_block_spec(config, backend, vp_stage),
+        transformer_layer_spec=lime_block_spec(config, transformer_impl, vp_stage),
         vocab_size=vocab_size,
         max_sequence_length=max_sequence_length,
         pre_process=pre_process,

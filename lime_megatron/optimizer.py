@@ -9,6 +9,10 @@ model's 1e-3) and without weight decay. megatron-core builds parameter groups fr
   router follows the main warmup/decay schedule scaled by ``lr_mult = router lr / lr``;
 - ``wd_mult`` = router weight decay / ``--weight-decay`` (0 by default).
 
+Biases and 1-D weights (norms) are not decayed (megatron's rule). ``--weight-decay-grouping
+official`` also spares the word embedding, as the paper's own implementation did (its optimizer
+groups follow minGPT: decay only the weights of linear layers); megatron decays embeddings.
+
 The resume trap: megatron-core 0.16 matches saved and current parameter groups only by
 ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``. A router group that differed from
 the no-weight-decay group (norms, biases) only in ``max_lr`` would collide with it on resume and
@@ -20,6 +24,7 @@ an existing group's, its override is exactly that group's, and megatron merges t
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.optimizer import (
@@ -34,6 +39,9 @@ from megatron.core.utils import get_model_config
 
 from lime_megatron.router import ROUTER_PARAM_ATTR
 
+if TYPE_CHECKING:  # run_config takes the weight-decay groupings from here
+    from lime_megatron.run_config import RunConfig
+
 
 def _is_router(param: torch.nn.Parameter) -> bool:
     return bool(getattr(param, ROUTER_PARAM_ATTR, False))
@@ -47,6 +55,15 @@ NO_WEIGHT_DECAY = ParamKey(
 
 ROUTER = ParamKey(attr=ROUTER_PARAM_ATTR)
 """The LIMe router weights."""
+
+EMBEDDING = ParamKey(name="*embedding.word_embeddings.weight", attr="shared_embedding")
+"""The word embedding, and the last pipeline stage's copy of it when the output layer is tied to
+it (megatron marks both copies ``shared_embedding``; an untied output layer is not included)."""
+
+WEIGHT_DECAY_GROUPINGS = ("megatron", "official")
+"""``--weight-decay-grouping``: ``megatron`` decays every weight but biases and 1-D weights (norms),
+embedding included; ``official`` (the paper's implementation, minGPT's rule) also spares the
+word embedding (and so a tied output layer)."""
 
 
 @dataclass(frozen=True)
@@ -85,10 +102,17 @@ def router_override(config: OptimizerConfig, router: RouterGroup) -> dict:
     return override
 
 
-def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = None) -> dict:
-    """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights,
-    and the LIMe router group (``router`` None: the LLaMA baseline, no routers)."""
+def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = None,
+                          weight_decay_grouping: str = "megatron") -> dict:
+    """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights
+    (and, for the ``official`` grouping, on the word embedding), and the LIMe router group
+    (``router`` None: the LLaMA baseline, no routers)."""
+    if weight_decay_grouping not in WEIGHT_DECAY_GROUPINGS:
+        raise ValueError(f"unknown weight-decay grouping {weight_decay_grouping!r}; choose one of "
+                         f"{WEIGHT_DECAY_GROUPINGS}")
     overrides = {NO_WEIGHT_DECAY: {"wd_mult": 0.0}}
+    if weight_decay_grouping == "official":
+        overrides[EMBEDDING] = {"wd_mult": 0.0}
     if router is not None:
         routed = router_override(config, router)
         if routed:
@@ -96,12 +120,42 @@ def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = 
     return overrides
 
 
-def build_optimizer(model_chunks: list, config: OptimizerConfig,
-                    router: RouterGroup | None = None) -> MegatronOptimizer:
-    """megatron's optimizer over this rank's DDP-wrapped ``model_chunks``; the chunks' schedule
-    scales the loss with it (fp16 loss scaling)."""
-    optimizer = get_megatron_optimizer(config, model_chunks,
-                                       config_overrides=param_group_overrides(config, router))
+def optimizer_config(run: RunConfig) -> OptimizerConfig:
+    """megatron ``OptimizerConfig`` of the run (Adam is AdamW)."""
+    training, precision = run.training, run.precision
+    return OptimizerConfig(
+        optimizer=training.optimizer, lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
+        adam_beta1=training.adam_beta1, adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
+        sgd_momentum=training.sgd_momentum, clip_grad=training.clip_grad, bf16=precision.bf16,
+        fp16=precision.fp16, params_dtype=precision.params_dtype, loss_scale=precision.loss_scale,
+        initial_loss_scale=precision.initial_loss_scale, min_loss_scale=precision.min_loss_scale,
+        loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
+        use_distributed_optimizer=run.parallel.use_distributed_optimizer,
+    )
+
+
+def router_group(run: RunConfig) -> RouterGroup | None:
+    """The LIMe routers' parameter group of the run (None for the LLaMA baseline)."""
+    lime = run.lime
+    return RouterGroup(lime.lime_router_lr, lime.lime_router_weight_decay) if lime.lime else None
+
+
+def lr_schedule(run: RunConfig) -> LRSchedule:
+    """The learning-rate schedule of the run."""
+    training = run.training
+    return LRSchedule(max_lr=training.lr, decay_iters=training.lr_decay_iters, train_iters=training.train_iters,
+                      min_lr=training.min_lr, init_lr=training.lr_warmup_init,
+                      warmup_iters=training.lr_warmup_iters, decay_style=training.lr_decay_style,
+                      weight_decay=training.weight_decay)
+
+
+def build_optimizer(model_chunks: list, config: OptimizerConfig, router: RouterGroup | None = None,
+                    weight_decay_grouping: str = "megatron") -> MegatronOptimizer:
+    """megatron's optimizer over this rank's DDP-wrapped ``model_chunks`` with the parameter
+    groups of :func:`param_group_overrides`; the chunks' schedule scales the loss with it (fp16
+    loss scaling)."""
+    overrides = param_group_overrides(config, router, weight_decay_grouping)
+    optimizer = get_megatron_optimizer(config, model_chunks, config_overrides=overrides)
     get_model_config(model_chunks[0]).grad_scale_func = optimizer.scale_loss
     return optimizer
 

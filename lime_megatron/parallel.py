@@ -1,10 +1,13 @@
-"""Process-group and megatron parallel-state initialisation for entry points, tools and tests."""
+"""Process-group and megatron parallel-state initialisation for entry points, tools and tests,
+and the one place where a run's random generators are seeded."""
 
 from __future__ import annotations
 
 import os
+import random
 import socket
 
+import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
@@ -23,7 +26,8 @@ def initialize_parallel(
     virtual_pipeline_model_parallel_size: int | None = None,
     seed: int = 1234,
 ) -> None:
-    """Initialise torch.distributed and megatron's parallel state (idempotent).
+    """Initialise torch.distributed and megatron's parallel state (idempotent), then seed with
+    :func:`set_random_seed` when the parallel state is new.
 
     Under ``torchrun`` the rank and world size come from the environment; otherwise a world of
     one process is created.  On machines without CUDA, megatron's CPU support is enabled first.
@@ -43,4 +47,15 @@ def initialize_parallel(
             pipeline_model_parallel_size,
             virtual_pipeline_model_parallel_size=virtual_pipeline_model_parallel_size,
         )
-        tensor_parallel.model_parallel_cuda_manual_seed(seed)
+        set_random_seed(seed)
+
+
+def set_random_seed(seed: int) -> None:
+    """Seed python, numpy, torch and megatron's model-parallel RNG tracker as Megatron-LM does:
+    with ``seed + 100 x pipeline rank`` (the tracker adds its own tensor-parallel offsets), so
+    pipeline stages draw different weights and dropout masks. Needs megatron's parallel state."""
+    seed += 100 * parallel_state.get_pipeline_model_parallel_rank()
+    random.seed(seed)
+    np.random.seed(seed)
+    torch.manual_seed(seed)
+    tensor_parallel.model_parallel_cuda_manual_seed(seed)

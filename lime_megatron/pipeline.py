@@ -117,6 +117,15 @@ def hop_blocks(config, chunk: int) -> list[HopBlock]:
     return blocks
 
 
+def chunk_starting_at(config, boundary: int) -> int:
+    """The global chunk whose first layer is ``boundary`` (the first such non-empty chunk)."""
+    chunks = chunk_layers(config)
+    for index, layers in enumerate(chunks):
+        if layers.start == boundary and len(layers):
+            return index
+    raise ValueError(f"no chunk of the pipeline split starts at layer {boundary}")
+
+
 def _heads_and_sequence_factor(config) -> tuple[int, int]:
     """(kv heads per tensor-parallel rank, full sequence length / stage-tensor sequence length)."""
     tp = config.tensor_model_parallel_size
@@ -137,6 +146,17 @@ def hop_elements(config, chunk: int, seq_length: int, micro_batch_size: int) -> 
     hidden = seq_length // factor * micro_batch_size * config.hidden_size
     layers = sum(len(block.layers) for block in hop_blocks(config, chunk))
     return hidden, layers * local_heads * 2 * seq_length * micro_batch_size * config.kv_channels
+
+
+def exact_stage_width(config, boundary: int) -> int:
+    """The hop into the chunk starting at layer ``boundary`` as the last dimension of one
+    ``[s', b, width]`` tensor: hidden size plus its K/V rows spread over the ``[s', b]``
+    positions (for tools that think in stage tensors; the hop itself is several tensors)."""
+    if not getattr(config, "lime", False):
+        return config.hidden_size
+    local_heads, factor = _heads_and_sequence_factor(config)
+    layers = sum(len(block.layers) for block in hop_blocks(config, chunk_starting_at(config, boundary)))
+    return config.hidden_size + layers * local_heads * 2 * config.kv_channels * factor
 
 
 def hop_bytes(config, chunk: int, seq_length: int, micro_batch_size: int, element_size: int) -> int:

@@ -5,28 +5,43 @@ LIMe's attention saves its (routed, rotated) keys and values for backward; with
 ``recompute_in_backward`` those are matched by storage and replaced by a recipe that rebuilds
 them from the layer-integrated memory (``lime_megatron.attention``).  Every other saved tensor
 passes to the saved-tensor hooks active around the block (offloading, memory accounting).
+
+The drop only works when the core attention saves the tensors it was given (or views of them):
+megatron's ``DotProductAttention``, TransformerEngine's cuDNN ``FusedAttention`` in bf16/fp16.
+TransformerEngine's FP8 attention saves FP8 copies and its flash-attn backend saves contiguous
+``bshd`` copies; then nothing is dropped and ``routed_kv_log`` warns once, naming the attention
+and the bytes that stay.  ``routed_kv_log`` also counts, per layer, which routed tensors were
+dropped and rebuilt (``take`` returns and resets the counts: once per step).
+``drops_routed_kv`` is the same decision made ahead of a run, for the memory estimate.
 """
 
 from __future__ import annotations
 
+import logging
+from collections import Counter
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Callable, Iterator
+from dataclasses import dataclass, field
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 
 class Rebuilt:
     """A tensor dropped from autograd's saved tensors, rebuilt once when backward first needs it."""
 
-    def __init__(self, build: Callable[[], torch.Tensor]):
-        self._build = build
+    def __init__(self, build: Callable[[], torch.Tensor], on_build: Callable[[], None] | None = None):
+        self._build, self._on_build = build, on_build
         self._value: torch.Tensor | None = None
 
     def value(self) -> torch.Tensor:
-        """The rebuilt tensor (built on the first call, without autograd)."""
+        """The rebuilt tensor (built on the first call, without autograd; ``on_build`` is told)."""
         if self._value is None:
             with torch.no_grad():
                 self._value = self._build()
+            if self._on_build is not None:
+                self._on_build()
         return self._value
 
 
@@ -47,20 +62,46 @@ def _outer_saved_tensor_hooks():
     return torch._C._autograd._top_saved_tensors_default_hooks(False)
 
 
+@dataclass
+class Drops:
+    """What one ``recompute_in_backward`` block dropped: the names of the ``watched`` tensors
+    whose saved views were dropped, and of those saved in no dropped view (a copy was kept)."""
+
+    dropped: list[str] = field(default_factory=list)
+    kept: list[str] = field(default_factory=list)
+    kept_bytes: int = 0
+
+
+def _address(tensor: torch.Tensor) -> tuple[int, int]:
+    """(storage address, first element's address) of ``tensor``."""
+    return tensor.untyped_storage().data_ptr(), tensor.data_ptr()
+
+
+def _overlaps(saved: tuple[int, int], tensor: torch.Tensor) -> bool:
+    """True when a saved view at address ``saved`` starts inside ``tensor``'s bytes."""
+    storage, start = _address(tensor)
+    return saved[0] == storage and start <= saved[1] < start + max(tensor.nbytes, 1)
+
+
 @contextmanager
-def recompute_in_backward(rebuilds: dict[torch.Tensor, Rebuilt]) -> Iterator[None]:
+def recompute_in_backward(rebuilds: dict[torch.Tensor, Rebuilt],
+                          watched: dict[str, torch.Tensor] | None = None) -> Iterator[Drops]:
     """Within the block, tensors saved for backward that are views of a key of ``rebuilds`` are
     not kept: backward rebuilds them through the paired ``Rebuilt`` instead.
 
     Each rebuild must produce a tensor with the same layout as its key.  All other saved tensors
-    pass to the enclosing saved-tensor hooks, if any.
+    pass to the enclosing saved-tensor hooks, if any.  Yields a ``Drops`` filled in at the end
+    of the block: which of the ``watched`` tensors (name -> tensor within a rebuilt storage)
+    were dropped, and which were saved only as copies.
     """
     by_storage = {tensor.untyped_storage().data_ptr(): rebuilt for tensor, rebuilt in rebuilds.items()}
     outer = _outer_saved_tensor_hooks()
+    dropped_views: list[tuple[int, int]] = []
 
     def pack(tensor: torch.Tensor):
         source = by_storage.get(tensor.untyped_storage().data_ptr())
         if source is not None:
+            dropped_views.append(_address(tensor))
             return _SavedView(source, tensor)
         return outer[0](tensor) if outer else tensor
 
@@ -69,5 +110,95 @@ def recompute_in_backward(rebuilds: dict[torch.Tensor, Rebuilt]) -> Iterator[Non
             return packed.unpack()
         return outer[1](packed) if outer else packed
 
+    drops = Drops()
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-        yield
+        yield drops
+    for name, tensor in (watched or {}).items():
+        if any(_overlaps(view, tensor) for view in dropped_views):
+            drops.dropped.append(name)
+        else:
+            drops.kept.append(name)
+            drops.kept_bytes += tensor.nbytes
+
+
+@dataclass
+class LayerDrops:
+    """One layer's counts since the last ``RoutedKVLog.take``: routed tensors dropped from
+    attention's saved tensors, kept as copies, and rebuilt in backward (by name)."""
+
+    dropped: Counter = field(default_factory=Counter)
+    kept: Counter = field(default_factory=Counter)
+    rebuilt: Counter = field(default_factory=Counter)
+
+
+class RoutedKVLog:
+    """Per layer: which routed keys/values LIMe's attention dropped and rebuilt.
+
+    The first time a core attention keeps copies instead (nothing dropped), one warning names
+    the attention implementation and the bytes that stay per layer and microbatch.
+    """
+
+    def __init__(self):
+        self._layers: dict[int, LayerDrops] = {}
+        self.warned = False
+
+    def _layer(self, layer: int) -> LayerDrops:
+        return self._layers.setdefault(layer, LayerDrops())
+
+    def record(self, layer: int, drops: Drops, attention: str) -> None:
+        """Count one forward of ``layer`` whose core attention is ``attention`` (its name)."""
+        counts = self._layer(layer)
+        counts.dropped.update(drops.dropped)
+        counts.kept.update(drops.kept)
+        if drops.kept and not self.warned:
+            self.warned = True
+            logger.warning(
+                "LIMe: the core attention %s saved its own copies of the routed %s instead of the "
+                "routed tensors, so they are not dropped from autograd's saved tensors: %s bytes per "
+                "layer and microbatch stay saved beside the layer-integrated memory (layer %d). "
+                "TransformerEngine: use the cuDNN fused attention (NVTE_FLASH_ATTN=0) without FP8 "
+                "dot-product attention, or turn lime_recompute_routed_kv off (it saves nothing here).",
+                attention, " and ".join(drops.kept), f"{drops.kept_bytes:,}", layer)
+
+    @contextmanager
+    def recording(self, layer: int, attention: str, block) -> Iterator[None]:
+        """Run the ``recompute_in_backward`` context ``block`` and ``record`` its drops."""
+        with block as drops:
+            yield
+        self.record(layer, drops, attention)
+
+    def rebuilt(self, layer: int, name: str) -> Callable[[], None]:
+        """A callback counting one rebuild of ``name`` in ``layer`` (for ``Rebuilt.on_build``)."""
+        return lambda: self._layer(layer).rebuilt.update([name])
+
+    def take(self) -> dict[int, LayerDrops]:
+        """The counts per layer since the last call (one training step), then reset."""
+        layers, self._layers = self._layers, {}
+        return dict(sorted(layers.items()))
+
+
+def describe(counts: dict[int, LayerDrops]) -> str:
+    """One line of ``RoutedKVLog.take``'s counts: layers that dropped/kept, rebuilds by name."""
+    dropped = sum(1 for drops in counts.values() if drops.dropped and not drops.kept)
+    kept = sorted(layer for layer, drops in counts.items() if drops.kept)
+    rebuilt = sum((drops.rebuilt for drops in counts.values()), Counter())
+    line = (f"LIMe routed K/V: dropped from the saved tensors in {dropped}/{len(counts)} layers, rebuilt in backward: "
+            + (", ".join(f"{count} {name}" for name, count in sorted(rebuilt.items())) or "none"))
+    return line + (f"; copies kept in layers {kept}" if kept else "")
+
+
+routed_kv_log = RoutedKVLog()
+"""The process's log of LIMe's routed-K/V drops (every ``LimeSelfAttention`` records here)."""
+
+
+def drops_routed_kv(config, transformer_impl: str) -> bool:
+    """Whether LIMe's attention drops the routed keys/values from its saved tensors under
+    ``config`` (the decision the memory estimate uses): with ``lime_recompute_routed_kv``,
+    unless the core attention saves copies: megatron's local attention repeats GQA keys/values
+    to the query heads; TransformerEngine's FP8 dot-product attention saves FP8 copies (its
+    cuDNN fused attention in bf16/fp16 saves the tensors given)."""
+    if not (config.lime and config.lime_recompute_routed_kv):
+        return False
+    if transformer_impl == "local":
+        return config.num_attention_heads == config.kv_heads
+    return not (config.fp8 and config.fp8_dot_product_attention)

@@ -20,6 +20,7 @@ the last source, so the identity initialisation of the paper sets the last ``kv_
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 
 import torch
 from megatron.core import parallel_state
@@ -71,18 +72,28 @@ def routing_consumers(
     return layer, num_layers
 
 
+def router_source_count(config: LimeTransformerConfig, layers: Iterable[int] | None = None) -> int:
+    """Routing sources summed over the routed layers among ``layers`` (default: the whole model).
+
+    Layer 0 has no router (its routing matrix is the fixed identity) and the baseline none at
+    all; every other layer l mixes ``len(routing_sources(l, ...))`` source layers.  Router
+    parameters and router FLOPs are both proportional to this count.
+    """
+    if not config.lime:
+        return 0
+    layers = range(config.num_layers) if layers is None else layers
+    return sum(len(routing_sources(layer, config.lime_router, config.lime_router_window))
+               for layer in layers if layer > 0)
+
+
 def router_parameter_count(config: LimeTransformerConfig) -> int:
     """Number of learned router weights of the whole model (0 for ``average`` and the baseline).
 
-    For ``full`` this is kv_heads^2 * (L(L+1)/2 - 1).
+    kv_heads^2 per source of every routed layer: for ``full`` kv_heads^2 * (L(L+1)/2 - 1).
     """
-    if not config.lime or config.lime_router == "average":
+    if config.lime_router == "average":
         return 0
-    per_layer = (
-        len(routing_sources(layer, config.lime_router, config.lime_router_window))
-        for layer in range(1, config.num_layers)
-    )
-    return config.kv_heads**2 * sum(per_layer)
+    return config.kv_heads**2 * router_source_count(config)
 
 
 def init_router_weight(weight: torch.Tensor, kv_heads: int) -> torch.Tensor:

@@ -1,20 +1,23 @@
 """The training loop of ``pretrain_lime.py``: megatron-core building blocks, composed.
 
 megatron-core's pip package ships the pieces of a trainer but not Megatron-LM's loop; this module
-is that loop, kept short:
+is that loop, kept short. ``train(argv)`` parses the flags into a typed
+``lime_megatron.run_config.RunConfig`` and then:
 
-1. ``torch.distributed`` and megatron's parallel state (``lime_megatron.parallel``), seeds;
-2. the tokenizer and datasets (``lime_megatron.data``), checked before any model is built;
-3. one LIMe/LLaMA chunk per virtual pipeline stage (``lime_megatron.model.build_model``), in
-   ``Float16Module`` for bf16/fp16, wrapped in megatron's ``DistributedDataParallel``;
-4. ``get_megatron_optimizer`` with the router group and the LR schedule
-   (``lime_megatron.optimizer``);
-5. resume from ``--load`` (``lime_megatron.checkpointing``);
-6. per iteration: this rank's microbatches, megatron's forward-backward schedule (no pipelining,
-   1F1B or interleaved; LIMe's stage tensors through ``pipeline.schedule_arguments``), the
-   optimizer step (gradient clipping, loss scaling), one scheduler step, metrics, validation
-   every ``--eval-interval``, checkpoints every ``--save-interval``, at the end and when SIGTERM or
-   SIGINT arrives (the signal is noticed at the next iteration boundary on every rank).
+1. ``torch.distributed`` and megatron's parallel state, seeded (``lime_megatron.parallel``);
+2. :func:`build_trainer`: the tokenizer and datasets (``lime_megatron.data``), checked before any
+   model is built; one LIMe/LLaMA chunk per virtual pipeline stage (:func:`build_model_chunks`,
+   ``Float16Module`` for bf16/fp16, megatron's ``DistributedDataParallel``); megatron's optimizer
+   with the router group and the LR schedule (``lime_megatron.optimizer``); resume from
+   ``--load`` (``lime_megatron.checkpointing``). All of it is held by one :class:`Trainer`;
+3. the loop, one named step after the other: :func:`_step` (this rank's microbatches, megatron's
+   forward-backward schedule through :func:`train_step`, the optimizer and scheduler step),
+   :func:`_maybe_evaluate` (every ``--eval-interval``), :func:`_record` (metrics sinks),
+   :func:`_maybe_save` (every ``--save-interval`` and at the end), stop on SIGTERM/SIGINT (noticed
+   at the next iteration boundary on every rank, saved first).
+
+:func:`build_model_chunks`, :func:`forward_backward`, :func:`train_step` and :func:`run_schedule`
+take explicit parameters: the parallel-exactness tests build and train their models with them.
 
 ``main(argv)`` returns an exit status and prints one line per usage error; ``train(argv)`` raises
 instead and returns a :class:`TrainingResult` (tests call it in-process).
@@ -22,41 +25,49 @@ instead and returns a :class:`TrainingResult` (tests call it in-process).
 
 from __future__ import annotations
 
-import argparse
 import contextlib
 import math
 import os
-import random
 import signal
 import sys
 import time
 from dataclasses import dataclass, field
 from functools import partial
+from typing import Any
 
 import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
-from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig
-from megatron.core.distributed import finalize_model_grads
+from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
+from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config, unwrap_model
 
-from lime_megatron import arguments, checkpointing, data, estimate, fusions
+from lime_megatron import arguments, checkpointing, data, estimate, flops, fusions, recompute
 from lime_megatron.arguments import UsageError
 from lime_megatron.compat import default_device
-from lime_megatron.config import LimeConfigError
+from lime_megatron.config import LimeConfigError, LimeTransformerConfig
 from lime_megatron.metrics import (
     IterationMetrics,
     MetricsLogger,
     gpu_peak_tflops,
     perplexity,
-    training_flops_per_iteration,
 )
 from lime_megatron.model import build_model
-from lime_megatron.optimizer import build_optimizer, build_scheduler, group_learning_rates
+from lime_megatron.optimizer import (
+    build_optimizer,
+    build_scheduler,
+    group_learning_rates,
+    lr_schedule,
+    optimizer_config,
+    router_group,
+)
 from lime_megatron.parallel import initialize_parallel
 from lime_megatron.pipeline import schedule_arguments
+from lime_megatron.profiling import IterationProfiler
+from lime_megatron.run_config import RunConfig, TrainingOptions
 
 
 @dataclass
@@ -79,6 +90,8 @@ class TrainingResult:
     """Name of the signal that stopped the run, if any."""
     parameters: int = 0
     router_parameters: int = 0
+    dry_run_report: str | None = None
+    """The estimate report of a ``--dry-run`` (which trains nothing)."""
 
 
 # --------------------------------------------------------------------------- entry points
@@ -94,43 +107,43 @@ def main(argv=None) -> int:
     return 0
 
 
-def train(argv=None) -> TrainingResult | str:
-    """Parse ``argv`` and train (or, with ``--dry-run``, return the estimate report)."""
-    args = arguments.parse_args(argv)
-    if args.dry_run:
-        report = dry_run_report(args)
+def train(argv=None) -> TrainingResult:
+    """Parse ``argv`` and train; with ``--dry-run`` print the estimate report instead (it is
+    the result's ``dry_run_report``)."""
+    run = arguments.parse_run(argv)
+    if run.dry_run:
+        report = dry_run_report(run)
         print(report, flush=True)
-        return report
-    with distributed(args):
-        return pretrain(args)
+        return TrainingResult(dry_run_report=report)
+    with distributed(run):
+        return pretrain(run)
 
 
-def dry_run_report(args: argparse.Namespace) -> str:
+def dry_run_report(run: RunConfig) -> str:
     """``lime_megatron.estimate``'s report for the requested model and layout (one process, no
     ``torch.distributed``)."""
-    config = arguments.transformer_config(args)
-    return fusions.report(args) + "\n" + estimate.dry_run_report(
-        config, vocab_size=data.tokenizer_of(args).vocab_size, seq_length=args.seq_length,
-        micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
-        transformer_impl=args.transformer_impl,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights)
+    config = arguments.transformer_config(run)
+    step_time = run.step_time
+    return fusions.report(run) + "\n" + estimate.dry_run_report(
+        config, vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
+        seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size,
+        num_microbatches=run.training.num_microbatches, transformer_impl=run.model.transformer_impl,
+        share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
+        compute_tflops=step_time.compute_tflops, link_bandwidth_gbps=step_time.link_bandwidth_gbps,
+        link_latency_us=step_time.link_latency_us)
 
 
 @contextlib.contextmanager
-def distributed(args: argparse.Namespace):
+def distributed(run: RunConfig):
     """torch.distributed (created if needed, then destroyed) and megatron's parallel state for
-    the run's layout, seeded as Megatron-LM does (seed + 100 x pipeline rank)."""
+    the run's layout, seeded (``lime_megatron.parallel.set_random_seed``)."""
     created = not torch.distributed.is_initialized()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     parallel_state.destroy_model_parallel()
-    initialize_parallel(args.tensor_model_parallel_size, args.pipeline_model_parallel_size,
-                        args.virtual_pipeline_size, seed=args.seed)
-    seed = args.seed + 100 * parallel_state.get_pipeline_model_parallel_rank()
-    random.seed(seed)
-    np.random.seed(seed)
-    torch.manual_seed(seed)
-    tensor_parallel.model_parallel_cuda_manual_seed(seed)
+    layout = run.parallel
+    initialize_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
+                        layout.virtual_pipeline_size, seed=run.training.seed)
     try:
         yield
     finally:
@@ -156,7 +169,7 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
     for vp_stage in range(vpp) if vpp else [None]:
         chunk = build_model(
             config, vocab_size, max_sequence_length,
-            backend="te" if transformer_impl == "transformer_engine" else "local",
+            transformer_impl=transformer_impl,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
@@ -266,18 +279,18 @@ def train_step(model: list, optimizer, scheduler, batches: list) -> tuple[float,
     return (loss, *optimizer_step(optimizer, scheduler))
 
 
-def evaluate(args, model, config, dataset) -> float:
-    """Mean loss per token over the first ``--eval-iters`` global batches of ``dataset``."""
+def evaluate(model: list, dataset, eval_iters: int, training: TrainingOptions) -> float:
+    """Mean loss per token over the first ``eval_iters`` global batches of ``dataset``."""
     for chunk in model:
         chunk.eval()
     total = 0.0
     with torch.no_grad():
-        for index in range(args.eval_iters):
-            batches = data.microbatches(dataset, index * args.global_batch_size, args)
+        for index in range(eval_iters):
+            batches = data.microbatches(dataset, index * training.global_batch_size, training)
             total += run_schedule(model, batches, forward_only=True)
     for chunk in model:
         chunk.train()
-    return total / args.eval_iters
+    return total / eval_iters
 
 
 # --------------------------------------------------------------------------- signals
@@ -312,7 +325,30 @@ class StopSignals:
         return signal.Signals(int(flag)).name if int(flag) else None
 
 
-# --------------------------------------------------------------------------- the loop
+# --------------------------------------------------------------------------- the trainer
+
+
+@dataclass
+class Trainer:
+    """Everything a run holds while it trains."""
+
+    run: RunConfig
+    config: LimeTransformerConfig
+    tokenizer: Any
+    datasets: data.Datasets
+    model: list
+    """This rank's DDP-wrapped model chunks."""
+    optimizer: MegatronOptimizer
+    scheduler: OptimizerParamScheduler
+    metrics: MetricsLogger
+    profiler: IterationProfiler
+    progress: checkpointing.TrainingState
+    """Completed iterations and consumed samples."""
+    description: dict
+    """What checkpoints record about the run (``checkpointing.run_description``)."""
+    result: TrainingResult
+    flops_per_iteration: float
+    peak_tflops: float | None
 
 
 def _print0(*parts) -> None:
@@ -320,19 +356,48 @@ def _print0(*parts) -> None:
         print(*parts, flush=True)
 
 
-def _resume(args, model, optimizer, scheduler, run: dict, result: TrainingResult):
-    """Load ``--load`` if it holds a checkpoint; the training state to start from."""
-    if args.load is None:
+def build_trainer(run: RunConfig) -> Trainer:
+    """Tokenizer, datasets, model, optimizer, scheduler and metrics of ``run``, resumed from
+    ``--load`` when it holds a checkpoint (inside an initialised :func:`distributed`)."""
+    config = arguments.transformer_config(run)
+    tokenizer = data.tokenizer_of(run.data, run.model.vocab_size)
+    datasets = data.build_datasets(run, tokenizer)
+    model = build_model_chunks(
+        config, tokenizer.vocab_size, run.model.max_sequence_length, transformer_impl=run.model.transformer_impl,
+        share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
+        rotary_base=run.model.rotary_base, use_distributed_optimizer=run.parallel.use_distributed_optimizer)
+    optimizer = build_optimizer(model, optimizer_config(run), router_group(run), run.training.weight_decay_grouping)
+    scheduler = build_scheduler(optimizer, lr_schedule(run))
+    result = TrainingResult()
+    result.parameters, result.router_parameters = count_parameters(model)
+    reporting = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
+    trainer = Trainer(
+        run=run, config=config, tokenizer=tokenizer, datasets=datasets, model=model, optimizer=optimizer,
+        scheduler=scheduler, progress=checkpointing.TrainingState(),
+        metrics=MetricsLogger(run.logging, run.training.train_iters, reporting, run.name, run.as_flat_dict()),
+        profiler=IterationProfiler(run.logging, torch.distributed.get_rank()),
+        description=checkpointing.run_description(run, config, tokenizer), result=result,
+        flops_per_iteration=flops.training_flops_per_iteration(
+            config, run.model.seq_length, tokenizer.vocab_size, run.training.global_batch_size),
+        peak_tflops=gpu_peak_tflops(run.logging.gpu_peak_tflops))
+    trainer.progress = _resume(trainer)
+    return trainer
+
+
+def _resume(trainer: Trainer) -> checkpointing.TrainingState:
+    """Load ``--load`` if it holds a checkpoint; the progress to start from."""
+    options, result = trainer.run.checkpointing, trainer.result
+    if options.load is None:
         return checkpointing.TrainingState()
     outcome = checkpointing.load_checkpoint(
-        args.load, model, optimizer, scheduler, run, load_optim=not args.no_load_optim,
-        load_rng=not args.no_load_rng)
+        options.load, trainer.model, trainer.optimizer, trainer.scheduler, trainer.description,
+        load_optim=not options.no_load_optim, load_rng=not options.no_load_rng)
     if outcome is None:
-        same_as_save = args.save is not None and os.path.abspath(args.save) == os.path.abspath(args.load)
-        if args.exit_on_missing_checkpoint or not same_as_save:
+        same_as_save = options.save is not None and os.path.abspath(options.save) == os.path.abspath(options.load)
+        if options.exit_on_missing_checkpoint or not same_as_save:
             raise checkpointing.CheckpointError(
-                f"no checkpoint in --load {args.load} (no {checkpointing.TRACKER} there)")
-        _print0(f"no checkpoint in {args.load} yet: training from scratch")
+                f"no checkpoint in --load {options.load} (no {checkpointing.TRACKER} there)")
+        _print0(f"no checkpoint in {options.load} yet: training from scratch")
         return checkpointing.TrainingState()
     result.resumed_from = outcome.directory
     notes = [] if outcome.rng_restored else ["RNG states not restored (layout changed or --no-load-rng)"]
@@ -343,88 +408,111 @@ def _resume(args, model, optimizer, scheduler, run: dict, result: TrainingResult
     return outcome.state
 
 
-def pretrain(args: argparse.Namespace) -> TrainingResult:
-    """Train as ``args`` say, inside an initialised :func:`distributed` context."""
-    config = arguments.transformer_config(args)
-    tokenizer = data.tokenizer_of(args)
-    datasets = data.build_datasets(args, tokenizer)
-    model = build_model_chunks(
-        config, tokenizer.vocab_size, args.max_position_embeddings or args.seq_length,
-        transformer_impl=args.transformer_impl,
-        share_embeddings_and_output_weights=not args.untie_embeddings_and_output_weights,
-        rotary_base=args.rotary_base, use_distributed_optimizer=args.use_distributed_optimizer)
-    optimizer = build_optimizer(model, arguments.optimizer_config(args), arguments.router_group(args))
-    scheduler = build_scheduler(optimizer, arguments.lr_schedule(args))
-    run = checkpointing.run_description(args, config, tokenizer)
-    result = TrainingResult()
-    result.parameters, result.router_parameters = count_parameters(model)
-    state = _resume(args, model, optimizer, scheduler, run, result)
-    name = "LIMe" if args.lime else "LLaMA"
-    _print0(f"{name}: {result.parameters:,} parameters ({result.router_parameters:,} router), "
-            f"layout {run['layout']}, {args.num_microbatches} microbatches of {args.micro_batch_size}"
-            f" x {args.seq_length} tokens per data-parallel rank, vocabulary {tokenizer.vocab_size}")
-    reporting = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
-    metrics = MetricsLogger(args, reporting, name)
+def pretrain(run: RunConfig) -> TrainingResult:
+    """Train as ``run`` says, inside an initialised :func:`distributed` context."""
+    trainer = build_trainer(run)
+    training, result = run.training, trainer.result
+    _print0(f"{run.name}: {result.parameters:,} parameters ({result.router_parameters:,} router), "
+            f"layout {trainer.description['layout']}, {training.num_microbatches} microbatches of "
+            f"{training.micro_batch_size} x {run.model.seq_length} tokens per data-parallel rank, "
+            f"vocabulary {trainer.tokenizer.vocab_size}")
     try:
-        with StopSignals() as signals:
-            _loop(args, model, optimizer, scheduler, config, datasets, tokenizer, run, state,
-                  metrics, signals, result)
-        if datasets.test is not None and args.eval_iters:
-            result.test_loss = evaluate(args, model, config, datasets.test)
+        with StopSignals() as signals, trainer.profiler:
+            _loop(trainer, signals)
+        if trainer.datasets.test is not None and run.logging.eval_iters:
+            result.test_loss = evaluate(trainer.model, trainer.datasets.test, run.logging.eval_iters, training)
     finally:
-        metrics.close()
-    _summary(args, name, result)
+        trainer.metrics.close()
+    _summary(run.name, result)
     return result
 
 
-def _loop(args, model, optimizer, scheduler, config, datasets, tokenizer, run, state, metrics,
-          signals, result) -> None:
-    flops = training_flops_per_iteration(config, args, tokenizer.vocab_size)
-    peak = gpu_peak_tflops(args)
-    tokens = args.global_batch_size * args.seq_length
-    last = min(args.train_iters, args.exit_interval or args.train_iters)
-    while state.iteration < last:
-        start = time.perf_counter()
-        batches = data.microbatches(datasets.train, state.consumed_samples, args)
-        loss, grad_norm, skipped = train_step(model, optimizer, scheduler, batches)
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - start
-        state.iteration += 1
-        state.consumed_samples += args.global_batch_size
-        rates = group_learning_rates(optimizer, args.lr)
-        record = IterationMetrics(
-            iteration=state.iteration, lm_loss=loss, lr=rates["lr"], grad_norm=grad_norm,
-            tokens_per_sec=tokens / seconds, router_lr=rates.get("router_lr"), skipped=skipped)
-        if torch.cuda.is_available():
-            record.tflops_per_gpu = flops / seconds / torch.distributed.get_world_size() / 1e12
-            record.mfu = record.tflops_per_gpu / peak if peak else None
-            record.loss_scale = optimizer.get_loss_scale().item() if args.fp16 else None
+# --------------------------------------------------------------------------- the loop
+
+
+def _loop(trainer: Trainer, signals: StopSignals) -> None:
+    """Step, record, maybe evaluate, maybe save, until the last iteration or a stop signal."""
+    last = trainer.run.training.last_iteration
+    while trainer.progress.iteration < last:
+        record = _step(trainer)
         stop = signals.received()
-        if datasets.valid is not None and args.eval_iters and (
-                state.iteration % args.eval_interval == 0 or state.iteration == last or stop):
-            record.validation_loss = evaluate(args, model, config, datasets.valid)
-            record.validation_ppl = perplexity(record.validation_loss)
-            result.validation[state.iteration] = record.validation_loss
-        metrics.log(record)
-        result.losses[state.iteration] = loss
-        result.tokens_per_sec.append(record.tokens_per_sec)
-        result.iteration = state.iteration
-        due = args.save_interval and state.iteration % args.save_interval == 0
-        if args.save and (due or stop or state.iteration == last):
-            saved = checkpointing.save_checkpoint(args.save, model, optimizer, scheduler, state, run,
-                                                  keep_last=args.ckpt_keep_last)
-            result.checkpoint = saved or result.checkpoint
-            if saved:
-                _print0(f" saved checkpoint {saved}")
+        _maybe_evaluate(trainer, record, final=stop is not None or trainer.progress.iteration == last)
+        _record(trainer, record)
+        _maybe_save(trainer, final=stop is not None or trainer.progress.iteration == last)
         if stop:
-            result.stopped_by = stop
-            _print0(f"{stop} received: stopped after iteration {state.iteration}"
-                    + (" (checkpoint saved)" if args.save else " (no --save: nothing saved)"))
+            _stop(trainer, stop)
             return
 
 
-def _summary(args, name: str, result: TrainingResult) -> None:
+def _step(trainer: Trainer) -> IterationMetrics:
+    """One training iteration on the next global batch; its metrics."""
+    training, progress = trainer.run.training, trainer.progress
+    start = time.perf_counter()
+    batches = data.microbatches(trainer.datasets.train, progress.consumed_samples, training)
+    with trainer.profiler.iteration(progress.iteration + 1):
+        loss, grad_norm, skipped = train_step(trainer.model, trainer.optimizer, trainer.scheduler, batches)
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    progress.iteration += 1
+    progress.consumed_samples += training.global_batch_size
+    routed_kv = recompute.routed_kv_log.take()  # counts per step; the first step's are printed
+    if progress.iteration == 1 and routed_kv:
+        _print0(recompute.describe(routed_kv))
+    rates = group_learning_rates(trainer.optimizer, training.lr)
+    record = IterationMetrics(
+        iteration=progress.iteration, lm_loss=loss, lr=rates["lr"], grad_norm=grad_norm,
+        tokens_per_sec=training.global_batch_size * trainer.run.model.seq_length / seconds,
+        router_lr=rates.get("router_lr"), skipped=skipped)
+    if torch.cuda.is_available():
+        record.tflops_per_gpu = trainer.flops_per_iteration / seconds / torch.distributed.get_world_size() / 1e12
+        record.mfu = record.tflops_per_gpu / trainer.peak_tflops if trainer.peak_tflops else None
+        record.loss_scale = trainer.optimizer.get_loss_scale().item() if trainer.run.precision.fp16 else None
+    return record
+
+
+def _maybe_evaluate(trainer: Trainer, record: IterationMetrics, final: bool) -> None:
+    """Validation every ``--eval-interval`` iterations and at the end of the run."""
+    logging, iteration = trainer.run.logging, trainer.progress.iteration
+    if trainer.datasets.valid is None or not logging.eval_iters:
+        return
+    if iteration % logging.eval_interval and not final:
+        return
+    record.validation_loss = evaluate(trainer.model, trainer.datasets.valid, logging.eval_iters,
+                                      trainer.run.training)
+    record.validation_ppl = perplexity(record.validation_loss)
+    trainer.result.validation[iteration] = record.validation_loss
+
+
+def _record(trainer: Trainer, record: IterationMetrics) -> None:
+    """Send the iteration's metrics to the sinks and keep them in the result."""
+    trainer.metrics.log(record)
+    result = trainer.result
+    result.losses[record.iteration] = record.lm_loss
+    result.tokens_per_sec.append(record.tokens_per_sec)
+    result.iteration = record.iteration
+
+
+def _maybe_save(trainer: Trainer, final: bool) -> None:
+    """A checkpoint every ``--save-interval`` iterations and at the end of the run."""
+    options, progress = trainer.run.checkpointing, trainer.progress
+    due = options.save_interval and progress.iteration % options.save_interval == 0
+    if not options.save or not (due or final):
+        return
+    saved = checkpointing.save_checkpoint(options.save, trainer.model, trainer.optimizer, trainer.scheduler,
+                                          progress, trainer.description, keep_last=options.ckpt_keep_last)
+    trainer.result.checkpoint = saved or trainer.result.checkpoint
+    if saved:
+        _print0(f" saved checkpoint {saved}")
+
+
+def _stop(trainer: Trainer, signal_name: str) -> None:
+    trainer.result.stopped_by = signal_name
+    _print0(f"{signal_name} received: stopped after iteration {trainer.progress.iteration}"
+            + (" (checkpoint saved)" if trainer.run.checkpointing.save else " (no --save: nothing saved)"))
+
+
+def _summary(name: str, result: TrainingResult) -> None:
     if not result.losses:
         _print0(f"{name}: nothing to train (already at iteration {result.iteration})")
         return

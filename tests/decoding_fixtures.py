@@ -39,3 +39,23 @@ def char_tokenizer(directory: Path) -> HuggingFaceTokenizer:
     path = directory / "tokenizer.json"
     path.write_text(json.dumps(spec))
     return HuggingFaceTokenizer(str(path), divisible_by=32)
+
+
+TINY_RUN = ("--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 "
+            "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data --train-iters 1 "
+            "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 32").split()
+
+
+def tiny_checkpoint(root: Path, *extra: str) -> tuple[str, HuggingFaceTokenizer]:
+    """A weights-only checkpoint of a freshly initialised tiny model (the trainer's options
+    ``TINY_RUN`` plus ``extra``, the character tokenizer) under ``root``; returns its directory."""
+    from lime_megatron import arguments, checkpointing
+    from lime_megatron.checkpoint_model import save_model
+    from lime_megatron.model import build_model
+
+    tokenizer = char_tokenizer(root / "tokenizer")
+    args = arguments.parse_args([*TINY_RUN, "--tokenizer-model", str(root / "tokenizer"), *extra])
+    config = arguments.transformer_config(args)
+    run = checkpointing.run_description(args, config, tokenizer)
+    model = build_model(config, tokenizer.vocab_size, args.seq_length, rotary_base=args.rotary_base)
+    return save_model(model, run, str(root / "checkpoint")), tokenizer

@@ -208,10 +208,12 @@ class Layout:
 
 
 def initialize_layout(layout: Layout, seed: int = 1234) -> int:
-    """(Re)initialise megatron's parallel state for ``layout`` on the current world and seed
-    megatron's RNG tracker; returns the data-parallel size."""
+    """(Re)initialise megatron's parallel state for ``layout`` on the current world and seed as
+    the trainer does (``lime_megatron.parallel.set_random_seed``); returns the data-parallel
+    size."""
     from megatron.core import parallel_state
-    from megatron.core.tensor_parallel import model_parallel_cuda_manual_seed
+
+    from lime_megatron.parallel import set_random_seed
 
     dp = layout.data_parallel_size(torch.distributed.get_world_size())
     parallel_state.destroy_model_parallel()
@@ -220,7 +222,7 @@ def initialize_layout(layout: Layout, seed: int = 1234) -> int:
         pipeline_model_parallel_size=layout.pp,
         virtual_pipeline_model_parallel_size=layout.vpp,
     )
-    model_parallel_cuda_manual_seed(seed)
+    set_random_seed(seed)
     return dp
 
 

@@ -30,9 +30,9 @@ def trained(tmp_path_factory):
 
 def _validation_loss(loaded) -> float:
     """Mean loss per token of ``loaded.model`` on the run's first validation batch."""
-    args = arguments.parse_args(TINY)
-    datasets = data.build_datasets(args, loaded.tokenizer())
-    batch = data.microbatches(datasets.valid, 0, args)[0]
+    run = arguments.parse_run(TINY)
+    datasets = data.build_datasets(run, loaded.tokenizer())
+    batch = data.microbatches(datasets.valid, 0, run.training)[0]
     with torch.no_grad():
         losses = loaded.model(batch["tokens"], batch["position_ids"], None, labels=batch["labels"])
     mask = batch["loss_mask"].float()

@@ -10,12 +10,13 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from lime_fixtures import VOCAB, relative_error, tiny_model
+
 from lime_megatron.decoding import decode_step, full_logits, kv_cache_context
 from lime_megatron.parallel import initialize_parallel
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"), pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 TOLERANCE = 1e-10
 LENGTH = 12
@@ -77,8 +78,9 @@ def test_prompts_of_different_lengths_decode_like_each_alone(options):
 
 def test_lime_cache_is_the_baselines_and_a_step_buffers_only_new_tokens():
     lime, baseline = (tiny_model(num_query_groups=2, lime=flag).eval() for flag in (True, False))
-    shapes = {name: [[tuple(t.shape) for t in pair] for pair in kv_cache_context(m, 3, LENGTH).key_value_memory_dict.values()]
-              for name, m in (("lime", lime), ("baseline", baseline))}
+    shapes = {name: [[tuple(t.shape) for t in pair] for pair in caches.values()]
+              for name, caches in (("lime", kv_cache_context(lime, 3, LENGTH).key_value_memory_dict),
+                                   ("baseline", kv_cache_context(baseline, 3, LENGTH).key_value_memory_dict))}
     assert shapes["lime"] == shapes["baseline"] == [[(LENGTH, 3, 2, 8)] * 2] * 5
     buffers = []
     last = lime.decoder.layers[-1].self_attention

@@ -1,6 +1,6 @@
 """lime_megatron.estimate against measured reality: parameter counts of models megatron builds
 (one process, and every rank of TP/PP/VPP/uneven layouts on 4 gloo ranks), saved activation
-bytes against ``accounting.SavedTensorBytes`` (TP=1 in-process; TP=2 with and without sequence
+bytes against ``saved_tensors.SavedTensorBytes`` (TP=1 in-process; TP=2 with and without sequence
 parallelism on ranks), megatron's pipeline schedule order, the report and bad input."""
 
 from __future__ import annotations
@@ -11,11 +11,13 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
+from lime_megatron import activations
 from lime_megatron import estimate as E
-from lime_megatron.accounting import SavedTensorBytes
 from lime_megatron.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
 from lime_megatron.model import build_model
 from lime_megatron.parallel import initialize_parallel
+from lime_megatron.saved_tensors import SavedTensorBytes
+from lime_megatron.schedule_model import rank_operations
 from test_lime_config import TABLE_8
 
 VOCAB, SEQ, BATCH = 128, 32, 2
@@ -90,8 +92,8 @@ def test_full_recompute_keeps_the_lime_memory_live_but_not_saved():
     measured = saved_bytes(config)
     assert chunk.activations.lime_memory == 3 * 2 * SEQ * BATCH * 4 * 16 * 4  # layers*K,V*s*b*g*d*4
     assert abs(chunk.activations.total - chunk.activations.lime_memory - measured) <= SAVED_BYTES_SLACK
-    assert chunk.recompute_peak_bytes == 3 * E.layer_activation_bytes(
-        config, E.Geometry.of(config, SEQ, BATCH, VOCAB), "local")
+    assert chunk.recompute_peak_bytes == 3 * activations.layer_activation_bytes(
+        config, activations.Geometry.of(config, SEQ, BATCH, VOCAB), "local")
 
 
 ROUTER_CASES = {
@@ -143,8 +145,8 @@ def test_one_f_one_b_keeps_p_minus_r_microbatches():
 def test_interleaved_peak_replays_megatron_order():
     config = tiny_config(num_layers=4, pipeline_model_parallel_size=2,
                          virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
-    order = E._interleaved_chunk_order(config, 4)
-    assert order == [chunk for _, chunk in get_schedule_table(4, 2, 2)] == [0, 0, 1, 1, 0, 0, 1, 1]
+    forwards = [op.chunk for op in rank_operations(2, 2, 0, 4, 2) if op.forward]
+    assert forwards == [chunk for _, chunk in get_schedule_table(4, 2, 2)] == [0, 0, 1, 1, 0, 0, 1, 1]
     # Rank 0 warms up 2*(2-0-1) + (2-1)*2 = 4 forwards ([2, 2] per chunk), then alternates one
     # forward and one backward (backwards walk the chunks in reverse): peaks [3, 2], [4, 1].
     assert E.peak_in_flight(config, 0, 4, [1, 10]) == (5, 23)
@@ -161,7 +163,7 @@ def test_lime_stage_tensors_follow_the_router_window():
     only the one layer its first layer reads; the sender keeps the hidden state it sent. With
     virtual stages each hop carries only the rows the receiving rank lacks."""
     layout = dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
-    geometry = E.Geometry.of(tiny_config(**layout), SEQ, BATCH, VOCAB)
+    geometry = activations.Geometry.of(tiny_config(**layout), SEQ, BATCH, VOCAB)
     rows = geometry.kv_rows
     for router, carried in ((dict(), 4), (dict(lime_router="last", lime_router_window=2), 1)):
         result = E.estimate(tiny_config(**layout, **router), vocab_size=VOCAB, seq_length=SEQ,
@@ -214,6 +216,12 @@ def test_report_of_the_paper_layout():
     assert "recompute: selective (core_attn)" in report
     assert "0-3, 8-11" in report and "4-7, 12-15" in report
     assert "training (3x forward)" in report and "peak activation memory per GPU" in report
+    assert "step time (schedule model, 400 TFLOP/s per GPU" in report
+    assert "NVLink-like 3600 Gb/s 3 us" in report and "InfiniBand-like 400 Gb/s 5 us" in report
+    assert report.count("LIMe over baseline") == 2
+    one_link = E.dry_run_report(config, vocab_size=50304, seq_length=2048, micro_batch_size=2,
+                                num_microbatches=8, compute_tflops=100, link_bandwidth_gbps=800)
+    assert "link 800 Gb/s 5 us" in one_link and "NVLink" not in one_link and "100 TFLOP/s" in one_link
 
 
 @pytest.mark.parametrize("overrides, kwargs, message", [

@@ -5,16 +5,17 @@ config and ``--dry-run`` carry the choices, and a pipeline run with ``deallocate
 
 from __future__ import annotations
 
-import copy
+import dataclasses
 from functools import partial
 
 import pytest
 import torch
-
 from distributed import Layout, run_distributed
+from test_examples import CONFIGS, parsed
+
 from lime_megatron import arguments, fusions
 from lime_megatron.fusions import Platform
-from test_examples import CONFIGS, parsed
+from lime_megatron.run_config import RunConfig
 
 H100_TE = Platform(cuda=True, te=True)
 H100_TE_APEX = Platform(cuda=True, te=True, fused_wgrad=True, softmax_kernels=True)
@@ -23,25 +24,26 @@ FUSIONS = ("apply_rope_fusion", "bias_activation_fusion", "bias_dropout_fusion")
 
 @pytest.fixture(scope="module")
 def examples() -> dict:
-    return {path.stem: parsed(path) for path in CONFIGS}
+    return {path.stem: RunConfig.from_namespace(parsed(path)) for path in CONFIGS}
 
 
 def test_every_example_on_a_te_gpu_fuses_rope_swiglu_and_bias_dropout(examples):
     assert len(examples) == 19
-    for name, args in examples.items():
-        assert args.transformer_impl == "transformer_engine", name
+    for name, run in examples.items():
+        impl, pp = run.model.transformer_impl, run.parallel.pipeline_model_parallel_size
+        assert impl == "transformer_engine", name
         for platform, wgrad in ((H100_TE, False), (H100_TE_APEX, True)):
-            choices = fusions.resolve(platform, args.transformer_impl, args.pipeline_model_parallel_size)
+            choices = fusions.resolve(platform, impl, pp)
             fields = choices.config_fields()
             assert all(fields[field] for field in FUSIONS), (name, choices)
             assert not fields["masked_softmax_fusion"], name  # TE attention: megatron's softmax unused
             assert fields["gradient_accumulation_fusion"] is wgrad, (name, platform)
-            assert fields["deallocate_pipeline_outputs"] is (args.pipeline_model_parallel_size > 1), name
+            assert fields["deallocate_pipeline_outputs"] is (pp > 1), name
             assert all(getattr(choices, field).reason for field in fields), name
 
 
 def test_pipeline_examples_deallocate_stage_tensors(examples):
-    pipelined = {name for name, args in examples.items() if args.pipeline_model_parallel_size > 1}
+    pipelined = {name for name, run in examples.items() if run.parallel.pipeline_model_parallel_size > 1}
     assert pipelined == {f"{model}_deep{depth}" for model in ("lime", "llama") for depth in (32, 64, 128)}
 
 
@@ -65,19 +67,20 @@ def test_each_fusion_needs_its_library():
 
 
 def test_dry_run_plans_for_the_gpu_and_the_config_carries_the_choices(examples):
-    args = examples["lime_deep64"]
+    run = examples["lime_deep64"]
     expected = fusions.resolve(H100_TE, "transformer_engine", 4).config_fields()
-    config = arguments.transformer_config(args)
+    config = arguments.transformer_config(run)
     assert {name: getattr(config, name) for name in expected} == expected
-    report = fusions.report(args)
+    report = fusions.report(run)
     assert "assumed GPU machine" in report and "apply_rope_fusion             on" in report
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's own run")
 def test_a_cpu_run_resolves_against_this_machine(examples):
-    args = copy.copy(examples["lime_deep32"])
-    args.dry_run, args.transformer_impl, args.bf16 = False, "local", False
-    config = arguments.transformer_config(args)
+    run = examples["lime_deep32"]
+    run = dataclasses.replace(run, dry_run=False, model=dataclasses.replace(run.model, transformer_impl="local"),
+                              precision=dataclasses.replace(run.precision, bf16=False))
+    config = arguments.transformer_config(run)
     assert config.deallocate_pipeline_outputs
     assert not any(getattr(config, name) for name in FUSIONS + ("gradient_accumulation_fusion",))
 
@@ -86,7 +89,6 @@ def deallocated_pipeline_runs() -> dict:
     """PP=2 and PP=2 with virtual stages, stage tensors deallocated after sending, against the
     single-stage run; counts the stage tensors megatron freed."""
     from megatron.core.pipeline_parallel import schedules
-
     from test_lime_pipeline import compare, train
 
     freed = []

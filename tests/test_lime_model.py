@@ -166,7 +166,7 @@ def test_windowed_sources(variant, window):
 def test_routed_kv_are_rebuilt_not_saved():
     """With recompute on, autograd keeps no routed K/V: exactly the routed [2, s, b, h, d] and the
     rotated keys [s, b, h, d] of every layer drop out of the saved bytes."""
-    from lime_megatron.accounting import SavedTensorBytes
+    from lime_megatron.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved = {}
@@ -184,7 +184,7 @@ def test_full_recompute_keeps_its_savings():
     """After the forward under megatron's full recompute, LIMe keeps what the baseline keeps (the
     checkpointed layer inputs; LIMe's memory handle adds 8 bytes) and, outside autograd, its
     buffer of raw K/V, which recomputed layers read: a small part of what full recompute drops."""
-    from lime_megatron.accounting import SavedTensorBytes
+    from lime_megatron.saved_tensors import SavedTensorBytes
     from lime_megatron.memory import LayerIntegratedMemory
 
     tokens, positions, mask = batch()

@@ -5,7 +5,6 @@ from __future__ import annotations
 import dataclasses
 from functools import partial
 
-import pytest
 import torch
 
 from distributed import (

@@ -9,7 +9,6 @@ every full gradient, the optimizer's clipped-gradient norm and the Adam update.
 """
 
 import math
-from functools import partial
 
 import pytest
 import torch

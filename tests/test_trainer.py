@@ -21,8 +21,16 @@ from lime_megatron import arguments, training
 from lime_megatron import __main__ as main_job
 from lime_megatron.arguments import ArgumentsError, parse_args
 from lime_megatron.checkpointing import TRACKER, CheckpointError, published_iterations
-from lime_megatron.data import DataError
-from lime_megatron.optimizer import NO_WEIGHT_DECAY, param_group_overrides, router_override
+from lime_megatron.data import DataError, tokenizer_of
+from lime_megatron.optimizer import (
+    EMBEDDING,
+    NO_WEIGHT_DECAY,
+    optimizer_config,
+    param_group_overrides,
+    router_group,
+    router_override,
+)
+from lime_megatron.run_config import RunConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -111,6 +119,11 @@ INVALID = [
     (BASE + ["--use-distributed-optimizer", "--optimizer", "sgd"], 1, "supports only --optimizer adam"),
     (BASE + ["--num-layers", "x"], 1, "command line: argument --num-layers: invalid int value"),
     (BASE + ["--lime-router", "middle"], 1, "invalid choice: 'middle'"),
+    (BASE + ["--tokenizer-type", "NullTokenizer"], 1, "--tokenizer-type NullTokenizer needs --vocab-size"),
+    (BASE + ["--use-pytorch-profiler"], 1, "--use-pytorch-profiler needs --profile"),
+    (BASE + ["--profile", "--use-pytorch-profiler"], 1, "needs --profile-dir or --tensorboard-dir"),
+    (BASE + ["--profile", "--use-pytorch-profiler", "--profile-dir", "p", "--profile-step-start", "3",
+             "--profile-step-end", "3"], 1, "--profile-step-end 3 must be larger than --profile-step-start 3"),
 ]
 
 
@@ -160,7 +173,8 @@ def test_config_file_errors(tmp_path, content, message):
 
 def _groups(args):
     """The optimizer config and router group of parsed ``args``."""
-    return arguments.optimizer_config(args), arguments.router_group(args)
+    run = RunConfig.from_namespace(args)
+    return optimizer_config(run), router_group(run)
 
 
 def test_router_group_is_distinct_or_merged():
@@ -177,6 +191,36 @@ def test_router_group_is_distinct_or_merged():
     halved = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.1",
                                 "--lime-router-weight-decay", "0.05"], world_size=1)
     assert router_override(*_groups(halved)) == {"wd_mult": 0.5}
+
+
+def _decayed(*flags) -> dict[str, bool]:
+    """Whether the trainer's optimizer decays each parameter (by name) of a tiny LIMe run."""
+    from megatron.core.utils import unwrap_model
+
+    run = arguments.parse_run(TINY + ["--lime", "--weight-decay", "0.1", "--train-iters", "1", *flags],
+                              world_size=1)
+    with training.distributed(run):
+        trainer = training.build_trainer(run)
+        trainer.metrics.close()
+        names = {id(param): name for chunk in trainer.model for name, param in unwrap_model(chunk).named_parameters()}
+        return {names[id(param)]: group["weight_decay"] > 0
+                for group in trainer.optimizer.param_groups for param in group["params"]}
+
+
+def test_weight_decay_groupings():
+    megatron = _decayed()
+    official = _decayed("--weight-decay-grouping", "official", "--untie-embeddings-and-output-weights")
+    for decayed in (megatron, official):
+        assert sum("linear" in name for name in decayed) > 4 and sum("norm" in name for name in decayed) > 4
+        assert not any(decayed[name] for name in decayed if "norm" in name or "router" in name)
+        assert all(decayed[name] for name in decayed if "linear" in name)
+    assert megatron["embedding.word_embeddings.weight"] and "output_layer.weight" not in megatron  # tied
+    assert not official["embedding.word_embeddings.weight"] and official["output_layer.weight"]  # untied
+    # The last pipeline stage's copy of a tied embedding (megatron marks it shared_embedding).
+    copy, untied = torch.nn.Parameter(torch.ones(2, 2)), torch.nn.Parameter(torch.ones(2, 2))
+    copy.shared_embedding = True
+    assert EMBEDDING.matches(copy, "module.output_layer.weight")
+    assert not EMBEDDING.matches(untied, "module.output_layer.weight")
 
 
 # --------------------------------------------------------------------------- training
@@ -341,6 +385,36 @@ def test_tensorboard_wandb_and_metrics_file(tmp_path, monkeypatch):
     assert list((tmp_path / "wandb" / "wandb").glob("offline-run-*"))
 
 
+def test_null_tokenizer_is_megatrons_mock_data_vocabulary():
+    run = arguments.parse_run(BASE + ["--tokenizer-type", "NullTokenizer", "--vocab-size", "100"], world_size=1)
+    tokenizer = tokenizer_of(run.data, run.model.vocab_size)
+    assert (tokenizer.unpadded_vocab_size, tokenizer.vocab_size, tokenizer.eod) == (100, 128, 99)
+    # pre-tokenized real data with a known vocabulary
+    real = arguments.parse_run(BASE[:-1] + ["--data-path", "data/x", "--tokenizer-type", "NullTokenizer",
+                                            "--vocab-size", "64"], world_size=1)
+    assert real.data.data_path == ["data/x"] and tokenizer_of(real.data, real.model.vocab_size).vocab_size == 128
+
+
+def test_profile_without_the_pytorch_profiler_needs_a_gpu():
+    if torch.cuda.is_available():
+        pytest.skip("CPU-only check")
+    with pytest.raises(ArgumentsError, match="drives nsys and needs a CUDA GPU"):
+        parse_args(BASE + ["--profile"], world_size=1)
+
+
+def test_pytorch_profiler_traces_the_window_and_throughput_is_logged_on_request(tmp_path, capsys):
+    run(TINY, "--tokenizer-type NullTokenizer --train-iters 3 --log-interval 1 --profile --use-pytorch-profiler "
+              "--profile-step-start 1 --profile-step-end 2 --profile-dir".split(), tmp_path / "profile")
+    [trace] = (tmp_path / "profile").iterdir()
+    assert trace.name == "rank0.iterations2-2.pt.trace.json"
+    events = json.loads(trace.read_text())["traceEvents"]
+    assert any("aten::" in event.get("name", "") for event in events)
+    output = capsys.readouterr().out
+    assert "iteration       3/      3 | lm loss" in output and "tokens/s 1" not in output.split("summary")[0]
+    run(TINY, "--train-iters 1 --log-interval 1 --log-throughput".split())
+    assert re.search(r"iteration       1/      1 \| .* \| tokens/s [\d,]+", capsys.readouterr().out)
+
+
 def test_dry_run_needs_no_distributed(capsys, monkeypatch):
     def refuse(*args, **kwargs):
         raise AssertionError("the dry run must not start torch.distributed")
@@ -372,18 +446,18 @@ def test_main_job_end_to_end(tmp_path):
 
 
 def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figures():
-    from lime_megatron.accounting import router_flops_per_token
-    from lime_megatron.metrics import IterationMetrics, console_line, training_flops_per_iteration
+    from lime_megatron import flops
+    from lime_megatron.metrics import IterationMetrics, console_line
 
-    args = parse_args(BASE + ["--lime", "--global-batch-size", "8"], world_size=1)
-    lime = arguments.transformer_config(args)
-    baseline = arguments.transformer_config(parse_args(BASE + ["--global-batch-size", "8"], world_size=1))
-    tokens = 8 * 16
-    extra = training_flops_per_iteration(lime, args, 128) - training_flops_per_iteration(baseline, args, 128)
-    assert router_flops_per_token(lime) > 0
-    assert extra == pytest.approx(3 * router_flops_per_token(lime) * tokens)
+    lime = arguments.transformer_config(arguments.parse_run(BASE + ["--lime", "--global-batch-size", "8"], world_size=1))
+    baseline = arguments.transformer_config(arguments.parse_run(BASE + ["--global-batch-size", "8"], world_size=1))
+    extra = flops.training_flops_per_iteration(lime, 16, 128, 8) - flops.training_flops_per_iteration(baseline, 16, 128, 8)
+    # BASE: 4 layers, 4 heads of dim 16, no GQA. Full router: layer l >= 1 mixes l + 1 sources, 2 + 3 + 4 = 9;
+    # per token and source, keys and values: 2 * (4 x 4 weights x 16 dims) multiply-adds, 2 FLOPs each;
+    # 3x forward over 8 sequences of 16 tokens.
+    assert extra == 3 * 8 * 16 * 9 * 2 * 4 * 4 * 16 * 2
     line = console_line(IterationMetrics(iteration=5, lm_loss=2.5, lr=1e-3, grad_norm=0.5,
                                          tokens_per_sec=1234.0, router_lr=1e-2, tflops_per_gpu=400.0,
-                                         mfu=0.4, loss_scale=1024.0), 10)
+                                         mfu=0.4, loss_scale=1024.0), 10, throughput=True)
     assert ("iteration       5/     10 | lm loss 2.500000E+00 | lr 1.000E-03 | router lr 1.000E-02 | "
             "grad norm 0.500 | tokens/s 1,234 | TFLOP/s/GPU 400.0 | MFU 40.0% | loss scale 1024.0") in line

@@ -1,0 +1,81 @@
+"""Decoding throughput: KV cache against recomputing the full sequence per token, LIMe and baseline.
+
+Builds LIMe and the LLaMA baseline with the same tiny shape and, in one process, interleaving the
+two models, generates ``--new-tokens`` tokens greedily after a ``--prompt-length``-token prompt
+with ``lime_megatron.generation`` (KV cache) and with full recomputation per token
+(``use_cache=False``).  Reports the median tokens/s over ``--repeats`` runs, the cache's speed-up
+and LIMe over the baseline, and checks that both modes generated the same tokens.
+
+Run (the figures in BENCHMARKS.md):
+    python bench/bench_decoding.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from tqdm import tqdm
+
+from lime_megatron.config import lime_config
+from lime_megatron.generation import Generator, SamplingOptions
+from lime_megatron.model import build_model
+from lime_megatron.parallel import initialize_parallel
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-layers", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=128)
+    parser.add_argument("--num-attention-heads", type=int, default=4)
+    parser.add_argument("--kv-heads", type=int, default=2)
+    parser.add_argument("--ffn-hidden-size", type=int, default=512)
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--prompt-length", type=int, default=16)
+    parser.add_argument("--new-tokens", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    return parser.parse_args(argv)
+
+
+def build(args, lime: bool):
+    torch.manual_seed(0)
+    config = lime_config(
+        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads, num_query_groups=args.kv_heads, lime=lime,
+        use_cpu_initialization=True,
+    )
+    return build_model(config, args.vocab_size, args.prompt_length + args.new_tokens).eval()
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    initialize_parallel()
+    models = {"LIMe": build(args, True), "baseline": build(args, False)}
+    prompts = torch.randint(0, args.vocab_size, (args.batch_size, args.prompt_length),
+                            generator=torch.Generator().manual_seed(0)).tolist()
+    options = SamplingOptions(max_new_tokens=args.new_tokens, stop_at_eod=False)
+    rates = {(name, cache): [] for name in models for cache in (True, False)}
+    tokens = {}
+    runs = [(name, cache) for _ in range(args.repeats) for cache in (True, False) for name in models]
+    for name, cache in tqdm(runs, desc="decoding runs"):
+        result = Generator(models[name], use_cache=cache).generate(prompts, options)
+        rates[name, cache].append(result.tokens_per_second)
+        tokens.setdefault((name, cache), result.tokens)
+    median = {key: statistics.median(values) for key, values in rates.items()}
+    print(f"\n{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads / "
+          f"{args.kv_heads} kv heads, batch {args.batch_size}, prompt {args.prompt_length}, "
+          f"{args.new_tokens} new tokens, "
+          f"median of {args.repeats}, {torch.get_num_threads()} threads")
+    print(f"{'model':<10}{'KV cache tok/s':>16}{'recompute tok/s':>17}{'cache speed-up':>16}{'same tokens':>13}")
+    for name in models:
+        cached, full = median[name, True], median[name, False]
+        same = tokens[name, True] == tokens[name, False]
+        print(f"{name:<10}{cached:>16.1f}{full:>17.1f}{cached / full:>15.2f}x{str(same):>13}")
+    print(f"{'LIMe/base':<10}{median['LIMe', True] / median['baseline', True]:>16.2f}"
+          f"{median['LIMe', False] / median['baseline', False]:>17.2f}")
+
+
+if __name__ == "__main__":
+    main()

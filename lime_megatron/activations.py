@@ -1,0 +1,219 @@
+"""Activation bytes one microbatch keeps for backward, per layer and per model chunk, on one GPU.
+
+The formulas behind the ``--dry-run`` activation memory (``estimate`` replays the pipeline
+schedule over them); docs/estimate.md states every term and the measurements that check them
+(``saved_tensors.SavedTensorBytes`` in tests/test_estimate.py).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from lime_megatron.config import LimeTransformerConfig
+from lime_megatron.pipeline import chunk_starting_at, hop_blocks
+
+TRANSFORMER_IMPLS = ("local", "transformer_engine")
+RECOMPUTED_MODULES = ("core_attn", "mlp")
+FP32 = 4
+INT64 = 8
+
+
+@dataclass(frozen=True)
+class ActivationBytes:
+    """Bytes one microbatch of one model chunk keeps for backward on one GPU, by part."""
+
+    layers: int
+    """Transformer layers (after recomputation)."""
+    lime_memory: int = 0
+    """The chunk's own raw keys/values in the layer-integrated memory."""
+    received_stage: int = 0
+    """K/V rows received at the hop into this chunk (``pipeline.hop_blocks``), kept by the rank
+    until the chunk's backward ends."""
+    sent_stage: int = 0
+    """The hidden state sent on, kept until backward (0 with deallocate_pipeline_outputs)."""
+    embedding: int = 0
+    """Token ids (first chunk)."""
+    output: int = 0
+    """Final norm, output layer input and the loss's softmax (last chunk)."""
+
+    @property
+    def total(self) -> int:
+        return (self.layers + self.lime_memory + self.received_stage + self.sent_stage
+                + self.embedding + self.output)
+
+
+@dataclass(frozen=True)
+class Geometry:
+    """Activation sizes of one microbatch on one tensor-parallel rank (docs/estimate.md names them)."""
+
+    seq: int
+    """s: sequence length."""
+    batch: int
+    """b: micro batch size."""
+    hidden_rows: int
+    """s_h: sequence rows of hidden-state tensors (s/t under sequence parallelism)."""
+    hidden: int
+    heads: int
+    """a_t: query heads per rank."""
+    kv_heads: int
+    """g_t: key/value heads per rank."""
+    head_dim: int
+    ffn: int
+    """f_t: FFN width per rank."""
+    vocab: int
+    """V/t: vocabulary rows per rank."""
+    element: int
+    """Bytes per activation element."""
+
+    @classmethod
+    def of(cls, config: LimeTransformerConfig, seq_length: int, micro_batch_size: int,
+           vocab_size: int) -> "Geometry":
+        tp = config.tensor_model_parallel_size
+        if config.sequence_parallel and seq_length % tp:
+            raise ValueError(f"seq_length={seq_length} is not divisible by "
+                             f"tensor_model_parallel_size={tp} (sequence parallelism)")
+        element = 2 if (config.bf16 or config.fp16) else config.params_dtype.itemsize
+        return cls(seq=seq_length, batch=micro_batch_size,
+                   hidden_rows=seq_length // tp if config.sequence_parallel else seq_length,
+                   hidden=config.hidden_size, heads=config.num_attention_heads // tp,
+                   kv_heads=max(1, config.kv_heads // tp), head_dim=config.kv_channels,
+                   ffn=config.ffn_hidden_size // tp, vocab=vocab_size // tp, element=element)
+
+    @property
+    def hidden_state(self) -> int:
+        """Bytes of one hidden-state tensor [s_h, b, h]."""
+        return self.hidden_rows * self.batch * self.hidden * self.element
+
+    def heads_bytes(self, heads: int) -> int:
+        """Bytes of a [s, b, heads, d] tensor."""
+        return self.seq * self.batch * heads * self.head_dim * self.element
+
+    @property
+    def kv_rows(self) -> int:
+        """Bytes of one layer's raw keys and values (the LIMe memory rows of one layer)."""
+        return 2 * self.heads_bytes(self.kv_heads)
+
+
+def recompute_modules(config: LimeTransformerConfig) -> set[str]:
+    """The selectively recomputed modules (empty without selective recompute)."""
+    if config.recompute_granularity != "selective":
+        return set()
+    modules = set(config.recompute_modules or ["core_attn"])
+    unknown = sorted(modules - set(RECOMPUTED_MODULES))
+    if unknown:
+        raise ValueError(f"the dry-run estimate models selective recompute of {RECOMPUTED_MODULES}, "
+                         f"not {unknown}")
+    return modules
+
+
+def _norm_bytes(geometry: Geometry, impl: str) -> int:
+    """One norm and its statistics: ``local`` (torch's composite RMSNorm, computed in fp32)
+    keeps an fp32 copy of its input and the fp32 normalized input; ``transformer_engine`` keeps
+    its input (its output is the next linear layer's input)."""
+    rows = geometry.hidden_rows * geometry.batch
+    if impl == "local":
+        return 2 * rows * geometry.hidden * FP32 + rows * FP32
+    return geometry.hidden_state + rows * FP32
+
+
+def _attention_bytes(config: LimeTransformerConfig, geometry: Geometry, impl: str) -> int:
+    """What self-attention keeps for backward beyond its linear layers' inputs."""
+    g, heads = geometry, geometry.heads
+    rebuilt = config.lime and config.lime_recompute_routed_kv  # routed K/V rebuilt in backward
+    if config.lime:  # values are a view of the routed [2, s, b, g_t, d] keys/values
+        values = 0 if rebuilt else g.kv_rows
+    else:  # values are a view of the QKV output
+        values = g.heads_bytes(heads + 2 * g.kv_heads)
+    query = g.heads_bytes(heads)
+    if "core_attn" in recompute_modules(config):  # the checkpoint keeps q, k, v as passed
+        return query + (0 if rebuilt else g.heads_bytes(g.kv_heads)) + values
+    if impl == "transformer_engine":
+        keys = 0 if rebuilt else g.heads_bytes(g.kv_heads)
+        return query + keys + values + heads * g.batch * g.seq * FP32
+    # Softmax output (fp32 with attention_softmax_in_fp32), its copy in the activation dtype
+    # that multiplies the values, and the boolean causal mask.
+    softmax = FP32 if config.attention_softmax_in_fp32 else g.element
+    copy = g.element if g.element != softmax else 0
+    scores = heads * g.batch * g.seq * g.seq * (softmax + copy) + g.seq * g.seq
+    if heads > g.kv_heads:  # local attention repeats K/V to the query heads: copies it keeps
+        return query + 2 * g.heads_bytes(heads) + scores
+    return query + (0 if rebuilt else g.heads_bytes(heads)) + values + scores
+
+
+def _mlp_bytes(config: LimeTransformerConfig, geometry: Geometry) -> int:
+    """What the MLP keeps beyond its FC1 input: FC1 output, activation tensors, FC2 input."""
+    if "mlp" in recompute_modules(config):
+        return 0
+    row = geometry.seq * geometry.batch * geometry.ffn * geometry.element
+    if not config.gated_linear_unit:
+        return 2 * row
+    return (3 if config.bias_activation_fusion else 5) * row
+
+
+def layer_activation_bytes(config: LimeTransformerConfig, geometry: Geometry, impl: str) -> int:
+    """Bytes one transformer layer keeps for backward without full recompute (LIMe memory
+    excluded); docs/estimate.md lists the terms."""
+    if impl not in TRANSFORMER_IMPLS:
+        raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {impl!r}")
+    g = geometry
+    rope = 0 if config.apply_rope_fusion else 4 * g.seq * g.head_dim * g.element
+    linear_inputs = 2 * g.hidden_state + g.heads_bytes(g.heads)  # QKV, FC1, projection
+    return (2 * _norm_bytes(g, impl) + linear_inputs + rope + _attention_bytes(config, g, impl)
+            + _mlp_bytes(config, g))
+
+
+def _recompute_groups(config: LimeTransformerConfig, layers: int) -> tuple[int, int, int]:
+    """Full recompute of a chunk of ``layers`` layers: ``(kept, checkpoints, group)``, the
+    layers keeping all activations, the recomputed groups (each keeps its input) and the
+    layers of one group (rebuilt together in backward)."""
+    if config.recompute_granularity != "full":
+        return layers, 0, 0
+    n = config.recompute_num_layers
+    if config.recompute_method == "uniform":
+        if layers % n:
+            raise ValueError(f"uniform full recompute needs every chunk's layer count ({layers}) to be "
+                             f"divisible by recompute_num_layers={n} (megatron recomputes whole groups)")
+        return 0, layers // n, n
+    recomputed = min(n, layers)  # "block": the chunk's first n layers
+    return layers - recomputed, recomputed, 1 if recomputed else 0
+
+
+def _embedding_bytes(config: LimeTransformerConfig, geometry: Geometry) -> int:
+    """Token ids (int64) and, under tensor parallelism, the mask of ids outside the rank's
+    vocabulary rows (bool)."""
+    tokens = geometry.seq * geometry.batch
+    return tokens * INT64 + (tokens if config.tensor_model_parallel_size > 1 else 0)
+
+
+def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: str, layers: range,
+                      pre_process: bool, post_process: bool) -> tuple[ActivationBytes, int]:
+    """(bytes kept per microbatch, recompute working set) of one chunk on one GPU: the chunk of
+    global layers ``layers``, holding the embedding (``pre_process``) and/or the output layer
+    (``post_process``)."""
+    per_layer = layer_activation_bytes(config, geometry, impl)
+    kept, checkpoints, group = _recompute_groups(config, len(layers))
+    checkpoint = geometry.hidden_state
+    if config.distribute_saved_activations and not config.sequence_parallel:
+        checkpoint //= config.tensor_model_parallel_size
+    layer_bytes = kept * per_layer + checkpoints * checkpoint
+    if checkpoints:  # every checkpoint also keeps the rotary frequencies [s, 1, 1, d] (one tensor)
+        layer_bytes += geometry.seq * geometry.head_dim * FP32
+
+    received = 0  # the K/V rows of the hop into this chunk, kept until its backward ends
+    if not pre_process and config.lime:
+        hop = hop_blocks(config, chunk_starting_at(config, layers.start))
+        received = sum(len(block.layers) for block in hop) * geometry.kv_rows
+    sent = 0 if post_process or config.deallocate_pipeline_outputs else geometry.hidden_state
+    output = 0
+    if post_process:
+        loss = geometry.seq * geometry.batch * (geometry.vocab * FP32 + 1 + INT64)
+        output = _norm_bytes(geometry, impl) + geometry.hidden_state + loss
+    activations = ActivationBytes(
+        layers=layer_bytes,
+        lime_memory=len(layers) * geometry.kv_rows if config.lime else 0,
+        received_stage=received,
+        sent_stage=sent,
+        embedding=_embedding_bytes(config, geometry) if pre_process else 0,
+        output=output,
+    )
+    return activations, group * per_layer

@@ -1,0 +1,420 @@
+"""One GPU check: ``python -m lime_megatron.gpu_check`` (docs/gpu.md).
+
+On one CUDA GPU, in a few minutes, in one process:
+
+1. **bf16 against fp32.**  LIMe and the LLaMA baseline (``CHECK_SHAPE``) are built with the
+   TransformerEngine spec in bf16, with the fused kernels ``lime_megatron.fusions`` picks for
+   the machine; the same weights are copied (``copy_weights``: TE fuses the input norms into
+   ``linear_qkv``/``linear_fc1``) into the local spec in fp32 with no fusions.  The loss and every
+   gradient (routers included) are compared: relative error ``||a - b|| / ||b||`` within
+   ``TOLERANCES``.
+2. **FP8.**  ``FP8_STEPS`` AdamW steps with TE's FP8 (``hybrid`` format; delayed scaling and
+   current/tensorwise scaling) from the bf16 run's initial weights on the same batches: every
+   loss finite and within ``TOLERANCES.fp8_loss`` (relative) of the bf16 run's.  Skipped (not
+   failed) on GPUs without FP8 (compute capability < 8.9).
+3. **Speed and memory.**  Forward+backward of LIMe and the baseline at the paper's 1B shapes
+   (GQA-8 and MHA, 16 layers) and at the deep-narrow shape (128 layers, hidden 512), timed
+   interleaved (LIMe, baseline, LIMe, ...) in bf16 with the TE spec: median step time, LIMe's
+   overhead, tokens/s, TFLOP/s and MFU (``flops`` module, routers included, training = 3x
+   forward), and peak memory (``torch.cuda.max_memory_allocated`` during the step).  The
+   issue's targets (overhead <= 1% GQA-8 / 3% MHA, memory within 2%, MFU >= 40%) are reported,
+   not enforced: timings are not tolerances.
+
+Prints one table and exits 1 if a tolerance is missed, 0 otherwise; on a machine without CUDA it
+prints one line and exits 2.  The GPU-free pieces (tolerances, the table, the weight copy
+between specs, the comparison) are tested on CPU (``tests/test_gpu_check.py``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import math
+import statistics
+import sys
+import time
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from lime_megatron import flops, fusions
+from lime_megatron.config import PAPER_1B, lime_config
+from lime_megatron.fusions import Choice, Platform
+
+VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128, as the trainer pads it
+
+
+@dataclass(frozen=True)
+class Tolerances:
+    """Relative errors a bf16/FP8 run may show against its reference."""
+
+    loss_bf16: float = 1e-2
+    """|loss_bf16 - loss_fp32| / loss_fp32 (TE spec in bf16 vs local spec in fp32, same weights)."""
+    grad_bf16: float = 5e-2
+    """||g_bf16 - g_fp32|| / ||g_fp32|| for every parameter (bf16 keeps 8 mantissa bits)."""
+    fp8_loss: float = 3e-2
+    """|loss_fp8 - loss_bf16| / loss_bf16 at every one of the FP8_STEPS training steps."""
+
+
+TOLERANCES = Tolerances()
+FP8_STEPS = 20
+FP8_RECIPES = ("delayed", "tensorwise")  # megatron's names: delayed and current (tensorwise) scaling
+CHECK_SHAPE = dict(num_layers=4, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=2)
+CHECK_BATCH = (2, 256)  # (micro batch, sequence) of the correctness checks
+PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "GH200": 989.4, "A100": 312.0, "B200": 2250.0}
+"""Dense bf16 peak (TFLOP/s) by device name: SXM parts; pass --peak-tflops for others (H100 PCIe)."""
+
+
+@dataclass(frozen=True)
+class TimedShape:
+    """A timed model shape: config fields, micro batch and sequence length, and the issue's
+    target for LIMe's step-time overhead over the baseline."""
+
+    name: str
+    model: dict
+    micro_batch: int
+    seq: int
+    overhead_target: float
+
+
+TIMED_SHAPES = (
+    TimedShape("1B GQA-8", dict(PAPER_1B, num_query_groups=8), 4, 2048, 0.01),
+    TimedShape("1B MHA", dict(PAPER_1B, num_query_groups=32), 4, 2048, 0.03),
+    TimedShape("deep-128", dict(num_layers=128, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8),
+               4, 2048, 0.03),
+)
+MEMORY_TARGET, MFU_TARGET = 0.02, 0.40
+
+
+# --------------------------------------------------------------------------- weights between specs
+
+TE_FUSED_NORMS = {
+    "self_attention.linear_qkv.layer_norm_weight": "input_layernorm.weight",
+    "mlp.linear_fc1.layer_norm_weight": "pre_mlp_layernorm.weight",
+}
+"""TransformerEngine spec parameter -> local spec parameter (TE fuses the norms into the linears)."""
+
+
+def local_name(name: str) -> str:
+    """The local spec's name of a parameter named ``name`` in either spec."""
+    for te_suffix, local_suffix in TE_FUSED_NORMS.items():
+        if name.endswith("." + te_suffix):
+            return name[: -len(te_suffix)] + local_suffix
+    return name
+
+
+def local_named(tensors: Iterable[tuple[str, torch.Tensor]]) -> dict[str, torch.Tensor]:
+    """``{local spec name: tensor}`` of ``(name, tensor)`` pairs of either spec (TE's
+    ``_extra_state`` FP8 metadata is not a parameter and is left out)."""
+    return {local_name(name): tensor for name, tensor in tensors if not name.endswith("_extra_state")}
+
+
+def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Copy every parameter of ``source`` into ``target`` (local or TE spec, any dtype/device).
+    Raises ValueError naming the parameters that do not match one to one, or differ in shape."""
+    sources, targets = local_named(source.named_parameters()), local_named(target.named_parameters())
+    if sources.keys() != targets.keys():
+        raise ValueError(f"parameters differ between the specs: only in the source "
+                         f"{sorted(sources.keys() - targets.keys())}, only in the target "
+                         f"{sorted(targets.keys() - sources.keys())}")
+    shapes = [name for name in sources if sources[name].shape != targets[name].shape]
+    if shapes:
+        differ = [(name, tuple(sources[name].shape), tuple(targets[name].shape)) for name in shapes]
+        raise ValueError(f"parameter shapes differ (name, source, target): {differ}")
+    with torch.no_grad():
+        for name, tensor in sources.items():
+            targets[name].copy_(tensor)
+
+
+# --------------------------------------------------------------------------- comparison and table
+
+
+@dataclass(frozen=True)
+class Row:
+    """One line of the table: a checked quantity, its value and limit (None: reported only)."""
+
+    check: str
+    model: str
+    quantity: str
+    value: float
+    limit: float | None = None
+    lower_bound: bool = False
+    """``value`` must be >= ``limit`` (MFU) instead of <= ``limit``."""
+    enforced: bool = True
+    """A missed limit fails the check (tolerances) or is only reported (speed targets)."""
+
+    @property
+    def passed(self) -> bool:
+        if self.limit is None:
+            return True
+        if not math.isfinite(self.value):
+            return False
+        return self.value >= self.limit if self.lower_bound else self.value <= self.limit
+
+    @property
+    def status(self) -> str:
+        if self.limit is None:
+            return ""
+        if self.passed:
+            return "ok" if self.enforced else "target met"
+        return "FAILED" if self.enforced else "target missed"
+
+
+def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64 (absolute when expected is zero)."""
+    actual, expected = actual.double(), expected.double()
+    scale = expected.norm().item()
+    diff = (actual - expected).norm().item()
+    return diff / scale if scale > 0 else diff
+
+
+def compare_gradients(check: str, model: str, actual: dict[str, torch.Tensor],
+                      expected: dict[str, torch.Tensor], tolerance: float) -> list[Row]:
+    """One row per parameter: relative error of ``actual`` against ``expected`` (same names).
+    Raises ValueError naming the parameters missing on either side."""
+    if actual.keys() != expected.keys():
+        raise ValueError(f"gradients differ in names: missing {sorted(expected.keys() - actual.keys())}, "
+                         f"unexpected {sorted(actual.keys() - expected.keys())}")
+    return [Row(check, model, f"grad {name}", relative_error(actual[name], expected[name]), tolerance)
+            for name in expected]
+
+
+def summarize_gradients(rows: list[Row]) -> list[Row]:
+    """The failing gradient rows, plus the worst router and the worst other parameter."""
+    kept = [row for row in rows if not row.passed]
+    for routers in (True, False):
+        group = [row for row in rows if ("router" in row.quantity) == routers]
+        if group:
+            worst = max(group, key=lambda row: row.value if math.isfinite(row.value) else math.inf)
+            if worst not in kept:
+                kept.append(dataclasses.replace(worst, quantity=f"worst of {len(group)} {'router ' if routers else ''}"
+                                                f"grads: {worst.quantity[5:]}"))
+    return kept
+
+
+def format_table(rows: list[Row]) -> str:
+    """The rows as one fixed-width table."""
+    header = ("check", "model", "quantity", "value", "limit", "status")
+    cells = [header] + [(row.check, row.model, row.quantity, _number(row.value),
+                         "" if row.limit is None else (">= " if row.lower_bound else "<= ") + _number(row.limit),
+                         row.status) for row in rows]
+    widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
+    lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells]
+    return "\n".join([lines[0], "-" * len(lines[0])] + lines[1:])
+
+
+def _number(value: float) -> str:
+    if not math.isfinite(value):
+        return str(value)
+    if value == 0 or 1e-3 <= abs(value) < 1e6:
+        return f"{value:,.4g}" if abs(value) < 1e3 else f"{value:,.0f}"
+    return f"{value:.2e}"
+
+
+def exit_code(rows: list[Row]) -> int:
+    """0 if every enforced limit holds, else 1."""
+    return 0 if all(row.passed for row in rows if row.enforced) else 1
+
+
+# --------------------------------------------------------------------------- GPU runs
+
+
+def check_config(lime: bool, *, te: bool, bf16: bool, fusions_on: bool, **overrides):
+    """A LIMe (or baseline) config of ``overrides`` (else ``CHECK_SHAPE``) for the checks: bf16 or
+    fp32, with the machine's fused kernels (``fusions``) or none.  Gradient-accumulation fusion
+    stays off: the checks run without DDP's ``main_grad``."""
+    dtype = torch.bfloat16 if bf16 else torch.float32
+    shape = {**CHECK_SHAPE, **overrides}
+    config = lime_config(lime=lime, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
+                         transformer_impl="transformer_engine" if te else "local", **shape)
+    platform = Platform.detect() if fusions_on else Platform(cuda=False)
+    choices = fusions.resolve(platform, config.transformer_impl, 1)
+    choices = dataclasses.replace(choices, gradient_accumulation_fusion=Choice(False, "no DDP main_grad"))
+    return choices.apply(config)
+
+
+def build(config, seq: int, te: bool):
+    from lime_megatron.model import build_model
+
+    return build_model(config, VOCAB, seq, backend="te" if te else "local").cuda()
+
+
+def make_batch(micro_batch: int, seq: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) ``[b, s]`` of a learnable sequence: random start, then +1 mod vocab."""
+    generator = torch.Generator().manual_seed(seed)
+    start = torch.randint(0, VOCAB, (micro_batch, 1), generator=generator)
+    tokens = (start + torch.arange(seq + 1)) % VOCAB
+    return tokens[:, :-1].cuda(), tokens[:, 1:].cuda()
+
+
+def loss_of(model, tokens: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+    """Mean next-token loss (fp32) of ``model`` on ``tokens``."""
+    positions = torch.arange(tokens.shape[1], device=tokens.device).expand_as(tokens)
+    return model(tokens, positions, None, labels=labels).float().mean()
+
+
+def loss_and_gradients(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
+    model.zero_grad(set_to_none=True)
+    loss = loss_of(model, *batch)
+    loss.backward()
+    grads = local_named((name, param.grad.float()) for name, param in model.named_parameters())
+    return loss.item(), grads
+
+
+def check_bf16(lime: bool, tolerances: Tolerances) -> list[Row]:
+    """TE spec in bf16 (fused kernels) against the local spec in fp32 (none), same weights."""
+    label = "LIMe" if lime else "baseline"
+    micro_batch, seq = CHECK_BATCH
+    torch.manual_seed(1)
+    candidate = build(check_config(lime, te=True, bf16=True, fusions_on=True), seq, te=True)
+    reference = build(check_config(lime, te=False, bf16=False, fusions_on=False), seq, te=False)
+    copy_weights(candidate, reference)
+    batch = make_batch(micro_batch, seq, seed=0)
+    loss, grads = loss_and_gradients(candidate, batch)
+    ref_loss, ref_grads = loss_and_gradients(reference, batch)
+    rows = [Row("bf16 vs fp32", label, "loss", abs(loss - ref_loss) / abs(ref_loss), tolerances.loss_bf16)]
+    return rows + summarize_gradients(compare_gradients("bf16 vs fp32", label, grads, ref_grads, tolerances.grad_bf16))
+
+
+def train_losses(model, batches, lr: float = 1e-3) -> list[float]:
+    optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    losses = []
+    for batch in batches:
+        optimizer.zero_grad(set_to_none=True)
+        loss = loss_of(model, *batch)
+        loss.backward()
+        optimizer.step()
+        losses.append(loss.item())
+    return losses
+
+
+def check_fp8(lime: bool, tolerances: Tolerances) -> list[Row]:
+    """FP8_STEPS steps with each FP8 recipe against bf16, from the same weights and batches."""
+    label = "LIMe" if lime else "baseline"
+    if torch.cuda.get_device_capability() < (8, 9):
+        return [Row("fp8", label, "skipped: FP8 needs compute capability >= 8.9", math.nan, None)]
+    micro_batch, seq = CHECK_BATCH
+    batches = [make_batch(micro_batch, seq, seed=step) for step in range(FP8_STEPS)]
+    torch.manual_seed(2)
+    bf16 = build(check_config(lime, te=True, bf16=True, fusions_on=True), seq, te=True)
+    initial = {name: param.detach().clone() for name, param in bf16.named_parameters()}
+    reference = train_losses(bf16, batches)
+    rows = []
+    for recipe in FP8_RECIPES:
+        config = check_config(lime, te=True, bf16=True, fusions_on=True, fp8="hybrid", fp8_recipe=recipe)
+        model = build(config, seq, te=True)
+        with torch.no_grad():
+            for name, param in model.named_parameters():
+                param.copy_(initial[name])
+        losses = train_losses(model, batches)
+        distance = max(abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(losses, reference))
+        rows.append(Row(f"fp8 {recipe}", label, f"max rel. loss distance to bf16 over {FP8_STEPS} steps",
+                        distance, tolerances.fp8_loss))
+        del model
+    return rows
+
+
+def _timed_step(model, batch) -> tuple[float, int]:
+    """(seconds, peak bytes allocated) of one forward+backward."""
+    model.zero_grad(set_to_none=True)
+    torch.cuda.synchronize()
+    torch.cuda.reset_peak_memory_stats()
+    start = time.perf_counter()
+    loss_of(model, *batch).backward()
+    torch.cuda.synchronize()
+    seconds = time.perf_counter() - start
+    peak = torch.cuda.max_memory_allocated()
+    model.zero_grad(set_to_none=True)
+    return seconds, peak
+
+
+def time_shape(shape: TimedShape, peak_tflops: float | None, warmup: int = 3, repeats: int = 10) -> list[Row]:
+    """LIMe and the baseline at ``shape``, timed interleaved; rows of speed and memory."""
+    models = {}
+    for lime in (True, False):
+        config = check_config(lime, te=True, bf16=True, fusions_on=True, **shape.model)
+        models["LIMe" if lime else "baseline"] = (build(config, shape.seq, te=True), config)
+    batch = make_batch(shape.micro_batch, shape.seq, seed=0)
+    times: dict[str, list[float]] = {name: [] for name in models}
+    peaks: dict[str, int] = {}
+    for repeat in range(warmup + repeats):
+        for name, (model, _) in models.items():
+            seconds, peak = _timed_step(model, batch)
+            if repeat >= warmup:
+                times[name].append(seconds)
+                peaks[name] = max(peaks.get(name, 0), peak)
+    tokens = shape.micro_batch * shape.seq
+    rows = []
+    for name, (_, config) in models.items():
+        seconds = statistics.median(times[name])
+        tflops = 3 * flops.forward_flops_per_token(config, shape.seq, VOCAB) * tokens / seconds / 1e12
+        label = f"{shape.name} {name}"
+        rows += [Row("speed", label, "fwd+bwd ms (median)", seconds * 1e3),
+                 Row("speed", label, "tokens/s", tokens / seconds),
+                 Row("speed", label, "TFLOP/s (routers included)", tflops),
+                 Row("memory", label, "peak GiB (both models' weights resident)", peaks[name] / 2**30)]
+        if peak_tflops:
+            mfu = tflops / peak_tflops
+            rows.append(Row("speed", label, "MFU", mfu, MFU_TARGET if name == "LIMe" and "1B" in shape.name else None,
+                            lower_bound=True, enforced=False))
+    overhead = statistics.median(times["LIMe"]) / statistics.median(times["baseline"]) - 1
+    memory = peaks["LIMe"] / peaks["baseline"] - 1
+    rows += [Row("speed", shape.name, "LIMe step-time overhead", overhead, shape.overhead_target, enforced=False),
+             Row("memory", shape.name, "LIMe peak memory over baseline", memory, MEMORY_TARGET, enforced=False)]
+    del models
+    torch.cuda.empty_cache()
+    return rows
+
+
+def device_peak_tflops(name: str) -> float | None:
+    """Dense bf16 peak of the device called ``name`` (``PEAK_BF16_TFLOPS``), None if unknown."""
+    matches = [key for key in PEAK_BF16_TFLOPS if key in name]
+    return PEAK_BF16_TFLOPS[max(matches, key=len)] if matches else None
+
+
+def guarded(check: str, run: Callable[[], list[Row]]) -> list[Row]:
+    """``run()``'s rows, or one failed row naming the error (out of memory included)."""
+    try:
+        return run()
+    except Exception as error:  # noqa: BLE001 - a check that cannot run is a failed check
+        torch.cuda.empty_cache()
+        return [Row(check, "-", f"{type(error).__name__}: {str(error).splitlines()[0][:90]}", math.nan, math.inf)]
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the GPU (default: from its name)")
+    parser.add_argument("--skip-timing", action="store_true", help="correctness checks only")
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if not torch.cuda.is_available():
+        print("gpu_check: no CUDA GPU on this machine; nothing checked", flush=True)
+        return 2
+    from lime_megatron.parallel import initialize_parallel
+
+    initialize_parallel()
+    name = torch.cuda.get_device_name()
+    peak = args.peak_tflops or device_peak_tflops(name)
+    print(f"gpu_check on {name} (bf16 peak {peak or 'unknown'} TFLOP/s); {Platform.detect().describe()}", flush=True)
+    rows = []
+    if not Platform.detect().te:
+        rows.append(Row("setup", "-", "TransformerEngine not importable", math.nan, math.inf))
+    else:
+        for lime in (True, False):
+            rows += guarded("bf16 vs fp32", lambda lime=lime: check_bf16(lime, TOLERANCES))
+            rows += guarded("fp8", lambda lime=lime: check_fp8(lime, TOLERANCES))
+        if not args.skip_timing:
+            for shape in TIMED_SHAPES:
+                rows += guarded(f"speed {shape.name}", lambda shape=shape: time_shape(shape, peak))
+    print(format_table(rows), flush=True)
+    code = exit_code(rows)
+    print("gpu_check: all tolerances met" if code == 0 else "gpu_check: a tolerance was missed (FAILED rows)")
+    return code
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,326 @@
+"""The typed configuration of one training run: every option of ``pretrain_lime.py``, grouped.
+
+Each group is a frozen dataclass whose fields are the options of one ``--help`` section; a field
+declared with :func:`option` *is* the flag: ``arguments.build_parser`` adds ``--field-name`` from
+its metadata (type, default, choices, help), the YAML key is the field name, and
+:meth:`RunConfig.from_namespace` copies the parsed, validated value into the field. Adding an
+option is therefore one field in one group (plus its validation rule, if it has one). Fields made
+with :func:`derived` are not flags: validation fills them from the others (the data-parallel
+size, the number of microbatches, the virtual pipeline size).
+
+Modules read the group they need (``run.training.lr``, ``run.parallel.tensor_model_parallel_size``)
+instead of the argparse ``Namespace``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+from dataclasses import dataclass, field
+from typing import Any, Sequence
+
+import torch
+
+from lime_megatron.config import ROUTER_VARIANTS
+from lime_megatron.optimizer import WEIGHT_DECAY_GROUPINGS
+
+PAPER_ROUTER_LR = 1e-2
+"""Router learning rate of the paper (Table 2); the default of ``--lime-router-lr``."""
+
+NULL_TOKENIZER = "NullTokenizer"
+"""``--tokenizer-type`` of Megatron-LM's vocabulary-only tokenizer (ids ``0..--vocab-size - 1``)."""
+
+
+def option(default: Any = None, *, type: Any = None, help: str | None = None, **argparse_kwargs) -> Any:
+    """A field that is also a command-line flag ``--<name-with-dashes>``; ``type=bool`` makes a
+    ``--name`` / ``--no-name`` switch (default False). Other keywords go to ``add_argument``."""
+    if type is bool and default is None:
+        default = False
+    metadata = dict(flag=True, type=type, help=help, **argparse_kwargs)
+    return field(default=default, metadata=metadata)
+
+
+def external(default: Any = None) -> Any:
+    """A field whose flag another module defines (the tokenizer flags of
+    ``lime_megatron.tokenizer.add_tokenizer_args``)."""
+    return field(default=default, metadata=dict(flag=False))
+
+
+def derived(default: Any = None) -> Any:
+    """A field filled in by validation from other options (no flag)."""
+    return field(default=default, metadata=dict(flag=False, derived=True))
+
+
+@dataclass(frozen=True)
+class ModelOptions:
+    """The model's shape and architecture (paper Table 3)."""
+
+    group = "model"
+
+    num_layers: int | None = option(type=int)
+    hidden_size: int | None = option(type=int)
+    ffn_hidden_size: int | None = option(type=int, help="default 4 * hidden size")
+    num_attention_heads: int | None = option(type=int)
+    group_query_attention: bool = option(type=bool, help="grouped-query attention; needs --num-query-groups")
+    num_query_groups: int | None = option(type=int, help="key/value heads (default: attention heads)")
+    kv_channels: int | None = option(type=int, help="head dimension (default hidden / heads)")
+    seq_length: int | None = option(type=int)
+    max_position_embeddings: int | None = option(type=int, help="default: --seq-length")
+    rotary_base: int = option(10000, type=int)
+    norm_epsilon: float = option(1e-5, type=float)
+    init_method_std: float = option(0.02, type=float)
+    hidden_dropout: float = option(0.0, type=float)
+    attention_dropout: float = option(0.0, type=float)
+    untie_embeddings_and_output_weights: bool = option(type=bool)
+    vocab_size: int | None = option(type=int, help="vocabulary of --mock-data / --tokenizer-type NullTokenizer "
+                                                   "(real data: the tokenizer's, padded)")
+    transformer_impl: str = option("local", choices=("local", "transformer_engine"),
+                                   help="local: megatron-only modules (CPU and GPU); transformer_engine: GPU, "
+                                        "bf16/FP8")
+    recompute_granularity: str | None = option(choices=("full", "selective"))
+    recompute_method: str | None = option(choices=("uniform", "block"))
+    recompute_num_layers: int | None = option(type=int)
+
+    @property
+    def max_sequence_length(self) -> int:
+        """Positions the model supports (``--max-position-embeddings``, default ``--seq-length``)."""
+        return self.max_position_embeddings or self.seq_length
+
+
+@dataclass(frozen=True)
+class LimeOptions:
+    """LIMe's switches (paper §4, App. D) and the routers' optimizer group (Table 2)."""
+
+    group = "LIMe"
+
+    lime: bool = option(type=bool, help="LIMe attention (without it: the LLaMA baseline)")
+    lime_router: str | None = option(choices=ROUTER_VARIANTS, help="router variant (default full)")
+    lime_router_window: int | None = option(type=int, help="window j of the last/first routers")
+    lime_router_lr: float | None = option(
+        type=float, help=f"router learning rate (default {PAPER_ROUTER_LR}, the paper's); the router schedule "
+                         "is the main one scaled by lime-router-lr / lr")
+    lime_router_weight_decay: float | None = option(type=float, help="router weight decay (default 0)")
+    lime_recompute_routed_kv: bool = option(True, type=bool,
+                                            help="recompute the routed keys/values in backward instead of "
+                                                 "saving them")
+
+
+@dataclass(frozen=True)
+class ParallelOptions:
+    """The parallel layout: tensor, pipeline (virtual stages, uneven split), sequence and data
+    parallelism."""
+
+    group = "parallelism"
+
+    tensor_model_parallel_size: int = option(1, type=int)
+    pipeline_model_parallel_size: int = option(1, type=int)
+    num_layers_per_virtual_pipeline_stage: int | None = option(type=int)
+    num_virtual_stages_per_pipeline_rank: int | None = option(type=int)
+    decoder_first_pipeline_num_layers: int | None = option(type=int)
+    decoder_last_pipeline_num_layers: int | None = option(type=int)
+    sequence_parallel: bool = option(type=bool)
+    use_distributed_optimizer: bool = option(type=bool)
+    data_parallel_size: int | None = derived()
+    """World size / (TP x PP); None for a dry run."""
+    virtual_pipeline_size: int | None = derived()
+    """Virtual stages per pipeline rank (None without interleaving)."""
+
+
+@dataclass(frozen=True)
+class TrainingOptions:
+    """Batch, length of the run, optimizer and learning-rate schedule."""
+
+    group = "training"
+
+    micro_batch_size: int | None = option(type=int)
+    global_batch_size: int | None = option(type=int, help="default: micro batch x data-parallel size")
+    train_iters: int | None = option(type=int)
+    exit_interval: int | None = option(type=int, help="stop (and save) after this iteration")
+    seed: int = option(1234, type=int)
+    optimizer: str = option("adam", choices=("adam", "sgd"), help="adam is AdamW (decoupled weight decay)")
+    lr: float | None = option(type=float)
+    min_lr: float = option(0.0, type=float)
+    lr_decay_style: str = option("linear", choices=("constant", "linear", "cosine", "inverse-square-root"))
+    lr_warmup_iters: int = option(0, type=int)
+    lr_warmup_init: float = option(0.0, type=float)
+    lr_decay_iters: int | None = option(type=int, help="default: --train-iters")
+    weight_decay: float = option(0.01, type=float)
+    weight_decay_grouping: str = option("megatron", choices=WEIGHT_DECAY_GROUPINGS,
+                                        help="megatron: no decay on biases and norms; official (the paper's "
+                                             "runs): nor on the word embedding")
+    clip_grad: float = option(1.0, type=float)
+    adam_beta1: float = option(0.9, type=float)
+    adam_beta2: float = option(0.999, type=float)
+    adam_eps: float = option(1e-8, type=float)
+    sgd_momentum: float = option(0.9, type=float)
+    num_microbatches: int | None = derived()
+    """Microbatches per iteration on each data-parallel rank."""
+
+    @property
+    def last_iteration(self) -> int:
+        """Where the run stops: ``--train-iters``, or ``--exit-interval`` when that is earlier."""
+        return min(self.train_iters, self.exit_interval or self.train_iters)
+
+
+@dataclass(frozen=True)
+class PrecisionOptions:
+    """Mixed precision and FP8 (GPU)."""
+
+    group = "mixed precision (GPU)"
+
+    bf16: bool = option(type=bool)
+    fp16: bool = option(type=bool)
+    loss_scale: float | None = option(type=float, help="static fp16 loss scale (default: dynamic)")
+    initial_loss_scale: float = option(2.0**32, type=float)
+    min_loss_scale: float = option(1.0, type=float)
+    loss_scale_window: float = option(1000, type=float)
+    hysteresis: int = option(2, type=int)
+    fp8_format: str | None = option(choices=("e4m3", "hybrid"),
+                                    help="FP8 through TransformerEngine (needs --transformer-impl "
+                                         "transformer_engine)")
+    fp8_recipe: str = option("delayed", choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
+    fp8_margin: int = option(0, type=int)
+    fp8_amax_history_len: int = option(1, type=int)
+    fp8_amax_compute_algo: str = option("most_recent", choices=("most_recent", "max"))
+
+    @property
+    def params_dtype(self) -> torch.dtype:
+        """Parameter dtype of the run: bfloat16, float16 or float32."""
+        return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
+
+
+@dataclass(frozen=True)
+class DataOptions:
+    """Tokenizer and datasets."""
+
+    group = "data"
+
+    tokenizer_type: str = external("GPT2BPETokenizer")
+    tokenizer_model: str | None = external()
+    vocab_file: str | None = external()
+    merge_file: str | None = external()
+    make_vocab_size_divisible_by: int = external(128)
+    data_path: list[str] | None = option(nargs="+", help="dataset prefixes, optionally weighted: "
+                                                         "[w1] prefix1 [w2] prefix2 ...")
+    split: str = option("969,30,1", help="train,valid,test weights of --data-path")
+    train_data_path: list[str] | None = option(nargs="+", help="blend of the train split (instead of --split)")
+    valid_data_path: list[str] | None = option(nargs="+")
+    test_data_path: list[str] | None = option(nargs="+")
+    mock_data: bool = option(type=bool, help="random tokens from megatron's MockGPTDataset")
+    data_cache_path: str | None = option(help="where GPTDataset index files are cached")
+    eod_mask_loss: bool = option(type=bool, help="no loss on end-of-document tokens")
+
+
+@dataclass(frozen=True)
+class CheckpointOptions:
+    """Saving and resuming."""
+
+    group = "checkpointing"
+
+    save: str | None = option(help="directory of the distributed checkpoints")
+    load: str | None = option(help="directory to resume from (may be the same as --save)")
+    save_interval: int | None = option(type=int, help="save every N iterations")
+    ckpt_keep_last: int | None = option(type=int, help="keep only the newest N checkpoints in --save "
+                                                       "(default: keep all)")
+    no_load_optim: bool = option(False, action="store_true",
+                                 help="load the model weights only (fresh optimizer and schedule)")
+    no_load_rng: bool = option(False, action="store_true", help="do not restore RNG states")
+    exit_on_missing_checkpoint: bool = option(
+        False, action="store_true", help="fail when --load holds no checkpoint (always so when --load != --save)")
+
+
+@dataclass(frozen=True)
+class LoggingOptions:
+    """Metrics sinks, evaluation and profiling."""
+
+    group = "logging and evaluation"
+
+    log_interval: int = option(100, type=int)
+    eval_interval: int = option(1000, type=int)
+    eval_iters: int = option(100, type=int, help="validation batches per evaluation")
+    tensorboard_dir: str | None = option()
+    wandb_project: str | None = option()
+    wandb_exp_name: str | None = option()
+    wandb_save_dir: str | None = option()
+    wandb_mode: str | None = option(choices=("online", "offline", "disabled"),
+                                    help="default: $WANDB_MODE, else online")
+    metrics_file: str | None = option(help="append one JSON object per iteration to this file")
+    gpu_peak_tflops: float | None = option(type=float, help="dense bf16 peak of one GPU for MFU (default: "
+                                                            "known devices)")
+    log_throughput: bool = option(type=bool, help="show tokens/s (and, on GPU, TFLOP/s per GPU and MFU) in the "
+                                                  "console line; the metrics sinks always record them")
+    profile: bool = option(type=bool, help="profile the iterations after --profile-step-start up to "
+                                           "--profile-step-end (GPU: nsys ranges; see --use-pytorch-profiler)")
+    profile_step_start: int = option(10, type=int, help="iterations completed before profiling starts")
+    profile_step_end: int = option(12, type=int, help="iteration after which profiling stops")
+    profile_ranks: Sequence[int] = option((0,), type=int, nargs="+", help="global ranks that profile")
+    use_pytorch_profiler: bool = option(type=bool, help="with --profile: a torch.profiler trace "
+                                                        "(CPU and GPU) under --profile-dir")
+    profile_dir: str | None = option(help="where --use-pytorch-profiler writes its trace (default: "
+                                          "--tensorboard-dir)")
+
+    @property
+    def trace_dir(self) -> str | None:
+        """Directory of the torch.profiler trace (``--profile-dir``, else ``--tensorboard-dir``)."""
+        return self.profile_dir or self.tensorboard_dir
+
+
+@dataclass(frozen=True)
+class StepTimeOptions:
+    """``--dry-run``'s step-time model of the pipeline schedule (``lime_megatron.schedule_model``)."""
+
+    group = "dry-run step-time model"
+
+    compute_tflops: float = option(400.0, type=float,
+                                   help="achieved TFLOP/s per GPU the step-time model converts FLOPs with")
+    link_bandwidth_gbps: float | None = option(type=float, help="pipeline link bandwidth in Gb/s (default: both "
+                                                                "NVLink-like 3600 and InfiniBand-like 400)")
+    link_latency_us: float = option(5.0, type=float, help="pipeline link latency in microseconds")
+
+
+GROUPS = dict(model=ModelOptions, lime=LimeOptions, parallel=ParallelOptions, training=TrainingOptions,
+              precision=PrecisionOptions, data=DataOptions, checkpointing=CheckpointOptions,
+              logging=LoggingOptions, step_time=StepTimeOptions)
+"""The option groups of :class:`RunConfig`, by attribute name, in ``--help`` order."""
+
+
+@dataclass(frozen=True)
+class RunConfig:
+    """Every option of one run, validated (``arguments.parse_run``)."""
+
+    model: ModelOptions = field(default_factory=ModelOptions)
+    lime: LimeOptions = field(default_factory=LimeOptions)
+    parallel: ParallelOptions = field(default_factory=ParallelOptions)
+    training: TrainingOptions = field(default_factory=TrainingOptions)
+    precision: PrecisionOptions = field(default_factory=PrecisionOptions)
+    data: DataOptions = field(default_factory=DataOptions)
+    checkpointing: CheckpointOptions = field(default_factory=CheckpointOptions)
+    logging: LoggingOptions = field(default_factory=LoggingOptions)
+    step_time: StepTimeOptions = field(default_factory=StepTimeOptions)
+    dry_run: bool = False
+    dry_run_world_size: int | None = None
+
+    @classmethod
+    def from_namespace(cls, args: argparse.Namespace) -> RunConfig:
+        """The run of validated parsed arguments (each field takes the attribute of its name)."""
+        groups = {name: group(**{f.name: getattr(args, f.name) for f in dataclasses.fields(group)})
+                  for name, group in GROUPS.items()}
+        return cls(**groups, dry_run=args.dry_run, dry_run_world_size=args.dry_run_world_size)
+
+    @classmethod
+    def from_flat_dict(cls, flat: dict[str, Any]) -> RunConfig:
+        """The run of :meth:`as_flat_dict`'s output (a checkpoint's saved options); options missing
+        from ``flat`` keep their defaults."""
+        groups = {name: group(**{f.name: flat[f.name] for f in dataclasses.fields(group) if f.name in flat})
+                  for name, group in GROUPS.items()}
+        return cls(**groups, dry_run=flat.get("dry_run", False), dry_run_world_size=flat.get("dry_run_world_size"))
+
+    def as_flat_dict(self) -> dict[str, Any]:
+        """Every option by its flag's name (``num_layers``, ``lr``, ...): for checkpoints and wandb."""
+        flat = {key: value for name in GROUPS for key, value in dataclasses.asdict(getattr(self, name)).items()}
+        return {**flat, "dry_run": self.dry_run, "dry_run_world_size": self.dry_run_world_size}
+
+    @property
+    def name(self) -> str:
+        """``LIMe`` or ``LLaMA``."""
+        return "LIMe" if self.lime.lime else "LLaMA"

@@ -1,0 +1,123 @@
+"""lime_megatron.analysis: entropy against closed forms, router numbers against the model's
+routers, the probe on separable and on random data, hooked values against the model's own value
+projections, and the plots of a LIMe/LLaMA comparison."""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from lime_fixtures import SEQ, VOCAB, tiny_model
+from lime_megatron import analysis
+from lime_megatron.parallel import initialize_parallel
+
+pytest.importorskip("sklearn")
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+WORDS = {"is": 7, "are": 8, "was": 9, "were": 10}
+
+
+class WordTokenizer:
+    """Each of ``WORDS`` (with or without a leading space) is one token; anything else two."""
+
+    def tokenize(self, text: str) -> list[int]:
+        word = text.strip()
+        return [WORDS[word]] if word in WORDS else [0, 1]
+
+
+def _tokens(n: int = 24) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(0)
+    tokens = torch.randint(11, VOCAB, (n, SEQ), generator=generator)
+    tokens[:, 6] = torch.tensor(list(WORDS.values())).repeat(n // 4)
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def models():
+    initialize_parallel()
+    return {"LIMe": tiny_model(torch.float32, num_query_groups=2).eval(),
+            "LLaMA": tiny_model(torch.float32, num_query_groups=2, lime=False).eval()}
+
+
+@pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0])
+def test_entropy_closed_forms(alpha):
+    t = 8
+    row = torch.randn(1, 16, dtype=torch.float64)
+    assert analysis.renyi_entropy(row.repeat(t, 1), alpha) == pytest.approx(0.0, abs=1e-9)
+    orthonormal, _ = torch.linalg.qr(torch.randn(16, t, dtype=torch.float64))
+    assert analysis.renyi_entropy(orthonormal.T, alpha) == pytest.approx(math.log(t), rel=1e-9)
+    # Two orthogonal directions with weights 3:1 -> p = (0.9, 0.1).
+    two = torch.tensor([[3.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
+    p = np.array([0.9, 0.1])
+    expected = -(p * np.log(p)).sum() if alpha == 1 else np.log((p**alpha).sum()) / (1 - alpha)
+    assert analysis.renyi_entropy(two, alpha) == pytest.approx(expected, rel=1e-9)
+    with pytest.raises(ValueError, match="alpha must be > 0"):
+        analysis.renyi_entropy(row, 0.0)
+
+
+def test_probe_separates_separable_data_and_not_random_labels():
+    generator = np.random.default_rng(0)
+    centres = generator.normal(size=(4, 16)) * 4
+    labels = np.repeat(np.arange(4), 50)
+    features = centres[labels] + generator.normal(size=(200, 16))
+    mean, std = analysis.probe_accuracy(features, labels)
+    assert mean >= 0.98 and std < 0.05
+    chance, _ = analysis.probe_accuracy(generator.normal(size=(200, 16)), labels)
+    assert chance < 0.5
+    with pytest.raises(ValueError, match="needs >= 5 examples"):
+        analysis.probe_accuracy(features[48:56], labels[48:56])
+    with pytest.raises(ValueError, match="at least 2 classes"):
+        analysis.probe_accuracy(features[:8], labels[:8])
+
+
+def test_hooked_values_are_the_models_value_projections(models):
+    model = models["LIMe"]
+    tokens = _tokens(4)
+    reps = analysis.collect_representations(model, tokens, batch_size=3, progress=False)
+    assert len(reps.values) == len(reps.hidden) == model.config.num_layers
+    with torch.no_grad():
+        for index in range(1, model.config.num_layers):
+            layer = model.decoder.layers[index]
+            layer_input = reps.hidden[index - 1].transpose(0, 1)  # [s, b, h]
+            _, _, value = layer.self_attention.get_query_key_value_tensors(layer.input_layernorm(layer_input))
+            expected = value.reshape(SEQ, len(tokens), -1).transpose(0, 1)
+            torch.testing.assert_close(reps.values[index], expected, rtol=1e-5, atol=1e-6)
+
+
+def test_retrieval_shares_of_a_known_router():
+    weight = torch.tensor([[[1.0, -3.0], [2.0, 0.0]], [[-1.0, 1.0], [0.0, 2.0]]])  # [kv=2, sources=2, kv=2]
+    shares = analysis.retrieval_shares({1: ([0, 1], weight)}, 2)
+    np.testing.assert_allclose(shares[1], [0.6, 0.4])  # mean |w|: source 0 -> 1.5, source 1 -> 1.0
+    np.testing.assert_allclose(analysis.self_retrieval(shares), [0.0, 0.4])
+    np.testing.assert_allclose(analysis.expected_depth(shares), [0.0, 0.4])
+
+
+def test_analysis_of_lime_and_llama_writes_numbers_and_plots(models, tmp_path):
+    options = analysis.AnalysisOptions(tsne_layers=(4,), tsne_iterations=250)
+    results = analysis.analyze(models, _tokens(), WordTokenizer(), str(tmp_path), options)
+    saved = json.loads((tmp_path / "analysis.json").read_text())
+    lime = saved["models"]["LIMe"]
+    for router in models["LIMe"].routers():
+        stored = lime["router"]["weights"][str(router.layer)]
+        assert stored["sources"] == router.sources
+        assert torch.equal(torch.tensor(stored["weight"]).reshape(router.weight.shape), router.weight.detach())
+    np.testing.assert_allclose(np.array(lime["router"]["shares"]).sum(1), 1.0)
+    assert "router" not in saved["models"]["LLaMA"]
+    for name in models:
+        for key in ("entropy_values", "entropy_hidden", "probe_values", "probe_hidden"):
+            assert len(results["models"][name][key]["mean"]) == 5
+    for plot in ("entropy_values", "entropy_hidden", "probe_values", "probe_hidden", "tsne_values",
+                 "tsne_hidden", "retrieval_LIMe", "routers_LIMe"):
+        data = (tmp_path / f"{plot}.png").read_bytes()
+        assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, plot
+
+
+def test_a_word_without_a_single_token_is_named():
+    assert analysis.word_token_ids(WordTokenizer(), ["is", "were"]) == {"is": [7], "were": [10]}
+    with pytest.raises(ValueError, match="no single token for 'been'"):
+        analysis.word_token_ids(WordTokenizer(), ["is", "been"])

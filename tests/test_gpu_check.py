@@ -1,0 +1,135 @@
+"""The GPU-free pieces of ``python -m lime_megatron.gpu_check``: the exit without CUDA, the weight
+copy between the TransformerEngine and local specs (local -> local and against a hand-made
+TE-style module), the gradient comparison, the table and exit code, and that the bf16 tolerances
+hold for bf16 rounding of a small LIMe model on CPU."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from lime_fixtures import batch, loss_of, tiny_model
+from test_lime_model import init_single_process
+from torch import nn
+
+from lime_megatron import gpu_check
+from lime_megatron.gpu_check import Row
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron():
+    init_single_process()
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
+def test_without_cuda_one_line_and_exit_2(capsys):
+    assert gpu_check.main([]) == 2
+    assert capsys.readouterr().out.strip().count("\n") == 0
+
+
+def module_with(tensors: dict[str, torch.Tensor]) -> nn.Module:
+    """A module whose ``named_parameters`` are ``tensors`` (dotted names become submodules)."""
+    root = nn.Module()
+    for name, tensor in tensors.items():
+        *path, leaf = name.split(".")
+        module = root
+        for part in path:
+            if not hasattr(module, part):
+                module.add_module(part, nn.Module())
+            module = getattr(module, part)
+        module.register_parameter(leaf, nn.Parameter(tensor.clone()))
+    return root
+
+
+def te_style(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """A TE-spec state of local-spec tensors: the input norms fused into the linear layers."""
+    to_te = {value: key for key, value in gpu_check.TE_FUSED_NORMS.items()}
+    named = {}
+    for name, tensor in local.items():
+        suffix = next((s for s in to_te if name.endswith("." + s)), None)
+        named[name[: -len(suffix)] + to_te[suffix] if suffix else name] = tensor
+    return named
+
+
+def test_te_names_map_to_local_names():
+    names = {"decoder.layers.3.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.3.input_layernorm.weight",
+             "decoder.layers.3.mlp.linear_fc1.layer_norm_weight": "decoder.layers.3.pre_mlp_layernorm.weight",
+             "decoder.layers.3.self_attention.linear_qkv.weight": "decoder.layers.3.self_attention.linear_qkv.weight",
+             "decoder.layers.3.self_attention.router.weight": "decoder.layers.3.self_attention.router.weight"}
+    assert {te: gpu_check.local_name(te) for te in names} == names
+    assert list(gpu_check.local_named([("a.linear_qkv._extra_state", torch.zeros(1))])) == []
+
+
+def test_weights_copy_between_local_and_te_style_specs():
+    source, target = tiny_model(seed=1), tiny_model(seed=2)
+    gpu_check.copy_weights(source, target)
+    for (name, a), (_, b) in zip(source.named_parameters(), target.named_parameters()):
+        assert torch.equal(a, b), name
+    local = dict(source.named_parameters())
+    te = module_with({name: torch.randn_like(t) for name, t in te_style(local).items()})
+    gpu_check.copy_weights(te, target)
+    te_params = dict(te.named_parameters())
+    fused = "decoder.layers.2.self_attention.linear_qkv.layer_norm_weight"
+    assert torch.equal(dict(target.named_parameters())["decoder.layers.2.input_layernorm.weight"], te_params[fused])
+    gpu_check.copy_weights(source, te)
+    assert torch.equal(te_params[fused], local["decoder.layers.2.input_layernorm.weight"])
+    with pytest.raises(ValueError, match="only in the target.*input_layernorm"):
+        gpu_check.copy_weights(module_with({"decoder.final_layernorm.weight": torch.ones(32)}), target)
+    with pytest.raises(ValueError, match="shapes differ"):
+        gpu_check.copy_weights(tiny_model(hidden_size=16, num_attention_heads=2), target)
+
+
+def test_gradient_comparison_finds_the_wrong_parameter():
+    expected = {"a.weight": torch.randn(8, 8), "a.router.weight": torch.randn(4, 8)}
+    actual = {"a.weight": expected["a.weight"] * 1.2, "a.router.weight": expected["a.router.weight"] + 1e-4}
+    rows = gpu_check.compare_gradients("bf16 vs fp32", "LIMe", actual, expected, 5e-2)
+    assert [row.passed for row in rows] == [False, True]
+    assert rows[0].value == pytest.approx(0.2)
+    summary = gpu_check.summarize_gradients(rows)
+    assert rows[0] in summary and any("worst of 1 router grads" in row.quantity for row in summary)
+    with pytest.raises(ValueError, match=r"missing \['a.router.weight'\]"):
+        gpu_check.compare_gradients("c", "m", {"a.weight": actual["a.weight"]}, expected, 1.0)
+
+
+def test_table_and_exit_code():
+    rows = [Row("bf16 vs fp32", "LIMe", "loss", 2e-3, 1e-2),
+            Row("speed", "1B GQA-8", "LIMe step-time overhead", 0.05, 0.01, enforced=False),
+            Row("speed", "1B GQA-8 LIMe", "MFU", 0.45, 0.40, lower_bound=True, enforced=False),
+            Row("speed", "1B GQA-8 LIMe", "tokens/s", 123456.0)]
+    table = gpu_check.format_table(rows)
+    lines = table.splitlines()
+    assert len(lines) == 2 + len(rows) and "target missed" in lines[3] and "target met" in lines[4]
+    assert ">= 0.4" in lines[4] and "123,456" in lines[5]
+    assert gpu_check.exit_code(rows) == 0  # speed targets are reported, not enforced
+    failing = rows + [Row("fp8 delayed", "LIMe", "loss distance", math.nan, 3e-2)]
+    assert gpu_check.exit_code(failing) == 1 and "FAILED" in gpu_check.format_table(failing)
+
+
+def test_device_peaks():
+    assert gpu_check.device_peak_tflops("NVIDIA H100 80GB HBM3") == 989.4
+    assert gpu_check.device_peak_tflops("NVIDIA GH200 480GB") == 989.4
+    assert gpu_check.device_peak_tflops("Tesla T4") is None
+
+
+def test_bf16_tolerances_hold_for_bf16_rounding_on_cpu():
+    """The same LIMe weights in float32 and bfloat16 (local spec, CPU): loss and every gradient
+    within the stated bf16 tolerances, so a GPU failure points at a kernel, not at rounding."""
+    fp32 = tiny_model(dtype=torch.float32, seed=3)
+    bf16 = tiny_model(dtype=torch.bfloat16, seed=4)
+    gpu_check.copy_weights(fp32, bf16)
+    with torch.no_grad():  # weights representable in both
+        for param in fp32.parameters():
+            param.copy_(param.bfloat16().float())
+    results = []
+    for model in (fp32, bf16):
+        tokens, positions, mask = batch()
+        loss = loss_of(model(tokens, positions, mask).float(), tokens)
+        loss.backward()
+        results.append((loss.item(), {n: p.grad.float() for n, p in model.named_parameters()}))
+    (ref_loss, ref_grads), (loss, grads) = results
+    assert abs(loss - ref_loss) / ref_loss <= gpu_check.TOLERANCES.loss_bf16
+    rows = gpu_check.compare_gradients("bf16", "LIMe", grads, ref_grads, gpu_check.TOLERANCES.grad_bf16)
+    assert sum("router" in row.quantity for row in rows) == 4
+    assert all(row.passed for row in rows), [row for row in rows if not row.passed]
+    assert max(row.value for row in rows) > 1e-4  # bf16 did round: the comparison is not vacuous

@@ -1,0 +1,309 @@
+"""hf_export / hf_layout: Hugging Face directories from checkpoints and back.
+
+- The LLaMA baseline written by ``write_hf`` loads in transformers' ``LlamaForCausalLM`` with the
+  same logits (float64, MHA and GQA, tied and untied).  transformers computes RMSNorm and eager
+  softmax in float32 whatever the input dtype; the float64 comparison uses SDPA attention and
+  runs transformers' RMSNorm at its input precision (its formula otherwise unchanged).
+- LIMe written in the official layout: its tensor names and shapes are those the official
+  ``LIMeForCausalLM`` (github.com/corl-team/lime, src/lm/lime.py) creates, written down here
+  from reading that code; a reader written here from the official forward's semantics feeds the
+  plain reference of the paper's equations (``reference_lime``), whose logits equal ours.
+- checkpoint -> HF -> checkpoint is bit-exact and keeps epsilon, RoPE base, tying and padding;
+  bad directories fail with one message naming the tensor or field.
+"""
+
+import json
+import os
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("safetensors")  # the hf extra: pip install torch==2.13.0 -e .[hf]
+from safetensors import safe_open  # noqa: E402
+from safetensors.torch import save_file  # noqa: E402
+
+import reference_lime
+from lime_fixtures import SEQ, VOCAB, batch, relative_error, tiny_model
+from lime_megatron import arguments, checkpointing, data
+from lime_megatron.checkpoint_model import load_model, new_model, save_model
+from lime_megatron.hf_export import ConversionError, Description, import_checkpoint, write_hf
+from lime_megatron.hf_layout import ModelShape
+from lime_megatron.parallel import initialize_parallel
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+
+TOLERANCE = 1e-10
+EPS, ROPE_BASE = 1e-6, 5000
+
+
+@pytest.fixture(autouse=True)
+def parallel():
+    """A one-process world (the trainer test tears its own down)."""
+    initialize_parallel()
+
+
+def _write(model, directory, **description) -> str:
+    """``model`` as a Hugging Face directory (float64 tensors as they are)."""
+    settings = dict(rope_base=ROPE_BASE, norm_epsilon=EPS, max_positions=SEQ, unpadded_vocab_size=VOCAB)
+    settings.update(description)
+    write_hf(model, Description(ModelShape.of_model(model), **settings), str(directory), progress=False)
+    return str(directory)
+
+
+def _model(**overrides):
+    """A float64 tiny model (RoPE base ``ROPE_BASE`` and epsilon ``EPS``) in eval mode."""
+    from lime_megatron.model import build_model
+
+    template = tiny_model(layernorm_epsilon=EPS, **overrides)
+    model = build_model(template.config, VOCAB, SEQ, rotary_base=ROPE_BASE,
+                        share_embeddings_and_output_weights=template.share_embeddings_and_output_weights)
+    model.load_state_dict(template.state_dict())
+    return model.eval()
+
+
+# --------------------------------------------------------------------------- LLaMA in transformers
+
+
+@pytest.mark.parametrize("groups, tied", [(4, True), (2, True), (2, False)], ids=["mha", "gqa", "gqa-untied"])
+def test_llama_logits_equal_transformers(tmp_path, monkeypatch, groups, tied):
+    transformers = pytest.importorskip("transformers")
+    from transformers.models.llama import modeling_llama
+
+    def rms_norm_at_input_precision(self, hidden):
+        return self.weight * (hidden * torch.rsqrt(hidden.pow(2).mean(-1, keepdim=True) + self.variance_epsilon))
+
+    monkeypatch.setattr(modeling_llama.LlamaRMSNorm, "forward", rms_norm_at_input_precision)
+    model = _model(lime=False, num_query_groups=groups)
+    if not tied:
+        model = _untied(model)
+    hf = transformers.LlamaForCausalLM.from_pretrained(
+        _write(model, tmp_path / "hf"), dtype=torch.float64, attn_implementation="sdpa").eval()
+    assert hf.config.rms_norm_eps == EPS and hf.config.tie_word_embeddings == tied
+    tokens, positions, mask = batch()
+    with torch.no_grad():
+        ours, theirs = model(tokens, positions, mask), hf(tokens).logits
+    assert theirs.shape == ours.shape
+    assert relative_error(theirs, ours) <= TOLERANCE
+
+
+def _untied(model):
+    """``model`` with a separate output layer (a different random matrix)."""
+    from lime_megatron.model import build_model
+
+    untied = build_model(model.config, VOCAB, SEQ, rotary_base=ROPE_BASE, share_embeddings_and_output_weights=False)
+    state = model.state_dict()
+    state["output_layer.weight"] = torch.randn(VOCAB, model.config.hidden_size, dtype=torch.float64) * 0.1
+    untied.load_state_dict(state)
+    return untied.eval()
+
+
+# --------------------------------------------------------------------------- LIMe, official layout
+
+
+def official_shapes(config: dict) -> dict[str, list[int]]:
+    """Parameter names and shapes of the official ``LIMeForCausalLM(LlamaConfig, LIMeConfig)``,
+    written from src/lm/lime.py: ``LlamaForCausalLM`` whose attention deletes ``k_proj``/``v_proj``
+    and adds ``kv_proj_weight`` [2 head_dim kv_heads, hidden]; layers >= 1 add
+    ``lime_router.static_weights`` [kv_heads, (layer + 1) kv_heads] (layer 0's router has none)."""
+    h, layers, kv = config["hidden_size"], config["num_hidden_layers"], config["num_key_value_heads"]
+    d, heads, ffn = config["head_dim"], config["num_attention_heads"], config["intermediate_size"]
+    shapes = {"model.embed_tokens.weight": [config["vocab_size"], h], "model.norm.weight": [h]}
+    for i in range(layers):
+        p = f"model.layers.{i}."
+        shapes.update({
+            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
+            p + "self_attn.q_proj.weight": [heads * d, h], p + "self_attn.o_proj.weight": [h, heads * d],
+            p + "self_attn.kv_proj_weight": [2 * d * kv, h],
+            p + "mlp.gate_proj.weight": [ffn, h], p + "mlp.up_proj.weight": [ffn, h],
+            p + "mlp.down_proj.weight": [h, ffn],
+        })
+        if i > 0:
+            shapes[p + "self_attn.lime_router.static_weights"] = [kv, (i + 1) * kv]
+    if not config["tie_word_embeddings"]:
+        shapes["lm_head.weight"] = [config["vocab_size"], h]
+    return shapes
+
+
+def read_official(directory: str) -> tuple[dict, dict]:
+    """A reader of the official layout written from the official forward's semantics: the K/V
+    projection's output feature ``c * kv_heads + g`` is channel c (keys c < head_dim, then
+    values) of head g; the router mixes layers 0..l with the full static matrix (layer 0: its
+    own heads).  Returns (``reference_lime`` params, spec)."""
+    with open(os.path.join(directory, "config.json")) as handle:
+        config = json.load(handle)
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    kv, d = config["num_key_value_heads"], config["head_dim"]
+    key_rows = [c * kv + g for g in range(kv) for c in range(d)]
+    value_rows = [(d + c) * kv + g for g in range(kv) for c in range(d)]
+    layers = []
+    for i in range(config["num_hidden_layers"]):
+        p = f"model.layers.{i}."
+        kv_proj = tensors[p + "self_attn.kv_proj_weight"]
+        layer = dict(attn_norm=tensors[p + "input_layernorm.weight"], wq=tensors[p + "self_attn.q_proj.weight"],
+                     wk=kv_proj[key_rows], wv=kv_proj[value_rows], wo=tensors[p + "self_attn.o_proj.weight"],
+                     mlp_norm=tensors[p + "post_attention_layernorm.weight"],
+                     w_gate=tensors[p + "mlp.gate_proj.weight"], w_up=tensors[p + "mlp.up_proj.weight"],
+                     w_down=tensors[p + "mlp.down_proj.weight"])
+        if i > 0:
+            layer["router"] = tensors[p + "self_attn.lime_router.static_weights"]
+        layers.append(layer)
+    params = dict(embedding=tensors["model.embed_tokens.weight"], final_norm=tensors["model.norm.weight"],
+                  layers=layers)
+    spec = dict(heads=config["num_attention_heads"], kv_heads=kv, eps=config["rms_norm_eps"],
+                rope_base=config["rope_theta"], lime=True, variant="full", window=None)
+    return params, spec
+
+
+LIME_CASES = {
+    "full-mha": dict(num_query_groups=4),
+    "full-gqa": dict(num_query_groups=2),
+    "last2-gqa": dict(num_query_groups=2, lime_router="last", lime_router_window=2),
+    "first2": dict(lime_router="first", lime_router_window=2),
+    "average-gqa": dict(num_query_groups=2, lime_router="average"),
+}
+
+
+@pytest.mark.parametrize("case", LIME_CASES)
+def test_lime_official_layout_reproduces_our_logits(tmp_path, case):
+    model = _model(lime=True, **LIME_CASES[case])
+    directory = _write(model, tmp_path / "hf")
+    with open(os.path.join(directory, "config.json")) as handle:
+        config = json.load(handle)
+    assert config["architectures"] == ["LIMeForCausalLM"] and config["rope_theta"] == ROPE_BASE
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as handle:
+        written = {name: list(handle.get_slice(name).get_shape()) for name in handle.keys()}
+    assert written == official_shapes(config)
+    params, spec = read_official(directory)
+    tokens, positions, mask = batch()
+    with torch.no_grad():
+        ours = model(tokens, positions, mask)
+    assert relative_error(reference_lime.forward(params, tokens, spec), ours) <= TOLERANCE
+
+
+# --------------------------------------------------------------------------- checkpoint round trips
+
+
+def _checkpoint(root, flags: list[str]) -> str:
+    """A random single-process checkpoint of the run the trainer ``flags`` describe."""
+    initialize_parallel()
+    args = arguments.parse_args(flags + "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3".split()
+                               + ["--mock-data"] * ("--mock-data" not in flags))
+    run = checkpointing.run_description(args, arguments.transformer_config(args), data.tokenizer_of(args))
+    model = new_model(run, torch.float32)
+    generator = torch.Generator().manual_seed(7)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(torch.randn(param.shape, generator=generator))
+    return save_model(model, run, str(root), iteration=3)
+
+
+ROUND_TRIPS = {
+    "llama-gpt2-tied": "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --rotary-base 5000 --norm-epsilon 1e-6",
+    "lime-gqa-untied-mock": "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --lime "
+                            "--untie-embeddings-and-output-weights --mock-data --vocab-size 100 --rotary-base 20000",
+    "lime-last2": "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --lime --lime-router last "
+                  "--lime-router-window 2 --mock-data --vocab-size 70 --make-vocab-size-divisible-by 32",
+}
+
+
+@pytest.mark.parametrize("case", ROUND_TRIPS)
+def test_round_trip_is_bit_exact(tmp_path, case):
+    from convert_checkpoint import main
+
+    source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS[case].split())
+    assert main(["export", source, str(tmp_path / "hf")]) == 0
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back"), "--iteration", "3"]) == 0
+    before, after = load_model(source), load_model(str(tmp_path / "back"))
+    names = [name for name, value in before.model.state_dict().items() if isinstance(value, torch.Tensor)]
+    assert set(names) == {n for n, v in after.model.state_dict().items() if isinstance(v, torch.Tensor)}
+    for name in names:
+        assert torch.equal(before.model.state_dict()[name], after.model.state_dict()[name]), name
+    assert after.run["vocab"] == before.run["vocab"] and after.run["shape"] == before.run["shape"]
+    for option in ("norm_epsilon", "rotary_base", "make_vocab_size_divisible_by", "lime_router_window"):
+        assert after.run["args"][option] == before.run["args"][option], option
+    config = json.load(open(tmp_path / "hf" / "config.json"))
+    assert config["vocab_size"] == before.run["vocab"]["padded"] > before.run["vocab"]["size"]
+
+
+def test_gpt2_tokenizer_files_load_in_transformers(tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from convert_checkpoint import main
+
+    source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS["llama-gpt2-tied"].split())
+    assert main(["export", source, str(tmp_path / "hf")]) == 0
+    ours = load_model(source).tokenizer()
+    theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
+    text = "Layer-integrated memory, exported to  Hugging Face!"
+    assert theirs.encode(text) == list(ours.tokenize(text))
+    assert theirs.eos_token_id == ours.eod
+
+
+@pytest.mark.slow
+def test_trainer_starts_from_an_import(tmp_path):
+    from lime_megatron import training
+
+    source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS["lime-gqa-untied-mock"].split())
+    from convert_checkpoint import main
+
+    assert main(["export", source, str(tmp_path / "hf")]) == 0
+    assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
+    flags = (ROUND_TRIPS["lime-gqa-untied-mock"] + " --seq-length 16 --micro-batch-size 2 --global-batch-size 2 "
+             "--lr 1e-3 --train-iters 1 --log-interval 100 --eval-interval 100 --eval-iters 1 --no-load-optim "
+             f"--load {tmp_path / 'back'}").split()
+    result = training.train(flags)
+    assert result.resumed_from.endswith("iter_0000000") and result.iteration == 1
+
+
+# --------------------------------------------------------------------------- bad input
+
+
+@pytest.fixture(scope="module")
+def exported(tmp_path_factory):
+    root = tmp_path_factory.mktemp("bad")
+    source = _checkpoint(root / "ckpt", ROUND_TRIPS["lime-last2"].split())
+    from convert_checkpoint import main
+
+    assert main(["export", source, str(root / "hf")]) == 0
+    return root / "hf"
+
+
+def _edited(exported, tmp_path, edit_config=None, edit_tensors=None) -> str:
+    """A copy of the exported directory with config.json and/or the tensors edited."""
+    config = json.load(open(exported / "config.json"))
+    with safe_open(str(exported / "model.safetensors"), "pt") as handle:
+        tensors = {name: handle.get_tensor(name) for name in handle.keys()}
+    (edit_config or (lambda c: None))(config)
+    (edit_tensors or (lambda t: None))(tensors)
+    os.makedirs(tmp_path / "edited")
+    json.dump(config, open(tmp_path / "edited" / "config.json", "w"))
+    save_file(tensors, str(tmp_path / "edited" / "model.safetensors"))
+    return str(tmp_path / "edited")
+
+
+ROUTER = "model.layers.3.self_attn.lime_router.static_weights"
+BAD = {
+    "unknown model type": (lambda c: c.update(architectures=["MistralForCausalLM"]), None,
+                           "unknown model type 'MistralForCausalLM'"),
+    "shape": (lambda c: c.update(intermediate_size=64), None,
+              r"tensor model.layers.0.mlp.gate_proj.weight has shape \[\d+, 32\], the config implies \[64, 32\]"),
+    "missing": (None, lambda t: t.pop("model.layers.1.self_attn.o_proj.weight"),
+                "missing tensor model.layers.1.self_attn.o_proj.weight"),
+    "unexpected": (None, lambda t: t.update(extra=torch.zeros(1)), "unexpected tensor extra"),
+    "router zeros": (None, lambda t: t[ROUTER][:, :2].fill_(1.0),
+                     rf"{ROUTER}: non-zero weights on layers \[0, 1\], which the 'last' router"),
+    "no config field": (lambda c: c.pop("hidden_size"), None, "config.json has no hidden_size"),
+}
+
+
+@pytest.mark.parametrize("case", BAD)
+def test_bad_directories_fail_with_one_message(exported, tmp_path, case):
+    edit_config, edit_tensors, message = BAD[case]
+    directory = _edited(exported, tmp_path, edit_config, edit_tensors)
+    with pytest.raises(ConversionError, match=message):
+        import_checkpoint(directory, str(tmp_path / "out"), progress=False)

@@ -1,0 +1,155 @@
+"""lime_megatron.evaluation: lm-eval's requests answered from the model's own forward (float64),
+and ``tools/evaluate.py --model lime_megatron`` on a checkpoint with local YAML tasks (offline)
+whose answers are known from that forward."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+pytest.importorskip("lm_eval")
+from decoding_fixtures import char_tokenizer, tiny_checkpoint  # noqa: E402
+from lime_fixtures import tiny_model  # noqa: E402
+from lm_eval.api.instance import Instance  # noqa: E402
+
+from lime_megatron.checkpoint_model import load_model  # noqa: E402
+from lime_megatron.evaluation import LimeMegatronLM  # noqa: E402
+from lime_megatron.generation import Generator, SamplingOptions  # noqa: E402
+from lime_megatron.parallel import initialize_parallel  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+ROOT = Path(__file__).resolve().parents[1]
+QUESTIONS = ["1 + 2 =", "The sky is", "", "(7 + 5) x 3 ="]
+CHOICES = ["3", "blue", "12", "x"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron():
+    initialize_parallel()
+
+
+@pytest.fixture(scope="module")
+def tokenizer(tmp_path_factory):
+    return char_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def _requests(kind: str, arguments: list[tuple]) -> list[Instance]:
+    return [Instance(kind, {}, args, index) for index, args in enumerate(arguments)]
+
+
+def _log_probs(model, tokenizer, ids: list[int]) -> torch.Tensor:
+    """log p(ids[t] | ids[:t]) for t >= 1 from one forward of ``ids`` alone."""
+    tokens = torch.tensor([ids])
+    logits = model(tokens, torch.arange(len(ids))[None], None)[0, :-1, : tokenizer.unpadded_vocab_size]
+    return logits.log_softmax(dim=-1).gather(1, tokens[0, 1:, None])[:, 0]
+
+
+def _expected(model, tokenizer, context: str, continuation: str) -> tuple[float, bool]:
+    prefix = tokenizer.tokenize(context) if context else [tokenizer.eod]
+    target = tokenizer.tokenize(continuation)
+    ids = prefix + target
+    with torch.no_grad():
+        scores = _log_probs(model, tokenizer, ids)[len(prefix) - 1 :]
+        logits = model(torch.tensor([ids]), torch.arange(len(ids))[None], None)[0, len(prefix) - 1 : -1]
+    greedy = bool((logits[:, : tokenizer.unpadded_vocab_size].argmax(-1) == torch.tensor(target)).all())
+    return float(scores.sum()), greedy
+
+
+def test_loglikelihood_is_the_forwards_log_probability(tokenizer):
+    model = tiny_model(num_query_groups=2).eval()
+    lm = LimeMegatronLM(model=model, tokenizer=tokenizer, batch_size=3, max_length=12)
+    pairs = [(question, " " + choice) for question in QUESTIONS for choice in CHOICES]
+    results = lm.loglikelihood(_requests("loglikelihood", pairs), disable_tqdm=True)
+    for (context, continuation), (score, greedy) in zip(pairs, results):
+        # contexts longer than 12 - len(continuation) tokens are cut from the left
+        ids = (tokenizer.tokenize(context) if context else [tokenizer.eod]) + tokenizer.tokenize(continuation)
+        cut = tokenizer.detokenize(ids[-13 : -len(tokenizer.tokenize(continuation))]) if len(ids) > 13 else context
+        expected, expected_greedy = _expected(model, tokenizer, cut, continuation)
+        assert abs(score - expected) <= 1e-10 * abs(expected) and greedy == expected_greedy
+    with torch.no_grad():
+        last = model(torch.tensor([tokenizer.tokenize(QUESTIONS[0])]), torch.arange(7)[None], None)[0, -1, :96]
+    greedy_token = tokenizer.detokenize([int(last.argmax())])
+    assert lm.loglikelihood(_requests("loglikelihood", [(QUESTIONS[0], greedy_token)]), True)[0][1]
+
+
+def test_rolling_loglikelihood_sums_disjoint_windows(tokenizer):
+    model = tiny_model(num_query_groups=2).eval()
+    lm = LimeMegatronLM(model=model, tokenizer=tokenizer, batch_size=2, max_length=8)
+    texts = ["abc = 12", "(7 + 5) x 3 = 36 and more text"]
+    results = lm.loglikelihood_rolling(_requests("loglikelihood_rolling", [(text,) for text in texts]), True)
+    for text, result in zip(texts, results):
+        ids = tokenizer.tokenize(text)
+        expected = 0.0
+        # window k predicts ids[8k : 8k + 8] (eod before the first); its input is the 8 tokens
+        # before its last one (lm-eval gives the last, shorter window a full context)
+        with torch.no_grad():
+            for start in range(0, len(ids), 8):
+                stop = min(start + 8, len(ids))
+                context = [tokenizer.eod] if start == 0 else ids[stop - 9 : start]
+                scores = _log_probs(model, tokenizer, context + ids[start:stop])[len(context) - 1 :]
+                expected += float(scores.sum())
+        assert abs(result - expected) <= 1e-10 * abs(expected)
+
+
+def _write_tasks(directory: Path, docs: list[dict], generation_docs: list[dict]) -> None:
+    """Three local tasks: multiple choice with the gold answer the best / the worst choice, and
+    generation with the model's own greedy continuation as target."""
+    (directory / "choice.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in docs))
+    (directory / "generation.jsonl").write_text("".join(json.dumps(doc) + "\n" for doc in generation_docs))
+    for name, target in (("tiny_best", "best"), ("tiny_worst", "worst")):
+        (directory / f"{name}.yaml").write_text(
+            f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+            f"    test: {directory / 'choice.jsonl'}\n"
+            "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
+            f"doc_to_choice: choices\ndoc_to_target: {target}\nmetric_list:\n  - metric: acc\n")
+    (directory / "tiny_generation.yaml").write_text(
+        f"task: tiny_generation\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
+        f"    test: {directory / 'generation.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
+        "doc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
+        "generation_kwargs:\n  until: ['\\n', '!']\n  max_gen_toks: 6\n  do_sample: false\n"
+        "metric_list:\n  - metric: exact_match\n")
+
+
+def test_lm_eval_command_line_scores_local_tasks_with_known_answers(tmp_path):
+    checkpoint, tokenizer = tiny_checkpoint(tmp_path, "--lime")
+    model = load_model(checkpoint).model
+    docs = []
+    for question in QUESTIONS[:2] + QUESTIONS[3:]:
+        # lm-eval scores " " + choice after the question (its default target delimiter)
+        scores = [_expected(model, tokenizer, question, " " + choice)[0] for choice in CHOICES]
+        order = sorted(range(len(CHOICES)), key=scores.__getitem__)
+        docs.append(dict(question=question, choices=CHOICES, best=order[-1], worst=order[0]))
+    greedy = Generator(model, tokenizer).generate(
+        [question + " " for question in QUESTIONS if question],
+        SamplingOptions(max_new_tokens=6, stop_strings=("\n", "!")))
+    generation_docs = [dict(question=question + " ", answer=text)
+                       for question, text in zip([q for q in QUESTIONS if q], greedy.texts)]
+    _write_tasks(tmp_path, docs, generation_docs)
+    inherited = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
+    environment = {**inherited, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
+                   "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    command = [sys.executable, str(ROOT / "tools" / "evaluate.py"), "--model", "lime_megatron",
+               "--model_args", f"checkpoint={checkpoint}", "--batch_size", "2", "--include_path", str(tmp_path),
+               "--tasks", "tiny_best,tiny_worst,tiny_generation", "--output_path", str(tmp_path / "results")]
+    finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
+    assert finished.returncode == 0, finished.stderr[-3000:]
+    [results_file] = list((tmp_path / "results").rglob("results_*.json"))
+    results = json.loads(results_file.read_text())["results"]
+    assert results["tiny_best"]["acc,none"] == 1.0
+    assert results["tiny_worst"]["acc,none"] == 0.0
+    assert results["tiny_generation"]["exact_match,none"] == 1.0
+
+
+def test_adapter_without_checkpoint_or_text_tokenizer_fails_with_one_message():
+    with pytest.raises(ValueError, match="checkpoint=PATH"):
+        LimeMegatronLM()
+    with pytest.raises(ValueError, match="text tokenizer"):
+        LimeMegatronLM(model=tiny_model(), tokenizer=object())

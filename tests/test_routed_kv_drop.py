@@ -1,0 +1,124 @@
+"""The routed-K/V drop says what it did (``lime_megatron.recompute.routed_kv_log``).
+
+With megatron's own attention (MHA) every layer's routed keys and values are dropped from the
+saved tensors and rebuilt once in backward.  A core attention that saves copies (put in through
+the layer spec) drops nothing: one warning names it and the bytes that stay, and the gradients
+are those of the default attention.  ``drops_routed_kv`` (the memory estimate's decision) agrees.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+
+import pytest
+import torch
+from lime_fixtures import SEQ, batch, loss_of, relative_error, tiny_model
+from megatron.core.transformer.dot_product_attention import DotProductAttention
+from test_lime_model import init_single_process
+
+from lime_megatron.config import lime_config
+from lime_megatron.layer_spec import lime_block_spec
+from lime_megatron.model import LimeGPTModel
+from lime_megatron.recompute import RoutedKVLog, drops_routed_kv, routed_kv_log
+
+LAYERS = 5
+
+
+class CopyingAttention(DotProductAttention):
+    """megatron's attention on contiguous copies of its keys and values (as a packing or
+    quantizing attention would save them)."""
+
+    def forward(self, query, key, value, *args, **kwargs):
+        return super().forward(query, key.clone(), value.clone(), *args, **kwargs)
+
+
+def with_core_attention(model: LimeGPTModel, core_attention: type) -> LimeGPTModel:
+    """A model of ``model``'s config and weights whose layers' core attention is ``core_attention``."""
+    block = lime_block_spec(model.config)
+    layer = block.layer_specs[0]
+    attention = layer.submodules.self_attention
+    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
+        attention.submodules, core_attention=core_attention))
+    layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
+    copy = LimeGPTModel(config=model.config, transformer_layer_spec=dataclasses.replace(
+        block, layer_specs=[layer] * len(block.layer_specs)), vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length, position_embedding_type="rope",
+        share_embeddings_and_output_weights=True)
+    copy.load_state_dict(model.state_dict())
+    return copy
+
+
+def gradients(model: LimeGPTModel) -> dict[str, torch.Tensor]:
+    tokens, positions, mask = batch()
+    model.zero_grad()
+    loss_of(model(tokens, positions, mask), tokens).backward()
+    return {name: param.grad.clone() for name, param in model.named_parameters()}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron():
+    init_single_process()
+
+
+@pytest.fixture()
+def fresh_log(monkeypatch):
+    """A fresh process log (no earlier warning), in place of ``routed_kv_log``."""
+    log = RoutedKVLog()
+    for name, value in vars(routed_kv_log).items():
+        monkeypatch.setattr(routed_kv_log, name, vars(log)[name] if name in vars(log) else value)
+    routed_kv_log.take()
+    return routed_kv_log
+
+
+def test_megatron_attention_drops_and_rebuilds_every_layer(fresh_log, caplog):
+    model = tiny_model()
+    gradients(model)
+    counts = fresh_log.take()
+    assert list(counts) == list(range(LAYERS))
+    for layer, drops in counts.items():
+        assert drops.dropped == {"keys": 1, "values": 1}, layer
+        assert not drops.kept, layer
+        assert drops.rebuilt == {"routed": 1, "rotated keys": 1}, layer
+    assert not fresh_log.warned and "saved its own copies" not in caplog.text
+    assert fresh_log.take() == {}  # take() resets: one step's counts
+
+
+def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog):
+    model = tiny_model()
+    expected = gradients(model)
+    fresh_log.take()
+    copying = with_core_attention(model, CopyingAttention)
+    with caplog.at_level(logging.WARNING, logger="lime_megatron.recompute"):
+        actual = gradients(copying)
+        gradients(copying)
+    warnings = [record for record in caplog.records if "saved its own copies" in record.getMessage()]
+    assert len(warnings) == 1
+    config = model.config
+    kv_bytes = SEQ * 2 * config.kv_heads * config.kv_channels * 8  # [s, b, kv heads, d] float64
+    message = warnings[0].getMessage()
+    assert "CopyingAttention" in message and f"{2 * kv_bytes:,} bytes" in message, message
+    counts = fresh_log.take()
+    assert all(drops.kept == {"keys": 2, "values": 2} and not drops.dropped and not drops.rebuilt
+               for drops in counts.values()), counts
+    assert set(actual) == set(expected)
+    for name in expected:
+        assert relative_error(actual[name], expected[name]) <= 1e-12, name
+
+
+def test_estimate_decision_matches_the_attention():
+    mha = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4)
+    gqa = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+    assert drops_routed_kv(mha, "local") and not drops_routed_kv(gqa, "local")  # GQA repeats K/V
+    assert drops_routed_kv(gqa, "transformer_engine")
+    fp8_attention = dataclasses.replace(gqa)
+    fp8_attention.fp8, fp8_attention.fp8_dot_product_attention = "e4m3", True
+    assert not drops_routed_kv(fp8_attention, "transformer_engine")
+    assert not drops_routed_kv(lime_config(num_layers=2, hidden_size=32, num_attention_heads=4,
+                                           lime_recompute_routed_kv=False), "local")
+
+
+def test_gqa_on_megatron_attention_keeps_repeated_copies(fresh_log):
+    gradients(tiny_model(num_query_groups=2))
+    counts = fresh_log.take()
+    assert all(drops.kept == {"keys": 1, "values": 1} for drops in counts.values()), counts

@@ -1,0 +1,98 @@
+#!/usr/bin/env python
+"""Generate text from a trained checkpoint (any layout) with the KV cache.
+
+    python tools/generate.py ckpt/lime-150m --prompt "The meaning of life is" --max-new-tokens 64
+    python tools/generate.py ckpt/lime-150m --prompt-file prompts.txt --temperature 0.8 --top-p 0.95 \\
+        --seed 7 --stop "\\n\\n" --output generations.jsonl
+
+The checkpoint is read into one process (``lime_megatron.checkpoint_model``) with the tokenizer
+its run trained with.  Prompts come from ``--prompt`` (repeatable) and/or ``--prompt-file`` (one
+prompt per line; ``.jsonl``: a ``prompt`` field per line), decoded in batches of ``--batch-size``.
+Greedy by default; ``--temperature`` > 0 samples (``--top-k``, ``--top-p``, ``--seed``).  Stop
+strings take backslash escapes (``\\n``).  Prints every continuation and a summary with tokens/s;
+``--no-cache`` recomputes the full sequence per token (for comparison).
+"""
+
+import argparse
+import codecs
+import json
+import os
+import sys
+
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lime_megatron.checkpoint_model import load_model  # noqa: E402
+from lime_megatron.checkpointing import CheckpointError  # noqa: E402
+from lime_megatron.generation import DTYPES, Generator, SamplingOptions  # noqa: E402
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    """Command-line flags."""
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("checkpoint", help="a --save directory (newest checkpoint) or one iter_NNNNNNN directory")
+    parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
+    parser.add_argument("--prompt-file", help="prompts, one per line (.jsonl: a 'prompt' field per line)")
+    parser.add_argument("--max-new-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0: greedy")
+    parser.add_argument("--top-k", type=int, default=0, help="0: no top-k cut")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable, backslash escapes)")
+    parser.add_argument("--batch-size", type=int, default=8)
+    parser.add_argument("--dtype", choices=DTYPES, help="weights' dtype (default: as trained)")
+    parser.add_argument("--no-cache", action="store_true", help="recompute the full sequence per token")
+    parser.add_argument("--output", help="also write one JSON line per prompt here")
+    return parser.parse_args(argv)
+
+
+def read_prompts(args: argparse.Namespace) -> list[str]:
+    """The prompts of ``--prompt`` then ``--prompt-file``."""
+    prompts = list(args.prompt)
+    if args.prompt_file:
+        with open(args.prompt_file, encoding="utf-8") as handle:
+            lines = [line.rstrip("\n") for line in handle if line.strip()]
+        prompts += [json.loads(line)["prompt"] for line in lines] if args.prompt_file.endswith(".jsonl") else lines
+    if not prompts:
+        raise ValueError("no prompts: give --prompt TEXT or --prompt-file FILE")
+    return prompts
+
+
+def main(argv=None) -> int:
+    """Entry point; returns the process exit status."""
+    args = parse_args(argv)
+    try:
+        prompts = read_prompts(args)
+        options = SamplingOptions(
+            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
+            seed=args.seed, stop_strings=tuple(codecs.decode(stop, "unicode_escape") for stop in args.stop))
+        loaded = load_model(args.checkpoint, dtype=DTYPES.get(args.dtype))
+        tokenizer = loaded.tokenizer()
+        generator = Generator(loaded.model.to(_device()), tokenizer, use_cache=not args.no_cache)
+        records, tokens, seconds = [], 0, 0.0
+        for start in range(0, len(prompts), args.batch_size):
+            batch = prompts[start : start + args.batch_size]
+            result = generator.generate(batch, options)
+            tokens, seconds = tokens + result.new_tokens, seconds + result.seconds
+            for prompt, text, new, reason in zip(batch, result.texts, result.tokens, result.stopped_by):
+                records.append(dict(prompt=prompt, generation=text, new_tokens=len(new), stopped_by=reason))
+                print(f"=== prompt {len(records)}: {prompt!r}\n{prompt}{text}\n")
+    except (ValueError, OSError, CheckpointError) as error:
+        print(f"error: {error}", file=sys.stderr)
+        return 1
+    if args.output:
+        with open(args.output, "w", encoding="utf-8") as handle:
+            handle.writelines(json.dumps(record) + "\n" for record in records)
+    print(f"{len(prompts)} prompts, {tokens} new tokens in {seconds:.2f} s: {tokens / max(seconds, 1e-9):.1f} tokens/s "
+          f"({'full recomputation' if args.no_cache else 'KV cache'}, iteration {loaded.iteration} of "
+          f"{loaded.directory})")
+    return 0
+
+
+def _device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+if __name__ == "__main__":
+    sys.exit(main())
