@@ -212,8 +212,7 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
     from lime_megatron.training import forward_backward
 
     initialize_layout(layout)
-    config = make_config(layout, num_query_groups=2)
-    torch.manual_seed(100 + layout.pp)
+    config = make_config(layout, num_query_groups=2, init_seed=100 + layout.pp)  # other weights than saved
     chunks = build_chunks(config)
     if checkpoint:
         state = {}
