@@ -1,103 +1,184 @@
-"""Bytes sent between pipeline stages per micro-batch: LIMe over the LLaMA baseline.
+"""Bytes between pipeline stages per micro-batch, LIMe over the LLaMA baseline, and CPU step time.
 
-For each setting it launches one gloo process per pipeline stage, builds LIMe and the baseline
-with the same shape, runs one micro-batch of forward+backward through megatron's 1F1B schedule,
-and counts every tensor handed to megatron's point-to-point calls (through a counting subclass of
-``lime_megatron.pipeline.StageTensorCommunicator``): forward = activations sent to the next stage,
-backward = gradients sent to the previous one, per boundary ("after layer b").  Weights are left
-uninitialised (bytes do not depend on them).
+Bytes.  For each setting (layers x pipeline size x virtual stages x MHA/GQA) it launches one gloo
+process per pipeline rank, builds LIMe and the baseline as the trainer does
+(``training.build_model_chunks``), runs ``--micro-batches`` micro-batches of forward+backward
+through megatron's schedule (``training.forward_backward``) and counts every tensor handed to
+``torch.distributed``'s point-to-point calls (``isend``/``irecv``/``send``/``recv`` and batched
+``P2POp``s): megatron's hidden states and LIMe's K/V rows on its side channel.  Per rank and
+micro-batch: bytes received (forward: hidden states and rows; backward: their gradients, the
+same amount), and the widest hop (hidden + rows, one direction).  The bound a rank must receive:
+the rows of the earlier layers its chunks read that it does not produce
+(``router.routing_sources``), plus one hidden state per hop into its chunks.  ``old padded`` is
+the design this replaced, by its formula: every hop into a rank's chunks padded to the widest
+boundary, ``hidden + 2 * carried * kv_heads * head_dim`` per position.
+
+Step time (``--time``): one process per rank at PP4 x VPP2, LIMe and baseline, megatron's
+``overlap_p2p_comm`` off and on; median seconds per forward+backward of ``--micro-batches``.
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_pp_communication.py
-    python bench/bench_pp_communication.py --settings 1b-gqa:2 1b-gqa:4 1b-mha:2 1b-mha:4 --seq-length 256
+    python bench/bench_pp_communication.py --time
+    python bench/bench_pp_communication.py --planned      # the same table from pipeline.hop_elements
 """
 
 from __future__ import annotations
 
 import argparse
+import inspect
 import os
 import socket
+import statistics
+import time
 from collections import defaultdict
 
 import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-SHAPES = {  # name -> model shape (paper §5.4 deep settings at hidden 256; Table 3 1B)
-    "deep32": dict(num_layers=32, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8),
-    "deep64": dict(num_layers=64, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8),
-    "deep128": dict(num_layers=128, hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8),
-    "1b-gqa": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32, num_query_groups=8),
-    "1b-mha": dict(num_layers=16, hidden_size=2048, ffn_hidden_size=8192, num_attention_heads=32),
-}
-DEFAULT_SETTINGS = [f"{name}:{stages}" for name in ("deep32", "deep64", "deep128") for stages in (4, 8)]
+from lime_megatron import pipeline
+
+HIDDEN = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8)  # paper §5.4 deep settings
+KV_HEADS = {"mha": 8, "gqa": 2}  # GQA: kv = heads / 4
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", nargs="+", default=DEFAULT_SETTINGS,
-                        help=f"SHAPE:STAGES with SHAPE one of {sorted(SHAPES)}")
+    parser.add_argument("--layers", type=int, nargs="+", default=[32, 64, 128])
+    parser.add_argument("--pipeline", type=int, nargs="+", default=[4, 8])
+    parser.add_argument("--virtual", type=int, nargs="+", default=[1, 2, 4])
+    parser.add_argument("--attention", nargs="+", default=["mha", "gqa"], choices=sorted(KV_HEADS))
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=1)
+    parser.add_argument("--micro-batches", type=int, default=None, help="default: the pipeline size")
     parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--time", action="store_true", help="measure step time at PP4 x VPP2 instead")
+    parser.add_argument("--planned", action="store_true",
+                        help="no processes: the same table from pipeline.hop_elements (which "
+                             "tests/test_lime_pipeline.py checks against the bytes handed to isend)")
+    parser.add_argument("--time-layers", type=int, default=16)
+    parser.add_argument("--iterations", type=int, default=5)
     return parser.parse_args(argv)
 
 
-def _counting_communicator(counts: dict):
-    """A ``StageTensorCommunicator`` adding the bytes of every tensor it sends to ``counts``."""
-    from lime_megatron.pipeline import StageTensorCommunicator
-
-    class CountingCommunicator(StageTensorCommunicator):
-        def _communicate(self, *, tensor_send_next, tensor_send_prev, **kwargs):
-            for direction, tensor in (("forward", tensor_send_next), ("backward", tensor_send_prev)):
-                if tensor is not None:
-                    counts[direction] += tensor.numel() * tensor.element_size()
-            return super()._communicate(tensor_send_next=tensor_send_next, tensor_send_prev=tensor_send_prev, **kwargs)
-
-    return CountingCommunicator
+# --------------------------------------------------------------------------- counting
 
 
-def _stage_bytes(shape: dict, lime: bool, args) -> dict:
-    """Bytes this rank sends in one forward+backward of one micro-batch."""
-    from megatron.core import parallel_state
-    from megatron.core.pipeline_parallel import get_forward_backward_func
+class P2PCounter:
+    """Wraps ``torch.distributed``'s point-to-point calls and adds each tensor's bytes by
+    (phase, kind, direction): phase ``forward``/``backward``, kind ``hidden`` (megatron's pipeline
+    group) or ``rows`` (LIMe's side channel), direction ``sent``/``received``.  ``hops`` adds the
+    side channel's forward bytes per receiving chunk (decoded from the tag).  Needs 3 or more
+    pipeline ranks (the previous and next rank differ)."""
 
+    NAMES = ("isend", "irecv", "send", "recv")
+
+    def __init__(self):
+        from megatron.core import parallel_state
+
+        self.bytes = defaultdict(int)
+        self.hops = defaultdict(int)
+        self.pp_group = parallel_state.get_pipeline_model_parallel_group()
+        ranks = torch.distributed.get_process_group_ranks(self.pp_group)
+        rank = parallel_state.get_pipeline_model_parallel_rank()
+        self.next_rank = ranks[(rank + 1) % len(ranks)]
+        self._originals = {}
+
+    def _record(self, sending: bool, tensor: torch.Tensor, peer: int, group, tag: int) -> None:
+        direction = "sent" if sending else "received"
+        size = tensor.numel() * tensor.element_size()
+        if group in (None, self.pp_group):
+            kind, phase = "hidden", "forward" if (peer == self.next_rank) == sending else "backward"
+        else:
+            kept = pipeline.kept_rows(pipeline._KEPT.config)  # this schedule call's side channel
+            kind, phase = "rows", "forward" if group is kept.rows_group else "backward"
+            if phase == "forward" and not sending:
+                self.hops[(tag // kept.p) % len(kept.chunks)] += size
+        self.bytes[phase, kind, direction] += size
+
+    def __enter__(self) -> P2PCounter:
+        distributed = torch.distributed
+        for name in self.NAMES:
+            original = self._originals[name] = getattr(distributed, name)
+
+            def counted(*args, _sending=name in ("isend", "send"), _original=original, **kwargs):
+                bound = inspect.signature(_original).bind(*args, **kwargs).arguments
+                peer = bound.get("dst" if _sending else "src")
+                if peer is None:  # group_dst / group_src: a rank of ``group``
+                    local = bound.get("group_dst", bound.get("group_src"))
+                    peer = torch.distributed.get_global_rank(bound["group"], local)
+                self._record(_sending, bound["tensor"], peer, bound.get("group"), bound.get("tag", 0))
+                return _original(*args, **kwargs)
+
+            setattr(distributed, name, counted)
+        original_batch = self._originals["batch_isend_irecv"] = distributed.batch_isend_irecv
+
+        def counted_batch(ops):
+            for op in ops:
+                sending = op.op in (distributed.isend, self._originals["isend"])
+                self._record(sending, op.tensor, op.peer, op.group, op.tag)  # peer: a global rank
+            return original_batch(ops)
+
+        distributed.batch_isend_irecv = counted_batch
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for name, original in self._originals.items():
+            setattr(torch.distributed, name, original)
+
+
+def make_config(layers: int, attention: str, pp: int, vpp: int | None, lime: bool, **options):
+    from lime_megatron.compat import cpu_config_overrides
     from lime_megatron.config import lime_config
-    from lime_megatron.model import build_model
-    from lime_megatron.pipeline import schedule_groups
 
-    stages = parallel_state.get_pipeline_model_parallel_world_size()
-    config = lime_config(lime=lime, use_cpu_initialization=True, perform_initialization=False,
-                         pipeline_model_parallel_size=stages, pipeline_dtype=torch.float32,
-                         batch_p2p_comm=False, **shape)
-    model = build_model(config, args.vocab_size, args.seq_length,
-                        pre_process=parallel_state.is_pipeline_first_stage(),
-                        post_process=parallel_state.is_pipeline_last_stage())
-    counts = defaultdict(int)
-    groups = schedule_groups()
-    arguments = dict(p2p_communicator=_counting_communicator(counts)(groups.pp, config), pg_collection=groups)
-    tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
-    positions = torch.arange(args.seq_length).expand_as(tokens)
-
-    def forward_step(_, chunk):
-        loss = chunk(tokens, positions, None, labels=tokens)
-        return loss, lambda output: (output.float().mean(), {})
-
-    get_forward_backward_func()(
-        forward_step_func=forward_step, data_iterator=iter([None]), model=[model], num_microbatches=1,
-        seq_length=args.seq_length, micro_batch_size=args.micro_batch_size, forward_only=False, **arguments,
-    )
-    return dict(counts)
+    return lime_config(lime=lime, num_layers=layers, num_query_groups=KV_HEADS[attention], **HIDDEN,
+                       use_cpu_initialization=True, pipeline_model_parallel_size=pp,
+                       virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32,
+                       deallocate_pipeline_outputs=True, **cpu_config_overrides(), **options)
 
 
-def _worker(rank: int, world: int, port: int, settings: list, args, results) -> None:
+def _batches(args, count: int) -> list[dict]:
+    generator = torch.Generator().manual_seed(0)
+    shape = (args.micro_batch_size, args.seq_length)
+    tokens = [torch.randint(args.vocab_size, shape, generator=generator) for _ in range(count)]
+    return [dict(tokens=t, labels=t, position_ids=torch.arange(args.seq_length).expand(shape),
+                 loss_mask=torch.ones(shape)) for t in tokens]
+
+
+def _build(config, args) -> list:
+    from lime_megatron.training import build_model_chunks
+
+    return build_model_chunks(config, args.vocab_size, args.seq_length)
+
+
+def count_setting(layers: int, attention: str, vpp: int | None, lime: bool, args) -> dict:
+    """This rank's counted bytes per micro-batch for one forward+backward schedule call."""
+    from megatron.core import parallel_state
+
+    from lime_megatron.training import forward_backward
+
+    pp = parallel_state.get_pipeline_model_parallel_world_size()
+    config = make_config(layers, attention, pp, vpp, lime, perform_initialization=False)
+    model = _build(config, args)
+    per = args.micro_batches or pp
+    with P2PCounter() as counter:
+        forward_backward(model, _batches(args, per))
+    return dict(bytes={key: value / per for key, value in counter.bytes.items()},
+                hops={key: value / per for key, value in counter.hops.items()})
+
+
+def _bytes_worker(rank: int, world: int, port: int, settings: list, args, results) -> None:
+    from megatron.core import parallel_state
+
     from lime_megatron.parallel import initialize_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
-    initialize_parallel(pipeline_model_parallel_size=world)
-    for name in settings:
-        results[(name, rank)] = {lime: _stage_bytes(SHAPES[name], lime, args) for lime in (False, True)}
+    for layers, attention, vpp in settings:
+        initialize_parallel(pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vpp)
+        for lime in (False, True):
+            results[(layers, attention, world, vpp, lime, rank)] = count_setting(layers, attention, vpp, lime, args)
+        parallel_state.destroy_model_parallel()
 
 
 def _free_port() -> int:
@@ -106,53 +187,167 @@ def _free_port() -> int:
         return sock.getsockname()[1]
 
 
-def measure(args) -> list[dict]:
-    """Rows per (setting, boundary): forward/backward bytes of both models."""
-    by_stages = defaultdict(list)
-    for setting in args.settings:
-        name, stages = setting.split(":")
-        if name not in SHAPES:
-            raise SystemExit(f"unknown shape {name!r} in {setting!r}; choose from {sorted(SHAPES)}")
-        by_stages[int(stages)].append(name)
+# --------------------------------------------------------------------------- bounds
+
+
+def received_bound(config, rank: int, seq: int, batch: int) -> int:
+    """Bytes rank ``rank`` must receive per micro-batch, forward: the rows of the layers its
+    chunks read that it does not produce, plus a hidden state per hop into its chunks."""
+    from lime_megatron.pipeline import chunk_layers
+    from lime_megatron.router import routing_sources
+
+    chunks = chunk_layers(config)
+    mine = range(rank, len(chunks), config.pipeline_model_parallel_size)
+    produced = {layer for chunk in mine for layer in chunks[chunk]}
+    read = {source for chunk in mine for layer in chunks[chunk]
+            for source in routing_sources(layer, config.lime_router, config.lime_router_window)}
+    hops = sum(1 for chunk in mine if chunk > 0)
+    row = 2 * seq * batch * config.kv_heads * config.kv_channels
+    return 4 * (len(read - produced) * row + hops * seq * batch * config.hidden_size)
+
+
+def old_padded_received(config, rank: int, seq: int, batch: int) -> int:
+    """Bytes rank ``rank`` received per micro-batch forward under the replaced design: each hop
+    into its chunks a stage tensor as wide as the widest boundary."""
+    from lime_megatron.pipeline import carried_layers, chunk_layers
+
+    chunks = chunk_layers(config)
+    widest = max(len(carried_layers(config, layers.start)) for layers in chunks)
+    width = config.hidden_size + 2 * widest * config.kv_heads * config.kv_channels
+    hops = sum(1 for chunk in range(rank, len(chunks), config.pipeline_model_parallel_size) if chunk > 0)
+    return 4 * hops * seq * batch * width
+
+
+def measure_bytes(args) -> list[dict]:
+    """One row per (layers, attention, pp, vpp): counted and bound bytes."""
+    settings = defaultdict(list)
+    for pp in args.pipeline:
+        for vpp in args.virtual:
+            for layers in args.layers:
+                if layers % (pp * vpp) == 0:
+                    settings[pp] += [(layers, attention, vpp if vpp > 1 else None) for attention in args.attention]
     rows = []
-    for stages, names in tqdm(sorted(by_stages.items()), desc="pipeline sizes"):
+    for pp, group in tqdm(sorted(settings.items()), desc="pipeline sizes"):
         results = mp.Manager().dict()
-        mp.spawn(_worker, args=(stages, _free_port(), names, args, results), nprocs=stages)
-        for name in names:
-            layers = SHAPES[name]["num_layers"]
-            for rank in range(stages - 1):
-                sent = results[(name, rank)]
-                back = results[(name, rank + 1)]
-                rows.append(dict(
-                    setting=f"{name}:{stages}", boundary=(rank + 1) * layers // stages,
-                    base_fwd=sent[False].get("forward", 0), lime_fwd=sent[True].get("forward", 0),
-                    base_bwd=back[False].get("backward", 0), lime_bwd=back[True].get("backward", 0),
-                ))
+        mp.spawn(_bytes_worker, args=(pp, _free_port(), group, args, results), nprocs=pp)
+        for layers, attention, vpp in group:
+            config = make_config(layers, attention, pp, vpp, True, perform_initialization=False)
+            lime = [results[(layers, attention, pp, vpp, True, rank)] for rank in range(pp)]
+            base = [results[(layers, attention, pp, vpp, False, rank)] for rank in range(pp)]
+
+            def total(result, phase, direction):
+                return sum(result["bytes"].get((phase, kind, direction), 0) for kind in ("hidden", "rows"))
+
+            hidden_per_hop = lime[-1]["bytes"][("forward", "hidden", "received")] / (vpp or 1)
+            bounds = [received_bound(config, rank, args.seq_length, args.micro_batch_size) for rank in range(pp)]
+            received = [total(r, "forward", "received") for r in lime]
+            rows.append(dict(
+                layers=layers, attention=attention, pp=pp, vpp=vpp or 1,
+                widest_hop=hidden_per_hop + max(h for r in lime for h in r["hops"].values()),
+                lime=max(received), sent=max(total(r, "forward", "sent") for r in lime),
+                base=max(total(r, "forward", "received") for r in base),
+                bound=max(bounds), worst=max(got / bound for got, bound in zip(received, bounds) if bound),
+                old=max(old_padded_received(config, rank, args.seq_length, args.micro_batch_size)
+                        for rank in range(pp)),
+                backward_equal=all(total(r, "backward", "received") == total(r, "forward", "sent") for r in lime),
+            ))
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
+def planned_bytes(args) -> list[dict]:
+    """The table of ``measure_bytes`` from ``pipeline.hop_elements``, without processes."""
+    rows = []
+    seq, batch = args.seq_length, args.micro_batch_size
+    for pp in args.pipeline:
+        for vpp in args.virtual:
+            for layers in args.layers:
+                if layers % (pp * vpp):
+                    continue
+                for attention in args.attention:
+                    config = make_config(layers, attention, pp, vpp if vpp > 1 else None, True,
+                                         perform_initialization=False)
+                    hops = {chunk: 4 * sum(pipeline.hop_elements(config, chunk, seq, batch))
+                            for chunk in range(1, pp * vpp)}
+                    received = [sum(hops.get(chunk, 0) for chunk in range(rank, pp * vpp, pp)) for rank in range(pp)]
+                    sent = [sum(hops.get(chunk + 1, 0) for chunk in range(rank, pp * vpp, pp)) for rank in range(pp)]
+                    bounds = [received_bound(config, rank, seq, batch) for rank in range(pp)]
+                    hidden = 4 * seq * batch * config.hidden_size
+                    rows.append(dict(
+                        layers=layers, attention=attention, pp=pp, vpp=vpp, widest_hop=max(hops.values()),
+                        lime=max(received), sent=max(sent), base=hidden * vpp, bound=max(bounds),
+                        worst=max(got / bound for got, bound in zip(received, bounds) if bound),
+                        old=max(old_padded_received(config, rank, seq, batch) for rank in range(pp)),
+                        backward_equal=True,
+                    ))
+    return rows
+
+
+def print_bytes(rows: list[dict]) -> None:
     mib = 2 ** 20
-    header = (f"{'setting':>11} {'after layer':>11} {'base fwd MiB':>12} {'LIMe fwd MiB':>12} "
-              f"{'base bwd MiB':>12} {'LIMe bwd MiB':>12} {'LIMe/base':>9}")
+    header = (f"{'layers':>6} {'attn':>4} {'PPxVPP':>6} {'widest hop':>10} {'LIMe recv':>9} {'LIMe sent':>9} "
+              f"{'bound':>9} {'recv/bound':>10} {'base recv':>9} {'LIMe/base':>9} {'old padded':>10} "
+              f"{'new/old':>7}")
+    print("MiB per micro-batch and rank, forward (backward returns the same); recv/sent: the busiest rank")
     print(header)
     print("-" * len(header))
     for r in rows:
-        ratio = (r["lime_fwd"] + r["lime_bwd"]) / (r["base_fwd"] + r["base_bwd"])
-        print(f"{r['setting']:>11} {r['boundary']:>11} {r['base_fwd'] / mib:>12.2f} {r['lime_fwd'] / mib:>12.2f} "
-              f"{r['base_bwd'] / mib:>12.2f} {r['lime_bwd'] / mib:>12.2f} {ratio:>9.2f}")
+        print(f"{r['layers']:>6} {r['attention']:>4} {r['pp']}x{r['vpp']:<4} {r['widest_hop'] / mib:>10.2f} "
+              f"{r['lime'] / mib:>9.2f} {r['sent'] / mib:>9.2f} {r['bound'] / mib:>9.2f} {r['worst']:>10.3f} "
+              f"{r['base'] / mib:>9.2f} {r['lime'] / r['base']:>9.1f} {r['old'] / mib:>10.2f} "
+              f"{r['lime'] / r['old']:>7.2f}")
 
 
-def main(argv=None) -> list[dict]:
+# --------------------------------------------------------------------------- step time
+
+
+def _time_worker(rank: int, world: int, port: int, args, results) -> None:
+    from megatron.core import parallel_state
+
+    from lime_megatron.parallel import initialize_parallel
+    from lime_megatron.training import forward_backward
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
+    torch.set_num_threads(1)
+    initialize_parallel(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
+    batches = _batches(args, args.micro_batches or 8)
+    for overlap in (False, True):
+        for lime in (False, True):
+            config = make_config(args.time_layers, "mha", 4, 2, lime, overlap_p2p_comm=overlap)
+            model = _build(config, args)
+            times = []
+            for _ in range(args.iterations + 1):
+                torch.distributed.barrier()
+                start = time.perf_counter()
+                forward_backward(model, batches)
+                times.append(time.perf_counter() - start)
+            if rank == 0:
+                results[(overlap, lime)] = statistics.median(times[1:])
+    parallel_state.destroy_model_parallel()
+
+
+def measure_time(args) -> None:
+    results = mp.Manager().dict()
+    mp.spawn(_time_worker, args=(4, _free_port(), args, results), nprocs=4)
+    print(f"PP4 x VPP2, {args.time_layers} layers, hidden 256, MHA, seq {args.seq_length}, "
+          f"{args.micro_batches or 8} micro-batches: median s per forward+backward of {args.iterations}")
+    print(f"{'overlap_p2p_comm':>16} {'baseline s':>10} {'LIMe s':>8} {'LIMe/base':>9}")
+    for overlap in (False, True):
+        base, lime = results[(overlap, False)], results[(overlap, True)]
+        print(f"{str(overlap):>16} {base:>10.3f} {lime:>8.3f} {lime / base:>9.2f}")
+
+
+def main(argv=None):
     args = parse_args(argv)
-    rows = measure(args)
-    print_table(rows)
-    totals = defaultdict(lambda: [0, 0])
-    for r in rows:
-        totals[r["setting"]][0] += r["base_fwd"] + r["base_bwd"]
-        totals[r["setting"]][1] += r["lime_fwd"] + r["lime_bwd"]
-    print("\nsummary (all boundaries, forward+backward, per micro-batch): " + "; ".join(
-        f"{setting} {lime / base:.1f}x" for setting, (base, lime) in totals.items()))
+    if args.time:
+        return measure_time(args)
+    rows = planned_bytes(args) if args.planned else measure_bytes(args)
+    print_bytes(rows)
+    worst = max(r["worst"] for r in rows if r["vpp"] > 1)
+    print(f"\nsummary: with virtual stages every rank receives at most {worst:.3f} x its bound; backward "
+          f"returns what forward sent on every rank: {all(r['backward_equal'] for r in rows)}; "
+          f"128 layers MHA PP4xVPP4 new/old padded: "
+          + ", ".join(f"{r['lime'] / r['old']:.2f}" for r in rows
+                      if (r["layers"], r["attention"], r["pp"], r["vpp"]) == (128, "mha", 4, 4)))
     return rows
 
 

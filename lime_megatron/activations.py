@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lime_megatron.config import LimeTransformerConfig
-from lime_megatron.pipeline import stage_tensor_width
+from lime_megatron.pipeline import chunk_starting_at, hop_blocks
 from lime_megatron.recompute import drops_routed_kv
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -28,10 +28,10 @@ class ActivationBytes:
     lime_memory: int = 0
     """The chunk's own raw keys/values in the layer-integrated memory."""
     received_stage: int = 0
-    """The received stage tensor beyond its hidden state (the first layer's input): K/V rows
-    of earlier stages' layers, and padding under virtual stages."""
+    """K/V rows received at the hop into this chunk (``pipeline.hop_blocks``), kept by the rank
+    until the chunk's backward ends."""
     sent_stage: int = 0
-    """The stage tensor sent on, kept until backward (0 with deallocate_pipeline_outputs)."""
+    """The hidden state sent on, kept until backward (0 with deallocate_pipeline_outputs)."""
     embedding: int = 0
     """Token ids (first chunk)."""
     output: int = 0
@@ -200,14 +200,11 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
     if checkpoints:  # every checkpoint also keeps the rotary frequencies [s, 1, 1, d] (one tensor)
         layer_bytes += geometry.seq * geometry.head_dim * FP32
 
-    def stage_tensor(boundary: int) -> int:  # bytes of the stage tensor [s_h, b, width]
-        width = stage_tensor_width(config, boundary)
-        return geometry.hidden_rows * geometry.batch * width * geometry.element
-
-    received = 0 if pre_process else stage_tensor(layers.start) - geometry.hidden_state
-    sent = 0
-    if not post_process and not config.deallocate_pipeline_outputs:
-        sent = stage_tensor(layers.stop)
+    received = 0  # the K/V rows of the hop into this chunk, kept until its backward ends
+    if not pre_process and config.lime:
+        hop = hop_blocks(config, chunk_starting_at(config, layers.start))
+        received = sum(len(block.layers) for block in hop) * geometry.kv_rows
+    sent = 0 if post_process or config.deallocate_pipeline_outputs else geometry.hidden_state
     output = 0
     if post_process:
         loss = geometry.seq * geometry.batch * (geometry.vocab * FP32 + 1 + INT64)

@@ -23,8 +23,9 @@ The options and what each needs (megatron-core 0.16.1 and 0.19.x):
   without apex's ``fused_weight_gradient_mlp_cuda``: on only with both.
 - ``deallocate_pipeline_outputs``: frees each sent stage tensor's data once it is sent (the
   schedule keeps only its autograd node); on for every pipeline run, CPU included.  LIMe's stage
-  tensor (``pipeline.SendStage``) is a fresh tensor, not a view, and its backward reads only
-  the incoming gradient, so it survives megatron's ``deallocate_output_tensor``.
+  tensor is megatron's hidden state (its K/V rows travel on ``pipeline``'s side channel, and the
+  backward hook on it reads only the incoming gradient), so it survives megatron's
+  ``deallocate_output_tensor``.
 
 CPU runs keep every fusion off: the kernels are CUDA-only, and CPU runs are the exactness
 references.

@@ -59,9 +59,11 @@ class LayerIntegratedMemory:
 
     Own rows: allocated by the first ``store`` (its keys fix shape, dtype and device) as
     ``[len(layers) * kv_heads, 2 * s * b * d]``.  Under pipeline parallelism the rows of earlier
-    stages' layers that this chunk's layers read arrive with the stage tensor (``receive``), and
-    the gradient of the rows this chunk sends on arrives in backward (``receive_downstream_grad``);
-    see ``lime_megatron.pipeline``.
+    chunks' layers that this chunk's layers read are *external* blocks (``receive``: rows received
+    from other ranks or kept from this rank's earlier chunks); in backward this chunk's share of
+    their gradient is handed back (``external_shares``), and the gradient of its own rows from
+    later chunks arrives before its layers' backward (``receive_downstream_grad``); see
+    ``lime_megatron.pipeline``.
     """
 
     def __init__(self, num_layers: int, variant: str, window: int | None, layers: range | None = None):
@@ -71,8 +73,7 @@ class LayerIntegratedMemory:
         self.buffer: torch.Tensor | None = None
         self._writer: torch.Tensor | None = None
         self.kv_shape: tuple[int, int, int, int] | None = None
-        self.received_layers = range(self.layers.start, self.layers.start)
-        self._received: torch.Tensor | None = None
+        self.external: list[tuple[range, torch.Tensor]] = []
         self.downstream_layers = range(self.layers.stop, self.layers.stop)
         self._downstream_grad: torch.Tensor | None = None
         self._routers: dict[int, LimeRouter] = {}
@@ -131,22 +132,23 @@ class LayerIntegratedMemory:
 
     # ----------------------------------------------------------------------------- layout
     def rows(self, start: int, stop: int) -> torch.Tensor:
-        """Rows of layers ``start..stop-1``, all received or all own:
+        """Rows of layers ``start..stop-1``, all in one external block or all own:
         ``[(stop - start) * kv_heads, 2 * s * b * d]``."""
         h, first = self.kv_heads, self.layers.start
         if start >= first:
             return self.buffer[(start - first) * h : (stop - first) * h]
-        if start < self.received_layers.start or stop > self.received_layers.stop:
-            raise IndexError(f"rows of layers {start}..{stop - 1} are not held by the chunk of layers "
-                             f"{self.layers.start}..{self.layers.stop - 1} (received: {self.received_layers})")
-        return self._received[(start - self.received_layers.start) * h : (stop - self.received_layers.start) * h]
+        for layers, rows in self.external:
+            if layers.start <= start and stop <= layers.stop:
+                return rows[(start - layers.start) * h : (stop - layers.start) * h]
+        raise IndexError(f"rows of layers {start}..{stop - 1} are not held by the chunk of layers "
+                         f"{self.layers.start}..{self.layers.stop - 1} (external: "
+                         f"{[layers for layers, _ in self.external]})")
 
     def row_blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """``(start, stop)`` split where received rows end and own rows begin."""
-        first = self.layers.start
-        if start < first < stop:
-            return [(start, first), (first, stop)]
-        return [(start, stop)]
+        """``(start, stop)`` split where external blocks and the own rows begin and end."""
+        cuts = {self.layers.start} | {edge for layers, _ in self.external for edge in (layers.start, layers.stop)}
+        edges = [start, *sorted(cut for cut in cuts if start < cut < stop), stop]
+        return list(zip(edges[:-1], edges[1:]))
 
     def to_rows(self, routed: torch.Tensor) -> torch.Tensor:
         """``[2, s, b, h, d]`` -> ``[h, 2 * s * b * d]`` (copy)."""
@@ -171,21 +173,18 @@ class LayerIntegratedMemory:
         return self.rows(layer, layer + 1)
 
     # ----------------------------------------------------------------------------- stages
-    def receive(self, rows: torch.Tensor, layers: range, kv_shape: tuple[int, int, int, int]) -> None:
-        """Rows ``[len(layers) * kv_heads, 2 * s * b * d]`` of earlier stages' ``layers``
-        (those this chunk's layers read or sends on), keys shaped ``kv_shape``."""
-        if layers.stop > self.layers.start:
-            raise ValueError(f"received layers {layers} must come before this chunk's {self.layers}")
-        self._received, self.received_layers, self.kv_shape = rows, layers, kv_shape
+    def receive(self, blocks: list[tuple[range, torch.Tensor]], kv_shape: tuple[int, int, int, int]) -> None:
+        """External row blocks ``(layers, rows [len(layers) * kv_heads, 2 * s * b * d])`` of
+        earlier chunks' layers that this chunk's layers read, keys shaped ``kv_shape``."""
+        for layers, _ in blocks:
+            if layers.stop > self.layers.start:
+                raise ValueError(f"external layers {layers} must come before this chunk's {self.layers}")
+        self.external, self.kv_shape = blocks, kv_shape
 
     def receive_downstream_grad(self, grad_rows: torch.Tensor, layers: range) -> None:
-        """Gradient of the rows of ``layers`` sent to the next stage: the later stages' share
-        sum_{m later} W_m[:, block l]^T g_m of each sent layer l."""
+        """Gradient of the own rows of ``layers`` from later chunks: the share
+        sum_{m later} W_m[:, block l]^T g_m of each own layer l read after this chunk."""
         self._downstream_grad, self.downstream_layers = grad_rows, layers
-
-    def sent_rows(self, layers: range) -> list[torch.Tensor]:
-        """Rows of ``layers`` (received or own), as one or two views."""
-        return [self.rows(start, stop) for start, stop in self.row_blocks(layers.start, layers.stop)]
 
     # ----------------------------------------------------------------------------- routing
     def _source_blocks(self, router: LimeRouter) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -247,11 +246,11 @@ class LayerIntegratedMemory:
                                                 (local.stop - self.layers.start) * kv_heads]
             blocks = torch.cat([self._routers[m].block(layer) for m in local], dim=0)
             grad = blocks.t() @ grads
-        if stop > self.layers.stop:
+        if stop > self.layers.stop and layer >= self.layers.start:
             downstream = self._downstream_rows(layer)
             grad = downstream.clone() if grad is None else grad.add_(downstream)
         if grad is None:  # a replica rank: the primary passes this head's gradient
-            some_rows = self.buffer if self.buffer is not None else self._received
+            some_rows = self.buffer if self.buffer is not None else self.external[0][1]
             grad = some_rows.new_zeros(self.kv_heads, some_rows.shape[1])
         return grad
 
@@ -275,12 +274,15 @@ class LayerIntegratedMemory:
         grad_kv = self._consumer_grad(layer).view(self.kv_heads, 2, *self.kv_shape[:2], -1)
         return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
 
-    def write_received_grad(self, out: torch.Tensor) -> None:
-        """Write the gradient of the received rows into ``out``
-        ``[len(received_layers) * kv_heads, 2*s*b*d]``, once every own layer's backward ran."""
-        h = self.kv_heads
-        for index, layer in enumerate(self.received_layers):
-            out[index * h : (index + 1) * h].copy_(self._consumer_grad(layer))
+    def external_shares(self) -> list[tuple[range, torch.Tensor]]:
+        """This chunk's share of the gradient of its external rows, once every own layer's
+        backward ran: ``(layers, sum_{m in chunk} W_m[:, block l]^T g_m stacked over l)`` per
+        external block, ``[len(layers) * kv_heads, 2*s*b*d]``."""
+        shares = []
+        for layers, _ in self.external:
+            shares.append((layers, torch.cat([self._consumer_grad(layer) for layer in layers])))
+        self.external = []
+        return shares
 
 
 class RouteKeysValues(torch.autograd.Function):

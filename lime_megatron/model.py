@@ -13,6 +13,7 @@ otherwise unused, so each LIMe layer finds the memory of the pass it is (re)comp
 from __future__ import annotations
 
 import torch
+from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
@@ -20,7 +21,7 @@ from lime_megatron.config import LimeTransformerConfig
 from lime_megatron.initialization import initialize_weights
 from lime_megatron.layer_spec import lime_block_spec
 from lime_megatron.memory import LayerIntegratedMemory
-from lime_megatron.pipeline import ChunkLayers, ReceiveStage, SendStage
+from lime_megatron.pipeline import kept_rows
 from lime_megatron.router import LimeRouter
 
 
@@ -28,16 +29,18 @@ class LimeGPTModel(GPTModel):
     """``GPTModel`` whose forward provides the layer-integrated memory to LIMe layers.
 
     Inputs and outputs as ``GPTModel.forward``: input_ids/position_ids ``[b, s]``; returns the
-    per-token loss ``[b, s]`` when labels are given, else the logits.  A chunk that is not the
-    last pipeline stage returns the stage tensor of ``lime_megatron.pipeline`` (hidden state
-    plus the keys/values later stages read); one that is not the first takes it through
-    ``set_input_tensor``.
+    per-token loss ``[b, s]`` when labels are given, else the logits.  Under pipeline parallelism
+    a chunk exchanges megatron's hidden state as usual (``set_input_tensor``, output) and the
+    keys/values later chunks read through ``lime_megatron.pipeline``'s side channel.
     """
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self._stage_input: torch.Tensor | None = None
-        self.chunk_layers = ChunkLayers.of(self._own_layers(), self.config)
+        self.own_layers = self._own_layers()
+        pipeline = self.config.pipeline_model_parallel_size
+        self.global_chunk = (self.vp_stage or 0) * pipeline + parallel_state.get_pipeline_model_parallel_rank() \
+            if pipeline > 1 else 0
 
     def _own_layers(self) -> range:
         """Global indices of the layers built in this chunk."""
@@ -48,7 +51,7 @@ class LimeGPTModel(GPTModel):
         return range(offset, offset)
 
     def set_input_tensor(self, input_tensor) -> None:
-        """Keep the incoming stage tensor; ``forward`` unpacks it (baseline: megatron's way)."""
+        """Keep the incoming hidden state for ``forward`` (baseline: megatron's way)."""
         if not self.config.lime:
             return super().set_input_tensor(input_tensor)
         tensors = input_tensor if isinstance(input_tensor, list) else [input_tensor]
@@ -59,19 +62,24 @@ class LimeGPTModel(GPTModel):
     def forward(self, *args, extra_block_kwargs: dict | None = None, **kwargs):
         if not self.config.lime:
             return super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
-        layers = self.chunk_layers
         memory = LayerIntegratedMemory(
-            self.config.num_layers, self.config.lime_router, self.config.lime_router_window, layers.own
+            self.config.num_layers, self.config.lime_router, self.config.lime_router_window, self.own_layers
         )
+        pipelined = not (self.pre_process and self.post_process)
+        kept = kept_rows(self.config) if pipelined else None
+        micro_batch = kept.start_forward(self.global_chunk) if pipelined else 0
         if not self.pre_process:
             stage, self._stage_input = self._stage_input, None
             if stage is None:
                 raise RuntimeError("a chunk after the first pipeline stage ran without its stage tensor")
-            self.decoder.set_input_tensor(ReceiveStage.apply(stage, memory, layers, self.config))
+            kept.receive(self.global_chunk, micro_batch, memory, stage)
+            self.decoder.set_input_tensor(stage)
         extra_block_kwargs = {**(extra_block_kwargs or {}), "context": memory.handle()}
         output = super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
         if not self.post_process:
-            output = SendStage.apply(output, memory, layers.sent, layers.sent_width)
+            kept.send(self.global_chunk, micro_batch, memory, output)
+        if pipelined:
+            kept.end_forward(self.global_chunk, micro_batch)
         return output
 
     def routers(self) -> list[LimeRouter]:

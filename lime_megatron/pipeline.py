@@ -1,26 +1,57 @@
-"""Pipeline parallelism: the layer-integrated memory crosses stage boundaries.
+"""Pipeline parallelism: the layer-integrated memory crosses stage boundaries, every row once.
 
-megatron-core's schedules pass one tensor between pipeline stages.  A LIMe chunk whose layers
-read keys/values of earlier stages receives them, and sends on those that later stages read, in
-that one tensor (the *stage tensor*, ``[s', b, k]``; ``s'`` is the sequence length, divided by
-the tensor-parallel size under sequence parallelism).  Its flat memory holds
+Chunks.  megatron splits the layers into ``p * v`` chunks (``p`` pipeline ranks, ``v`` virtual
+stages, ``v = 1`` without interleaving); global chunk ``k = vp_stage * p + rank`` holds the
+``k``-th run of layers, so the chunks of rank ``r`` are ``r, r + p, r + 2p, ...``.  A LIMe layer
+reads the keys/values (K/V rows, ``memory``) of earlier layers; the rows a chunk reads or must pass
+on are those of ``carried_layers`` at its first layer.
 
-    hidden state [s', b, hidden] (flattened) | K/V rows of the carried layers [n * kv_local, 2*s*b*d]
+Every row crosses to a rank at most once per micro-batch.  Each rank keeps, per micro-batch in
+flight, the rows it produced or already received (``KeptRows``, shared by its chunks).  The hop
+into chunk ``k`` (from the rank of chunk ``k - 1``) therefore carries only the rows the receiving
+rank lacks: those of chunks ``max(0, k - p + 1) .. k - 1`` (run on the other ranks since it last
+saw this micro-batch) still read at or after chunk ``k`` (``hop_blocks``; one exact-width block
+per source chunk, no padding).  The sender has them: its own chunk ``k - 1``'s rows and the
+blocks it received at the hop into ``k - 1``.  For a row of chunk ``h`` this is the chain of hops
+``h + 1 .. h + p - 1``, one per other rank.
 
-so both parts are views of the received tensor (no copy on the receiving stage).  The carried
-layers at a boundary before layer ``c`` are the earlier layers read by some layer >= c
-(``carried_layers``): all c of them for the ``full`` and ``average`` routers, at most j - 1 for
-``last``-j and j for ``first``-j.  In backward the gradient of the stage tensor carries, for each
-carried layer l, the later stages' share of its gradient, sum_{m >= c} W_m[:, block l]^T g_m.
+Backward.  The gradient of a row of layer ``l`` is the sum over its consumers ``m`` of
+``W_m[:, block l]^T g_m`` (``memory``).  On each rank a kept block has one gradient accumulator:
+each chunk that read it adds its share when its backward ends (chunks of a rank run backward in
+reverse order, so the later consumers come first), and the gradient returned by the outgoing hop
+that carried it on (the further ranks' shares) is added when the sending chunk's backward starts.
+When the backward of the chunk that received a block ends, the accumulator is complete and goes
+back as the hop's returned gradient, exactly the rows the hop carried; block and accumulator are
+then freed.  A chunk's own rows get their later consumers' shares (same rank and other ranks)
+before its layers' backward runs (``LayerIntegratedMemory.receive_downstream_grad``).
 
-Stage tensor shapes are known on both sides of a boundary (they follow from the config), so no
-shape is exchanged at run time: ``StageTensorCommunicator`` (pass ``schedule_arguments(config)``
-to megatron's forward-backward function) is megatron's communicator receiving ``[s', b, width]``
-instead of ``[s', b, hidden]``, all transfers otherwise megatron's own.  Without virtual stages
-each rank receives at one boundary and sends at one, so every stage tensor has its exact width.
-With virtual stages megatron's communicator cannot tell which chunk a receive is for, so every
-stage tensor is padded to the widest boundary of the model (``stage_tensor_width``; the
-padding is sent but never read).
+Design: a side channel.  megatron's stage tensor is the plain hidden state ``[s', b, hidden]``,
+so megatron's p2p code (``batch_p2p_comm``, ``overlap_p2p_comm``, ``deallocate_pipeline_outputs``,
+variable shapes never needed) is used as is.  The rows travel by ``isend``/``irecv`` on two
+duplicates of the pipeline process group (``_side_groups``: rows forward, gradients backward),
+own communicators so their order cannot interleave with megatron's messages (NCCL matches
+point-to-point messages per peer in posting order; gloo by tag, and every message has a unique
+tag).  Both sides know every message's size from the config and the hidden state's shape, so no
+shape is exchanged.  Each chunk numbers its forwards (megatron runs a chunk's micro-batches in
+order, on every rank in the same global order, so sends and receives match per peer and
+direction); ``schedule_arguments`` restarts the numbering for each schedule call.  The
+alternative, one stage tensor per hop through megatron's communicator with a width per chunk,
+would have to replay megatron's call order per direction (and its combined calls under
+``overlap_p2p_comm``) to know which chunk each receive is for; the side channel needs none of
+that and lets rows be sent before the sender's compute.
+
+Overlap.  The blocks a rank forwards that it received (all but the one of its own chunk) are
+isent as soon as they arrive, before the chunk's own layers run; only the chunk's own rows wait
+for its compute.  Sends are asynchronous; a receive is posted and waited when the receiving chunk
+starts (megatron's schedule gives no earlier point at which the next chunk and micro-batch are
+known without replaying it).  megatron's ``overlap_p2p_comm`` (interleaved schedule; it posts the
+hidden state's receive for the next forward before the current one's compute) and
+``batch_p2p_comm`` (NCCL; on gloo batched isend/irecv to one peer in both directions swaps tensors,
+so the unbatched path stays there) apply to the hidden state unchanged.
+
+Memory.  Received blocks are freed when the receiving chunk's backward ends, own rows kept for the
+rank's later chunks when the owning chunk's backward starts; without backward (evaluation under
+``torch.no_grad``) a micro-batch's rows are dropped after the rank's last chunk ran it.
 """
 
 from __future__ import annotations
@@ -29,8 +60,6 @@ from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
-from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
-from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lime_megatron.config import pipeline_layer_split
 from lime_megatron.memory import LayerIntegratedMemory
@@ -39,10 +68,9 @@ from lime_megatron.router import routing_consumers
 
 def carried_layers(config, boundary: int) -> range:
     """Layers before ``boundary`` read by some layer at or after it (of the model ``config``
-    describes): the K/V rows a stage
-    tensor carries across the boundary before layer ``boundary``.  A contiguous range for every
-    router variant: ``[0, b)`` for ``full``/``average``, ``[b - j + 1, b)`` for ``last``-j,
-    ``[0, min(j, b))`` for ``first``-j (empty at 0 and at ``num_layers``)."""
+    describes).  A contiguous range for every router variant: ``[0, b)`` for
+    ``full``/``average``, ``[b - j + 1, b)`` for ``last``-j, ``[0, min(j, b))`` for ``first``-j
+    (empty at 0 and at ``num_layers``)."""
     carried = [
         layer for layer in range(boundary)
         if routing_consumers(layer, config.num_layers, config.lime_router, config.lime_router_window)[1] > boundary
@@ -54,32 +82,48 @@ def carried_layers(config, boundary: int) -> range:
     return range(carried[0], carried[-1] + 1)
 
 
+def chunk_layers(config) -> list[range]:
+    """The layers of every global chunk, in layer order (chunk ``vp_stage * p + rank``)."""
+    split = pipeline_layer_split(config)
+    p = config.pipeline_model_parallel_size
+    return [split[rank, vp] for vp in sorted({vp for _, vp in split}, key=lambda vp: vp or 0) for rank in range(p)]
+
+
 @dataclass(frozen=True)
-class ChunkLayers:
-    """The global layers of one model chunk, the K/V rows crossing its two boundaries and the
-    widths of the stage tensors there."""
+class HopBlock:
+    """Rows of one source chunk carried by a hop."""
 
-    own: range
-    """Layers built in this chunk."""
-    received: range
-    """Earlier layers whose rows arrive with the incoming stage tensor."""
-    sent: range
-    """Layers whose rows leave with the outgoing stage tensor (empty on the last stage)."""
-    received_width: int
-    """Last dimension of the incoming stage tensor (``stage_tensor_width``)."""
-    sent_width: int
-    """Last dimension of the outgoing stage tensor."""
+    source: int
+    """Global chunk that produced the rows."""
+    layers: range
+    """Their layers (a contiguous part of the source chunk's)."""
 
-    @classmethod
-    def of(cls, own: range, config) -> "ChunkLayers":
-        """The boundaries of the chunk of layers ``own`` in a model described by ``config``."""
-        return cls(
-            own=own,
-            received=carried_layers(config, own.start),
-            sent=carried_layers(config, own.stop),
-            received_width=stage_tensor_width(config, own.start),
-            sent_width=stage_tensor_width(config, own.stop),
-        )
+
+def hop_blocks(config, chunk: int) -> list[HopBlock]:
+    """The K/V rows of the hop into global chunk ``chunk``: per source chunk
+    ``max(0, chunk - p + 1) .. chunk - 1`` (those run on other ranks since the receiving rank
+    last saw the micro-batch), its layers still read at or after ``chunk``.  Empty for chunk 0
+    and for the baseline."""
+    if not getattr(config, "lime", False) or chunk == 0:
+        return []
+    chunks = chunk_layers(config)
+    read_later = carried_layers(config, chunks[chunk].start)
+    blocks = []
+    for source in range(max(0, chunk - config.pipeline_model_parallel_size + 1), chunk):
+        own = chunks[source]
+        layers = range(max(own.start, read_later.start), min(own.stop, read_later.stop))
+        if len(layers):
+            blocks.append(HopBlock(source, layers))
+    return blocks
+
+
+def chunk_starting_at(config, boundary: int) -> int:
+    """The global chunk whose first layer is ``boundary`` (the first such non-empty chunk)."""
+    chunks = chunk_layers(config)
+    for index, layers in enumerate(chunks):
+        if layers.start == boundary and len(layers):
+            return index
+    raise ValueError(f"no chunk of the pipeline split starts at layer {boundary}")
 
 
 def _heads_and_sequence_factor(config) -> tuple[int, int]:
@@ -90,153 +134,233 @@ def _heads_and_sequence_factor(config) -> tuple[int, int]:
 
 def stage_kv_shape(hidden_shape: torch.Size, config) -> tuple[int, int, int, int]:
     """Shape ``[s, b, local kv heads, head dim]`` of one layer's keys on this tensor-parallel
-    rank, for a stage tensor whose hidden part is ``hidden_shape`` ``[s', b, hidden]``."""
+    rank, for a stage tensor (hidden state) ``hidden_shape`` ``[s', b, hidden]``."""
     local_heads, factor = _heads_and_sequence_factor(config)
     return hidden_shape[0] * factor, hidden_shape[1], local_heads, config.kv_channels
 
 
+def hop_elements(config, chunk: int, seq_length: int, micro_batch_size: int) -> tuple[int, int]:
+    """Elements the hop into global chunk ``chunk`` carries per micro-batch and tensor-parallel
+    rank, one direction (the backward returns as many): (hidden state, K/V rows)."""
+    local_heads, factor = _heads_and_sequence_factor(config)
+    hidden = seq_length // factor * micro_batch_size * config.hidden_size
+    layers = sum(len(block.layers) for block in hop_blocks(config, chunk))
+    return hidden, layers * local_heads * 2 * seq_length * micro_batch_size * config.kv_channels
+
+
 def exact_stage_width(config, boundary: int) -> int:
-    """Last dimension of the stage tensor before layer ``boundary``: hidden size plus the
-    carried layers' K/V rows spread over the ``[s', b]`` positions."""
+    """The hop into the chunk starting at layer ``boundary`` as the last dimension of one
+    ``[s', b, width]`` tensor: hidden size plus its K/V rows spread over the ``[s', b]``
+    positions (for tools that think in stage tensors; the hop itself is several tensors)."""
     if not getattr(config, "lime", False):
         return config.hidden_size
-    carried = carried_layers(config, boundary)
     local_heads, factor = _heads_and_sequence_factor(config)
-    return config.hidden_size + len(carried) * local_heads * 2 * config.kv_channels * factor
+    layers = sum(len(block.layers) for block in hop_blocks(config, chunk_starting_at(config, boundary)))
+    return config.hidden_size + layers * local_heads * 2 * config.kv_channels * factor
 
 
-def stage_tensor_width(config, boundary: int) -> int:
-    """Last dimension of the stage tensor sent across the boundary before layer ``boundary``:
-    exact without virtual stages, else the widest boundary of the model."""
-    if not config.virtual_pipeline_model_parallel_size:
-        return exact_stage_width(config, boundary)
-    return max(exact_stage_width(config, layers.start) for layers in pipeline_layer_split(config).values())
+def hop_bytes(config, chunk: int, seq_length: int, micro_batch_size: int, element_size: int) -> int:
+    """Bytes of the hop into global chunk ``chunk`` per micro-batch and tensor-parallel rank, one
+    direction (hidden state plus the K/V rows of ``hop_blocks``)."""
+    return element_size * sum(hop_elements(config, chunk, seq_length, micro_batch_size))
 
 
-class SendStage(torch.autograd.Function):
-    """Pack the chunk's output hidden state and the rows of ``layers`` into one stage tensor.
+# --------------------------------------------------------------------------- side channel
 
-    forward(hidden [s', b, hidden], memory, layers, width) -> stage tensor [s', b, width]
-    backward: the hidden part flows back into the chunk; the rows part is the later stages'
-    gradient of the sent rows, handed to the memory.
-    """
-
-    @staticmethod
-    def forward(ctx, hidden, memory: LayerIntegratedMemory, layers: range, width: int):
-        rows = memory.sent_rows(layers) if len(layers) else []
-        s, b, _ = hidden.shape
-        stage = hidden.new_empty(s, b, width)
-        flat = stage.view(-1)
-        if hidden.numel() + sum(part.numel() for part in rows) > flat.numel():
-            raise AssertionError(f"layers {layers} do not fit a stage tensor [{s}, {b}, {width}]")
-        flat[: hidden.numel()].view_as(hidden).copy_(hidden)
-        offset = hidden.numel()
-        for part in rows:
-            flat[offset : offset + part.numel()].view_as(part).copy_(part)
-            offset += part.numel()
-        flat[offset:].zero_()  # padding to the widest boundary (virtual stages), never read
-        ctx.memory, ctx.layers, ctx.hidden_shape = memory, layers, hidden.shape
-        return stage
-
-    @staticmethod
-    def backward(ctx, grad_stage):
-        flat = grad_stage.contiguous().view(-1)
-        size = ctx.hidden_shape.numel()
-        if len(ctx.layers):
-            count = len(ctx.layers) * ctx.memory.kv_heads
-            rows = flat[size : size + count * ctx.memory.row_length].view(count, -1)
-            ctx.memory.receive_downstream_grad(rows, ctx.layers)
-        return flat[:size].view(ctx.hidden_shape), None, None, None
+_SIDE_GROUPS: dict = {}
 
 
-class ReceiveStage(torch.autograd.Function):
-    """Unpack an incoming stage tensor: the hidden state (returned) and the rows of the
-    ``chunk``'s received layers (given to ``memory``), both views of it.
-
-    forward(stage [s', b, width], memory, chunk, config) -> hidden [s', b, hidden]
-    backward: the stage tensor's gradient, hidden part from the chunk, rows part from the
-    memory (this chunk's and later stages' shares, once every own layer's backward ran).
-    """
-
-    @staticmethod
-    def forward(ctx, stage, memory: LayerIntegratedMemory, chunk: ChunkLayers, config):
-        s, b, width = stage.shape
-        hidden_shape = torch.Size((s, b, config.hidden_size))
-        expected, layers = chunk.received_width, chunk.received
-        if width != expected:
-            raise RuntimeError(
-                f"the stage tensor {tuple(stage.shape)} received before layer {chunk.own.start} should be "
-                f"[{s}, {b}, {expected}] (hidden {config.hidden_size} and the keys/values of layers "
-                f"{layers.start}..{layers.stop - 1}): run megatron's schedule with "
-                "**lime_megatron.pipeline.schedule_arguments(config) and the same config on every stage"
-            )
-        kv_shape = stage_kv_shape(hidden_shape, config)
-        row_length = 2 * kv_shape[0] * kv_shape[1] * kv_shape[3]
-        flat = stage.detach().view(-1)
-        rows = flat[hidden_shape.numel() : hidden_shape.numel() + len(layers) * kv_shape[2] * row_length]
-        memory.receive(rows.view(-1, row_length), layers, kv_shape)
-        ctx.memory, ctx.stage_shape, ctx.row_length = memory, stage.shape, row_length
-        return flat[: hidden_shape.numel()].view(hidden_shape)
-
-    @staticmethod
-    def backward(ctx, grad_hidden):
-        grad = grad_hidden.new_zeros(ctx.stage_shape)
-        flat = grad.view(-1)
-        flat[: grad_hidden.numel()].view_as(grad_hidden).copy_(grad_hidden)
-        received = len(ctx.memory.received_layers) * ctx.memory.kv_heads * ctx.row_length
-        if received:
-            rows = flat[grad_hidden.numel() : grad_hidden.numel() + received].view(-1, ctx.row_length)
-            ctx.memory.write_received_grad(rows)
-        return grad, None, None, None
+def _side_groups(pp_group) -> tuple:
+    """Two duplicates of the pipeline group ``pp_group`` (rows forward, gradients backward).
+    Created on first use, by every rank of the world together (``new_group`` is collective)."""
+    if pp_group not in _SIDE_GROUPS:
+        mine = torch.distributed.get_process_group_ranks(pp_group)
+        everyone = [None] * torch.distributed.get_world_size()
+        torch.distributed.all_gather_object(everyone, mine)
+        for ranks in sorted({tuple(ranks) for ranks in everyone}):
+            pair = (torch.distributed.new_group(list(ranks)), torch.distributed.new_group(list(ranks)))
+            if list(ranks) == mine:
+                _SIDE_GROUPS[pp_group] = pair
+    return _SIDE_GROUPS[pp_group]
 
 
-def _rank_boundaries(config, rank: int) -> tuple[int, int]:
-    """First and stop layer of pipeline rank ``rank``'s one chunk (without virtual stages;
-    with them every boundary has the same width and (0, 0) is returned)."""
-    if config.virtual_pipeline_model_parallel_size:
-        return 0, 0
-    layers = pipeline_layer_split(config)[rank, None]
-    return layers.start, layers.stop
+@dataclass
+class _KeptBlock:
+    """Rows a rank holds for one micro-batch and source chunk, and their gradient so far."""
+
+    layers: range
+    rows: torch.Tensor
+    grad: torch.Tensor | None = None
+
+    def view(self, layers: range, kv_heads: int) -> torch.Tensor:
+        """Rows of ``layers`` (inside ``self.layers``)."""
+        return self.rows[(layers.start - self.layers.start) * kv_heads : (layers.stop - self.layers.start) * kv_heads]
+
+    def add_grad(self, layers: range, grad: torch.Tensor, kv_heads: int) -> None:
+        """Add ``grad`` to the gradient of the rows of ``layers``."""
+        if self.grad is None:
+            self.grad = torch.zeros_like(self.rows)
+        start = (layers.start - self.layers.start) * kv_heads
+        self.grad[start : start + grad.shape[0]].add_(grad)
 
 
-class StageTensorCommunicator(P2PCommunicator):
-    """megatron's pipeline communicator for stage tensors ``[s', b, width]``: megatron's
-    schedules ask to receive ``[s', b, hidden]``; this rank's receives from the previous stage
-    and from the next one get the widths of its input and output boundaries instead."""
+class KeptRows:
+    """This rank's K/V rows per micro-batch in flight, shared by its chunks, and the side
+    channel that moves them (see the module docstring)."""
 
-    def __init__(self, pp_group, config):
-        super().__init__(pp_group, config)
-        first, last = _rank_boundaries(config, pp_group.rank())
-        self.widths = {"prev": stage_tensor_width(config, first), "next": stage_tensor_width(config, last)}
+    def __init__(self, config):
+        self.config = config
+        self.p = config.pipeline_model_parallel_size
+        self.chunks = chunk_layers(config)
+        self.rank = parallel_state.get_pipeline_model_parallel_rank()
+        pp_group = parallel_state.get_pipeline_model_parallel_group()
+        self.rows_group, self.grads_group = _side_groups(pp_group)
+        self.next_rank = (self.rank + 1) % self.p
+        self.prev_rank = (self.rank - 1) % self.p
+        self.blocks: dict[tuple[int, int], _KeptBlock] = {}
+        self.forwards = [0] * len(self.chunks)
+        self.sends: dict[tuple[int, int], list] = {}
+        self.grad_sends: list = []
 
-    def _communicate(self, *, recv_prev: bool, recv_next: bool, tensor_shape, **kwargs):
-        if tensor_shape is not None and (recv_prev or recv_next):
-            widths = {self.widths[side] for side, wanted in (("prev", recv_prev), ("next", recv_next)) if wanted}
-            if len(widths) != 1:
-                raise AssertionError(f"one receive shape for stage tensors of widths {widths}")
-            tensor_shape = (*tuple(tensor_shape)[:2], widths.pop())
-        return super()._communicate(recv_prev=recv_prev, recv_next=recv_next, tensor_shape=tensor_shape, **kwargs)
+    def _tag(self, micro_batch: int, chunk: int, index: int) -> int:
+        """Unique tag of block ``index`` of the hop into ``chunk`` for ``micro_batch``."""
+        return (micro_batch * len(self.chunks) + chunk) * self.p + index
+
+    def _peer(self, group, rank: int) -> int:
+        """Global rank of pipeline rank ``rank`` in ``group``."""
+        return torch.distributed.get_global_rank(group, rank)
+
+    def _send(self, tensor: torch.Tensor, group, rank: int, tag: int):
+        return torch.distributed.isend(tensor.contiguous(), self._peer(group, rank), group, tag)
+
+    def _send_rows(self, rows: torch.Tensor, micro_batch: int, chunk: int, index: int) -> None:
+        """isend block ``index`` of the hop into ``chunk``, posted during chunk ``chunk - 1``."""
+        work = self._send(rows, self.rows_group, self.next_rank, self._tag(micro_batch, chunk, index))
+        self.sends.setdefault((micro_batch, chunk - 1), []).append(work)
+
+    def _receive(self, shape, like: torch.Tensor, group, rank: int, tag: int) -> torch.Tensor:
+        tensor = like.new_empty(shape)
+        torch.distributed.irecv(tensor, self._peer(group, rank), group, tag).wait()
+        return tensor
+
+    def finish_sends(self) -> None:
+        """Wait for every send posted so far (at the end of a schedule call)."""
+        for work in [work for works in self.sends.values() for work in works] + self.grad_sends:
+            work.wait()
+        self.sends, self.grad_sends = {}, []
+
+    # ------------------------------------------------------------------ forward
+    def start_forward(self, chunk: int) -> int:
+        """The micro-batch of chunk ``chunk``'s next forward."""
+        micro_batch = self.forwards[chunk]
+        self.forwards[chunk] += 1
+        return micro_batch
+
+    def receive(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, hidden: torch.Tensor) -> None:
+        """Forward of the hop into ``chunk``: receive its blocks, pass on at once those the
+        next hop carries (not waiting for this chunk's compute), and give ``memory`` every kept
+        block its layers read.  In backward (a hook on ``hidden``, once every layer of the chunk
+        ran) the chunk's shares are added and the hop's gradient is returned."""
+        kv_shape = stage_kv_shape(hidden.shape, self.config)
+        heads, row = kv_shape[2], 2 * kv_shape[0] * kv_shape[1] * kv_shape[3]
+        received = []
+        for index, block in enumerate(hop_blocks(self.config, chunk)):
+            rows = self._receive((len(block.layers) * heads, row), hidden, self.rows_group, self.prev_rank,
+                                 self._tag(micro_batch, chunk, index))
+            self.blocks[micro_batch, block.source] = _KeptBlock(block.layers, rows)
+            received.append(block)
+        if chunk + 1 < len(self.chunks):
+            for index, block in enumerate(hop_blocks(self.config, chunk + 1)):
+                if block.source != chunk:
+                    self._send_rows(self.blocks[micro_batch, block.source].view(block.layers, heads),
+                                    micro_batch, chunk + 1, index)
+        read = carried_layers(self.config, self.chunks[chunk].start)
+        external = []
+        for (batch, _), kept in sorted(self.blocks.items(), key=lambda item: item[0]):
+            layers = range(max(kept.layers.start, read.start), min(kept.layers.stop, read.stop))
+            if batch == micro_batch and len(layers):
+                external.append((layers, kept.view(layers, heads)))
+        memory.receive(external, kv_shape)
+        if hidden.requires_grad and torch.is_grad_enabled():
+            hidden.register_hook(lambda grad: self._end_backward(chunk, micro_batch, memory, received, hidden))
+
+    def send(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, output: torch.Tensor) -> None:
+        """Forward end of a chunk before the last: isend its own block of the next hop, keep its
+        rows for this rank's later chunks; in backward (a hook on ``output``, before the chunk's
+        layers) receive the hop's returned gradient."""
+        own = carried_layers(self.config, self.chunks[chunk].stop)
+        own = range(max(own.start, self.chunks[chunk].start), own.stop)
+        if len(own):
+            self.blocks[micro_batch, chunk] = _KeptBlock(own, memory.rows(own.start, own.stop))
+        for index, block in enumerate(hop_blocks(self.config, chunk + 1)):
+            if block.source == chunk:
+                self._send_rows(memory.rows(block.layers.start, block.layers.stop), micro_batch, chunk + 1, index)
+        if output.requires_grad and torch.is_grad_enabled():
+            output.register_hook(lambda grad: self._start_backward(chunk, micro_batch, memory, own))
+
+    def end_forward(self, chunk: int, micro_batch: int) -> None:
+        """Without backward (``torch.no_grad``), forget the micro-batch's rows once this rank's
+        last chunk ran it."""
+        if not torch.is_grad_enabled() and chunk + self.p >= len(self.chunks):
+            for key in [key for key in self.blocks if key[0] == micro_batch]:
+                del self.blocks[key]
+
+    # ------------------------------------------------------------------ backward
+    def _start_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, own: range) -> None:
+        """Before chunk ``chunk``'s layers run backward: the returned gradient of the hop into
+        ``chunk + 1`` goes to the kept blocks it carried; the own rows' gradient from later
+        chunks goes to ``memory``."""
+        for work in self.sends.pop((micro_batch, chunk), []):  # matched: the next rank ran its backward
+            work.wait()  # the own rows sent are about to be overwritten by gradients
+        heads, row = memory.kv_heads, memory.row_length
+        for index, block in enumerate(hop_blocks(self.config, chunk + 1)):
+            grad = self._receive((len(block.layers) * heads, row), memory.buffer, self.grads_group, self.next_rank,
+                                 self._tag(micro_batch, chunk + 1, index))
+            self.blocks[micro_batch, block.source].add_grad(block.layers, grad, heads)
+        kept = self.blocks.pop((micro_batch, chunk), None)
+        if kept is not None:
+            grad = kept.grad if kept.grad is not None else torch.zeros_like(kept.rows)
+            memory.receive_downstream_grad(grad, kept.layers)
+
+    def _end_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
+                      received: list[HopBlock], hidden: torch.Tensor) -> None:
+        """After chunk ``chunk``'s layers ran backward: add its shares of the kept rows'
+        gradients, return the gradient of the rows the hop into it carried, free them."""
+        heads = memory.kv_heads
+        for layers, share in memory.external_shares():
+            source = next(index for index, own in enumerate(self.chunks) if own.start <= layers.start < own.stop)
+            self.blocks[micro_batch, source].add_grad(layers, share, heads)
+        for index, block in enumerate(received):
+            kept = self.blocks.pop((micro_batch, block.source))
+            grad = kept.grad if kept.grad is not None else torch.zeros_like(kept.rows)
+            tag = self._tag(micro_batch, chunk, index)
+            self.grad_sends.append(self._send(grad, self.grads_group, self.prev_rank, tag))
+        self.grad_sends = [work for work in self.grad_sends if not work.is_completed()]
 
 
-def schedule_groups() -> ProcessGroupCollection:
-    """megatron's process groups as its schedules take them with a ``p2p_communicator``."""
-    groups = ProcessGroupCollection()
-    groups.tp = parallel_state.get_tensor_model_parallel_group()
-    groups.cp = parallel_state.get_context_parallel_group()
-    groups.pp = parallel_state.get_pipeline_model_parallel_group()
-    groups.embd = parallel_state.get_embedding_group(check_initialized=False)
-    groups.pos_embd = parallel_state.get_position_embedding_group(check_initialized=False)
-    groups.dp = parallel_state.get_data_parallel_group()
-    groups.dp_cp = parallel_state.get_data_parallel_group(with_context_parallel=True)
-    groups.tp_dp_cp = parallel_state.get_tensor_and_data_parallel_group(with_context_parallel=True)
-    return groups
+_KEPT: KeptRows | None = None
+
+
+def kept_rows(config) -> KeptRows:
+    """This rank's ``KeptRows`` for the current schedule call."""
+    if _KEPT is None or _KEPT.config is not config:
+        raise RuntimeError(
+            "LIMe under pipeline parallelism needs lime_megatron.pipeline.schedule_arguments(config) "
+            "called for each call of megatron's forward-backward function"
+        )
+    return _KEPT
 
 
 def schedule_arguments(config) -> dict:
-    """Keyword arguments for megatron's ``get_forward_backward_func()(...)`` that LIMe needs
-    under pipeline parallelism (``p2p_communicator`` and the matching ``pg_collection``);
-    empty without pipelining or for the baseline."""
-    if parallel_state.get_pipeline_model_parallel_world_size() == 1 or not getattr(config, "lime", False):
-        return {}
-    groups = schedule_groups()
-    return dict(p2p_communicator=StageTensorCommunicator(groups.pp, config), pg_collection=groups)
+    """Prepare LIMe's side channel for one call of megatron's ``get_forward_backward_func()``
+    (call it once per schedule call, on every rank: micro-batches are numbered from 0 again)
+    and return the keyword arguments LIMe needs there (none: megatron's own communicator
+    moves the hidden state)."""
+    global _KEPT
+    if _KEPT is not None:
+        _KEPT.finish_sends()
+    lime = getattr(config, "lime", False)
+    pipelined = parallel_state.model_parallel_is_initialized() and \
+        parallel_state.get_pipeline_model_parallel_world_size() > 1
+    _KEPT = KeptRows(config) if lime and pipelined else None
+    return {}

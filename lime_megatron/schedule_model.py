@@ -210,9 +210,9 @@ class StepTime:
 
 
 def hop_bytes(config: LimeTransformerConfig, boundary: int, geometry: Geometry) -> int:
-    """Bytes of the stage tensor sent across the boundary before layer ``boundary``, one
-    microbatch on one tensor-parallel rank: the hidden state and the carried K/V rows at
-    ``pipeline.exact_stage_width`` (no padding). The one source of hop sizes here."""
+    """Bytes of the hop into the chunk starting at layer ``boundary``, one microbatch on one
+    tensor-parallel rank: the hidden state and the K/V rows the receiving rank lacks
+    (``pipeline.exact_stage_width``, no padding). The one source of hop sizes here."""
     return geometry.hidden_rows * geometry.batch * exact_stage_width(config, boundary) * geometry.element
 
 

@@ -160,8 +160,8 @@ def test_interleaved_peak_replays_megatron_order():
 
 def test_lime_stage_tensors_follow_the_router_window():
     """Full router: the stage after layer b receives all b earlier layers' K/V rows; last-2:
-    only the one layer its first layer reads; the sender keeps the stage tensor it sent. With
-    virtual stages every stage tensor is padded to the widest boundary."""
+    only the one layer its first layer reads; the sender keeps the hidden state it sent. With
+    virtual stages each hop carries only the rows the receiving rank lacks."""
     layout = dict(num_layers=8, pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
     geometry = activations.Geometry.of(tiny_config(**layout), SEQ, BATCH, VOCAB)
     rows = geometry.kv_rows
@@ -170,22 +170,23 @@ def test_lime_stage_tensors_follow_the_router_window():
                             micro_batch_size=BATCH, num_microbatches=4)
         first, second = (stage.chunks[0].activations for stage in result.stages)
         assert second.received_stage == carried * rows and first.received_stage == 0
-        assert first.sent_stage == geometry.hidden_state + carried * rows
+        assert first.sent_stage == geometry.hidden_state
         assert second.sent_stage == 0 and second.output > 0 and first.embedding > 0
     deallocated = E.estimate(tiny_config(**layout, deallocate_pipeline_outputs=True),
                              vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
                              num_microbatches=4)
     assert deallocated.stages[0].chunks[0].activations.sent_stage == 0
-    # Chunks of 2 layers: boundaries before layers 2, 4, 6 carry 2, 4, 6 layers; all pad to 6.
+    # Chunks of 2 layers; rank 0 runs chunks 0 and 2, rank 1 chunks 1 and 3: each hop carries
+    # the 2 layers of the chunk before it (the rank holds the others already).
     interleaved = E.estimate(tiny_config(**layout, virtual_pipeline_model_parallel_size=2),
                              vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
                              num_microbatches=4)
     chunks = {(s.pp_rank, c.vp_stage): c.activations for s in interleaved.stages for c in s.chunks}
     assert {key: (a.received_stage, a.sent_stage) for key, a in chunks.items()} == {
-        (0, 0): (0, geometry.hidden_state + 6 * rows),
-        (1, 0): (6 * rows, geometry.hidden_state + 6 * rows),
-        (0, 1): (6 * rows, geometry.hidden_state + 6 * rows),
-        (1, 1): (6 * rows, 0),
+        (0, 0): (0, geometry.hidden_state),
+        (1, 0): (2 * rows, geometry.hidden_state),
+        (0, 1): (2 * rows, geometry.hidden_state),
+        (1, 1): (2 * rows, 0),
     }
 
 

@@ -1,15 +1,22 @@
 """LIMe under pipeline parallelism equals the PP=1 run (CPU, gloo).
 
 One 4-process launch checks, against the single-stage model from the same initial weights (loss and
-every gradient, routers included, over two SGD steps): PP=2 x TP=2 with virtual stages and SP,
-PP=4, PP=4 with virtual stages, an uneven split (shorter first and last stage), full and selective
-recompute, MHA and GQA, the ``last``/``first`` routers whose stage tensors carry fewer layers, a
-128-layer tiny model over 4 stages, and a checkpoint saved at PP=2 loaded at PP=1 and PP=4.
-A slow 8-process launch splits the 128-layer model over 8 stages.
+every gradient, routers included, over two SGD steps; ``deallocate_pipeline_outputs`` on, as the
+trainer runs pipelines): TP=2 x PP=2 x VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages,
+megatron's ``overlap_p2p_comm`` on and off, an uneven split with virtual stages, full recompute,
+MHA and GQA, the ``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to
+``isend`` per hop against ``pipeline.hop_elements``, no kept row left after a training or an
+evaluation call; a checkpoint saved at one virtual layout loaded at others; two mutations of the
+side channel (a hop's returned gradient dropped, stale rows sent) that the comparison must catch.
+Without processes: every K/V row reaches a rank at most once per micro-batch, and exactly the rows
+its chunks read that it does not produce.  Slow: the rest of the matrix (selective recompute,
+uneven without virtual stages, ...) and the 128-layer tiny model over PP=4 x VPP=4 (4 processes),
+over PP=8 and PP=8 x VPP=2 (8 processes).
 """
 
 from __future__ import annotations
 
+from collections import defaultdict
 from functools import partial
 
 import pytest
@@ -33,7 +40,8 @@ TOLERANCE = 1e-5
 def make_config(layout: Layout, **model):
     from lime_megatron.config import lime_config
 
-    settings = dict(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4)
+    settings = dict(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
+                    deallocate_pipeline_outputs=layout.pp > 1)
     settings.update(model)
     return lime_config(use_cpu_initialization=True, **settings, **layout_config_kwargs(layout))
 
@@ -72,29 +80,129 @@ def compare(layout: Layout, model: dict, reference, **train_kwargs) -> dict:
 
 
 UNEVEN = dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1)
+UNEVEN_VIRTUAL = dict(num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2)  # of 12 layers
+OVERLAP = dict(overlap_p2p_comm=True)
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
-CASES = [  # (name, model settings, layouts[, pipeline split options])
-    ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4), Layout(pp=4, vpp=2)]),
-    ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)]),
+CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
+    ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4)]),
+    ("mha", {}, [Layout(pp=4, vpp=2)], OVERLAP),
+    ("mha-16", dict(num_layers=16), [Layout(pp=4, vpp=4)], OVERLAP),
+    ("gqa", dict(num_query_groups=2), [Layout(pp=4, vpp=2)]),
+    ("mha-12-uneven", dict(num_layers=12), [Layout(pp=4, vpp=2)], UNEVEN_VIRTUAL),
+    ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)]),
+    ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)], OVERLAP),
+    ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4, vpp=2)]),
+]
+SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
+    ("mha", {}, [Layout(pp=4, vpp=2)]),
+    ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)], OVERLAP),
     ("mha-uneven", {}, [Layout(pp=4)], UNEVEN),
-    ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2), Layout(pp=4)]),
-    ("mha-selective-recompute", dict(recompute_granularity="selective"), [Layout(tp=2, pp=2, sp=True)]),
-    ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)]),
+    ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=4)]),
+    ("mha-selective-recompute", dict(recompute_granularity="selective"), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
     ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4)]),
 ]
 DEEP = dict(num_layers=128, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2, num_query_groups=2)
 
 
-def pipeline_checks(directory: str) -> dict:
-    """On every rank of 4: every case of ``CASES``, the deep model over 4 stages, resharding."""
-    report = {}
-    for name, model, layouts, *stages in CASES:
-        reference = train(Layout(), model)
+def drop_returned_gradients(kept_rows: type) -> tuple[str, object]:
+    """Mutation of ``pipeline.KeptRows``: every hop returns zeros instead of the gradient of the
+    rows it carried.  Returns (method name, replacement)."""
+    send = kept_rows._send
+
+    def zero_gradients(self, tensor, group, rank, tag):
+        return send(self, torch.zeros_like(tensor) if group is self.grads_group else tensor, group, rank, tag)
+
+    return "_send", zero_gradients
+
+
+def send_stale_rows(kept_rows: type) -> tuple[str, object]:
+    """Mutation of ``pipeline.KeptRows``: every hop sends the rows it sent for the first
+    micro-batch, whatever the micro-batch."""
+    send_rows, first = kept_rows._send_rows, {}
+
+    def stale(self, rows, micro_batch, chunk, index):
+        return send_rows(self, first.setdefault((chunk, index), rows.clone()), micro_batch, chunk, index)
+
+    return "_send_rows", stale
+
+
+def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
+    """``compare`` with ``mutation`` applied to ``pipeline.KeptRows`` (a test-only monkeypatch in
+    this process, undone afterwards)."""
+    from lime_megatron.pipeline import KeptRows
+
+    name, replacement = mutation(KeptRows)
+    original = getattr(KeptRows, name)
+    setattr(KeptRows, name, replacement)
+    try:
+        return compare(layout, model, reference)
+    finally:
+        setattr(KeptRows, name, original)
+
+
+def side_channel_accounting() -> dict:
+    """PP=4 x VPP=2, one training and one evaluation schedule call: the K/V bytes handed to
+    ``torch.distributed.isend`` per hop (this rank's sends, keyed by receiving chunk) and what
+    ``pipeline.hop_elements`` says; the rows still kept after each call; both losses."""
+    from megatron.core import parallel_state
+
+    from lime_megatron import pipeline
+    from lime_megatron.training import forward_backward, run_schedule
+
+    layout = Layout(pp=4, vpp=2)
+    initialize_layout(layout)
+    config = make_config(layout)
+    chunks = build_chunks(config)
+    batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
+    sent, isend = defaultdict(int), torch.distributed.isend
+
+    def counted(tensor, dst=None, group=None, tag=0, **kwargs):
+        if group is pipeline._KEPT.rows_group:
+            sent[(tag // config.pipeline_model_parallel_size) % len(pipeline._KEPT.chunks)] += tensor.numel()
+        return isend(tensor, dst, group, tag, **kwargs)
+
+    torch.distributed.isend = counted
+    try:
+        loss = forward_backward(chunks, batches)
+    finally:
+        torch.distributed.isend = isend
+    kept_after_training = len(pipeline._KEPT.blocks)
+    with torch.no_grad():
+        evaluated = run_schedule(chunks, batches, forward_only=True)
+    rank = parallel_state.get_pipeline_model_parallel_rank()
+    expected = {chunk: MICRO_BATCHES * pipeline.hop_elements(config, chunk, SEQ, 2)[1]
+                for chunk in range(rank + 1, 8, 4)}
+    return dict(sent={chunk: sent[chunk] for chunk in expected}, expected=expected, loss=(loss, evaluated),
+                kept=(kept_after_training, len(pipeline._KEPT.blocks)))
+
+
+def run_cases(cases: list) -> tuple[dict, dict]:
+    """(report per case and layout, single-stage reference per case name)."""
+    report, references = {}, {}
+    for name, model, layouts, *options in cases:
+        reference = references.setdefault(name, train(Layout(), model))
         for layout in layouts:
-            report[f"{name} {layout.name}"] = compare(layout, model, reference, stages=stages[0] if stages else None)
+            label = f"{name} {layout.name}" + (" overlap" if options and options[0] is OVERLAP else "")
+            report[label] = compare(layout, model, reference, stages=options[0] if options else None)
+    return report, references
+
+
+def pipeline_checks(directory: str) -> dict:
+    """On every rank of 4: every case of ``CASES``, the mutations, the side channel's bytes and
+    freeing, resharding across virtual layouts."""
+    report, references = run_cases(CASES)
+    mutations = {mutation.__name__: mutated(Layout(pp=4, vpp=2), {}, references["mha"], mutation)
+                 for mutation in (drop_returned_gradients, send_stale_rows)}
+    return dict(cases=report, mutations=mutations, accounting=side_channel_accounting(),
+                checkpoint=reshard_checkpoint(directory))
+
+
+def slow_pipeline_checks() -> dict:
+    """On every rank of 4: ``SLOW_CASES`` and the 128-layer model over PP=4 x VPP=4."""
+    report, _ = run_cases(SLOW_CASES)
     deep = train(Layout(), DEEP, steps=1, seq=8)
-    report["deep-128 tp1-pp4"] = compare(Layout(pp=4), DEEP, deep, steps=1, seq=8)
-    return dict(cases=report, checkpoint=reshard_checkpoint(directory))
+    report["deep-128 tp1-pp4-vpp4"] = compare(Layout(pp=4, vpp=4), DEEP, deep, steps=1, seq=8)
+    return report
 
 
 def loss_after_loading(layout: Layout, checkpoint: str) -> float:
@@ -104,8 +212,7 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
     from lime_megatron.training import forward_backward
 
     initialize_layout(layout)
-    config = make_config(layout, num_query_groups=2)
-    torch.manual_seed(100 + layout.pp)
+    config = make_config(layout, num_query_groups=2, init_seed=100 + layout.pp)  # other weights than saved
     chunks = build_chunks(config)
     if checkpoint:
         state = {}
@@ -118,18 +225,19 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
 
 
 def reshard_checkpoint(directory: str):
-    """Save at PP=2 (TP=2), load at PP=1 and PP=4 (with virtual stages): (saved, loaded, fresh)."""
+    """Save at TP=2 x PP=2 x VPP=2, load at PP=1 and PP=4 x VPP=2: (saved, loaded, fresh)."""
     from megatron.core import dist_checkpointing
 
     from lime_megatron.training import forward_backward
 
-    layout = Layout(tp=2, pp=2)
+    layout = Layout(tp=2, pp=2, vpp=2)
     initialize_layout(layout)
     config = make_config(layout, num_query_groups=2)
     torch.manual_seed(11)
     chunks = build_chunks(config)
     saved = forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
-    dist_checkpointing.save({"model0": chunks[0].module.sharded_state_dict()}, directory)
+    dist_checkpointing.save({f"model{index}": chunk.module.sharded_state_dict()
+                             for index, chunk in enumerate(chunks)}, directory)
     torch.distributed.barrier()
     loaded = [loss_after_loading(target, directory) for target in (Layout(), Layout(pp=4, vpp=2))]
     return saved, loaded, loss_after_loading(Layout(), "")
@@ -146,12 +254,22 @@ def check_report(report: dict) -> None:
 
 
 def test_pipeline_layouts_equal_single_stage(tmp_path):
-    result = run_distributed(pipeline_checks, 4, str(tmp_path), timeout=900)[0]
+    results = run_distributed(pipeline_checks, 4, str(tmp_path), timeout=900)
+    result = results[0]
     check_report(result["cases"])
     assert result["cases"]["mha tp1-pp4"]["routers"] == 7
-    assert result["cases"]["deep-128 tp1-pp4"]["routers"] == 127
+    for name, mutation in result["mutations"].items():
+        print(f"mutation {name}: |loss diff| {mutation['loss']:.1e}, relative grad error {mutation['grad']:.1e}")
+        assert mutation["grad"] > 100 * TOLERANCE, name
+    assert result["mutations"]["send_stale_rows"]["loss"] > 100 * TOLERANCE
+    for rank, accounting in enumerate(result["accounting"] for result in results):
+        print(f"rank {rank}: K/V elements sent per hop {accounting['sent']}, kept rows after a training and an "
+              f"evaluation call {accounting['kept']}")
+        assert accounting["sent"] == accounting["expected"] and all(accounting["sent"].values()), rank
+        assert accounting["kept"] == (0, 0), rank
+        assert abs(accounting["loss"][0] - accounting["loss"][1]) <= TOLERANCE, rank
     saved, loaded, fresh = result["checkpoint"]
-    print(f"checkpoint saved at tp2-pp2 with loss {saved:.6f}; loaded at pp1, pp4-vpp2: {loaded}")
+    print(f"checkpoint saved at tp2-pp2-vpp2 with loss {saved:.6f}; loaded at pp1, pp4-vpp2: {loaded}")
     assert all(abs(loss - saved) <= 1e-5 for loss in loaded)
     assert abs(fresh - saved) > 1e-3  # a model that loaded nothing differs
 
@@ -160,12 +278,41 @@ def deep_eight_stages() -> dict:
     settings = dict(steps=1, seq=8, micro_batches=8)
     reference = train(Layout(), DEEP, **settings)
     return {layout.name: compare(layout, DEEP, reference, **settings)
-            for layout in (Layout(pp=8), Layout(pp=4, vpp=2))}
+            for layout in (Layout(pp=8), Layout(pp=8, vpp=2))}
+
+
+@pytest.mark.slow
+def test_rest_of_the_matrix_and_the_deep_model_over_four_ranks():
+    report = run_distributed(slow_pipeline_checks, 4, timeout=1800)[0]
+    check_report(report)
+    assert report["deep-128 tp1-pp4-vpp4"]["routers"] == 127
 
 
 @pytest.mark.slow
 def test_deep_model_over_eight_stages():
     check_report(run_distributed(deep_eight_stages, 8, timeout=1800)[0])
+
+
+@pytest.mark.parametrize("router", [dict(), dict(lime_router="last", lime_router_window=3),
+                                    dict(lime_router="first", lime_router_window=2)])
+@pytest.mark.parametrize("pp, vpp, layers", [(2, None, 8), (4, 2, 16), (4, 4, 32), (8, 2, 32), (4, 4, 128)])
+def test_every_row_reaches_a_rank_once(router, pp, vpp, layers):
+    """Over all hops into a rank's chunks, one micro-batch brings each layer's rows at most once,
+    and exactly the layers its chunks read (``router.routing_sources``) that it does not produce."""
+    from lime_megatron.pipeline import chunk_layers, hop_blocks
+    from lime_megatron.router import routing_sources
+
+    config = make_config(Layout(pp=pp, vpp=vpp), num_layers=layers, **router)
+    chunks = chunk_layers(config)
+    for rank in range(pp):
+        mine = range(rank, len(chunks), pp)
+        received = [layer for chunk in mine for block in hop_blocks(config, chunk) for layer in block.layers]
+        produced = {layer for chunk in mine for layer in chunks[chunk]}
+        read = {source for chunk in mine for layer in chunks[chunk]
+                for source in routing_sources(layer, config.lime_router, config.lime_router_window)}
+        assert len(received) == len(set(received)), (rank, received)
+        assert set(received) == read - produced, rank
+        assert all(block.source % pp != rank for chunk in mine for block in hop_blocks(config, chunk))
 
 
 def test_layouts_that_cannot_split_fail_clearly():

@@ -119,8 +119,9 @@ def test_work_of_a_lime_layout_uses_its_flops_and_exact_hop_widths():
     assert boundaries == [2, 4, 6]
     assert work.hop_bytes == tuple(32 * 2 * exact_stage_width(config, b) * 4 for b in boundaries)
     geometry = Geometry.of(config, 32, 2, 128)
-    # Full router: the hop before layer 6 carries the hidden state and 6 layers' K/V rows.
-    assert hop_bytes(config, 6, geometry) == 32 * 2 * 64 * 4 + 6 * geometry.kv_rows
+    # Full router, every row once per rank: the hop before layer 6 (into rank 1's second chunk)
+    # carries the hidden state and layers 4-5's K/V rows; rank 1 holds layers 0-3 already.
+    assert hop_bytes(config, 6, geometry) == 32 * 2 * 64 * 4 + 2 * geometry.kv_rows
 
 
 def test_bad_input_fails_with_one_clear_message():
