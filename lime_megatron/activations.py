@@ -68,7 +68,7 @@ class Geometry:
 
     @classmethod
     def of(cls, config: LimeTransformerConfig, seq_length: int, micro_batch_size: int,
-           vocab_size: int) -> "Geometry":
+           vocab_size: int) -> Geometry:
         tp = config.tensor_model_parallel_size
         if config.sequence_parallel and seq_length % tp:
             raise ValueError(f"seq_length={seq_length} is not divisible by "

@@ -20,7 +20,8 @@ import argparse
 import dataclasses
 import os
 import sys
-from typing import Any, Sequence
+from collections.abc import Sequence
+from typing import Any
 
 import torch
 import yaml

@@ -24,8 +24,8 @@ import json
 import os
 import zlib
 from collections import Counter
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import numpy as np
 import zstandard
@@ -60,7 +60,7 @@ class InputReport:
 
     def __init__(self) -> None:
         self.counts: Counter = Counter()
-        self.examples: Dict[str, List[str]] = {}
+        self.examples: dict[str, list[str]] = {}
 
     def add(self, kind: str, location: str, detail: str, count: int = 1) -> None:
         """Record `count` problems of `kind` (a key of `PROBLEMS`) at `location`."""
@@ -86,7 +86,7 @@ class InputReport:
         kind = next(iter(self.examples))
         return f"{kind} ({PROBLEMS[kind]}) at {self.examples[kind][0]}"
 
-    def lines(self) -> List[str]:
+    def lines(self) -> list[str]:
         """Human-readable summary, one problem kind per block."""
         if not self.total:
             return ["input problems: none"]
@@ -124,7 +124,7 @@ class Chunk:
         return len(self.payload) if isinstance(self.payload, bytes) else self.payload.nbytes
 
 
-def format_of(path: str) -> Optional[str]:
+def format_of(path: str) -> str | None:
     """Input format implied by a file name (compression suffixes ignored), or None."""
     name = path.lower()
     for suffix in COMPRESSION_SUFFIXES:
@@ -140,7 +140,7 @@ def _walk(directory: str) -> Iterator[str]:
         yield from (os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
 
 
-def _expand(path: str) -> Tuple[List[str], bool]:
+def _expand(path: str) -> tuple[list[str], bool]:
     """Files named by one input (file, directory or glob) and whether it was a directory/glob."""
     if os.path.isdir(path):
         return list(_walk(path)), True
@@ -153,7 +153,7 @@ def _expand(path: str) -> Tuple[List[str], bool]:
     return files, True
 
 
-def _format_in(file: str, input_format: str, searched: bool) -> Optional[str]:
+def _format_in(file: str, input_format: str, searched: bool) -> str | None:
     """Format to read `file` with, or None to ignore it (only for directory/glob members).
 
     A forced `input_format` applies to named files and to directory members without a known
@@ -166,7 +166,7 @@ def _format_in(file: str, input_format: str, searched: bool) -> Optional[str]:
 
 
 def find_sources(inputs: Sequence[str], input_format: str = "auto",
-                 text_unit: str = "file") -> Tuple[List[Source], List[str]]:
+                 text_unit: str = "file") -> tuple[list[Source], list[str]]:
     """Resolve input paths into sources, plus the directory/glob members that were ignored.
 
     A file named explicitly must have a known format unless `input_format` forces one.
@@ -205,7 +205,7 @@ def add_input_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     return parser
 
 
-def sources_from_args(args: argparse.Namespace) -> Tuple[List[Source], List[str]]:
+def sources_from_args(args: argparse.Namespace) -> tuple[list[Source], list[str]]:
     """`find_sources` for `add_input_args` flags; plain text allows a single key."""
     sources, ignored = find_sources(args.input, args.input_format, args.text_unit)
     if len(args.json_keys) > 1 and any(s.fmt in (TEXT, LINES) for s in sources):
@@ -280,7 +280,7 @@ def _tell(raw, fallback: int) -> int:
         return fallback
 
 
-def _read(stream, size: int) -> Tuple[bytes, Optional[Exception]]:
+def _read(stream, size: int) -> tuple[bytes, Exception | None]:
     """Up to `size` bytes (fewer only at the end), and the error that stopped reading, if any.
 
     Reads in pieces of at most 1 MiB so that an error loses little of what came before it.
@@ -337,7 +337,7 @@ def _file_chunk(source: Source, report: InputReport) -> Iterator[Chunk]:
         report.add("unreadable_file", source.path, str(err))
 
 
-def _parquet_schema_problem(schema, keys: Sequence[str]) -> Optional[Tuple[str, str]]:
+def _parquet_schema_problem(schema, keys: Sequence[str]) -> tuple[str, str] | None:
     """(problem kind, detail) when a requested column is absent or not a string column."""
     import pyarrow as pa
 
@@ -393,7 +393,7 @@ def location(chunk: Chunk, number: int) -> str:
 
 
 def _checked(values: Sequence, keys: Sequence[str], chunk: Chunk, number: int,
-             report: InputReport) -> Optional[Tuple[str, ...]]:
+             report: InputReport) -> tuple[str, ...] | None:
     """`values` as a tuple of texts, or None (reported) when one is missing, bad or empty."""
     for key, value in zip(keys, values):
         problem = None
@@ -414,7 +414,7 @@ def _checked(values: Sequence, keys: Sequence[str], chunk: Chunk, number: int,
     return tuple(values)
 
 
-def _decoded_lines(chunk: Chunk, report: InputReport) -> Iterator[Tuple[int, str]]:
+def _decoded_lines(chunk: Chunk, report: InputReport) -> Iterator[tuple[int, str]]:
     """(line number, text) of each line of a chunk; lines that are not UTF-8 are reported."""
     try:
         lines = chunk.payload.decode("utf-8").split("\n")
@@ -430,10 +430,10 @@ def _decoded_lines(chunk: Chunk, report: InputReport) -> Iterator[Tuple[int, str
             report.add("invalid_utf8", location(chunk, number), f"{err.reason} at byte {err.start}")
 
 
-Record = Tuple[int, Tuple[str, ...]]
+Record = tuple[int, tuple[str, ...]]
 
 
-def _parse_jsonl(chunk: Chunk, keys: Sequence[str], report: InputReport) -> List[Record]:
+def _parse_jsonl(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[Record]:
     records = []
     for number, line in _decoded_lines(chunk, report):
         if not line.strip():
@@ -453,12 +453,12 @@ def _parse_jsonl(chunk: Chunk, keys: Sequence[str], report: InputReport) -> List
     return records
 
 
-def _parse_lines(chunk: Chunk, keys: Sequence[str], report: InputReport) -> List[Record]:
+def _parse_lines(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[Record]:
     return [(number, (line.rstrip("\r"),)) for number, line in _decoded_lines(chunk, report)
             if line.strip()]
 
 
-def _parse_text(chunk: Chunk, keys: Sequence[str], report: InputReport) -> List[Record]:
+def _parse_text(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[Record]:
     try:
         text = chunk.payload.decode("utf-8")
     except UnicodeDecodeError as err:
@@ -469,7 +469,7 @@ def _parse_text(chunk: Chunk, keys: Sequence[str], report: InputReport) -> List[
     return [(1, texts)] if texts else []
 
 
-def _parse_parquet(chunk: Chunk, keys: Sequence[str], report: InputReport) -> List[Record]:
+def _parse_parquet(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[Record]:
     columns = [chunk.payload.column(key).to_pylist() for key in keys]
     records = []
     for number, values in enumerate(zip(*columns), chunk.first):
@@ -482,7 +482,7 @@ def _parse_parquet(chunk: Chunk, keys: Sequence[str], report: InputReport) -> Li
 _PARSERS = {JSONL: _parse_jsonl, LINES: _parse_lines, TEXT: _parse_text, PARQUET: _parse_parquet}
 
 
-def parse_chunk(chunk: Chunk, keys: Sequence[str], report: InputReport) -> List[Record]:
+def parse_chunk(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[Record]:
     """Records ``(line or row number, (text per key))`` of a chunk; problems go to `report`.
 
     Plain text sources have one field, stored under the first key.
@@ -491,14 +491,14 @@ def parse_chunk(chunk: Chunk, keys: Sequence[str], report: InputReport) -> List[
 
 
 def iter_documents(sources: Sequence[Source], keys: Sequence[str], report: InputReport,
-                   chunk_bytes: int = 4 << 20) -> Iterator[Tuple[str, ...]]:
+                   chunk_bytes: int = 4 << 20) -> Iterator[tuple[str, ...]]:
     """Texts (one per key) of every good record of `sources`, read in this process."""
     for chunk in iter_chunks(sources, keys, chunk_bytes, report):
         for _, texts in parse_chunk(chunk, keys, report):
             yield texts
 
 
-def dataset_paths(prefix: str) -> Tuple[str, str]:
+def dataset_paths(prefix: str) -> tuple[str, str]:
     """The (.bin, .idx) paths of an indexed dataset prefix."""
     return prefix + ".bin", prefix + ".idx"
 

@@ -49,7 +49,7 @@ class NullTokenizer:
     unique_identifiers: dict = field(default_factory=dict)
 
     @classmethod
-    def of(cls, vocab_size: int, divisible_by: int, tensor_parallel: int) -> "NullTokenizer":
+    def of(cls, vocab_size: int, divisible_by: int, tensor_parallel: int) -> NullTokenizer:
         padded = padded_vocab_size(vocab_size, divisible_by, tensor_parallel)
         return cls(vocab_size, padded, vocab_size - 1,
                    unique_identifiers={"class": "NullTokenizer", "vocab_size": padded})

@@ -13,9 +13,9 @@ docs/estimate.md is the specification: every counting rule, formula and what che
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterator
 
 import torch
 from megatron.core import parallel_state

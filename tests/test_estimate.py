@@ -10,6 +10,7 @@ import re
 import pytest
 import torch
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
+from test_lime_config import TABLE_8
 
 from lime_megatron import activations
 from lime_megatron import estimate as E
@@ -18,7 +19,6 @@ from lime_megatron.model import build_model
 from lime_megatron.parallel import initialize_parallel
 from lime_megatron.saved_tensors import SavedTensorBytes
 from lime_megatron.schedule_model import rank_operations
-from test_lime_config import TABLE_8
 
 VOCAB, SEQ, BATCH = 128, 32, 2
 # Saved bytes the estimate leaves out on purpose: LIMe's 8-byte memory handle and a few scalars.
@@ -278,10 +278,10 @@ def _layout_config(layout, overrides):
 def _rank_checks(layouts: dict, activation_cases: dict) -> dict:
     """On every rank: per layout, (pp rank, vp stage, tp rank, parameters, router parameters)
     of each chunk megatron builds; per TP activation case, this rank's saved bytes."""
+    from distributed import Layout, initialize_layout
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
-    from distributed import Layout, initialize_layout
     from lime_megatron.training import build_model_chunks
 
     results = {}
@@ -317,7 +317,7 @@ def test_estimate_equals_every_rank_of_parallel_layouts():
                     for s in result.stages for c in s.chunks}
         built = {}
         for rows in per_rank:
-            for pp_rank, vp, tp_rank, params, routers in rows[name]:
+            for pp_rank, vp, _tp_rank, params, routers in rows[name]:
                 built.setdefault((pp_rank, vp), set()).add((params, routers))
         assert built == {key: {value} for key, value in expected.items()}, name
     for name, (fields, overrides) in TP_ACTIVATION_CASES.items():

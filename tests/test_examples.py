@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 import yaml
+from test_lime_config import TABLE_8
 
 from lime_megatron import arguments, estimate
 from lime_megatron.data import tokenizer_of
 from lime_megatron.run_config import RunConfig
-from test_lime_config import TABLE_8
 
 ROOT = Path(__file__).resolve().parents[1]
 EXAMPLES = ROOT / "examples"
@@ -75,7 +75,7 @@ def test_every_config_has_the_paper_hyperparameters(configs):
 def test_1b_configs_are_table_3_and_count_table_8(configs):
     """The 1B runs: Table 3's shape, GQA (8 kv heads) or MHA, and Table 8's parameter counts
     (plus the rows Megatron pads the GPT-2 vocabulary with)."""
-    for (name, lime, kv_heads), (_, exact) in TABLE_8.items():
+    for (_name, lime, kv_heads), (_, exact) in TABLE_8.items():
         stem = f"{'lime' if lime else 'llama'}_1b_{'gqa8' if kv_heads == 8 else 'mha'}"
         args = configs[stem]
         assert shape(args) == (16, 2048, 8192, 32, 8 if kv_heads == 8 else None), stem

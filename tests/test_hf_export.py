@@ -21,11 +21,11 @@ import pytest
 import torch
 
 pytest.importorskip("safetensors")  # the hf extra: pip install torch==2.13.0 -e .[hf]
+import reference_lime
+from lime_fixtures import SEQ, VOCAB, batch, relative_error, tiny_model
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-import reference_lime
-from lime_fixtures import SEQ, VOCAB, batch, relative_error, tiny_model
 from lime_megatron import arguments, checkpointing, data
 from lime_megatron.checkpoint_model import load_model, new_model, save_model
 from lime_megatron.hf_export import ConversionError, Description, import_checkpoint, write_hf

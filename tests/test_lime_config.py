@@ -7,8 +7,8 @@ import torch
 
 from lime_megatron.config import PAPER_1B, PAPER_VOCAB_SIZE, LimeConfigError, lime_config
 from lime_megatron.model import build_model
-from lime_megatron.router import router_parameter_count
 from lime_megatron.parallel import initialize_parallel as init_single_process
+from lime_megatron.router import router_parameter_count
 
 # Paper Table 8 (billions, 5 significant digits) and the exact integers this codebase builds.
 TABLE_8 = {

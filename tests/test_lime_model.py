@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-
 from lime_fixtures import (
     batch,
     loss_of,
@@ -16,9 +15,11 @@ from lime_fixtures import (
     relative_error,
     tiny_model,
 )
-from reference_lime import average_router, forward as reference_forward
-from lime_megatron.router import routing_sources
+from reference_lime import average_router
+from reference_lime import forward as reference_forward
+
 from lime_megatron.parallel import initialize_parallel as init_single_process
+from lime_megatron.router import routing_sources
 
 TOLERANCE = 1e-10
 
@@ -184,8 +185,8 @@ def test_full_recompute_keeps_its_savings():
     """After the forward under megatron's full recompute, LIMe keeps what the baseline keeps (the
     checkpointed layer inputs; LIMe's memory handle adds 8 bytes) and, outside autograd, its
     buffer of raw K/V, which recomputed layers read: a small part of what full recompute drops."""
-    from lime_megatron.saved_tensors import SavedTensorBytes
     from lime_megatron.memory import LayerIntegratedMemory
+    from lime_megatron.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved, buffers = {}, []

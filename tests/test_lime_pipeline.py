@@ -21,7 +21,6 @@ from functools import partial
 
 import pytest
 import torch
-
 from distributed import (
     Layout,
     data_parallel_share,

@@ -6,7 +6,6 @@ import dataclasses
 from functools import partial
 
 import torch
-
 from distributed import (
     Layout,
     ShardRule,

@@ -12,7 +12,6 @@ import math
 
 import pytest
 import torch
-
 from distributed import (
     REPLICATED,
     DistributedTestError,

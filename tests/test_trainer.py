@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from lime_megatron import arguments, training
 from lime_megatron import __main__ as main_job
+from lime_megatron import arguments, training
 from lime_megatron.arguments import ArgumentsError, parse_args
 from lime_megatron.checkpointing import TRACKER, CheckpointError, published_iterations
 from lime_megatron.data import DataError, tokenizer_of
@@ -333,7 +333,8 @@ def _break(root: Path, how: str) -> None:
     ("incomplete", [], "is not a complete checkpoint"),
     ("truncated", [], "cannot load checkpoint .*iter_0000001"),
     (None, ["--vocab-size", "200"], "vocabulary mismatch: .*128 tokens, padded 128.*200 tokens, padded 256"),
-    (None, ["--num-layers", "2", "--hidden-size", "32"], "model shape mismatch.*num_layers 4 vs 2, hidden_size 64 vs 32"),
+    (None, ["--num-layers", "2", "--hidden-size", "32"],
+     "model shape mismatch.*num_layers 4 vs 2, hidden_size 64 vs 32"),
     (None, ["--use-distributed-optimizer"], "state of the regular optimizer, this run uses the distributed"),
 ])
 def test_bad_checkpoints_fail_with_one_clear_message(checkpoint, tmp_path, capsys, how, flags, message):
@@ -449,9 +450,13 @@ def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figur
     from lime_megatron import flops
     from lime_megatron.metrics import IterationMetrics, console_line
 
-    lime = arguments.transformer_config(arguments.parse_run(BASE + ["--lime", "--global-batch-size", "8"], world_size=1))
-    baseline = arguments.transformer_config(arguments.parse_run(BASE + ["--global-batch-size", "8"], world_size=1))
-    extra = flops.training_flops_per_iteration(lime, 16, 128, 8) - flops.training_flops_per_iteration(baseline, 16, 128, 8)
+    def config(*flags):
+        return arguments.transformer_config(arguments.parse_run(BASE + ["--global-batch-size", "8", *flags],
+                                                                world_size=1))
+
+    lime, baseline = config("--lime"), config()
+    extra = (flops.training_flops_per_iteration(lime, 16, 128, 8)
+             - flops.training_flops_per_iteration(baseline, 16, 128, 8))
     # BASE: 4 layers, 4 heads of dim 16, no GQA. Full router: layer l >= 1 mixes l + 1 sources, 2 + 3 + 4 = 9;
     # per token and source, keys and values: 2 * (4 x 4 weights x 16 dims) multiply-adds, 2 FLOPs each;
     # 3x forward over 8 sequences of 16 tokens.

@@ -9,7 +9,6 @@ Decoding uses the same tokenizer flags as preprocess_data.py (default: GPT-2 BPE
 import argparse
 import os
 import sys
-from typing import List
 
 import numpy as np
 
@@ -33,7 +32,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def histogram(lengths: np.ndarray) -> List[str]:
+def histogram(lengths: np.ndarray) -> list[str]:
     """Text histogram of document lengths in power-of-two buckets."""
     if not len(lengths):
         return []
@@ -47,7 +46,7 @@ def histogram(lengths: np.ndarray) -> List[str]:
     return rows
 
 
-def describe(prefix: str) -> List[str]:
+def describe(prefix: str) -> list[str]:
     """Counts, length statistics and histogram of the dataset at `prefix`."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
@@ -70,7 +69,7 @@ def describe(prefix: str) -> List[str]:
     return lines
 
 
-def decode_documents(prefix: str, count: int, tokenizer, max_chars: int) -> List[str]:
+def decode_documents(prefix: str, count: int, tokenizer, max_chars: int) -> list[str]:
     """Decoded text of the first `count` documents, each cut to `max_chars` characters."""
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 

@@ -43,15 +43,16 @@ import re
 import sys
 import time
 from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from functools import lru_cache
-from typing import Iterator, List, Tuple, Union
+from typing import Union
 
 import numpy as np
 from tqdm import tqdm
 
 # A parse tree: an int (a number) or (operator, left, right) with operator in "+-*/".
-Node = Union[int, Tuple[str, "Node", "Node"]]
+Node = Union[int, tuple[str, "Node", "Node"]]  # noqa: UP007 - a recursive alias needs the string form
 
 OPERATORS = ("+", "-", "*", "/")
 PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
@@ -138,7 +139,7 @@ def reduce_once(node: Node) -> Node:
     return apply(operator, left, right)
 
 
-def solution(node: Node, symbols: str = "ascii") -> List[str]:
+def solution(node: Node, symbols: str = "ascii") -> list[str]:
     """The expression followed by every step of its solution; the last is the result."""
     steps = [render(node, symbols)]
     while not isinstance(node, int):
@@ -163,15 +164,15 @@ def parse(text: str) -> Node:
     return node
 
 
-def _parse_sum(tokens: list) -> Tuple[Node, list]:
+def _parse_sum(tokens: list) -> tuple[Node, list]:
     return _parse_chain(tokens, "+-", _parse_product)
 
 
-def _parse_product(tokens: list) -> Tuple[Node, list]:
+def _parse_product(tokens: list) -> tuple[Node, list]:
     return _parse_chain(tokens, "*/", _parse_atom)
 
 
-def _parse_chain(tokens: list, operators: str, operand) -> Tuple[Node, list]:
+def _parse_chain(tokens: list, operators: str, operand) -> tuple[Node, list]:
     """A left-associative chain of `operand`s joined by `operators`; returns (tree, rest)."""
     node, tokens = operand(tokens)
     while tokens and isinstance(tokens[0], str) and tokens[0] in operators:
@@ -180,7 +181,7 @@ def _parse_chain(tokens: list, operators: str, operand) -> Tuple[Node, list]:
     return node, tokens
 
 
-def _parse_atom(tokens: list) -> Tuple[Node, list]:
+def _parse_atom(tokens: list) -> tuple[Node, list]:
     if not tokens:
         raise ValueError("cannot parse: the expression ends where a number was expected")
     if isinstance(tokens[0], int):
@@ -234,7 +235,7 @@ class ExpressionSampler:
         x, y = self.x[divisor], self.y[divisor]
         return np.bincount(x, a[x * y] * b[y], top + 1)
 
-    def _children(self, skeleton, v: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+    def _children(self, skeleton, v: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(left values, right values, cumulative fillings) of the children giving v."""
         operator, left, right = skeleton
         if operator == "+":
@@ -307,10 +308,10 @@ class Summary:
     bytes: int
     seconds: float
     operands: Counter  # operand count -> samples
-    answers: Tuple[int, int]  # smallest, largest
+    answers: tuple[int, int]  # smallest, largest
     distinct: int  # distinct expressions
 
-    def lines(self, path: str) -> List[str]:
+    def lines(self, path: str) -> list[str]:
         counts = ", ".join(f"{k}: {n:,}" for k, n in sorted(self.operands.items()))
         return [f"wrote {self.samples:,} samples ({self.bytes / 1e6:.2f} MB) to {path} in "
                 f"{self.seconds:.1f} s",

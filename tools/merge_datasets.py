@@ -12,7 +12,6 @@ order; all inputs must share one token dtype. The output appears only when compl
 import argparse
 import os
 import sys
-from typing import List
 
 from tqdm import tqdm
 
@@ -31,7 +30,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def find_prefixes(inputs: List[str]) -> List[str]:
+def find_prefixes(inputs: list[str]) -> list[str]:
     """Dataset prefixes named by `inputs`; every one must have both its .bin and .idx."""
     prefixes = []
     for path in inputs:

@@ -21,8 +21,8 @@ import signal
 import sys
 import time
 from collections import deque
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Iterator, List, Sequence
 
 import numpy as np
 from tqdm import tqdm
@@ -30,10 +30,21 @@ from tqdm import tqdm
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lime_megatron.corpus import (  # noqa: E402
-    BadInputError, Chunk, DatasetWriter, InputReport, Record, add_input_args, check_strict,
-    iter_chunks, location, parse_chunk, sources_from_args, token_dtype, total_disk_bytes)
-from lime_megatron.tokenizer import (  # noqa: E402
-    add_tokenizer_args, build_tokenizer, tokenizer_kwargs)
+    BadInputError,
+    Chunk,
+    DatasetWriter,
+    InputReport,
+    Record,
+    add_input_args,
+    check_strict,
+    iter_chunks,
+    location,
+    parse_chunk,
+    sources_from_args,
+    token_dtype,
+    total_disk_bytes,
+)
+from lime_megatron.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs  # noqa: E402
 
 # Megatron-LM flags that change nothing here (progress is a bar, order is always kept).
 IGNORED_MEGATRON_FLAGS = {"--log-interval": {}, "--partitions": {}, "--dataset-impl": {},
@@ -70,8 +81,8 @@ def parse_args(argv=None) -> argparse.Namespace:
 class Encoded:
     """Tokens of one chunk: per key, the concatenated documents and their lengths."""
 
-    tokens: List[np.ndarray]
-    lengths: List[np.ndarray]
+    tokens: list[np.ndarray]
+    lengths: list[np.ndarray]
     documents: int
     input_bytes: int
     disk_bytes: int
@@ -98,8 +109,8 @@ def _init_worker(build_kwargs: dict, keys: Sequence[str], dtype: type, append_eo
     _WORKER.update(keys=list(keys), dtype=dtype, eod=tokenizer.eod if append_eod else None)
 
 
-def _drop_tokenless(records: List[Record], per_key: List[list], chunk: Chunk,
-                    report: InputReport) -> List[list]:
+def _drop_tokenless(records: list[Record], per_key: list[list], chunk: Chunk,
+                    report: InputReport) -> list[list]:
     """Remove (and report) documents that encode to no tokens under any key."""
     empty = np.zeros(len(records), dtype=bool)
     for seqs in per_key:
@@ -210,7 +221,7 @@ def run(args: argparse.Namespace) -> dict:
                 sources=len(sources))
 
 
-def summary(args: argparse.Namespace, result: dict) -> List[str]:
+def summary(args: argparse.Namespace, result: dict) -> list[str]:
     """Closing summary lines of a run."""
     lines = [f"wrote {result['documents']:,} documents, {result['tokens']:,} tokens from "
              f"{result['input_bytes'] / 1e6:,.1f} MB of input in {result['seconds']:.1f} s "

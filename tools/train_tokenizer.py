@@ -16,15 +16,21 @@ import io
 import os
 import sys
 import time
-from typing import Iterator
+from collections.abc import Iterator
 
 from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lime_megatron.corpus import (  # noqa: E402
-    PARTIAL, InputReport, add_input_args, check_strict, iter_documents, sources_from_args,
-    total_disk_bytes)
+    PARTIAL,
+    InputReport,
+    add_input_args,
+    check_strict,
+    iter_documents,
+    sources_from_args,
+    total_disk_bytes,
+)
 from lime_megatron.tokenizer import GPT2_EOD_TOKEN  # noqa: E402
 
 KINDS = {  # kind: (output file, how to load it)
