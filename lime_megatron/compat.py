@@ -93,10 +93,9 @@ project touches, what it expects, and who uses it; :func:`private_api_problems` 
 (signatures and small behavioural checks) and names those that differ
 (``tests/test_compat_apis.py`` fails on any):
 
-- ``P2PCommunicator.__init__(pp_group, config)`` and ``P2PCommunicator._communicate`` with
-  keyword-only ``tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape``
-  (``pipeline.StageTensorCommunicator`` widens the receive shapes); the schedules accept
-  ``p2p_communicator`` and ``pg_collection`` (``pipeline.schedule_arguments``).
+- megatron's pipeline schedules run each model chunk's forwards, and its backwards, in
+  micro-batch order (``pipeline.KeptRows`` numbers the micro-batches of its side channel by
+  counting calls; the pipeline exactness tests fail if that changes).
 - The decoder ``context`` threading: ``GPTModel.forward(extra_block_kwargs=...)``,
   ``TransformerBlock.forward(context=...)`` passing ``context=context`` to every layer and to
   ``TransformerBlock._checkpointed_forward(..., context, ...)`` (``model.LimeGPTModel`` hands the
@@ -110,8 +109,8 @@ project touches, what it expects, and who uses it; :func:`private_api_problems` 
   ``set_pipeline_model_parallel_rank`` (``estimate`` builds each pipeline rank's chunk on meta);
   ``schedules.get_schedule_table(num_microbatches, num_model_chunks,
   microbatch_group_size_per_vp_stage)`` (``estimate``'s interleaved in-flight count).
-- ``schedules.deallocate_output_tensor(out, deallocate_pipeline_outputs)`` (``fusions``: LIMe's
-  stage tensor is not a view).
+- ``schedules.deallocate_output_tensor(out, deallocate_pipeline_outputs)`` (``fusions`` turns it
+  on for pipeline runs; LIMe's sent hidden state is not a view).
 - torch's ``torch._C._autograd._top_saved_tensors_default_hooks(False)``: the innermost
   ``saved_tensors_hooks`` pair ``(pack, unpack)``, or None outside any (``recompute``).
 - The targets of the patches above: ``tensor_parallel.random._get_cuda_rng_state`` /
@@ -422,17 +421,10 @@ def _present(api: str, value) -> str | None:
     return None if value is not None else f"{api}: missing"
 
 
-def _probe_p2p() -> list[str | None]:
+def _probe_schedules() -> list[str | None]:
     from megatron.core.pipeline_parallel import schedules
-    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 
     return [
-        missing_parameters("P2PCommunicator.__init__", P2PCommunicator.__init__, "pp_group", "config"),
-        missing_parameters("P2PCommunicator._communicate", P2PCommunicator._communicate, "tensor_send_next",
-                           "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape", keyword_only=True),
-        *(missing_parameters(f"schedules.{name}", getattr(schedules, name), "p2p_communicator", "pg_collection")
-          for name in ("forward_backward_pipelining_without_interleaving",
-                       "forward_backward_pipelining_with_interleaving")),
         missing_parameters("schedules.deallocate_output_tensor", schedules.deallocate_output_tensor,
                            "out", "deallocate_pipeline_outputs"),
         missing_parameters("schedules.get_schedule_table", schedules.get_schedule_table, "num_microbatches",
@@ -534,7 +526,7 @@ def _probe_patch_targets() -> list[str | None]:
 
 
 _PROBES: tuple[Callable[[], list[str | None]], ...] = (
-    _probe_p2p, _probe_context_threading, _probe_attention, _probe_pipeline_rank, _probe_saved_tensor_hooks,
+    _probe_schedules, _probe_context_threading, _probe_attention, _probe_pipeline_rank, _probe_saved_tensor_hooks,
     _probe_patch_targets,
 )
 

@@ -9,7 +9,7 @@ import pytest
 from lime_megatron import compat
 
 LISTED = (  # every private/internal API the code touches, as the docstring names it
-    "P2PCommunicator._communicate", "``context`` threading", "TransformerBlock._checkpointed_forward",
+    "micro-batch order", "``context`` threading", "TransformerBlock._checkpointed_forward",
     "SelfAttention._checkpointed_attention_forward", "SelfAttention.get_query_key_value_tensors",
     "_MPU_PIPELINE_MODEL_PARALLEL_RANK", "get_schedule_table", "deallocate_output_tensor",
     "_top_saved_tensors_default_hooks", "_get_cuda_rng_state", "_build_model_and_main_param_groups",
@@ -32,13 +32,13 @@ def test_a_changed_signature_names_the_api():
     def communicate(self, *, tensor_send_next, recv_prev, tensor_shape, recv_next=False):
         pass
 
-    problem = compat.missing_parameters("P2PCommunicator._communicate", communicate, "tensor_send_next",
+    problem = compat.missing_parameters("schedules.function", communicate, "tensor_send_next",
                                         "tensor_send_prev", "recv_prev", keyword_only=True)
-    assert problem.startswith("P2PCommunicator._communicate:") and "tensor_send_prev" in problem
+    assert problem.startswith("schedules.function:") and "tensor_send_prev" in problem
 
     def positional(self, recv_prev, recv_next):
         pass
 
-    problem = compat.missing_parameters("P2PCommunicator._communicate", positional, "recv_prev", keyword_only=True)
+    problem = compat.missing_parameters("schedules.function", positional, "recv_prev", keyword_only=True)
     assert "not keyword-only: ['recv_prev']" in problem
     assert compat.missing_parameters("x", communicate, "recv_next", keyword_only=True) is None
