@@ -124,6 +124,10 @@ class ParallelOptions:
     decoder_first_pipeline_num_layers: int | None = option(type=int)
     decoder_last_pipeline_num_layers: int | None = option(type=int)
     sequence_parallel: bool = option(type=bool)
+    overlap_p2p_communication: bool | None = option(
+        action=argparse.BooleanOptionalAction,
+        help="overlap pipeline sends/receives with compute (megatron's overlap_p2p_comm, interleaved schedule "
+             "only; default: on with virtual stages on GPUs, off on CPU/gloo)")
     use_distributed_optimizer: bool = option(type=bool)
     data_parallel_size: int | None = derived()
     """World size / (TP x PP); None for a dry run."""

@@ -466,3 +466,19 @@ def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figur
                                          mfu=0.4, loss_scale=1024.0), 10, throughput=True)
     assert ("iteration       5/     10 | lm loss 2.500000E+00 | lr 1.000E-03 | router lr 1.000E-02 | "
             "grad norm 0.500 | tokens/s 1,234 | TFLOP/s/GPU 400.0 | MFU 40.0% | loss scale 1024.0") in line
+
+
+def test_overlap_p2p_communication_defaults_and_refusals():
+    layout = BASE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]
+    interleaved = layout + ["--num-virtual-stages-per-pipeline-rank", "2"]
+    cpu = not torch.cuda.is_available()
+    config = arguments.transformer_config(arguments.parse_run(interleaved, world_size=2))
+    assert config.overlap_p2p_comm is not cpu and config.batch_p2p_comm is False  # gloo: never batched
+    on = arguments.transformer_config(arguments.parse_run(interleaved + ["--overlap-p2p-communication"], world_size=2))
+    assert on.overlap_p2p_comm and not on.batch_p2p_comm
+    with pytest.raises(ArgumentsError, match="needs virtual pipeline stages"):
+        parse_args(layout + ["--overlap-p2p-communication"], world_size=2)
+    if cpu:
+        with pytest.raises(ArgumentsError, match="not exact over gloo"):
+            parse_args(interleaved + ["--overlap-p2p-communication", "--tensor-model-parallel-size", "2"],
+                       world_size=4)
