@@ -143,8 +143,8 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
 
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                         num_query_groups=4, use_cpu_initialization=True, **layout_config_kwargs(layout))
-    torch.manual_seed(layout.tp)
+                         num_query_groups=4, use_cpu_initialization=True, init_seed=100 + layout.tp,
+                         **layout_config_kwargs(layout))  # initial weights other than the saved ones
     chunks = build_chunks(config)
     model = chunks[0].module
     if checkpoint:
@@ -163,7 +163,6 @@ def reshard_checkpoint(directory: str):
 
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=4, use_cpu_initialization=True, **layout_config_kwargs(Layout(tp=2)))
-    torch.manual_seed(11)
     chunks = build_chunks(config)
     saved_loss = forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
     dist_checkpointing.save(chunks[0].module.sharded_state_dict(), directory)
