@@ -55,9 +55,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_checkpoint(root: Path, flags: list[str], num_layers: int) -> tuple[str, int]:
     """A weights-only checkpoint of the 1B shape; returns (directory, parameter count)."""
     shape = [f"--{key.replace('_', '-')}={value}" for key, value in {**PAPER_1B, "num_layers": num_layers}.items()]
-    args = arguments.parse_args(shape + flags + "--seq-length 2048 --micro-batch-size 1 --train-iters 1 --lr 1e-3 "
-                                "--mock-data --vocab-size 50257".split())
-    run = checkpointing.run_description(args, arguments.transformer_config(args), data.tokenizer_of(args))
+    options = arguments.parse_run(shape + flags + "--seq-length 2048 --micro-batch-size 1 --train-iters 1 "
+                                  "--lr 1e-3 --mock-data --vocab-size 50257".split())
+    tokenizer = data.tokenizer_of(options.data, options.model.vocab_size)
+    run = checkpointing.run_description(options, arguments.transformer_config(options), tokenizer)
     model = new_model(run, torch.float32)
     count = sum(param.numel() for param in model.parameters())
     return save_model(model, run, str(root)), count

@@ -61,7 +61,7 @@ class LimeMegatronLM(LM):
                 raise ValueError(f"unknown dtype {dtype!r}; choose one of {', '.join(DTYPES)}")
             loaded = load_model(checkpoint, dtype=DTYPES.get(dtype))
             model, tokenizer = loaded.model, loaded.tokenizer()
-            max_length = max_length or loaded.args.seq_length
+            max_length = max_length or loaded.options.model.seq_length
         if tokenizer is None or not hasattr(tokenizer, "tokenize"):
             raise ValueError("lime_megatron needs a text tokenizer (the checkpoint was trained with --vocab-size only)")
         self.model, self.tokenizer = model.eval(), tokenizer

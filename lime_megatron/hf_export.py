@@ -24,6 +24,7 @@ tied embeddings are the standard ``rms_norm_eps``, ``rope_theta`` (also as trans
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -395,18 +396,18 @@ def import_run(directory: str, description: Description, dtype: torch.dtype) -> 
         flags += [f"--lime-router-window={shape.router_window}"] * (shape.router_window is not None)
         flags += [f"--lime-router-lr={description.router_lr}"] * (description.router_lr is not None)
     flags += _tokenizer_flags(directory, description)
-    args = arguments.parse_args(flags, world_size=1)
-    tokenizer = data.tokenizer_of(args)
-    args.make_vocab_size_divisible_by = _divisible_by(description, tokenizer.unpadded_vocab_size)
-    tokenizer = data.tokenizer_of(args)
+    run = arguments.parse_run(flags, world_size=1)
+    divisible_by = _divisible_by(description, data.tokenizer_of(run.data, run.model.vocab_size).unpadded_vocab_size)
+    run = arguments.parse_run(flags + [f"--make-vocab-size-divisible-by={divisible_by}"], world_size=1)
+    tokenizer = data.tokenizer_of(run.data, run.model.vocab_size)
     if tokenizer.vocab_size != shape.vocab_size:
         raise ConversionError(
             f"the tokenizer in {directory} has {tokenizer.unpadded_vocab_size} tokens, padded to "
-            f"{tokenizer.vocab_size} (multiple of {args.make_vocab_size_divisible_by}), but "
+            f"{tokenizer.vocab_size} (multiple of {divisible_by}), but "
             f"model.embed_tokens.weight has {shape.vocab_size} rows")
-    args.bf16, args.fp16 = dtype == torch.bfloat16, dtype == torch.float16
-    config = arguments.transformer_config(args)
-    return checkpointing.run_description(args, config, tokenizer)
+    precision = dataclasses.replace(run.precision, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
+    run = dataclasses.replace(run, precision=precision)
+    return checkpointing.run_description(run, arguments.transformer_config(run), tokenizer)
 
 
 def import_checkpoint(directory: str, root: str, *, dtype: torch.dtype | None = None, iteration: int = 0,

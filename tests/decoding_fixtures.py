@@ -54,8 +54,8 @@ def tiny_checkpoint(root: Path, *extra: str) -> tuple[str, HuggingFaceTokenizer]
     from lime_megatron.model import build_model
 
     tokenizer = char_tokenizer(root / "tokenizer")
-    args = arguments.parse_args([*TINY_RUN, "--tokenizer-model", str(root / "tokenizer"), *extra])
-    config = arguments.transformer_config(args)
-    run = checkpointing.run_description(args, config, tokenizer)
-    model = build_model(config, tokenizer.vocab_size, args.seq_length, rotary_base=args.rotary_base)
+    options = arguments.parse_run([*TINY_RUN, "--tokenizer-model", str(root / "tokenizer"), *extra])
+    config = arguments.transformer_config(options)
+    run = checkpointing.run_description(options, config, tokenizer)
+    model = build_model(config, tokenizer.vocab_size, options.model.seq_length, rotary_base=options.model.rotary_base)
     return save_model(model, run, str(root / "checkpoint")), tokenizer

@@ -192,9 +192,10 @@ def test_lime_official_layout_reproduces_our_logits(tmp_path, case):
 def _checkpoint(root, flags: list[str]) -> str:
     """A random single-process checkpoint of the run the trainer ``flags`` describe."""
     initialize_parallel()
-    args = arguments.parse_args(flags + "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3".split()
-                               + ["--mock-data"] * ("--mock-data" not in flags))
-    run = checkpointing.run_description(args, arguments.transformer_config(args), data.tokenizer_of(args))
+    options = arguments.parse_run(flags + "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3".split()
+                                  + ["--mock-data"] * ("--mock-data" not in flags))
+    tokenizer = data.tokenizer_of(options.data, options.model.vocab_size)
+    run = checkpointing.run_description(options, arguments.transformer_config(options), tokenizer)
     model = new_model(run, torch.float32)
     generator = torch.Generator().manual_seed(7)
     with torch.no_grad():

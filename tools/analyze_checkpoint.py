@@ -77,10 +77,10 @@ def main(argv=None) -> None:
     start = time.perf_counter()
     loaded = {name: load_model(path, dtype=torch.float32) for name, path in named_checkpoints(args.checkpoints).items()}
     first = next(iter(loaded.values()))
-    data_path = args.data_path or (first.args.data_path or [None])[-1]
+    data_path = args.data_path or (first.options.data.data_path or [None])[-1]
     if not data_path:
         sys.exit("no corpus: the first run trained on mock data; pass --data-path")
-    tokens = corpus_sequences(data_path, args.num_sequences, args.seq_length or first.args.seq_length)
+    tokens = corpus_sequences(data_path, args.num_sequences, args.seq_length or first.options.model.seq_length)
     load_seconds = time.perf_counter() - start
     options = analysis.AnalysisOptions(
         alpha=args.alpha, words=tuple(args.words.split(",")), per_word=args.per_word,
