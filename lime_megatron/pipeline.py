@@ -48,9 +48,10 @@ known without replaying it).  megatron's ``overlap_p2p_comm`` (interleaved sched
 hidden state's receive for the next forward before the current one's compute) and
 ``batch_p2p_comm`` (NCCL; on gloo batched isend/irecv to one peer in both directions swaps tensors,
 so the unbatched path stays there) apply to the hidden state unchanged.  On gloo,
-TP=2 x PP=2 x VPP=2 + SP with ``overlap_p2p_comm`` is wrong for the LLaMA baseline as for LIMe
-(loss off by 1e-2 to 1e-1; PP=2 x VPP=2 without TP and PP=4 x VPP=2 with overlap are exact): a
-megatron/gloo problem outside this side channel, left open (CPU runs keep overlap off there).
+``overlap_p2p_comm`` is not exact: TP=2 x PP=2 x VPP=2 + SP is off by 1e-2 to 1e-1 for the LLaMA
+baseline as for LIMe, and PP=4 x VPP=2 was once off by 2.7e-5 (other runs exact): a megatron/gloo
+problem outside this side channel, left open; the trainer refuses overlap on CPU, and overlap with
+LIMe is unverified until a run on NCCL.
 
 Memory.  Received blocks are freed when the receiving chunk's backward ends, own rows kept for the
 rank's later chunks when the owning chunk's backward starts; without backward (evaluation under

@@ -3,7 +3,8 @@
 One 4-process launch checks, against the single-stage model from the same initial weights (loss and
 every gradient, routers included, over two SGD steps; ``deallocate_pipeline_outputs`` on, as the
 trainer runs pipelines): TP=2 x PP=2 x VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages,
-megatron's ``overlap_p2p_comm`` on and off, an uneven split with virtual stages, full recompute,
+an uneven split with virtual stages, full recompute (megatron's ``overlap_p2p_comm`` is not
+exact over gloo, the baseline included, so the trainer refuses it on CPU and it is not tested here),
 MHA and GQA, the ``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to
 ``isend`` per hop against ``pipeline.hop_elements``, no kept row left after a training or an
 evaluation call; a checkpoint saved at one virtual layout loaded at others; two mutations of the
@@ -80,21 +81,19 @@ def compare(layout: Layout, model: dict, reference, **train_kwargs) -> dict:
 
 UNEVEN = dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1)
 UNEVEN_VIRTUAL = dict(num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2)  # of 12 layers
-OVERLAP = dict(overlap_p2p_comm=True)
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
     ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4)]),
-    ("mha", {}, [Layout(pp=4, vpp=2)], OVERLAP),
-    ("mha-16", dict(num_layers=16), [Layout(pp=4, vpp=4)], OVERLAP),
+    ("mha", {}, [Layout(pp=4, vpp=2)]),
+    ("mha-16", dict(num_layers=16), [Layout(pp=4, vpp=4)]),
     ("gqa", dict(num_query_groups=2), [Layout(pp=4, vpp=2)]),
     ("mha-12-uneven", dict(num_layers=12), [Layout(pp=4, vpp=2)], UNEVEN_VIRTUAL),
     ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)]),
-    ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)], OVERLAP),
+    ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)]),
     ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4, vpp=2)]),
 ]
 SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
-    ("mha", {}, [Layout(pp=4, vpp=2)]),
-    ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)]),  # overlap at PP=2: see pipeline.py
+    ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
     ("mha-uneven", {}, [Layout(pp=4)], UNEVEN),
     ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=4)]),
     ("mha-selective-recompute", dict(recompute_granularity="selective"), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
@@ -181,7 +180,7 @@ def run_cases(cases: list) -> tuple[dict, dict]:
     for name, model, layouts, *options in cases:
         reference = references.setdefault(name, train(Layout(), model))
         for layout in layouts:
-            label = f"{name} {layout.name}" + (" overlap" if options and options[0] is OVERLAP else "")
+            label = f"{name} {layout.name}"
             report[label] = compare(layout, model, reference, stages=options[0] if options else None)
     return report, references
 
