@@ -82,7 +82,6 @@ def train(layout: Layout, kv_heads: int, weights=None):
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=kv_heads, use_cpu_initialization=True, **layout_config_kwargs(layout))
     rules = partial(router_rule, config)
-    torch.manual_seed(7)
     chunks = build_chunks(config, weights, rules)
     optimizer, scheduler = sgd(chunks, LR, STEPS)
     initial = gather_full(chunks, extra_shard_rules=rules)
