@@ -243,17 +243,12 @@ def _check_layout(args, world_size) -> None:
 
 
 def _check_overlap(args) -> None:
-    """Resolve ``--overlap-p2p-communication`` (default: on with virtual stages on GPUs)."""
-    gpu = torch.cuda.is_available() or args.dry_run
+    """Resolve ``--overlap-p2p-communication`` (default: on with virtual stages, as in Megatron-LM)."""
     if args.overlap_p2p_communication is None:
-        args.overlap_p2p_communication = bool(args.virtual_pipeline_size) and gpu
+        args.overlap_p2p_communication = bool(args.virtual_pipeline_size)
     elif args.overlap_p2p_communication and not args.virtual_pipeline_size:
         raise ArgumentsError("--overlap-p2p-communication needs virtual pipeline stages (megatron overlaps "
                              "pipeline transfers only in the interleaved schedule)")
-    elif args.overlap_p2p_communication and not gpu:
-        raise ArgumentsError(
-            "--overlap-p2p-communication is not exact over gloo (measured: loss off by up to 7.5e-2 at "
-            "TP2 x PP2 x VPP2 + SP, the LLaMA baseline included, and 2.7e-5 at PP4 x VPP2); use it on GPUs (NCCL)")
 
 
 def _check_batch(args, world_size) -> None:

@@ -47,11 +47,8 @@ starts (megatron's schedule gives no earlier point at which the next chunk and m
 known without replaying it).  megatron's ``overlap_p2p_comm`` (interleaved schedule; it posts the
 hidden state's receive for the next forward before the current one's compute) and
 ``batch_p2p_comm`` (NCCL; on gloo batched isend/irecv to one peer in both directions swaps tensors,
-so the unbatched path stays there) apply to the hidden state unchanged.  On gloo,
-``overlap_p2p_comm`` is not exact: TP=2 x PP=2 x VPP=2 + SP is off by 1e-2 to 1e-1 for the LLaMA
-baseline as for LIMe, and PP=4 x VPP=2 was once off by 2.7e-5 (other runs exact): a megatron/gloo
-problem outside this side channel, left open; the trainer refuses overlap on CPU, and overlap with
-LIMe is unverified until a run on NCCL.
+so the unbatched path stays there) apply to the hidden state unchanged; the interleaved layouts
+are tested exact with overlap on and off (over gloo, ``compat`` keeps in-flight sends' storage alive).
 
 Memory.  Received blocks are freed when the receiving chunk's backward ends, own rows kept for the
 rank's later chunks when the owning chunk's backward starts; without backward (evaluation under

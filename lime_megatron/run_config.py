@@ -127,7 +127,7 @@ class ParallelOptions:
     overlap_p2p_communication: bool | None = option(
         action=argparse.BooleanOptionalAction,
         help="overlap pipeline sends/receives with compute (megatron's overlap_p2p_comm, interleaved schedule "
-             "only; default: on with virtual stages on GPUs, off on CPU/gloo)")
+             "only; default: on with virtual stages)")
     use_distributed_optimizer: bool = option(type=bool)
     data_parallel_size: int | None = derived()
     """World size / (TP x PP); None for a dry run."""

@@ -3,16 +3,16 @@
 One 4-process launch checks, against the single-stage model from the same initial weights (loss and
 every gradient, routers included, over two SGD steps; ``deallocate_pipeline_outputs`` on, as the
 trainer runs pipelines): TP=2 x PP=2 x VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages,
-an uneven split with virtual stages, full recompute (megatron's ``overlap_p2p_comm`` is not
-exact over gloo, the baseline included, so the trainer refuses it on CPU and it is not tested here),
-MHA and GQA, the ``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to
+an uneven split with virtual stages, full recompute, megatron's ``overlap_p2p_comm`` on and off
+(on: TP=2 x PP=2 x VPP=2 + SP, PP=4 x VPP=2, PP=2 x VPP=2 with full recompute; over gloo it is
+exact thanks to ``compat`` patch 6, without which these cases are off by ~3e-4), MHA and GQA, the ``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to
 ``isend`` per hop against ``pipeline.hop_elements``, no kept row left after a training or an
 evaluation call; a checkpoint saved at one virtual layout loaded at others; two mutations of the
 side channel (a hop's returned gradient dropped, stale rows sent) that the comparison must catch.
 Without processes: every K/V row reaches a rank at most once per micro-batch, and exactly the rows
 its chunks read that it does not produce.  Slow: the rest of the matrix (selective recompute,
 uneven without virtual stages, ...) and the 128-layer tiny model over PP=4 x VPP=4 (4 processes),
-over PP=8 and PP=8 x VPP=2 (8 processes).
+over PP=8 and PP=8 x VPP=2 (8 processes), the virtual layouts with overlap on and off.
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def compare(layout: Layout, model: dict, reference, **train_kwargs) -> dict:
 UNEVEN = dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1)
 UNEVEN_VIRTUAL = dict(num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2)  # of 12 layers
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+OVERLAP = dict(overlap_p2p_comm=True)  # megatron's default with virtual stages (and the trainer's)
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
     ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4)]),
     ("mha", {}, [Layout(pp=4, vpp=2)]),
@@ -88,6 +89,8 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("gqa", dict(num_query_groups=2), [Layout(pp=4, vpp=2)]),
     ("mha-12-uneven", dict(num_layers=12), [Layout(pp=4, vpp=2)], UNEVEN_VIRTUAL),
     ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)]),
+    ("mha-overlap", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)], OVERLAP),
+    ("gqa-full-recompute-overlap", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)], OVERLAP),
     ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)]),
     ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4, vpp=2)]),
 ]
@@ -199,6 +202,8 @@ def slow_pipeline_checks() -> dict:
     report, _ = run_cases(SLOW_CASES)
     deep = train(Layout(), DEEP, steps=1, seq=8)
     report["deep-128 tp1-pp4-vpp4"] = compare(Layout(pp=4, vpp=4), DEEP, deep, steps=1, seq=8)
+    report["deep-128 tp1-pp4-vpp4 overlap"] = compare(Layout(pp=4, vpp=4), DEEP, deep, steps=1, seq=8,
+                                                      stages=OVERLAP)
     return report
 
 
@@ -273,8 +278,10 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
 def deep_eight_stages() -> dict:
     settings = dict(steps=1, seq=8, micro_batches=8)
     reference = train(Layout(), DEEP, **settings)
-    return {layout.name: compare(layout, DEEP, reference, **settings)
-            for layout in (Layout(pp=8), Layout(pp=8, vpp=2))}
+    report = {layout.name: compare(layout, DEEP, reference, **settings)
+              for layout in (Layout(pp=8), Layout(pp=8, vpp=2))}
+    report["tp1-pp8-vpp2 overlap"] = compare(Layout(pp=8, vpp=2), DEEP, reference, stages=OVERLAP, **settings)
+    return report
 
 
 @pytest.mark.slow

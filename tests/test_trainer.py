@@ -471,13 +471,11 @@ def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figur
 def test_overlap_p2p_communication_defaults_and_refusals():
     layout = BASE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]
     interleaved = layout + ["--num-virtual-stages-per-pipeline-rank", "2"]
-    cpu = not torch.cuda.is_available()
     config = arguments.transformer_config(arguments.parse_run(interleaved, world_size=2))
-    assert config.overlap_p2p_comm is not cpu and config.batch_p2p_comm is False  # gloo: never batched
-    dry = arguments.transformer_config(arguments.parse_run(interleaved + ["--dry-run"], world_size=2))
-    assert dry.overlap_p2p_comm and not dry.batch_p2p_comm  # planned for the GPU run
+    assert config.overlap_p2p_comm and not config.batch_p2p_comm  # megatron: one or the other
+    off = arguments.transformer_config(
+        arguments.parse_run(interleaved + ["--no-overlap-p2p-communication"], world_size=2))
+    assert not off.overlap_p2p_comm and off.batch_p2p_comm is torch.cuda.is_available()  # gloo: never batched
+    assert not arguments.transformer_config(arguments.parse_run(layout, world_size=2)).overlap_p2p_comm
     with pytest.raises(ArgumentsError, match="needs virtual pipeline stages"):
         parse_args(layout + ["--overlap-p2p-communication"], world_size=2)
-    if cpu:
-        with pytest.raises(ArgumentsError, match="not exact over gloo"):
-            parse_args(interleaved + ["--overlap-p2p-communication"], world_size=2)
