@@ -2,17 +2,18 @@
 
 One 4-process launch checks, against the single-stage model from the same initial weights (loss and
 every gradient, routers included, over two SGD steps; ``deallocate_pipeline_outputs`` on, as the
-trainer runs pipelines): TP=2 x PP=2 x VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages,
-an uneven split with virtual stages, full recompute, megatron's ``overlap_p2p_comm`` on and off
-(on: TP=2 x PP=2 x VPP=2 + SP, PP=4 x VPP=2, PP=2 x VPP=2 with full recompute; over gloo it is
-exact thanks to ``compat`` patch 6, without which these cases are off by ~3e-4), MHA and GQA, the ``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to
-``isend`` per hop against ``pipeline.hop_elements``, no kept row left after a training or an
-evaluation call; a checkpoint saved at one virtual layout loaded at others; two mutations of the
-side channel (a hop's returned gradient dropped, stale rows sent) that the comparison must catch.
-Without processes: every K/V row reaches a rank at most once per micro-batch, and exactly the rows
-its chunks read that it does not produce.  Slow: the rest of the matrix (selective recompute,
-uneven without virtual stages, ...) and the 128-layer tiny model over PP=4 x VPP=4 (4 processes),
-over PP=8 and PP=8 x VPP=2 (8 processes), the virtual layouts with overlap on and off.
+trainer runs pipelines): TP=2 x PP=2 x VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages, an
+uneven split with virtual stages, full recompute, megatron's ``overlap_p2p_comm`` on and off (on:
+TP=2 x PP=2 x VPP=2 + SP, PP=4 x VPP=2, PP=2 x VPP=2 with full recompute; over gloo it is exact
+thanks to ``compat`` patch 6, without which these cases are off by ~3e-4), MHA and GQA, the
+``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to ``isend`` per hop
+against ``pipeline.hop_elements``, no kept row left after a training or an evaluation call; a
+checkpoint saved at one virtual layout loaded at others; two mutations of the side channel (a hop's
+returned gradient dropped, stale rows sent) that the comparison must catch. Without processes: every
+K/V row reaches a rank at most once per micro-batch, and exactly the rows its chunks read that it
+does not produce. Slow: the rest of the matrix (selective recompute, uneven without virtual stages,
+...) and the 128-layer tiny model over PP=4 x VPP=4 (4 processes), over PP=8 and PP=8 x VPP=2 (8
+processes), the virtual layouts with overlap on and off.
 """
 
 from __future__ import annotations
