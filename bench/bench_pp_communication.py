@@ -168,9 +168,7 @@ def count_setting(layers: int, attention: str, vpp: int | None, lime: bool, args
 
 
 def _bytes_worker(rank: int, world: int, port: int, settings: list, args, results) -> None:
-    from megatron.core import parallel_state
-
-    from lime_megatron.parallel import initialize_parallel
+    from lime_megatron.parallel import destroy_parallel, initialize_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -178,7 +176,7 @@ def _bytes_worker(rank: int, world: int, port: int, settings: list, args, result
         initialize_parallel(pipeline_model_parallel_size=world, virtual_pipeline_model_parallel_size=vpp)
         for lime in (False, True):
             results[(layers, attention, world, vpp, lime, rank)] = count_setting(layers, attention, vpp, lime, args)
-        parallel_state.destroy_model_parallel()
+        destroy_parallel()
 
 
 def _free_port() -> int:
@@ -301,28 +299,27 @@ def print_bytes(rows: list[dict]) -> None:
 
 
 def _time_worker(rank: int, world: int, port: int, args, results) -> None:
-    from megatron.core import parallel_state
-
-    from lime_megatron.parallel import initialize_parallel
+    """The four models (overlap off/on x baseline/LIMe) timed in turn, one schedule call each per
+    round, so that drifting load hits them alike; the first round is a warm-up."""
+    from lime_megatron.parallel import destroy_parallel, initialize_parallel
     from lime_megatron.training import forward_backward
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
     initialize_parallel(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
     batches = _batches(args, args.micro_batches or 8)
-    for overlap in (False, True):
-        for lime in (False, True):
-            config = make_config(args.time_layers, "mha", 4, 2, lime, overlap_p2p_comm=overlap)
-            model = _build(config, args)
-            times = []
-            for _ in range(args.iterations + 1):
-                torch.distributed.barrier()
-                start = time.perf_counter()
-                forward_backward(model, batches)
-                times.append(time.perf_counter() - start)
-            if rank == 0:
-                results[(overlap, lime)] = statistics.median(times[1:])
-    parallel_state.destroy_model_parallel()
+    models = {(overlap, lime): _build(make_config(args.time_layers, "mha", 4, 2, lime, overlap_p2p_comm=overlap), args)
+              for overlap in (False, True) for lime in (False, True)}
+    times = defaultdict(list)
+    for _ in range(args.iterations + 1):
+        for key, model in models.items():
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            forward_backward(model, batches)
+            times[key].append(time.perf_counter() - start)
+    if rank == 0:
+        results.update({key: statistics.median(seconds[1:]) for key, seconds in times.items()})
+    destroy_parallel()
 
 
 def measure_time(args) -> None:
@@ -334,6 +331,8 @@ def measure_time(args) -> None:
     for overlap in (False, True):
         base, lime = results[(overlap, False)], results[(overlap, True)]
         print(f"{str(overlap):>16} {base:>10.3f} {lime:>8.3f} {lime / base:>9.2f}")
+    print(f"{'on / off':>16} {results[(True, False)] / results[(False, False)]:>10.2f} "
+          f"{results[(True, True)] / results[(False, True)]:>8.2f}")
 
 
 def main(argv=None):

@@ -342,6 +342,13 @@ class KeptRows:
 _KEPT: KeptRows | None = None
 
 
+def reset_side_channel() -> None:
+    """Forget the side channel's process groups and kept rows (``parallel.destroy_parallel``)."""
+    global _KEPT
+    _SIDE_GROUPS.clear()
+    _KEPT = None
+
+
 def kept_rows(config) -> KeptRows:
     """This rank's ``KeptRows`` for the current schedule call."""
     if _KEPT is None or _KEPT.config is not config:

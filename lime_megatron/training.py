@@ -64,7 +64,7 @@ from lime_megatron.optimizer import (
     optimizer_config,
     router_group,
 )
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.parallel import destroy_parallel, initialize_parallel
 from lime_megatron.pipeline import schedule_arguments
 from lime_megatron.profiling import IterationProfiler
 from lime_megatron.run_config import CheckpointOptions, RunConfig, TrainingOptions
@@ -140,14 +140,14 @@ def distributed(run: RunConfig):
     created = not torch.distributed.is_initialized()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
-    parallel_state.destroy_model_parallel()
+    destroy_parallel()
     layout = run.parallel
     initialize_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
                         layout.virtual_pipeline_size, seed=run.training.seed)
     try:
         yield
     finally:
-        parallel_state.destroy_model_parallel()
+        destroy_parallel()
         if created:
             torch.distributed.destroy_process_group()
 

@@ -17,7 +17,6 @@ split pass ``extra_shard_rules``.
 """
 
 import dataclasses
-import gc
 import itertools
 import os
 import pickle
@@ -214,10 +213,10 @@ def initialize_layout(layout: Layout, seed: int = 1234) -> int:
     size."""
     from megatron.core import parallel_state
 
-    from lime_megatron.parallel import set_random_seed
+    from lime_megatron.parallel import destroy_parallel, set_random_seed
 
     dp = layout.data_parallel_size(torch.distributed.get_world_size())
-    destroy_layout_groups()
+    destroy_parallel()
     parallel_state.initialize_model_parallel(
         tensor_model_parallel_size=layout.tp,
         pipeline_model_parallel_size=layout.pp,
@@ -225,27 +224,6 @@ def initialize_layout(layout: Layout, seed: int = 1234) -> int:
     )
     set_random_seed(seed)
     return dp
-
-
-def destroy_layout_groups() -> None:
-    """Tear down megatron's parallel state and every process group but the default one (megatron's
-    and the pipeline side channel's).  Each gloo group keeps an event-loop thread, woken about 100
-    times a second, and two worker threads until its last reference goes (models of earlier layouts
-    hold some in reference cycles, hence the collection): a test process that built twenty layouts
-    kept ~1,400 threads (a load average of ~800 on 2 cores)."""
-    from megatron.core import parallel_state
-    from torch.distributed import distributed_c10d
-
-    from lime_megatron import pipeline
-
-    default = distributed_c10d._get_default_group()
-    for group in list(distributed_c10d._world.pg_map):
-        if group is not default:
-            torch.distributed.destroy_process_group(group)
-    parallel_state.destroy_model_parallel()
-    pipeline._SIDE_GROUPS.clear()
-    pipeline._KEPT = None
-    gc.collect()
 
 
 def layout_config_kwargs(layout: Layout) -> dict:
