@@ -8,7 +8,10 @@ source layers with one matrix product per contiguous run of sources (Eq. 2):
     routed_l = W_l @ buffer[rows of sources(l)]            [kv_heads, 2 * s * b * d]
 
 so nothing is re-concatenated per layer (the official code's per-layer ``torch.cat`` costs
-O(L^2) time and saved memory).
+O(L^2) time and saved memory).  Layer 0 has no router (W_0 = I over its own rows,
+``LimeRouter.identity``): no product is run for it, in forward, backward, the rebuild of its
+routed keys/values or decoding, and under tensor parallelism no collective either (each rank's
+routed heads are its own heads).
 
 Backward.  ``RouteKeysValues`` gives the router weight gradient ``g_l @ buffer[sources]^T`` and
 the gradient of layer l's own keys/values, which collects the contributions of every *consumer*
@@ -198,8 +201,11 @@ class LayerIntegratedMemory:
 
         Under tensor parallelism each rank multiplies its own heads' rows, giving partial sums
         for all kv_heads output heads, and a reduce-scatter leaves each rank its heads' sums.
-        Returns the routed keys and values, ``[2, s, b, local kv heads, d]``.
+        The identity routing (layer 0) is no product: its own rows, rearranged.
+        Returns the routed keys and values, ``[2, s, b, local kv heads, d]`` (a new tensor).
         """
+        if router.identity:
+            return self.from_rows(self.rows(router.layer, router.layer + 1))
         partial = None
         if router.sharding.primary:
             for columns, rows in self._source_blocks(router):
@@ -230,25 +236,28 @@ class LayerIntegratedMemory:
             self._grad_rows = self.buffer.new_empty(len(self.layers) * kv_heads, self.buffer.shape[1])
         return self._grad_rows
 
-    def _consumer_grad(self, layer: int) -> torch.Tensor:
+    def _consumer_grad(self, layer: int, own_grad: torch.Tensor | None = None) -> torch.Tensor:
         """Gradient of the rows of ``layer`` (own or received), ``[local kv heads, 2*s*b*d]``:
         sum over its consumers m of W_m[:, block layer]^T g_m, the consumers in this chunk from
-        the kept g_m, those of later stages from the downstream gradient."""
+        the kept g_m, those of later stages from the downstream gradient.  ``own_grad``: g_layer
+        of a layer with the identity routing (this rank's heads), its own term W^T g = g."""
         _, stop = routing_consumers(layer, self.num_layers, self.variant, self.window)
         local = range(max(layer, self.layers.start), min(stop, self.layers.stop))
         missing = [m for m in local if not self._grad_rows_written[m - self.layers.start]]
         if missing:
             raise RuntimeError(f"LIMe backward reached layer {layer} before that of its consumer layers {missing}")
+        mixing = local if own_grad is None else local[1:]
         grad = None
-        if local and self._routers[local.start].sharding.primary:
-            kv_heads = self._routers[local.start].weight.shape[0]
-            grads = self._grad_buffer(kv_heads)[(local.start - self.layers.start) * kv_heads :
-                                                (local.stop - self.layers.start) * kv_heads]
-            blocks = torch.cat([self._routers[m].block(layer) for m in local], dim=0)
+        if mixing and self._routers[mixing.start].sharding.primary:
+            kv_heads = self._routers[mixing.start].weight.shape[0]
+            grads = self._grad_buffer(kv_heads)[(mixing.start - self.layers.start) * kv_heads :
+                                                (mixing.stop - self.layers.start) * kv_heads]
+            blocks = torch.cat([self._routers[m].block(layer) for m in mixing], dim=0)
             grad = blocks.t() @ grads
-        if stop > self.layers.stop and layer >= self.layers.start:
-            downstream = self._downstream_rows(layer)
-            grad = downstream.clone() if grad is None else grad.add_(downstream)
+        downstream = self._downstream_rows(layer) if stop > self.layers.stop and layer >= self.layers.start else None
+        for term in (own_grad, downstream):
+            if term is not None:
+                grad = term.clone() if grad is None else grad.add_(term)
         if grad is None:  # a replica rank: the primary passes this head's gradient
             some_rows = self.buffer if self.buffer is not None else self.external[0][1]
             grad = some_rows.new_zeros(self.kv_heads, some_rows.shape[1])
@@ -266,12 +275,17 @@ class LayerIntegratedMemory:
 
         Keeps ``grad_rows`` (g_l, all kv_heads rows) as the layer's gradient rows, then sums
         W_m[:, block l]^T g_m over the consumers m of layer l (one product for this chunk's).
+        For the identity routing ``grad_rows`` holds this rank's heads only: no other layer
+        reads g_l, so it is not kept, and its term W_l^T g_l is g_l itself.
         """
-        layer, kv_heads = router.layer, grad_rows.shape[0]
+        layer = router.layer
         local = layer - self.layers.start
-        self._grad_buffer(kv_heads)[local * kv_heads : (local + 1) * kv_heads].copy_(grad_rows)
+        if not router.identity:
+            kv_heads = grad_rows.shape[0]
+            self._grad_buffer(kv_heads)[local * kv_heads : (local + 1) * kv_heads].copy_(grad_rows)
         self._grad_rows_written[local] = True
-        grad_kv = self._consumer_grad(layer).view(self.kv_heads, 2, *self.kv_shape[:2], -1)
+        own_grad = grad_rows if router.identity else None
+        grad_kv = self._consumer_grad(layer, own_grad).view(self.kv_heads, 2, *self.kv_shape[:2], -1)
         return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
 
     def external_shares(self) -> list[tuple[range, torch.Tensor]]:
@@ -305,7 +319,9 @@ class RouteKeysValues(torch.autograd.Function):
     def backward(ctx, grad_routed):
         ctx.saved_tensors  # noqa: B018 - releases the saved view through the hooks
         memory, router = ctx.memory, ctx.router
-        grad_rows = gather_heads(memory.to_rows(grad_routed), router.sharding)
+        grad_rows = memory.to_rows(grad_routed)
+        if not router.identity:  # the identity routes each rank's own heads: nothing to gather
+            grad_rows = gather_heads(grad_rows, router.sharding)
         grad_weight = memory.weight_grad(router, grad_rows) if ctx.needs_input_grad[0] else None
         grad_key, grad_value = memory.kv_grad(router, grad_rows)
         return grad_weight, grad_key, grad_value, None, None
@@ -321,11 +337,15 @@ def route_keys_values(
 # --------------------------------------------------------------------------------- decoding
 def route_new_tokens(
     memory: LayerIntegratedMemory, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
-) -> torch.Tensor:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """KV-cache decoding step (no autograd): store the new tokens' keys/values ``[s_new, b, h, d]``
     of ``router``'s layer in the step's memory (Eq. 1) and return their routed keys and values
-    ``[2, s_new, b, h, d]`` (Eq. 2), which the caller appends to the layer's cache."""
+    ``([s_new, b, h, d], [s_new, b, h, d])`` (Eq. 2), which the caller copies into the layer's
+    cache: for the identity routing (layer 0) ``key`` and ``value`` themselves."""
     if torch.is_grad_enabled():
         raise RuntimeError("LIMe KV-cache decoding runs without autograd: call the model under torch.no_grad()")
     memory.store(router.layer, key, value)
-    return memory.mix(router, router.weight)
+    if router.identity:
+        return key, value
+    routed = memory.mix(router, router.weight)
+    return routed[0], routed[1]

@@ -13,7 +13,8 @@ Sources per variant (layer l, window j, 0-based layers):
 - ``last``    : max(0, l-j+1)..l (learned)
 - ``first``   : 0..min(l, j)-1 and l (learned)
 
-Layer 0 has no router: its routing matrix is the fixed identity.  The current layer is always
+Layer 0 has no router: its routing matrix is the fixed identity (``LimeRouter.identity``), which
+is never multiplied: the memory hands layer 0 its own keys/values.  The current layer is always
 the last source, so the identity initialisation of the paper sets the last ``kv_heads`` columns.
 """
 
@@ -160,6 +161,13 @@ class LimeRouter(nn.Module):
     def learned(self) -> bool:
         """Whether this router has trainable weights."""
         return isinstance(self.weight, nn.Parameter)
+
+    @property
+    def identity(self) -> bool:
+        """Whether the routing is the fixed identity over the layer's own keys/values (layer 0 of
+        every variant): Eq. 2 returns them unchanged, so no product is run
+        (``LayerIntegratedMemory.mix``)."""
+        return not self.learned and len(self.sources) == 1
 
     @property
     def local_heads(self) -> int:

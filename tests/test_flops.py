@@ -31,11 +31,9 @@ LAYER_PRODUCTS = [
 # P V: s x s times s x d. Whole squares; the causal mask makes half of them (s^2/2 per head) useful.
 ATTENTION_PRODUCTS = [(4, 4, 2)] * 8 + [(4, 2, 4)] * 8
 # Layer 1's router (full: sources 0 and 1), keys and values at once: W [kv 2, 2 sources * 2 kv]
-# times the buffered rows [4, 2 (k, v) * s 4 * b 2 * d 2]. Layer 0 has no router.
+# times the buffered rows [4, 2 (k, v) * s 4 * b 2 * d 2]. Layer 0 has no router: its fixed identity
+# routing is no product (memory.py's mix hands it its own keys/values).
 ROUTER_PRODUCTS = [(2, 32, 4)]
-# Layer 0 routes through its fixed identity matrix [2, 2]: the model runs that product (memory.py's
-# mix), the formulas leave it out (it does no work; the paper's count has no such product either).
-IDENTITY_PRODUCTS = [(2, 32, 2)]
 LOGIT_PRODUCTS = [(8, 16, 8)]  # tokens x hidden times hidden x vocab
 
 
@@ -77,7 +75,7 @@ def test_measured_products_of_the_tiny_model_match_the_hand_count():
     """The model runs exactly the products listed above, no more."""
     every = 2 * LAYER_PRODUCTS + 2 * ATTENTION_PRODUCTS + LOGIT_PRODUCTS
     assert measured_forward_flops(lime_config(**TINY, lime=False)) == 2 * multiply_adds(every)
-    lime = every + ROUTER_PRODUCTS + IDENTITY_PRODUCTS
+    lime = every + ROUTER_PRODUCTS
     assert measured_forward_flops(lime_config(**TINY)) == 2 * multiply_adds(lime)
 
 
@@ -95,16 +93,15 @@ ROUTERS = {
 def test_formula_matches_measured_products(overrides):
     """Formula = FlopCounterMode's count under a stated convention. Attention: the formula counts
     the causal half, 2 * 2 * s * (heads * d) / 2 per token and layer; the counter sees whole
-    squares, exactly that much again. Routers: the counter also sees layer 0's identity routing
-    product, 2 * 2 * kv_heads^2 * d per token, which the formula leaves out."""
+    squares, exactly that much again. Routers: both leave layer 0 out (its identity routing runs
+    no product; backward and decoding: tests/test_memory.py)."""
     shape = dict(TINY, num_layers=5, **overrides)
     lime, baseline = lime_config(**shape), lime_config(**shape, lime=False)
     unmasked_half = lime.num_layers * 2 * 2 * SEQ * lime.num_attention_heads * lime.kv_channels / 2 * TOKENS
-    identity = 2 * 2 * lime.kv_heads**2 * lime.kv_channels * TOKENS
     measured = {config.lime: measured_forward_flops(config) for config in (lime, baseline)}
-    for config, extra in ((lime, unmasked_half + identity), (baseline, unmasked_half)):
-        assert measured[config.lime] == flops.forward_flops_per_token(config, SEQ, VOCAB) * TOKENS + extra
-    assert measured[True] - measured[False] - identity == flops.router_flops_per_token(lime) * TOKENS > 0
+    for config in (lime, baseline):
+        assert measured[config.lime] == flops.forward_flops_per_token(config, SEQ, VOCAB) * TOKENS + unmasked_half
+    assert measured[True] - measured[False] == flops.router_flops_per_token(lime) * TOKENS > 0
 
 
 # Paper Table 8 forward FLOPs (TFLOP, one sequence of 2048 tokens) and the LIMe/LLaMA ratios.

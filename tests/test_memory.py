@@ -1,0 +1,88 @@
+"""The routing work of the layer-integrated memory, counted by torch's FlopCounterMode.
+
+Layer 0's routing is the fixed identity (``LimeRouter.identity``): it must run no product, in
+forward, in backward, in the rebuild of its routed keys/values or in KV-cache decoding.  Every
+other router runs exactly what ``flops.router_flops_per_token`` says per forward, and the same
+again per backward product (dW = g R^T and the keys/values' gradient) and per rebuild.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from lime_fixtures import VOCAB, batch, loss_of, megatron_logits, tiny_model
+from torch.utils.flop_counter import FlopCounterMode
+
+from lime_megatron import flops
+from lime_megatron.decoding import decode_step, full_logits, kv_cache_context
+from lime_megatron.parallel import initialize_parallel
+from lime_megatron.recompute import routed_kv_log
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+PREFILL, DECODED = 5, 2
+TRAINING_TOKENS = 2 * 12  # lime_fixtures.batch(): 2 sequences of 12 tokens
+
+
+@pytest.fixture(scope="module", autouse=True)
+def megatron():
+    initialize_parallel()
+
+
+def training_flops(model) -> int:
+    """Matrix-product FLOPs of one forward and backward of ``model`` on ``lime_fixtures.batch()``."""
+    tokens, positions, mask = batch()
+    with FlopCounterMode(display=False) as counter:
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    return counter.get_total_flops()
+
+
+def decoding_flops(model) -> int:
+    """Matrix-product FLOPs of a prefill of ``PREFILL`` tokens and ``DECODED`` one-token steps
+    (batch 2) with the KV cache."""
+    tokens = torch.randint(0, VOCAB, (2, PREFILL + DECODED), generator=torch.Generator().manual_seed(0))
+    context = kv_cache_context(model, 2, PREFILL + DECODED)
+    with FlopCounterMode(display=False) as counter:
+        decode_step(model, context, tokens[:, :PREFILL])
+        for position in range(PREFILL, PREFILL + DECODED):
+            decode_step(model, context, tokens[:, position : position + 1])
+    return counter.get_total_flops()
+
+
+@pytest.mark.parametrize("variant", ["full", "average"])
+def test_layer_zero_alone_costs_and_computes_what_the_baseline_does(variant):
+    """A 1-layer LIMe model is the baseline with a memory: same logits, bit for bit, and not one
+    product more in training (routed K/V dropped and rebuilt) or decoding."""
+    lime = tiny_model(num_layers=1, lime_router=variant)
+    baseline = tiny_model(num_layers=1, lime=False)
+    baseline.load_state_dict(lime.state_dict(), strict=False)
+    assert lime.routers()[0].identity
+    tokens, _, _ = batch()
+    assert torch.equal(full_logits(lime, tokens), full_logits(baseline, tokens))
+    routed_kv_log.take()
+    assert training_flops(lime) == training_flops(baseline)
+    assert routed_kv_log.take()[0].rebuilt["routed"] == 1  # the rebuild ran, without a product
+    assert decoding_flops(lime.eval()) == decoding_flops(baseline.eval())
+
+
+ROUTERS = {  # variant settings, products per routed layer in training: forward, rebuild, backward
+    "full": (dict(lime_router="full"), 4),
+    "average": (dict(lime_router="average"), 3),  # fixed weights: no weight gradient
+    "last-1": (dict(lime_router="last", lime_router_window=1), 4),
+    "first-2": (dict(lime_router="first", lime_router_window=2), 4),
+}
+
+
+@pytest.mark.parametrize("variant,products", list(ROUTERS.values()), ids=list(ROUTERS))
+def test_routers_run_their_formula_and_layer_zero_nothing(variant, products):
+    """LIMe minus baseline, 5 layers, MHA (the routed K/V are dropped and rebuilt): in training
+    ``products`` times the forward router FLOPs of the formula (which leaves layer 0 out), in
+    decoding once per decoded token."""
+    lime = tiny_model(num_query_groups=4, **variant)
+    baseline = tiny_model(num_query_groups=4, lime=False)
+    assert [router.identity for router in lime.routers()] == [True, False, False, False, False]
+    router = flops.router_flops_per_token(lime.config)
+    assert training_flops(lime) - training_flops(baseline) == products * router * TRAINING_TOKENS
+    decoded_tokens = 2 * (PREFILL + DECODED)
+    assert decoding_flops(lime.eval()) - decoding_flops(baseline.eval()) == router * decoded_tokens
