@@ -14,31 +14,20 @@ import pytest
 import torch
 
 pytest.importorskip("lm_eval")
-from decoding_fixtures import char_tokenizer, tiny_checkpoint  # noqa: E402
+from decoding_fixtures import tiny_checkpoint  # noqa: E402
 from lime_fixtures import tiny_model  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from lime_megatron.checkpoint_model import load_model  # noqa: E402
 from lime_megatron.evaluation import LimeMegatronLM  # noqa: E402
 from lime_megatron.generation import Generator, SamplingOptions  # noqa: E402
-from lime_megatron.parallel import initialize_parallel  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["1 + 2 =", "The sky is", "", "(7 + 5) x 3 ="]
 CHOICES = ["3", "blue", "12", "x"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron():
-    initialize_parallel()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return char_tokenizer(tmp_path_factory.mktemp("tokenizer"))
 
 
 def _requests(kind: str, arguments: list[tuple]) -> list[Instance]:
