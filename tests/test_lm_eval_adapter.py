@@ -1,6 +1,11 @@
 """lime_megatron.evaluation: lm-eval's requests answered from the model's own forward (float64),
 and ``tools/evaluate.py --model lime_megatron`` on a checkpoint with local YAML tasks (offline)
-whose answers are known from that forward."""
+whose answers are known from that forward.
+
+Data parallel (2 gloo ranks, one launch): the answers to each rank's lm-eval share of the
+requests, gathered on rank 0, equal one process's, and lm-eval's ``simple_evaluate`` over the 2
+ranks gives the one-process command line's metrics and per-document responses.
+"""
 
 from __future__ import annotations
 
@@ -205,7 +210,7 @@ def _data_parallel_evaluation(checkpoint: str, task_directory: str) -> dict:
         gathered[kind] = lm.gather_object([(index, answer) for (index, _), answer in zip(share, answers)], dst=0)
         sizes[kind] = lm.all_gather(torch.tensor(len(share), device=lm.device)).tolist()
     results = evaluator.simple_evaluate(model=lm, tasks=TASKS, batch_size=2, log_samples=True,
-                                        task_manager=TaskManager(include_path=task_directory))
+                                        task_manager=TaskManager(include_path=task_directory, include_defaults=False))
     evaluation = None if results is None else (json.loads(json.dumps(results["results"], default=str)),
                                                _responses(results["samples"]))
     return dict(rank=lm.rank, world_size=lm.world_size, gathered=gathered, sizes=sizes, evaluation=evaluation)
