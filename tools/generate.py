@@ -73,7 +73,8 @@ def check_world(tensor_parallel: int) -> None:
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
         else int(os.environ.get("WORLD_SIZE", 1))
     if world != tensor_parallel:
-        raise ValueError(f"--tensor-parallel {tensor_parallel} needs exactly {tensor_parallel} processes "
+        processes = f"{tensor_parallel} process" + ("es" if tensor_parallel > 1 else "")
+        raise ValueError(f"--tensor-parallel {tensor_parallel} needs exactly {processes} "
                          f"(torchrun --nproc-per-node {tensor_parallel}); this launch has {world}")
 
 
