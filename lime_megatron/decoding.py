@@ -19,6 +19,12 @@ generated one (``lime_megatron.generation``).
 The caches are allocated here on the model's device (megatron's lazy allocation calls
 ``torch.cuda.current_device()``), and the context is told to return the logits of every new
 token (the default keeps only the last one).
+
+Tensor parallelism (``checkpoint_model.load_model(..., tensor_parallel=N)``): every rank feeds the
+same tokens; its cache holds its own key/value heads (``num_query_groups_per_partition``; LIMe
+routes its input-head columns and reduce-scatters the routed heads, as in training,
+``lime_megatron.head_parallel``), and the logits are gathered over the vocabulary shards
+(``runtime_gather_output``), so every rank returns the full ``[b, s, padded vocab]``.
 """
 
 from __future__ import annotations
@@ -74,7 +80,8 @@ def decode_step(model: LimeGPTModel, context: StaticInferenceContext, tokens: to
 
 @torch.no_grad()
 def full_logits(model: LimeGPTModel, tokens: torch.Tensor) -> torch.Tensor:
-    """Logits ``[b, s, padded vocab]`` of a full causal forward over ``tokens`` ``[b, s]`` (no cache)."""
+    """Logits ``[b, s, padded vocab]`` (gathered over tensor-parallel ranks) of a full causal
+    forward over ``tokens`` ``[b, s]`` (no cache)."""
     batch, length = tokens.shape
     positions = torch.arange(length, device=tokens.device).expand(batch, length)
-    return model(tokens, positions, None)
+    return model(tokens, positions, None, runtime_gather_output=True)

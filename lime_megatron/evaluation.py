@@ -2,6 +2,7 @@
 
     python tools/evaluate.py --model lime_megatron --model_args checkpoint=ckpt/lime-1b \\
         --tasks arc_easy --num_fewshot 3 --batch_size 16
+    torchrun --nproc-per-node 8 tools/evaluate.py --model lime_megatron ...   # data parallel
 
 (``tools/evaluate.py`` is lm-eval's own command line with this adapter registered.)
 ``LimeMegatronLM`` loads the checkpoint at any layout into one process
@@ -17,10 +18,13 @@ three request types on the megatron model:
   (``until`` stop strings, ``max_gen_toks``, ``do_sample``/``temperature``/``top_k``/``top_p``).
 
 Requests are scored in batches of ``batch_size`` sequences, longest first (right padding never
-reaches a scored position in a causal forward).  Under ``torchrun`` every rank loads the model,
-lm-eval gives each rank its share of the requests (``rank``/``world_size``) and gathers the
-results through ``all_gather``/``gather_object``/``barrier`` (torch.distributed): data
-parallelism over requests.
+reaches a scored position in a causal forward).
+
+Data parallel under ``torchrun``: every rank loads the whole model (TP=1, on the GPU
+``LOCAL_RANK``) and reports ``rank``/``world_size`` from torch.distributed; lm-eval's evaluator
+gives rank r every N-th document from r, pads the ranks' request lists to equal length with
+:meth:`LimeMegatronLM.all_gather` (its ``[N]`` tensor of counts) and collects the per-document
+metrics on rank 0 with :meth:`LimeMegatronLM.gather_object`; only rank 0 returns results.
 """
 
 from __future__ import annotations

@@ -97,7 +97,10 @@ def sample_next(logits: torch.Tensor, options: SamplingOptions, generator: torch
 
 
 class Generator:
-    """Decodes batches of prompts with ``model`` (eval mode, one process).
+    """Decodes batches of prompts with ``model`` (eval mode): one process, or every rank of a
+    tensor-parallel model (``checkpoint_model.load_model(..., tensor_parallel=N)``) with the same
+    prompts and options, which then takes the same tokens on every rank (the logits are gathered
+    over the vocabulary shards, the sampler is seeded alike).
 
     Args:
         tokenizer: ``lime_megatron.tokenizer`` tokenizer (text prompts, stop strings, texts);

@@ -1,10 +1,14 @@
-"""A character tokenizer that fits the tiny models' 96-token vocabulary, for decoding tests."""
+"""Decoding-test helpers: a character tokenizer that fits the tiny models' 96-token vocabulary,
+checkpoints of tiny trainer runs, and incremental (KV-cache) logits."""
 
 from __future__ import annotations
 
 import json
 from pathlib import Path
 
+import torch
+
+from lime_megatron.decoding import decode_step, kv_cache_context
 from lime_megatron.tokenizer import GPT2_EOD_TOKEN, HuggingFaceTokenizer
 
 CHARACTERS = "\n" + "".join(chr(code) for code in range(32, 126))
@@ -59,3 +63,12 @@ def tiny_checkpoint(root: Path, *extra: str) -> tuple[str, HuggingFaceTokenizer]
     run = checkpointing.run_description(options, config, tokenizer)
     model = build_model(config, tokenizer.vocab_size, options.model.seq_length, rotary_base=options.model.rotary_base)
     return save_model(model, run, str(root / "checkpoint")), tokenizer
+
+
+def incremental_logits(model, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
+    """Logits ``[b, s, padded vocab]`` of ``tokens`` ``[b, s]`` fed through the KV cache as a
+    prefill of ``prefill`` tokens, then one token per step."""
+    context = kv_cache_context(model, tokens.shape[0], tokens.shape[1])
+    steps = [decode_step(model, context, tokens[:, :prefill])]
+    steps += [decode_step(model, context, tokens[:, t : t + 1]) for t in range(prefill, tokens.shape[1])]
+    return torch.cat(steps, dim=1)

@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoding_fixtures import incremental_logits
 from lime_fixtures import VOCAB, relative_error, tiny_model
 
 from lime_megatron.decoding import decode_step, full_logits, kv_cache_context
-from lime_megatron.parallel import initialize_parallel
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 TOLERANCE = 1e-10
@@ -31,21 +31,8 @@ MODELS = [
 ]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def megatron():
-    initialize_parallel()
-
-
 def _tokens(batch: int, seed: int = 0) -> torch.Tensor:
     return torch.randint(0, VOCAB, (batch, LENGTH), generator=torch.Generator().manual_seed(seed))
-
-
-def _incremental_logits(model, tokens: torch.Tensor, prefill: int) -> torch.Tensor:
-    """Logits of ``tokens`` fed as a prefill of ``prefill`` tokens, then one token per step."""
-    context = kv_cache_context(model, tokens.shape[0], tokens.shape[1])
-    steps = [decode_step(model, context, tokens[:, :prefill])]
-    steps += [decode_step(model, context, tokens[:, t : t + 1]) for t in range(prefill, tokens.shape[1])]
-    return torch.cat(steps, dim=1)
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
@@ -54,7 +41,7 @@ def test_incremental_logits_equal_the_full_forward(kv_heads, options):
     model = tiny_model(num_query_groups=kv_heads, **options).eval()
     tokens = _tokens(2)
     full = full_logits(model, tokens)
-    incremental = _incremental_logits(model, tokens, PREFILL)
+    incremental = incremental_logits(model, tokens, PREFILL)
     assert incremental.shape == full.shape
     for position in range(PREFILL - 1, LENGTH):
         assert relative_error(incremental[:, position], full[:, position]) <= TOLERANCE, position
@@ -70,7 +57,7 @@ def test_prompts_of_different_lengths_decode_like_each_alone(options):
     model = tiny_model(num_query_groups=2, **options).eval()
     lengths = [PREFILL, LENGTH, 8]
     tokens = _tokens(3, seed=1)
-    incremental = _incremental_logits(model, tokens, min(lengths))
+    incremental = incremental_logits(model, tokens, min(lengths))
     for row, length in enumerate(lengths):
         alone = full_logits(model, tokens[row : row + 1, :length])[0]
         assert relative_error(incremental[row, min(lengths) - 1 : length], alone[min(lengths) - 1 :]) <= TOLERANCE

@@ -1,37 +1,47 @@
 """lime_megatron.generation and tools/generate.py: the KV cache generates what recomputing the
 full sequence per token generates (greedy and sampled), sampling is reproducible with a seed,
 top-k/top-p restrict the choice, generation stops at stop strings and the end of document, and
-the command line generates from a checkpoint what the module generates from the loaded model."""
+the command line generates from a checkpoint what the module generates from the loaded model.
+
+Tensor parallelism (2 gloo ranks, one launch): a checkpoint saved by one process, read at TP=2,
+decodes with the KV cache to the one-process full forward's logits (float64) and generates the
+one-process tokens, greedy and sampled, identically on both ranks, for LIMe (MHA, GQA, and one
+key/value head shared by both ranks) and the baseline; the command line does the same.
+"""
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from decoding_fixtures import char_tokenizer, tiny_checkpoint
-from lime_fixtures import tiny_model
+from decoding_fixtures import incremental_logits, tiny_checkpoint
+from distributed import run_distributed
+from lime_fixtures import relative_error, tiny_model
 
 from lime_megatron.checkpoint_model import load_model
+from lime_megatron.decoding import full_logits
 from lime_megatron.generation import Generator, SamplingOptions, sample_next
-from lime_megatron.parallel import initialize_parallel
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 PROMPTS = ["1 + 2 = ", "(7 + 5) x 3", "ab"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron():
-    initialize_parallel()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return char_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+TOOLS = Path(__file__).resolve().parents[1] / "tools"
+TOLERANCE = 1e-10
+PREFILL = 5
+GREEDY = SamplingOptions(max_new_tokens=8, stop_at_eod=False)
+SAMPLED = SamplingOptions(max_new_tokens=8, temperature=1.3, top_k=40, top_p=0.95, seed=11, stop_at_eod=False)
+TENSOR_PARALLEL_MODELS = {
+    "lime-mha": ("--lime", "--num-query-groups", "4"),
+    "lime-gqa": ("--lime", "--lime-router", "last", "--lime-router-window", "2"),
+    "lime-one-kv-head": ("--lime", "--num-query-groups", "1"),
+    "baseline": (),
+}
 
 
 @pytest.fixture(scope="module")
@@ -107,7 +117,7 @@ def test_bad_options_and_prompts_fail_with_one_message(tokenizer, lime):
 
 
 def test_generate_tool_reads_a_checkpoint_and_prompt_file(tmp_path, capsys):
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    sys.path.insert(0, str(TOOLS))
     import generate as tool
 
     checkpoint, tokenizer = tiny_checkpoint(tmp_path, "--lime")
@@ -121,3 +131,77 @@ def test_generate_tool_reads_a_checkpoint_and_prompt_file(tmp_path, capsys):
         ["x = ", "1 + 2 =", "ab"], SamplingOptions(max_new_tokens=5))
     assert [record["generation"] for record in records] == expected.texts
     assert tool.main([checkpoint]) == 1 and "no prompts" in capsys.readouterr().err
+
+
+# --------------------------------------------------------------------------- tensor parallelism
+def _tensor_parallel_decoding(checkpoints: dict[str, str], tokens: torch.Tensor, tool_argv: list[str]) -> dict:
+    """On each of 2 ranks: every checkpoint read at TP=2 in float64; its cached and full logits,
+    greedy and sampled tokens, local key/value heads, the cached logits with the two ranks'
+    router shards swapped (LIMe), and ``tools/generate.py --tensor-parallel 2`` (status, stdout)."""
+    sys.path.insert(0, str(TOOLS))
+    import generate as tool
+
+    results = {}
+    for name, path in checkpoints.items():
+        loaded = load_model(path, dtype=torch.float64, tensor_parallel=2)
+        model, tokenizer = loaded.model, loaded.tokenizer()
+        result = dict(incremental=incremental_logits(model, tokens, PREFILL), full=full_logits(model, tokens),
+                      greedy=Generator(model, tokenizer).generate(PROMPTS, GREEDY).tokens,
+                      sampled=Generator(model, tokenizer).generate(PROMPTS, SAMPLED).tokens,
+                      local_kv_heads=model.decoder.layers[0].self_attention.num_query_groups_per_partition)
+        routers = [router.weight for router in model.routers() if router.learned and router.sharding.replicas == 1]
+        if routers:
+            for weight in routers:  # each rank takes the other rank's input-head columns
+                shards = [torch.empty_like(weight) for _ in range(2)]
+                torch.distributed.all_gather(shards, weight.contiguous())
+                weight.data.copy_(shards[1 - torch.distributed.get_rank()])
+            result["swapped_routers"] = incremental_logits(model, tokens, PREFILL)
+        results[name] = result
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        results["tool"] = (tool.main(tool_argv), printed.getvalue())
+    return results
+
+
+def test_tensor_parallel_decoding_equals_one_process(tmp_path, tokenizer):
+    checkpoints = {name: tiny_checkpoint(tmp_path / name, *flags)[0] for name, flags in TENSOR_PARALLEL_MODELS.items()}
+    tokens = torch.randint(0, tokenizer.unpadded_vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
+    output = tmp_path / "tool.jsonl"
+    tool_argv = [checkpoints["lime-gqa"], "--tensor-parallel", "2", "--prompt", "x = ", "--prompt", "ab",
+                 "--max-new-tokens", "5", "--temperature", "0.8", "--seed", "2", "--output", str(output)]
+    ranks = run_distributed(_tensor_parallel_decoding, 2, checkpoints, tokens, tool_argv)
+    for name, flags in TENSOR_PARALLEL_MODELS.items():
+        loaded = load_model(checkpoints[name], dtype=torch.float64)
+        one_process = dict(full=full_logits(loaded.model, tokens),
+                           greedy=Generator(loaded.model, tokenizer).generate(PROMPTS, GREEDY).tokens,
+                           sampled=Generator(loaded.model, tokenizer).generate(PROMPTS, SAMPLED).tokens)
+        kv_heads = loaded.config.kv_heads
+        for rank in ranks:
+            result = rank[name]
+            assert result["local_kv_heads"] == max(1, kv_heads // 2), name
+            assert relative_error(result["full"], one_process["full"]) <= TOLERANCE, name
+            error = relative_error(result["incremental"][:, PREFILL - 1 :], one_process["full"][:, PREFILL - 1 :])
+            assert error <= TOLERANCE, (name, error)
+            assert result["greedy"] == one_process["greedy"] and result["sampled"] == one_process["sampled"], name
+            if "--lime" in flags and kv_heads >= 2:  # (one head: both ranks hold the same columns)
+                assert relative_error(result["swapped_routers"], one_process["full"]) > 1e-3, name
+        assert one_process["greedy"] != one_process["sampled"], name
+        assert ranks[0][name]["greedy"] == ranks[1][name]["greedy"]
+    (status, printed), (other_status, other_printed) = ranks[0]["tool"], ranks[1]["tool"]
+    assert status == other_status == 0 and "TP=2" in printed and other_printed == ""
+    expected = Generator(load_model(checkpoints["lime-gqa"]).model, tokenizer).generate(
+        ["x = ", "ab"], SamplingOptions(max_new_tokens=5, temperature=0.8, seed=2))
+    assert [json.loads(line)["generation"] for line in output.read_text().splitlines()] == expected.texts
+
+
+def test_tensor_parallel_sizes_that_do_not_fit_fail_with_one_message(tmp_path, capsys):
+    sys.path.insert(0, str(TOOLS))
+    import generate as tool
+
+    checkpoint, _ = tiny_checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="4 attention heads are not divisible by 3;.*; 2 key/value heads neither"):
+        load_model(checkpoint, tensor_parallel=3)
+    with pytest.raises(ValueError, match="needs a multiple of 2 processes"):
+        load_model(checkpoint, tensor_parallel=2)
+    assert tool.main([checkpoint, "--prompt", "a", "--tensor-parallel", "2"]) == 1
+    assert "needs exactly 2 processes (torchrun --nproc-per-node 2); this launch has 1" in capsys.readouterr().err

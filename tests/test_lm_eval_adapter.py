@@ -1,11 +1,17 @@
 """lime_megatron.evaluation: lm-eval's requests answered from the model's own forward (float64),
 and ``tools/evaluate.py --model lime_megatron`` on a checkpoint with local YAML tasks (offline)
-whose answers are known from that forward."""
+whose answers are known from that forward.
+
+Data parallel (2 gloo ranks, one launch): the answers to each rank's lm-eval share of the
+requests, gathered on rank 0, equal one process's, and lm-eval's ``simple_evaluate`` over the 2
+ranks gives the one-process command line's metrics and per-document responses.
+"""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -14,31 +20,23 @@ import pytest
 import torch
 
 pytest.importorskip("lm_eval")
-from decoding_fixtures import char_tokenizer, tiny_checkpoint  # noqa: E402
+from decoding_fixtures import tiny_checkpoint  # noqa: E402
+from distributed import run_distributed  # noqa: E402
 from lime_fixtures import tiny_model  # noqa: E402
+from lm_eval import utils as lm_eval_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from lime_megatron.checkpoint_model import load_model  # noqa: E402
 from lime_megatron.evaluation import LimeMegatronLM  # noqa: E402
 from lime_megatron.generation import Generator, SamplingOptions  # noqa: E402
-from lime_megatron.parallel import initialize_parallel  # noqa: E402
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 ROOT = Path(__file__).resolve().parents[1]
 QUESTIONS = ["1 + 2 =", "The sky is", "", "(7 + 5) x 3 ="]
 CHOICES = ["3", "blue", "12", "x"]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron():
-    initialize_parallel()
-
-
-@pytest.fixture(scope="module")
-def tokenizer(tmp_path_factory):
-    return char_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+TOLERANCE = 1e-10
 
 
 def _requests(kind: str, arguments: list[tuple]) -> list[Instance]:
@@ -118,9 +116,17 @@ def _write_tasks(directory: Path, docs: list[dict], generation_docs: list[dict])
         "metric_list:\n  - metric: exact_match\n")
 
 
-def test_lm_eval_command_line_scores_local_tasks_with_known_answers(tmp_path):
-    checkpoint, tokenizer = tiny_checkpoint(tmp_path, "--lime")
-    model = load_model(checkpoint).model
+TASKS = ["tiny_best", "tiny_worst", "tiny_generation"]
+OFFLINE = {"HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1"}
+
+
+@pytest.fixture(scope="module")
+def local_tasks(tmp_path_factory, megatron, tokenizer) -> tuple[str, Path]:
+    """(checkpoint, task directory): a tiny LIMe checkpoint and three local tasks whose answers
+    are known from its float64 forward (the dtype every evaluation here reads it in)."""
+    directory = tmp_path_factory.mktemp("tasks")
+    checkpoint, _ = tiny_checkpoint(directory, "--lime")
+    model = load_model(checkpoint, dtype=torch.float64).model
     docs = []
     for question in QUESTIONS[:2] + QUESTIONS[3:]:
         # lm-eval scores " " + choice after the question (its default target delimiter)
@@ -132,20 +138,113 @@ def test_lm_eval_command_line_scores_local_tasks_with_known_answers(tmp_path):
         SamplingOptions(max_new_tokens=6, stop_strings=("\n", "!")))
     generation_docs = [dict(question=question + " ", answer=text)
                        for question, text in zip([q for q in QUESTIONS if q], greedy.texts)]
-    _write_tasks(tmp_path, docs, generation_docs)
+    _write_tasks(directory, docs, generation_docs)
+    return checkpoint, directory
+
+
+def _parsed(value):
+    """``value`` as lm-eval logs it (``sanitize_list``: nested lists of strings), numbers as floats."""
+    if isinstance(value, (list, tuple)):
+        return [_parsed(item) for item in value]
+    try:
+        return float(value)
+    except ValueError:
+        return value
+
+
+def _responses(samples: dict[str, list[dict]]) -> dict[str, dict[int, list]]:
+    """Each task's filtered responses by document id, as lm-eval logs them, numbers as floats."""
+    return {task: {sample["doc_id"]: _parsed(lm_eval_utils.sanitize_list(sample["filtered_resps"]))
+                   for sample in task_samples} for task, task_samples in samples.items()}
+
+
+@pytest.fixture(scope="module")
+def command_line_run(local_tasks, tmp_path_factory) -> tuple[dict, dict]:
+    """(results, responses by task and document) of ``tools/evaluate.py`` on the local tasks, one process."""
+    checkpoint, directory = local_tasks
+    output = tmp_path_factory.mktemp("results")
     inherited = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
-    environment = {**inherited, "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1", "PYTHONPATH": str(ROOT),
-                   "HF_DATASETS_CACHE": str(tmp_path / "hf")}
+    environment = {**inherited, **OFFLINE, "PYTHONPATH": str(ROOT), "HF_DATASETS_CACHE": str(output / "hf")}
     command = [sys.executable, str(ROOT / "tools" / "evaluate.py"), "--model", "lime_megatron",
-               "--model_args", f"checkpoint={checkpoint}", "--batch_size", "2", "--include_path", str(tmp_path),
-               "--tasks", "tiny_best,tiny_worst,tiny_generation", "--output_path", str(tmp_path / "results")]
+               "--model_args", f"checkpoint={checkpoint},dtype=float64", "--batch_size", "2",
+               "--include_path", str(directory), "--tasks", ",".join(TASKS), "--output_path", str(output),
+               "--log_samples"]
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
-    [results_file] = list((tmp_path / "results").rglob("results_*.json"))
-    results = json.loads(results_file.read_text())["results"]
+    [results_file] = list(output.rglob("results_*.json"))
+    samples = {re.match(r"samples_(.+)_\d{4}-\d\d-\d\dT", path.name).group(1):
+               [json.loads(line) for line in path.read_text().splitlines()] for path in output.rglob("samples_*.jsonl")}
+    return json.loads(results_file.read_text())["results"], _responses(samples)
+
+
+def test_lm_eval_command_line_scores_local_tasks_with_known_answers(command_line_run):
+    results, responses = command_line_run
     assert results["tiny_best"]["acc,none"] == 1.0
     assert results["tiny_worst"]["acc,none"] == 0.0
     assert results["tiny_generation"]["exact_match,none"] == 1.0
+    assert {task: sorted(by_doc) for task, by_doc in responses.items()} == {task: [0, 1, 2] for task in TASKS}
+
+
+# --------------------------------------------------------------------------- data parallel
+REQUESTS = {
+    "loglikelihood": [(question, " " + choice) for question in QUESTIONS for choice in CHOICES[:3]],
+    "loglikelihood_rolling": [("abc = 12",), ("(7 + 5) x 3 = 36 and more text",), ("The sky is blue",)],
+    "generate_until": [(question + " ", {"until": ["\n"], "max_gen_toks": 5}) for question in QUESTIONS],
+}
+
+
+def _data_parallel_evaluation(checkpoint: str, task_directory: str) -> dict:
+    """On each of 2 ranks: the adapter's answers to its share of ``REQUESTS`` (split as lm-eval's
+    evaluator splits documents) gathered on rank 0, the gathered share sizes, and rank 0's
+    ``simple_evaluate`` results and responses on the local tasks (None elsewhere)."""
+    rank = torch.distributed.get_rank()
+    os.environ.update(OFFLINE, HF_DATASETS_CACHE=os.path.join(task_directory, f"hf-rank{rank}"))
+    from lm_eval import evaluator
+    from lm_eval.tasks import TaskManager
+
+    lm = LimeMegatronLM(checkpoint, dtype="float64", batch_size=2)
+    gathered, sizes = {}, {}
+    for kind, arguments in REQUESTS.items():
+        share = list(lm_eval_utils.create_iterator(enumerate(arguments), rank=lm.rank, world_size=lm.world_size))
+        answers = getattr(lm, kind)(_requests(kind, [args for _, args in share]), disable_tqdm=True)
+        gathered[kind] = lm.gather_object([(index, answer) for (index, _), answer in zip(share, answers)], dst=0)
+        sizes[kind] = lm.all_gather(torch.tensor(len(share), device=lm.device)).tolist()
+    results = evaluator.simple_evaluate(model=lm, tasks=TASKS, batch_size=2, log_samples=True,
+                                        task_manager=TaskManager(include_path=task_directory, include_defaults=False))
+    evaluation = None if results is None else (json.loads(json.dumps(results["results"], default=str)),
+                                               _responses(results["samples"]))
+    return dict(rank=lm.rank, world_size=lm.world_size, gathered=gathered, sizes=sizes, evaluation=evaluation)
+
+
+def _close(actual, expected) -> bool:
+    """Equal responses, floats within 1e-10 (relative)."""
+    if isinstance(expected, float):
+        return abs(actual - expected) <= TOLERANCE * max(1.0, abs(expected))
+    if isinstance(expected, (list, tuple)):
+        return len(actual) == len(expected) and all(map(_close, actual, expected))
+    if isinstance(expected, dict):
+        return actual.keys() == expected.keys() and all(_close(actual[key], expected[key]) for key in expected)
+    return actual == expected
+
+
+def test_data_parallel_evaluation_equals_one_process(local_tasks, command_line_run):
+    checkpoint, directory = local_tasks
+    ranks = run_distributed(_data_parallel_evaluation, 2, checkpoint, str(directory))
+    assert [(rank["rank"], rank["world_size"]) for rank in ranks] == [(0, 2), (1, 2)]
+    one_process = LimeMegatronLM(checkpoint, dtype="float64", batch_size=3)
+    for kind, arguments in REQUESTS.items():
+        expected = getattr(one_process, kind)(_requests(kind, arguments), disable_tqdm=True)
+        per_rank = ranks[0]["gathered"][kind]
+        assert ranks[1]["gathered"][kind] is None and [len(answers) for answers in per_rank] == ranks[0]["sizes"][kind]
+        assert ranks[0]["sizes"][kind] == ranks[1]["sizes"][kind] == [(len(arguments) + 1) // 2, len(arguments) // 2]
+        answers = dict(answer for answers in per_rank for answer in answers)
+        assert sorted(answers) == list(range(len(arguments))), kind
+        assert _close([answers[index] for index in range(len(arguments))], expected), kind
+    results, responses = command_line_run
+    assert ranks[1]["evaluation"] is None
+    data_parallel_results, data_parallel_responses = ranks[0]["evaluation"]
+    assert _close(data_parallel_responses, responses)
+    assert _close({task: data_parallel_results[task] for task in TASKS}, {task: results[task] for task in TASKS})
 
 
 def test_adapter_without_checkpoint_or_text_tokenizer_fails_with_one_message():

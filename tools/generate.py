@@ -4,10 +4,17 @@
     python tools/generate.py ckpt/lime-150m --prompt "The meaning of life is" --max-new-tokens 64
     python tools/generate.py ckpt/lime-150m --prompt-file prompts.txt --temperature 0.8 --top-p 0.95 \\
         --seed 7 --stop "\\n\\n" --output generations.jsonl
+    torchrun --nproc-per-node 2 tools/generate.py ckpt/lime-150m --tensor-parallel 2 --prompt "2+3="
 
-The checkpoint is read into one process (``lime_megatron.checkpoint_model``) with the tokenizer
-its run trained with.  Prompts come from ``--prompt`` (repeatable) and/or ``--prompt-file`` (one
-prompt per line; ``.jsonl``: a ``prompt`` field per line), decoded in batches of ``--batch-size``.
+The checkpoint (any layout) is read into one process, or with ``--tensor-parallel N`` into N
+tensor-parallel ranks launched by ``torchrun --nproc-per-node N``, with the tokenizer its run
+trained with (``lime_megatron.checkpoint_model``).  Every rank decodes the same prompts with the
+logits gathered over the vocabulary shards and the same seeded sampler, so all ranks take the
+same tokens; only rank 0 prints and writes ``--output``.  A launch whose process count is not N,
+or a model whose heads or padded vocabulary do not split over N ranks, fails with one message.
+
+Prompts come from ``--prompt`` (repeatable) and/or ``--prompt-file`` (one prompt per line;
+``.jsonl``: a ``prompt`` field per line), decoded in batches of ``--batch-size``.
 Greedy by default; ``--temperature`` > 0 samples (``--top-k``, ``--top-p``, ``--seed``).  Stop
 strings take backslash escapes (``\\n``).  Prints every continuation and a summary with tokens/s;
 ``--no-cache`` recomputes the full sequence per token (for comparison).
@@ -42,6 +49,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable, backslash escapes)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", choices=DTYPES, help="weights' dtype (default: as trained)")
+    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
+                        help="tensor-parallel ranks (launch with torchrun --nproc-per-node N)")
     parser.add_argument("--no-cache", action="store_true", help="recompute the full sequence per token")
     parser.add_argument("--output", help="also write one JSON line per prompt here")
     return parser.parse_args(argv)
@@ -59,17 +68,28 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     return prompts
 
 
+def check_world(tensor_parallel: int) -> None:
+    """ValueError unless this launch has exactly ``tensor_parallel`` processes."""
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
+        else int(os.environ.get("WORLD_SIZE", 1))
+    if world != tensor_parallel:
+        processes = f"{tensor_parallel} process" + ("es" if tensor_parallel > 1 else "")
+        raise ValueError(f"--tensor-parallel {tensor_parallel} needs exactly {processes} "
+                         f"(torchrun --nproc-per-node {tensor_parallel}); this launch has {world}")
+
+
 def main(argv=None) -> int:
     """Entry point; returns the process exit status."""
     args = parse_args(argv)
+    printing = int(os.environ.get("RANK", 0)) == 0
     try:
         prompts = read_prompts(args)
         options = SamplingOptions(
             max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
             seed=args.seed, stop_strings=tuple(codecs.decode(stop, "unicode_escape") for stop in args.stop))
-        loaded = load_model(args.checkpoint, dtype=DTYPES.get(args.dtype))
-        tokenizer = loaded.tokenizer()
-        generator = Generator(loaded.model.to(_device()), tokenizer, use_cache=not args.no_cache)
+        check_world(args.tensor_parallel)
+        loaded = load_model(args.checkpoint, dtype=DTYPES.get(args.dtype), tensor_parallel=args.tensor_parallel)
+        generator = Generator(loaded.model.to(_device()), loaded.tokenizer(), use_cache=not args.no_cache)
         records, tokens, seconds = [], 0, 0.0
         for start in range(0, len(prompts), args.batch_size):
             batch = prompts[start : start + args.batch_size]
@@ -77,16 +97,20 @@ def main(argv=None) -> int:
             tokens, seconds = tokens + result.new_tokens, seconds + result.seconds
             for prompt, text, new, reason in zip(batch, result.texts, result.tokens, result.stopped_by):
                 records.append(dict(prompt=prompt, generation=text, new_tokens=len(new), stopped_by=reason))
-                print(f"=== prompt {len(records)}: {prompt!r}\n{prompt}{text}\n")
+                if printing:
+                    print(f"=== prompt {len(records)}: {prompt!r}\n{prompt}{text}\n")
     except (ValueError, OSError, CheckpointError) as error:
-        print(f"error: {error}", file=sys.stderr)
+        if printing:
+            print(f"error: {error}", file=sys.stderr)
         return 1
+    if not printing:
+        return 0
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.writelines(json.dumps(record) + "\n" for record in records)
     print(f"{len(prompts)} prompts, {tokens} new tokens in {seconds:.2f} s: {tokens / max(seconds, 1e-9):.1f} tokens/s "
-          f"({'full recomputation' if args.no_cache else 'KV cache'}, iteration {loaded.iteration} of "
-          f"{loaded.directory})")
+          f"({'full recomputation' if args.no_cache else 'KV cache'}, TP={args.tensor_parallel}, "
+          f"iteration {loaded.iteration} of {loaded.directory})")
     return 0
 
 
@@ -95,4 +119,7 @@ def _device() -> str:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    sys.exit(status)
