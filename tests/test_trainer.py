@@ -468,7 +468,7 @@ def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figur
             "grad norm 0.500 | tokens/s 1,234 | TFLOP/s/GPU 400.0 | MFU 40.0% | loss scale 1024.0") in line
 
 
-def test_overlap_p2p_communication_defaults_and_refusals():
+def test_overlap_p2p_communication_default_and_refusal():
     layout = BASE + ["--num-layers", "8", "--pipeline-model-parallel-size", "2"]
     interleaved = layout + ["--num-virtual-stages-per-pipeline-rank", "2"]
     config = arguments.transformer_config(arguments.parse_run(interleaved, world_size=2))
