@@ -124,6 +124,8 @@ project touches, what it expects, and who uses it; :func:`private_api_problems` 
   on for pipeline runs; LIMe's sent hidden state is not a view).
 - torch's ``torch._C._autograd._top_saved_tensors_default_hooks(False)``: the innermost
   ``saved_tensors_hooks`` pair ``(pack, unpack)``, or None outside any (``recompute``).
+- torch's ``distributed_c10d._world.pg_map`` (every live process group) and
+  ``distributed_c10d._get_default_group()`` (``parallel.destroy_parallel``).
 - The targets of the patches above: ``tensor_parallel.random._get_cuda_rng_state`` /
   ``_set_cuda_rng_state``; ``DistributedOptimizer._build_model_and_main_param_groups`` (a
   classmethod), ``get_parameter_state_dp_zero``, ``state_dict``, ``load_state_dict``,
@@ -531,6 +533,17 @@ def _probe_saved_tensor_hooks() -> list[str | None]:
     return [None]
 
 
+def _probe_process_groups() -> list[str | None]:
+    from torch.distributed import distributed_c10d
+
+    return [
+        _present("torch.distributed.distributed_c10d._world.pg_map",
+                 getattr(getattr(distributed_c10d, "_world", None), "pg_map", None)),
+        _present("torch.distributed.distributed_c10d._get_default_group",
+                 getattr(distributed_c10d, "_get_default_group", None)),
+    ]
+
+
 def _probe_patch_targets() -> list[str | None]:
     random = _module("tensor_parallel.random")
     distrib = _module("optimizer.distrib_optimizer")
@@ -560,7 +573,7 @@ def _probe_patch_targets() -> list[str | None]:
 
 _PROBES: tuple[Callable[[], list[str | None]], ...] = (
     _probe_schedules, _probe_context_threading, _probe_attention, _probe_pipeline_rank, _probe_saved_tensor_hooks,
-    _probe_patch_targets,
+    _probe_process_groups, _probe_patch_targets,
 )
 
 

@@ -204,6 +204,10 @@ class _KeptBlock:
         start = (layers.start - self.layers.start) * kv_heads
         self.grad[start : start + grad.shape[0]].add_(grad)
 
+    def gradient(self) -> torch.Tensor:
+        """The rows' gradient summed so far (zeros if nothing was added)."""
+        return self.grad if self.grad is not None else torch.zeros_like(self.rows)
+
 
 class KeptRows:
     """This rank's K/V rows per micro-batch in flight, shared by its chunks, and the side
@@ -264,12 +268,11 @@ class KeptRows:
         ran) the chunk's shares are added and the hop's gradient is returned."""
         kv_shape = stage_kv_shape(hidden.shape, self.config)
         heads, row = kv_shape[2], 2 * kv_shape[0] * kv_shape[1] * kv_shape[3]
-        received = []
-        for index, block in enumerate(hop_blocks(self.config, chunk)):
+        received = hop_blocks(self.config, chunk)
+        for index, block in enumerate(received):
             rows = self._receive((len(block.layers) * heads, row), hidden, self.rows_group, self.prev_rank,
                                  self._tag(micro_batch, chunk, index))
             self.blocks[micro_batch, block.source] = _KeptBlock(block.layers, rows)
-            received.append(block)
         if chunk + 1 < len(self.chunks):
             for index, block in enumerate(hop_blocks(self.config, chunk + 1)):
                 if block.source != chunk:
@@ -320,8 +323,7 @@ class KeptRows:
             self.blocks[micro_batch, block.source].add_grad(block.layers, grad, heads)
         kept = self.blocks.pop((micro_batch, chunk), None)
         if kept is not None:
-            grad = kept.grad if kept.grad is not None else torch.zeros_like(kept.rows)
-            memory.receive_downstream_grad(grad, kept.layers)
+            memory.receive_downstream_grad(kept.gradient(), kept.layers)
 
     def _end_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
                       received: list[HopBlock], hidden: torch.Tensor) -> None:
@@ -333,9 +335,8 @@ class KeptRows:
             self.blocks[micro_batch, source].add_grad(layers, share, heads)
         for index, block in enumerate(received):
             kept = self.blocks.pop((micro_batch, block.source))
-            grad = kept.grad if kept.grad is not None else torch.zeros_like(kept.rows)
             tag = self._tag(micro_batch, chunk, index)
-            self.grad_sends.append(self._send(grad, self.grads_group, self.prev_rank, tag))
+            self.grad_sends.append(self._send(kept.gradient(), self.grads_group, self.prev_rank, tag))
         self.grad_sends = [work for work in self.grad_sends if not work.is_completed()]
 
 
