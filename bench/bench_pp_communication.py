@@ -58,7 +58,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                              "tests/test_lime_pipeline.py checks against the bytes handed to isend)")
     parser.add_argument("--time-layers", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=5)
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if not args.time and not args.planned and min(args.pipeline) < 3:
+        parser.error("--pipeline sizes must be >= 3 when counting: at PP=2 the previous and next rank are one "
+                     "peer (and megatron sends half the traffic over the world group), so forward and backward "
+                     "transfers cannot be told apart")
+    return args
 
 
 # --------------------------------------------------------------------------- counting
@@ -90,10 +95,10 @@ class P2PCounter:
         if group in (None, self.pp_group):
             kind, phase = "hidden", "forward" if (peer == self.next_rank) == sending else "backward"
         else:
-            kept = pipeline.kept_rows(pipeline._KEPT.config)  # this schedule call's side channel
+            kept = pipeline._KEPT  # this schedule call's side channel
             kind, phase = "rows", "forward" if group is kept.rows_group else "backward"
             if phase == "forward" and not sending:
-                self.hops[(tag // kept.p) % len(kept.chunks)] += size
+                self.hops[kept.chunk_of_tag(tag)] += size
         self.bytes[phase, kind, direction] += size
 
     def __enter__(self) -> P2PCounter:
@@ -216,39 +221,52 @@ def old_padded_received(config, rank: int, seq: int, batch: int) -> int:
     return 4 * hops * seq * batch * width
 
 
-def measure_bytes(args) -> list[dict]:
-    """One row per (layers, attention, pp, vpp): counted and bound bytes."""
-    settings = defaultdict(list)
+def settings(args):
+    """(layers, attention, pp, vpp or None) of every setting whose layers split evenly."""
     for pp in args.pipeline:
         for vpp in args.virtual:
             for layers in args.layers:
                 if layers % (pp * vpp) == 0:
-                    settings[pp] += [(layers, attention, vpp if vpp > 1 else None) for attention in args.attention]
+                    for attention in args.attention:
+                        yield layers, attention, pp, vpp if vpp > 1 else None
+
+
+def table_row(args, layers, attention, pp, vpp, received, sent, base, widest_hop, backward_equal) -> dict:
+    """One table row from per-rank received/sent bytes, with the bound and the old padded design."""
+    config = make_config(layers, attention, pp, vpp, True, perform_initialization=False)
+    seq, batch = args.seq_length, args.micro_batch_size
+    bounds = [received_bound(config, rank, seq, batch) for rank in range(pp)]
+    return dict(layers=layers, attention=attention, pp=pp, vpp=vpp or 1, widest_hop=widest_hop,
+                lime=max(received), sent=max(sent), base=base, bound=max(bounds),
+                worst=max(got / bound for got, bound in zip(received, bounds) if bound),
+                old=max(old_padded_received(config, rank, seq, batch) for rank in range(pp)),
+                backward_equal=backward_equal)
+
+
+def _total(result: dict, phase: str, direction: str) -> float:
+    return sum(result["bytes"].get((phase, kind, direction), 0) for kind in ("hidden", "rows"))
+
+
+def measure_bytes(args) -> list[dict]:
+    """One row per (layers, attention, pp, vpp): counted and bound bytes."""
+    by_pipeline = defaultdict(list)
+    for layers, attention, pp, vpp in settings(args):
+        by_pipeline[pp].append((layers, attention, vpp))
     rows = []
-    for pp, group in tqdm(sorted(settings.items()), desc="pipeline sizes"):
+    for pp, group in tqdm(sorted(by_pipeline.items()), desc="pipeline sizes"):
         results = mp.Manager().dict()
         mp.spawn(_bytes_worker, args=(pp, _free_port(), group, args, results), nprocs=pp)
         for layers, attention, vpp in group:
-            config = make_config(layers, attention, pp, vpp, True, perform_initialization=False)
             lime = [results[(layers, attention, pp, vpp, True, rank)] for rank in range(pp)]
             base = [results[(layers, attention, pp, vpp, False, rank)] for rank in range(pp)]
-
-            def total(result, phase, direction):
-                return sum(result["bytes"].get((phase, kind, direction), 0) for kind in ("hidden", "rows"))
-
             hidden_per_hop = lime[-1]["bytes"][("forward", "hidden", "received")] / (vpp or 1)
-            bounds = [received_bound(config, rank, args.seq_length, args.micro_batch_size) for rank in range(pp)]
-            received = [total(r, "forward", "received") for r in lime]
-            rows.append(dict(
-                layers=layers, attention=attention, pp=pp, vpp=vpp or 1,
+            rows.append(table_row(
+                args, layers, attention, pp, vpp,
+                received=[_total(r, "forward", "received") for r in lime],
+                sent=[_total(r, "forward", "sent") for r in lime],
+                base=max(_total(r, "forward", "received") for r in base),
                 widest_hop=hidden_per_hop + max(h for r in lime for h in r["hops"].values()),
-                lime=max(received), sent=max(total(r, "forward", "sent") for r in lime),
-                base=max(total(r, "forward", "received") for r in base),
-                bound=max(bounds), worst=max(got / bound for got, bound in zip(received, bounds) if bound),
-                old=max(old_padded_received(config, rank, args.seq_length, args.micro_batch_size)
-                        for rank in range(pp)),
-                backward_equal=all(total(r, "backward", "received") == total(r, "forward", "sent") for r in lime),
-            ))
+                backward_equal=all(_total(r, "backward", "received") == _total(r, "forward", "sent") for r in lime)))
     return rows
 
 
@@ -256,27 +274,16 @@ def planned_bytes(args) -> list[dict]:
     """The table of ``measure_bytes`` from ``pipeline.hop_elements``, without processes."""
     rows = []
     seq, batch = args.seq_length, args.micro_batch_size
-    for pp in args.pipeline:
-        for vpp in args.virtual:
-            for layers in args.layers:
-                if layers % (pp * vpp):
-                    continue
-                for attention in args.attention:
-                    config = make_config(layers, attention, pp, vpp if vpp > 1 else None, True,
-                                         perform_initialization=False)
-                    hops = {chunk: 4 * sum(pipeline.hop_elements(config, chunk, seq, batch))
-                            for chunk in range(1, pp * vpp)}
-                    received = [sum(hops.get(chunk, 0) for chunk in range(rank, pp * vpp, pp)) for rank in range(pp)]
-                    sent = [sum(hops.get(chunk + 1, 0) for chunk in range(rank, pp * vpp, pp)) for rank in range(pp)]
-                    bounds = [received_bound(config, rank, seq, batch) for rank in range(pp)]
-                    hidden = 4 * seq * batch * config.hidden_size
-                    rows.append(dict(
-                        layers=layers, attention=attention, pp=pp, vpp=vpp, widest_hop=max(hops.values()),
-                        lime=max(received), sent=max(sent), base=hidden * vpp, bound=max(bounds),
-                        worst=max(got / bound for got, bound in zip(received, bounds) if bound),
-                        old=max(old_padded_received(config, rank, seq, batch) for rank in range(pp)),
-                        backward_equal=True,
-                    ))
+    for layers, attention, pp, vpp in settings(args):
+        config = make_config(layers, attention, pp, vpp, True, perform_initialization=False)
+        chunks = pp * (vpp or 1)
+        hops = {chunk: 4 * sum(pipeline.hop_elements(config, chunk, seq, batch)) for chunk in range(1, chunks)}
+        rows.append(table_row(
+            args, layers, attention, pp, vpp,
+            received=[sum(hops.get(chunk, 0) for chunk in range(rank, chunks, pp)) for rank in range(pp)],
+            sent=[sum(hops.get(chunk + 1, 0) for chunk in range(rank, chunks, pp)) for rank in range(pp)],
+            base=4 * seq * batch * config.hidden_size * (vpp or 1), widest_hop=max(hops.values()),
+            backward_equal=True))
     return rows
 
 

@@ -48,29 +48,32 @@ def run_config(model: str, depth: int, world_size: int, layout: tuple[int, int] 
     return RunConfig.from_namespace(args)
 
 
-def simulate(model: str, depth: int, world_size: int, layout, compute_tflops: float, link):
+def pipeline_of(model: str, depth: int, world_size: int, layout, compute_tflops: float):
+    """(config, microbatches, per-chunk work) of the example at ``layout``; only the step time
+    depends on the link."""
     run = run_config(model, depth, world_size, layout)
     config = arguments.transformer_config(run)
     m = run.training.num_microbatches
     work = pipeline_work(config, vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
                          seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size,
                          num_microbatches=m, compute_tflops=compute_tflops)
-    return config, m, step_time(work, link)
+    return config, m, work
 
 
 def main(argv=None) -> None:
     options = parse_args(argv)
-    cases = [(depth, layout, link) for depth in options.depths for layout in [None, *LAYOUTS]
-             for link in (NVLINK, INFINIBAND)]
+    cases = [(depth, layout) for depth in options.depths for layout in [None, *LAYOUTS]]
     rows = []
-    for depth, layout, link in tqdm(cases, desc="layouts"):
-        config, m, lime = simulate("lime", depth, options.world_size, layout, options.compute_tflops, link)
-        _, _, llama = simulate("llama", depth, options.world_size, layout, options.compute_tflops, link)
+    for depth, layout in tqdm(cases, desc="layouts"):
+        config, m, lime_work = pipeline_of("lime", depth, options.world_size, layout, options.compute_tflops)
+        _, _, llama_work = pipeline_of("llama", depth, options.world_size, layout, options.compute_tflops)
         pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
         name = f"PP{pp} x VPP{vpp}" + (" (example)" if layout is None else "")
-        rows.append(f"| {depth} | {name} | {m} | {link.name} | {1e3 * llama.iteration_s:,.0f} | "
-                    f"{1e3 * lime.iteration_s:,.0f} | {100 * (lime.iteration_s / llama.iteration_s - 1):+.1f}% | "
-                    f"{100 * lime.bubble:.1f}% | {1e3 * lime.exposed_s:,.0f} |")
+        for link in (NVLINK, INFINIBAND):
+            lime, llama = step_time(lime_work, link), step_time(llama_work, link)
+            rows.append(f"| {depth} | {name} | {m} | {link.name} | {1e3 * llama.iteration_s:,.0f} | "
+                        f"{1e3 * lime.iteration_s:,.0f} | {100 * (lime.iteration_s / llama.iteration_s - 1):+.1f}% | "
+                        f"{100 * lime.bubble:.1f}% | {1e3 * lime.exposed_s:,.0f} |")
     print(f"world {options.world_size} GPUs, {options.compute_tflops:g} TFLOP/s per GPU; iteration times in ms, "
           "transfers overlapped with compute\n")
     print("| layers | layout | microbatches | link | LLaMA | LIMe | LIMe over LLaMA | LIMe bubble | "

@@ -34,7 +34,7 @@ from megatron.core import dist_checkpointing, parallel_state
 from lime_megatron import arguments, checkpointing, data
 from lime_megatron.config import LimeTransformerConfig
 from lime_megatron.model import LimeGPTModel, build_model
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.parallel import initialize_parallel, launch_world_size
 from lime_megatron.run_config import RunConfig
 
 INFERENCE_LAYOUT = dict(
@@ -116,8 +116,7 @@ def _initialize_tensor_parallel(size: int) -> None:
     """torch.distributed and megatron's parallel state with ``size`` tensor-parallel ranks (PP=1;
     the world's other factor is data parallelism), created if needed.  Raises ``ValueError`` when
     the world does not fit or megatron's state was initialised with another layout."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
-        else int(os.environ.get("WORLD_SIZE", 1))
+    world = launch_world_size()
     if world % size:
         raise ValueError(f"tensor_parallel={size} needs a multiple of {size} processes "
                          f"(torchrun --nproc-per-node {size}); this world has {world}")

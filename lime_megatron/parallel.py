@@ -51,6 +51,14 @@ def initialize_parallel(
         set_random_seed(seed)
 
 
+def launch_world_size() -> int:
+    """Processes in this launch: torch.distributed's world if initialised, else ``WORLD_SIZE``
+    (torchrun's), else 1."""
+    if torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    return int(os.environ.get("WORLD_SIZE", 1))
+
+
 def destroy_parallel() -> None:
     """Tear down megatron's parallel state and every process group but the default one (megatron's
     and the pipeline side channel's), so that another layout can be initialised in this process.

@@ -231,6 +231,10 @@ class KeptRows:
         """Unique tag of block ``index`` of the hop into ``chunk`` for ``micro_batch``."""
         return (micro_batch * len(self.chunks) + chunk) * self.p + index
 
+    def chunk_of_tag(self, tag: int) -> int:
+        """The receiving chunk of the hop whose block carries ``tag`` (inverse of ``_tag``)."""
+        return (tag // self.p) % len(self.chunks)
+
     def _peer(self, group, rank: int) -> int:
         """Global rank of pipeline rank ``rank`` in ``group``."""
         return torch.distributed.get_global_rank(group, rank)

@@ -27,11 +27,13 @@ from lime_megatron.checkpoint_model import load_model
 from lime_megatron.decoding import full_logits
 from lime_megatron.generation import Generator, SamplingOptions, sample_next
 
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import generate as tool  # noqa: E402
+
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 PROMPTS = ["1 + 2 = ", "(7 + 5) x 3", "ab"]
-TOOLS = Path(__file__).resolve().parents[1] / "tools"
 TOLERANCE = 1e-10
 PREFILL = 5
 GREEDY = SamplingOptions(max_new_tokens=8, stop_at_eod=False)
@@ -117,9 +119,6 @@ def test_bad_options_and_prompts_fail_with_one_message(tokenizer, lime):
 
 
 def test_generate_tool_reads_a_checkpoint_and_prompt_file(tmp_path, capsys):
-    sys.path.insert(0, str(TOOLS))
-    import generate as tool
-
     checkpoint, tokenizer = tiny_checkpoint(tmp_path, "--lime")
     (tmp_path / "prompts.txt").write_text("1 + 2 =\nab\n")
     output = tmp_path / "out.jsonl"
@@ -138,9 +137,6 @@ def _tensor_parallel_decoding(checkpoints: dict[str, str], tokens: torch.Tensor,
     """On each of 2 ranks: every checkpoint read at TP=2 in float64; its cached and full logits,
     greedy and sampled tokens, local key/value heads, the cached logits with the two ranks'
     router shards swapped (LIMe), and ``tools/generate.py --tensor-parallel 2`` (status, stdout)."""
-    sys.path.insert(0, str(TOOLS))
-    import generate as tool
-
     results = {}
     for name, path in checkpoints.items():
         loaded = load_model(path, dtype=torch.float64, tensor_parallel=2)
@@ -195,9 +191,6 @@ def test_tensor_parallel_decoding_equals_one_process(tmp_path, tokenizer):
 
 
 def test_tensor_parallel_sizes_that_do_not_fit_fail_with_one_message(tmp_path, capsys):
-    sys.path.insert(0, str(TOOLS))
-    import generate as tool
-
     checkpoint, _ = tiny_checkpoint(tmp_path)
     with pytest.raises(ValueError, match="4 attention heads are not divisible by 3;.*; 2 key/value heads neither"):
         load_model(checkpoint, tensor_parallel=3)

@@ -10,24 +10,19 @@ from __future__ import annotations
 
 import pytest
 import torch
+from decoding_fixtures import incremental_logits
 from lime_fixtures import VOCAB, batch, loss_of, megatron_logits, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from lime_megatron import flops
-from lime_megatron.decoding import decode_step, full_logits, kv_cache_context
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.decoding import full_logits
 from lime_megatron.recompute import routed_kv_log
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
+pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
 PREFILL, DECODED = 5, 2
 TRAINING_TOKENS = 2 * 12  # lime_fixtures.batch(): 2 sequences of 12 tokens
-
-
-@pytest.fixture(scope="module", autouse=True)
-def megatron():
-    initialize_parallel()
 
 
 def training_flops(model) -> int:
@@ -42,11 +37,8 @@ def decoding_flops(model) -> int:
     """Matrix-product FLOPs of a prefill of ``PREFILL`` tokens and ``DECODED`` one-token steps
     (batch 2) with the KV cache."""
     tokens = torch.randint(0, VOCAB, (2, PREFILL + DECODED), generator=torch.Generator().manual_seed(0))
-    context = kv_cache_context(model, 2, PREFILL + DECODED)
     with FlopCounterMode(display=False) as counter:
-        decode_step(model, context, tokens[:, :PREFILL])
-        for position in range(PREFILL, PREFILL + DECODED):
-            decode_step(model, context, tokens[:, position : position + 1])
+        incremental_logits(model, tokens, PREFILL)
     return counter.get_total_flops()
 
 

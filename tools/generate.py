@@ -33,6 +33,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from lime_megatron.checkpoint_model import load_model  # noqa: E402
 from lime_megatron.checkpointing import CheckpointError  # noqa: E402
 from lime_megatron.generation import DTYPES, Generator, SamplingOptions  # noqa: E402
+from lime_megatron.parallel import launch_world_size  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -70,8 +71,7 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
 
 def check_world(tensor_parallel: int) -> None:
     """ValueError unless this launch has exactly ``tensor_parallel`` processes."""
-    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() \
-        else int(os.environ.get("WORLD_SIZE", 1))
+    world = launch_world_size()
     if world != tensor_parallel:
         processes = f"{tensor_parallel} process" + ("es" if tensor_parallel > 1 else "")
         raise ValueError(f"--tensor-parallel {tensor_parallel} needs exactly {processes} "
