@@ -16,8 +16,8 @@ for notice in ("Transformer Engine and Apex are not installed", "Apex is not ins
                "full scope is deprecated"):
     warnings.filterwarnings("ignore", message=notice)
 
-from lime_megatron.training import main as _main  # noqa: E402
-from lime_megatron.training import train  # noqa: E402
+from lime_megatron.training.trainer import main as _main  # noqa: E402
+from lime_megatron.training.trainer import train  # noqa: E402
 
 
 def main(argv=None) -> int:

@@ -14,7 +14,7 @@ setup(
     # in the same pip command so that no CUDA build is ever pulled).
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.20",  # tested: 0.16.1 (CPU) and 0.19.x (GPU); lime_megatron.compat
+        "megatron-core>=0.16.1,<0.20",  # tested: 0.16.1 (CPU) and 0.19.x (GPU); lime_megatron.parallel.compat
         "numpy",
         "psutil",
         "sentencepiece",
@@ -34,9 +34,9 @@ setup(
         # The test suite covers every optional extra below except gpu (analysis, eval, hf), and lints.
         "test": ["pytest>=8", "ruff>=0.6", "scikit-learn>=1.3", "lm-eval>=0.4,<0.5", "safetensors>=0.4",
                  "transformers>=4.51"],
-        # tools/analyze_checkpoint.py: linear probes and t-SNE (lime_megatron.analysis)
+        # tools/analyze_checkpoint.py: linear probes and t-SNE (lime_megatron.analysis.measures)
         "analysis": ["scikit-learn>=1.3"],
-        # lm-evaluation-harness on checkpoints: tools/evaluate.py, lime_megatron.evaluation
+        # lm-evaluation-harness on checkpoints: tools/evaluate.py, lime_megatron.inference.lm_eval_adapter
         "eval": ["lm-eval>=0.4,<0.5"],
         # Hugging Face export/import (tools/convert_checkpoint.py); transformers only to load the
         # exported LLaMA in LlamaForCausalLM (tests) -- the official LIMe code pins 4.51.1.

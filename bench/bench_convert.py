@@ -30,11 +30,11 @@ sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
 
-from lime_megatron import arguments, checkpointing, data  # noqa: E402
-from lime_megatron.checkpoint_model import new_model, save_model  # noqa: E402
-from lime_megatron.config import PAPER_1B  # noqa: E402
-from lime_megatron.hf_export import export_checkpoint, import_checkpoint  # noqa: E402
-from lime_megatron.parallel import initialize_parallel  # noqa: E402
+from lime_megatron.interop.checkpoint_model import new_model, save_model  # noqa: E402
+from lime_megatron.interop.hf_export import export_checkpoint, import_checkpoint  # noqa: E402
+from lime_megatron.models.config import PAPER_1B  # noqa: E402
+from lime_megatron.parallel.process_groups import initialize_parallel  # noqa: E402
+from lime_megatron.training import arguments, checkpointing, data  # noqa: E402
 
 MODELS = {
     "llama-mha": [],

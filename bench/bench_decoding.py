@@ -2,7 +2,7 @@
 
 Builds LIMe and the LLaMA baseline with the same tiny shape and, in one process, interleaving the
 two models, generates ``--new-tokens`` tokens greedily after a ``--prompt-length``-token prompt
-with ``lime_megatron.generation`` (KV cache) and with full recomputation per token
+with ``lime_megatron.inference.generation`` (KV cache) and with full recomputation per token
 (``use_cache=False``).  Reports the median tokens/s over ``--repeats`` runs, the cache's speed-up
 and LIMe over the baseline, and checks that both modes generated the same tokens.
 
@@ -18,10 +18,10 @@ import statistics
 import torch
 from tqdm import tqdm
 
-from lime_megatron.config import lime_config
-from lime_megatron.generation import Generator, SamplingOptions
-from lime_megatron.model import build_model
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.inference.generation import Generator, SamplingOptions
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.parallel.process_groups import initialize_parallel
 
 
 def parse_args(argv=None) -> argparse.Namespace:

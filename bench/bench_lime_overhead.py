@@ -6,7 +6,7 @@ measures in the same process, interleaving the two models:
 - time: median forward+backward wall time over ``--repeats`` runs (after ``--warmup``);
 - saved: bytes autograd keeps for backward (saved-tensor hooks, unique storages, parameters
   excluded), from one forward;
-- FLOP floor: 1 + router FLOPs / baseline FLOPs (``lime_megatron.flops``; causal attention
+- FLOP floor: 1 + router FLOPs / baseline FLOPs (``lime_megatron.planning.flops``; causal attention
   counted at half), the time ratio an implementation costing exactly the router's FLOPs would get.
 
 Run (the figures in BENCHMARKS.md):
@@ -22,11 +22,11 @@ import time
 import torch
 from tqdm import tqdm
 
-from lime_megatron.config import lime_config
-from lime_megatron.flops import forward_flops_per_token, router_flops_per_token
-from lime_megatron.model import build_model
-from lime_megatron.parallel import initialize_parallel
-from lime_megatron.saved_tensors import SavedTensorBytes
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
+from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -36,7 +36,7 @@ import torch
 import torch.multiprocessing as mp
 from tqdm import tqdm
 
-from lime_megatron import pipeline
+from lime_megatron.parallel import pipeline
 
 HIDDEN = dict(hidden_size=256, ffn_hidden_size=1024, num_attention_heads=8)  # paper §5.4 deep settings
 KV_HEADS = {"mha": 8, "gqa": 2}  # GQA: kv = heads / 4
@@ -55,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--time", action="store_true", help="measure step time at PP4 x VPP2 instead")
     parser.add_argument("--planned", action="store_true",
                         help="no processes: the same table from pipeline.hop_elements (which "
-                             "tests/test_lime_pipeline.py checks against the bytes handed to isend)")
+                             "tests/parallel/test_lime_pipeline.py checks against the bytes handed to isend)")
     parser.add_argument("--time-layers", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=5)
     args = parser.parse_args(argv)
@@ -133,8 +133,8 @@ class P2PCounter:
 
 
 def make_config(layers: int, attention: str, pp: int, vpp: int | None, lime: bool, **options):
-    from lime_megatron.compat import cpu_config_overrides
-    from lime_megatron.config import lime_config
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.parallel.compat import cpu_config_overrides
 
     return lime_config(lime=lime, num_layers=layers, num_query_groups=KV_HEADS[attention], **HIDDEN,
                        use_cpu_initialization=True, pipeline_model_parallel_size=pp,
@@ -151,7 +151,7 @@ def _batches(args, count: int) -> list[dict]:
 
 
 def _build(config, args) -> list:
-    from lime_megatron.training import build_model_chunks
+    from lime_megatron.training.trainer import build_model_chunks
 
     return build_model_chunks(config, args.vocab_size, args.seq_length)
 
@@ -160,7 +160,7 @@ def count_setting(layers: int, attention: str, vpp: int | None, lime: bool, args
     """This rank's counted bytes per micro-batch for one forward+backward schedule call."""
     from megatron.core import parallel_state
 
-    from lime_megatron.training import forward_backward
+    from lime_megatron.training.trainer import forward_backward
 
     pp = parallel_state.get_pipeline_model_parallel_world_size()
     config = make_config(layers, attention, pp, vpp, lime, perform_initialization=False)
@@ -173,7 +173,7 @@ def count_setting(layers: int, attention: str, vpp: int | None, lime: bool, args
 
 
 def _bytes_worker(rank: int, world: int, port: int, settings: list, args, results) -> None:
-    from lime_megatron.parallel import destroy_parallel, initialize_parallel
+    from lime_megatron.parallel.process_groups import destroy_parallel, initialize_parallel
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)
@@ -196,8 +196,8 @@ def _free_port() -> int:
 def received_bound(config, rank: int, seq: int, batch: int) -> int:
     """Bytes rank ``rank`` must receive per micro-batch, forward: the rows of the layers its
     chunks read that it does not produce, plus a hidden state per hop into its chunks."""
-    from lime_megatron.pipeline import chunk_layers
-    from lime_megatron.router import routing_sources
+    from lime_megatron.models.lime.router import routing_sources
+    from lime_megatron.parallel.pipeline import chunk_layers
 
     chunks = chunk_layers(config)
     mine = range(rank, len(chunks), config.pipeline_model_parallel_size)
@@ -212,7 +212,7 @@ def received_bound(config, rank: int, seq: int, batch: int) -> int:
 def old_padded_received(config, rank: int, seq: int, batch: int) -> int:
     """Bytes rank ``rank`` received per micro-batch forward under the replaced design: each hop
     into its chunks a stage tensor as wide as the widest boundary."""
-    from lime_megatron.pipeline import carried_layers, chunk_layers
+    from lime_megatron.parallel.pipeline import carried_layers, chunk_layers
 
     chunks = chunk_layers(config)
     widest = max(len(carried_layers(config, layers.start)) for layers in chunks)
@@ -308,8 +308,8 @@ def print_bytes(rows: list[dict]) -> None:
 def _time_worker(rank: int, world: int, port: int, args, results) -> None:
     """The four models (overlap off/on x baseline/LIMe) timed in turn, one schedule call each per
     round, so that drifting load hits them alike; the first round is a warm-up."""
-    from lime_megatron.parallel import destroy_parallel, initialize_parallel
-    from lime_megatron.training import forward_backward
+    from lime_megatron.parallel.process_groups import destroy_parallel, initialize_parallel
+    from lime_megatron.training.trainer import forward_backward
 
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank), WORLD_SIZE=str(world))
     torch.set_num_threads(1)

@@ -35,7 +35,7 @@ sys.path.insert(0, str(ROOT / "tools"))
 import preprocess_data  # noqa: E402
 import train_tokenizer  # noqa: E402
 
-from lime_megatron.tokenizer import build_tokenizer  # noqa: E402
+from lime_megatron.data.tokenizer import build_tokenizer  # noqa: E402
 
 PACKAGES = ("bible-kjv", "bible-kjv-text", "python3.11-doc")
 # Megatron-LM's tools/preprocess_data.py on this kind of machine, GPT-2 BPE, 52 MB of English

@@ -4,7 +4,7 @@ Runs one forward+backward of LIMe and of the baseline at TP=2 without sequence p
 2 processes; megatron's sequence-parallel collectives are bound at import time and would escape
 the count) for several depths and counts
 every collective actually issued, by wrapping ``torch.distributed``'s collectives during the step.
-A collective is attributed to LIMe routing when it is issued from ``lime_megatron.memory``, to
+A collective is attributed to LIMe routing when it is issued from ``lime_megatron.models.lime.memory``, to
 megatron otherwise.  Bytes sent per rank use the ring cost of each collective on n ranks:
 all-reduce 2(n-1)/n x size, reduce-scatter (n-1)/n x input, all-gather (n-1)/n x output.
 
@@ -42,7 +42,7 @@ def count_collectives(counter: Counter):
             group = kwargs.get("group")
             n = dist.get_world_size(group)
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            owner = "lime" if caller == "lime_megatron.memory" else "megatron"
+            owner = "lime" if caller == "lime_megatron.models.lime.memory" else "megatron"
             counter[owner] += _COST[name] * (n - 1) / n * tensor.numel() * tensor.element_size()
             return function(*args, **kwargs)
         return counted
@@ -55,8 +55,8 @@ def count_collectives(counter: Counter):
 def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int):
     from distributed import Layout, initialize_layout, layout_config_kwargs
 
-    from lime_megatron.config import lime_config
-    from lime_megatron.model import build_model
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.models.gpt_model import build_model
 
     rows = []
     for lime in (False, True):

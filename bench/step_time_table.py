@@ -3,7 +3,7 @@
 For each deep example config (LIMe and its LLaMA baseline, shape, batch and precision as in
 examples/*.yaml) at a world of ``--world-size`` GPUs, for PP 4/8 x VPP 1/2/4 with layers split
 evenly, and the example's own uneven layout: the step-time model's iteration time
-(``lime_megatron.schedule_model``; transfers overlapped with compute, hops at
+(``lime_megatron.planning.schedule_model``; transfers overlapped with compute, hops at
 ``pipeline.exact_stage_width``), LIMe over baseline, the bubble and the transfer left exposed,
 over the NVLink-like and InfiniBand-like links. Prints a markdown table (examples/README.md).
 
@@ -18,9 +18,9 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lime_megatron import arguments, data
-from lime_megatron.run_config import RunConfig
-from lime_megatron.schedule_model import DEFAULT_COMPUTE_TFLOPS, INFINIBAND, NVLINK, pipeline_work, step_time
+from lime_megatron.planning.schedule_model import DEFAULT_COMPUTE_TFLOPS, INFINIBAND, NVLINK, pipeline_work, step_time
+from lime_megatron.training import arguments, data
+from lime_megatron.training.run_config import RunConfig
 
 EXAMPLES = Path(__file__).resolve().parents[1] / "examples"
 LAYOUTS = [(pp, vpp) for pp in (4, 8) for vpp in (1, 2, 4)]

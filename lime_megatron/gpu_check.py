@@ -3,7 +3,7 @@
 On one CUDA GPU, in a few minutes, in one process:
 
 1. **bf16 against fp32.**  LIMe and the LLaMA baseline (``CHECK_SHAPE``) are built with the
-   TransformerEngine spec in bf16, with the fused kernels ``lime_megatron.fusions`` picks for
+   TransformerEngine spec in bf16, with the fused kernels ``lime_megatron.parallel.fusions`` picks for
    the machine; the same weights are copied (``copy_weights``: TE fuses the input norms into
    ``linear_qkv``/``linear_fc1``) into the local spec in fp32 with no fusions.  The loss and every
    gradient (routers included) are compared: relative error ``||a - b|| / ||b||`` within
@@ -38,9 +38,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lime_megatron import flops, fusions
-from lime_megatron.config import PAPER_1B, lime_config
-from lime_megatron.fusions import Choice, Platform
+from lime_megatron.models.config import PAPER_1B, lime_config
+from lime_megatron.parallel import fusions
+from lime_megatron.parallel.fusions import Choice, Platform
+from lime_megatron.planning import flops
 
 VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128, as the trainer pads it
 
@@ -235,7 +236,7 @@ def check_config(lime: bool, *, te: bool, bf16: bool, fusions_on: bool, **overri
 
 
 def build(config, seq: int, te: bool):
-    from lime_megatron.model import build_model
+    from lime_megatron.models.gpt_model import build_model
 
     return build_model(config, VOCAB, seq, backend="te" if te else "local").cuda()
 
@@ -395,7 +396,7 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU on this machine; nothing checked", flush=True)
         return 2
-    from lime_megatron.parallel import initialize_parallel
+    from lime_megatron.parallel.process_groups import initialize_parallel
 
     initialize_parallel()
     name = torch.cuda.get_device_name()

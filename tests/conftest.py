@@ -16,7 +16,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 
 @pytest.fixture(scope="module")
 def megatron():
-    from lime_megatron.parallel import initialize_parallel
+    from lime_megatron.parallel.process_groups import initialize_parallel
 
     initialize_parallel()
 

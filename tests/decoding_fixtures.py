@@ -8,8 +8,8 @@ from pathlib import Path
 
 import torch
 
-from lime_megatron.decoding import decode_step, kv_cache_context
-from lime_megatron.tokenizer import GPT2_EOD_TOKEN, HuggingFaceTokenizer
+from lime_megatron.data.tokenizer import GPT2_EOD_TOKEN, HuggingFaceTokenizer
+from lime_megatron.inference.decoding import decode_step, kv_cache_context
 
 CHARACTERS = "\n" + "".join(chr(code) for code in range(32, 126))
 """Newline and printable ASCII up to ``}``: 95 characters, plus the end-of-document token = 96."""
@@ -53,9 +53,9 @@ TINY_RUN = ("--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query
 def tiny_checkpoint(root: Path, *extra: str) -> tuple[str, HuggingFaceTokenizer]:
     """A weights-only checkpoint of a freshly initialised tiny model (the trainer's options
     ``TINY_RUN`` plus ``extra``, the character tokenizer) under ``root``; returns its directory."""
-    from lime_megatron import arguments, checkpointing
-    from lime_megatron.checkpoint_model import save_model
-    from lime_megatron.model import build_model
+    from lime_megatron.interop.checkpoint_model import save_model
+    from lime_megatron.models.gpt_model import build_model
+    from lime_megatron.training import arguments, checkpointing
 
     tokenizer = char_tokenizer(root / "tokenizer")
     options = arguments.parse_run([*TINY_RUN, "--tokenizer-model", str(root / "tokenizer"), *extra])

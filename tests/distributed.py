@@ -6,8 +6,8 @@ are forked from a fork server that imports them once per test session (the first
 things: :func:`run_distributed` runs one function on N ranks, which calls
 :func:`initialize_layout` once per parallel layout it wants to check.
 
-Models, optimizers and schedules are the trainer's own (``lime_megatron.training``:
-``build_model_chunks``, ``forward_backward``/``train_step``; ``lime_megatron.optimizer``), so the
+Models, optimizers and schedules are the trainer's own (``lime_megatron.training.trainer``:
+``build_model_chunks``, ``forward_backward``/``train_step``; ``lime_megatron.training.optimizer``), so the
 tests exercise the path ``pretrain_lime.py`` runs. This harness only launches ranks, initialises
 layouts, makes data and moves weights: :func:`load_full` copies full single-process tensors into
 a layout's shards and :func:`gather_full` gathers parameters or gradients back into full,
@@ -30,7 +30,7 @@ from datetime import timedelta
 import torch
 import torch.multiprocessing as mp
 
-from lime_megatron.compat import (
+from lime_megatron.parallel.compat import (
     cpu_config_overrides,
     distributed_backend,
     enable_cpu_support,
@@ -44,7 +44,7 @@ _PRELOAD = (
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
     "megatron.core.pipeline_parallel",
-    "lime_megatron.training",
+    "lime_megatron.training.trainer",
 )
 _GRACE_S = 5.0  # how long the other ranks may still report once one rank failed
 _EXIT_WAIT_S = 10.0  # how long ranks that all reported may take to exit
@@ -209,11 +209,11 @@ class Layout:
 
 def initialize_layout(layout: Layout, seed: int = 1234) -> int:
     """(Re)initialise megatron's parallel state for ``layout`` on the current world and seed as
-    the trainer does (``lime_megatron.parallel.set_random_seed``); returns the data-parallel
+    the trainer does (``lime_megatron.parallel.process_groups.set_random_seed``); returns the data-parallel
     size."""
     from megatron.core import parallel_state
 
-    from lime_megatron.parallel import destroy_parallel, set_random_seed
+    from lime_megatron.parallel.process_groups import destroy_parallel, set_random_seed
 
     dp = layout.data_parallel_size(torch.distributed.get_world_size())
     destroy_parallel()

@@ -4,12 +4,20 @@ from __future__ import annotations
 
 import torch
 
-from lime_megatron.config import lime_config
-from lime_megatron.model import LimeGPTModel, build_model
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.gpt_model import LimeGPTModel, build_model
 
 VOCAB = 96
 SEQ = 12
 BATCH = 2
+
+# Paper Table 8 (1B models): name, LIMe, kv heads -> (billions as printed, exact count here).
+TABLE_8 = {
+    ("LLaMA-GQA8", False, 8): (1.07607, 1_076_072_448),
+    ("LIMe-GQA8", True, 8): (1.07608, 1_076_081_088),
+    ("LLaMA", False, 32): (1.17674, 1_176_735_744),
+    ("LIMe", True, 32): (1.17687, 1_176_873_984),
+}
 
 
 def tiny_model(dtype=torch.float64, seed: int = 1234, **overrides) -> LimeGPTModel:

@@ -10,11 +10,11 @@ import math
 import pytest
 import torch
 from lime_fixtures import SEQ, VOCAB, batch, loss_of, tiny_model
-from test_lime_model import init_single_process
 from torch import nn
 
 from lime_megatron import gpu_check
 from lime_megatron.gpu_check import Row
+from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
 
 
 @pytest.fixture(scope="module", autouse=True)

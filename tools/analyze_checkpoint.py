@@ -9,7 +9,7 @@ layout) is read into the single-process model (``checkpoint_model.load_model``);
 sequences of the tokenized corpus (a megatron indexed dataset; default: the first run's
 ``--data-path``) go through every model.  Written to ``--output-dir``: ``analysis.json`` (router
 weights, Fig. 5 shares, self-retrieval, expected depth, entropy and probe accuracy per layer, the
-seconds each analysis took) and the PNG plots of ``lime_megatron.analysis_plots``.  See
+seconds each analysis took) and the PNG plots of ``lime_megatron.analysis.plots``.  See
 docs/analysis.md.
 """
 
@@ -25,8 +25,8 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lime_megatron import analysis
-from lime_megatron.checkpoint_model import load_model
+from lime_megatron.analysis import measures
+from lime_megatron.interop.checkpoint_model import load_model
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -36,10 +36,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--data-path", help="megatron indexed dataset prefix (default: the first run's data)")
     parser.add_argument("--num-sequences", type=int, default=64)
     parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the first run's)")
-    parser.add_argument("--words", default=",".join(analysis.DEFAULT_WORDS),
+    parser.add_argument("--words", default=",".join(measures.DEFAULT_WORDS),
                         help="comma-separated tokens for the probe and t-SNE (paper: is,are,was,were)")
     parser.add_argument("--per-word", type=int, help="at most this many occurrences per word")
-    parser.add_argument("--alpha", type=float, default=analysis.DEFAULT_ALPHA, help="Rényi entropy order")
+    parser.add_argument("--alpha", type=float, default=measures.DEFAULT_ALPHA, help="Rényi entropy order")
     parser.add_argument("--tsne-layers", help="comma-separated 1-based layers (default: first, middle, last)")
     parser.add_argument("--no-probe", action="store_true", help="skip the probe and t-SNE")
     parser.add_argument("--output-dir", required=True)
@@ -82,11 +82,11 @@ def main(argv=None) -> None:
         sys.exit("no corpus: the first run trained on mock data; pass --data-path")
     tokens = corpus_sequences(data_path, args.num_sequences, args.seq_length or first.options.model.seq_length)
     load_seconds = time.perf_counter() - start
-    options = analysis.AnalysisOptions(
+    options = measures.AnalysisOptions(
         alpha=args.alpha, words=tuple(args.words.split(",")), per_word=args.per_word,
         tsne_layers=tuple(int(layer) - 1 for layer in args.tsne_layers.split(",")) if args.tsne_layers else None)
     tokenizer = None if args.no_probe else first.tokenizer()
-    results = analysis.analyze({name: c.model for name, c in loaded.items()}, tokens, tokenizer,
+    results = measures.analyze({name: c.model for name, c in loaded.items()}, tokens, tokenizer,
                                args.output_dir, options)
     print(f"\nanalysis of {', '.join(loaded)} on {tokens.shape[0]} x {tokens.shape[1]} tokens of {data_path}")
     print(f"  loading checkpoints and corpus: {load_seconds:.1f} s")

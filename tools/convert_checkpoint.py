@@ -22,8 +22,8 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import torch  # noqa: E402
 
-from lime_megatron.arguments import UsageError  # noqa: E402
-from lime_megatron.hf_export import SHARD_BYTES, export_checkpoint, import_checkpoint  # noqa: E402
+from lime_megatron.interop.hf_export import SHARD_BYTES, export_checkpoint, import_checkpoint  # noqa: E402
+from lime_megatron.training.arguments import UsageError  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

@@ -23,7 +23,7 @@ under ``output_dir/runs/<name>/``.  Nodes: ``--nnodes``/``--node-rank``/``--mast
 system.  A run with ``done.json`` is skipped; an interrupted one is relaunched and the trainer
 resumes from its last checkpoint exactly.  The results go to ``output_dir``: ``results.md`` and
 ``results.json`` (final and best validation loss, tokens, training FLOPs with the router's from
-``lime_megatron.flops.training_flops_per_iteration``, wall time, tokens/s), ``loss_vs_tokens.png``
+``lime_megatron.planning.flops.training_flops_per_iteration``, wall time, tokens/s), ``loss_vs_tokens.png``
 and ``loss_vs_flops.png`` (per depth, Fig. 6) and ``validation_vs_depth.png`` (per family).
 """
 
@@ -231,7 +231,8 @@ def read_metrics(path: Path) -> list[dict]:
 def flops_per_iteration(sweep: Sweep, run: Run, flags: list[str], world_size: int) -> float:
     """Training FLOPs of one iteration of ``run`` (router included): the trainer's own options,
     config and ``flops.training_flops_per_iteration``."""
-    from lime_megatron import arguments, data, flops
+    from lime_megatron.planning import flops
+    from lime_megatron.training import arguments, data
 
     options = arguments.parse_run(trainer_argv(sweep, run, flags), world_size=world_size)
     vocab = data.tokenizer_of(options.data, options.model.vocab_size).vocab_size

@@ -8,7 +8,7 @@
 
 The checkpoint (any layout) is read into one process, or with ``--tensor-parallel N`` into N
 tensor-parallel ranks launched by ``torchrun --nproc-per-node N``, with the tokenizer its run
-trained with (``lime_megatron.checkpoint_model``).  Every rank decodes the same prompts with the
+trained with (``lime_megatron.interop.checkpoint_model``).  Every rank decodes the same prompts with the
 logits gathered over the vocabulary shards and the same seeded sampler, so all ranks take the
 same tokens; only rank 0 prints and writes ``--output``.  A launch whose process count is not N,
 or a model whose heads or padded vocabulary do not split over N ranks, fails with one message.
@@ -30,10 +30,10 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lime_megatron.checkpoint_model import load_model  # noqa: E402
-from lime_megatron.checkpointing import CheckpointError  # noqa: E402
-from lime_megatron.generation import DTYPES, Generator, SamplingOptions  # noqa: E402
-from lime_megatron.parallel import launch_world_size  # noqa: E402
+from lime_megatron.inference.generation import DTYPES, Generator, SamplingOptions  # noqa: E402
+from lime_megatron.interop.checkpoint_model import load_model  # noqa: E402
+from lime_megatron.parallel.process_groups import launch_world_size  # noqa: E402
+from lime_megatron.training.checkpointing import CheckpointError  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

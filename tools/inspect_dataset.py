@@ -14,8 +14,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lime_megatron.corpus import dataset_paths, dataset_prefix, require_dataset  # noqa: E402
-from lime_megatron.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs  # noqa: E402,E501
+from lime_megatron.data.corpus import dataset_paths, dataset_prefix, require_dataset  # noqa: E402
+from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs  # noqa: E402,E501
 
 BAR_WIDTH = 40
 

@@ -17,7 +17,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lime_megatron.corpus import DatasetWriter, dataset_prefix, require_dataset  # noqa: E402
+from lime_megatron.data.corpus import DatasetWriter, dataset_prefix, require_dataset  # noqa: E402
 
 
 def parse_args(argv=None) -> argparse.Namespace:

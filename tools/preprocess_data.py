@@ -29,7 +29,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lime_megatron.corpus import (  # noqa: E402
+from lime_megatron.data.corpus import (  # noqa: E402
     BadInputError,
     Chunk,
     DatasetWriter,
@@ -44,7 +44,7 @@ from lime_megatron.corpus import (  # noqa: E402
     token_dtype,
     total_disk_bytes,
 )
-from lime_megatron.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs  # noqa: E402
+from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs  # noqa: E402
 
 # Megatron-LM flags that change nothing here (progress is a bar, order is always kept).
 IGNORED_MEGATRON_FLAGS = {"--log-interval": {}, "--partitions": {}, "--dataset-impl": {},

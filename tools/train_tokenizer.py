@@ -22,7 +22,7 @@ from tqdm import tqdm
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lime_megatron.corpus import (  # noqa: E402
+from lime_megatron.data.corpus import (  # noqa: E402
     PARTIAL,
     InputReport,
     add_input_args,
@@ -31,7 +31,7 @@ from lime_megatron.corpus import (  # noqa: E402
     sources_from_args,
     total_disk_bytes,
 )
-from lime_megatron.tokenizer import GPT2_EOD_TOKEN  # noqa: E402
+from lime_megatron.data.tokenizer import GPT2_EOD_TOKEN  # noqa: E402
 
 KINDS = {  # kind: (output file, how to load it)
     "sentencepiece": ("tokenizer.model", "--tokenizer-type SentencePieceTokenizer "

@@ -1,7 +1,7 @@
 """Looking inside trained models (paper §5.2-5.4): router weights, representation entropy, token
 separability and t-SNE, for LIMe and the LLaMA baseline side by side.
 
-Everything works on in-memory single-process models (``lime_megatron.checkpoint_model.load_model``
+Everything works on in-memory single-process models (``lime_megatron.interop.checkpoint_model.load_model``
 reads one from a checkpoint of any layout; ``tools/analyze_checkpoint.py`` is the command line):
 
 - ``collect_representations``: runs token sequences ``[n, t]`` through the model with forward hooks
@@ -244,7 +244,7 @@ def analyze(models: dict, tokens: torch.Tensor, tokenizer, out_dir: str,
             options: AnalysisOptions | None = None) -> dict:
     """Run every analysis on ``models`` ({name: single-process model}, e.g. LIMe and LLaMA) over
     ``tokens`` [n, t]; write PNG plots and ``analysis.json`` to ``out_dir``; return the numbers."""
-    from lime_megatron import analysis_plots as plots
+    from lime_megatron.analysis import plots
 
     options = options or AnalysisOptions()
     os.makedirs(out_dir, exist_ok=True)

@@ -1,4 +1,4 @@
-"""PNG plots of ``lime_megatron.analysis`` results: models side by side where the paper compares
+"""PNG plots of ``lime_megatron.analysis.measures`` results: models side by side where the paper compares
 them (entropy and probe accuracy per layer: Fig. 2, 4a, 7; t-SNE: Fig. 3, 8), router figures per
 LIMe model (Fig. 5 and App. Fig. 9, per-layer router heatmaps, self-retrieval and expected depth).
 """

@@ -306,5 +306,5 @@ def tokenizer_kwargs(args: argparse.Namespace, num_threads: int = 1) -> dict:
 
 
 if __name__ == "__main__":
-    # `python -m lime_megatron.tokenizer` prints the offline GPT-2 vocab and merges paths.
+    # `python -m lime_megatron.data.tokenizer` prints the offline GPT-2 vocab and merges paths.
     print("\n".join(gpt2_vocab_files()))

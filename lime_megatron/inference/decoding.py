@@ -14,7 +14,7 @@ Batches of different prompt lengths are decoded the way megatron's static engine
 sequence of the batch is at the same position (one shared ``sequence_len_offset``, RoPE positions
 as in an unpadded forward, no padding masks); the prompt is prefilled up to the shortest prompt's
 length and, while a longer prompt still has tokens, the step feeds that prompt token instead of a
-generated one (``lime_megatron.generation``).
+generated one (``lime_megatron.inference.generation``).
 
 The caches are allocated here on the model's device (megatron's lazy allocation calls
 ``torch.cuda.current_device()``), and the context is told to return the logits of every new
@@ -23,7 +23,7 @@ token (the default keeps only the last one).
 Tensor parallelism (``checkpoint_model.load_model(..., tensor_parallel=N)``): every rank feeds the
 same tokens; its cache holds its own key/value heads (``num_query_groups_per_partition``; LIMe
 routes its input-head columns and reduce-scatters the routed heads, as in training,
-``lime_megatron.head_parallel``), and the logits are gathered over the vocabulary shards
+``lime_megatron.models.lime.head_parallel``), and the logits are gathered over the vocabulary shards
 (``runtime_gather_output``), so every rank returns the full ``[b, s, padded vocab]``.
 """
 
@@ -32,7 +32,7 @@ from __future__ import annotations
 import torch
 from megatron.core.inference.contexts import StaticInferenceContext
 
-from lime_megatron.model import LimeGPTModel
+from lime_megatron.models.gpt_model import LimeGPTModel
 
 
 def kv_cache_context(model: LimeGPTModel, batch_size: int, max_length: int) -> StaticInferenceContext:

@@ -5,7 +5,7 @@
     result.texts, result.tokens_per_second
 
 A batch of prompts of different lengths is decoded as megatron's static engine does (see
-``lime_megatron.decoding``): the shortest prompt's length is prefilled at once, then one position
+``lime_megatron.inference.decoding``): the shortest prompt's length is prefilled at once, then one position
 per step for the whole batch; a sequence whose prompt is longer takes its prompt token at that
 position instead of the sampled one.  ``use_cache=False`` recomputes the full sequence for every
 token (the reference the cache is tested and benchmarked against).
@@ -24,8 +24,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lime_megatron.decoding import decode_step, full_logits, kv_cache_context
-from lime_megatron.model import LimeGPTModel
+from lime_megatron.inference.decoding import decode_step, full_logits, kv_cache_context
+from lime_megatron.models.gpt_model import LimeGPTModel
 
 DTYPES = {"float32": torch.float32, "float64": torch.float64, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """Weight dtypes a checkpoint may be read in, by name (``tools/generate.py --dtype``, lm-eval's ``dtype``)."""
@@ -103,7 +103,7 @@ class Generator:
     over the vocabulary shards, the sampler is seeded alike).
 
     Args:
-        tokenizer: ``lime_megatron.tokenizer`` tokenizer (text prompts, stop strings, texts);
+        tokenizer: ``lime_megatron.data.tokenizer`` tokenizer (text prompts, stop strings, texts);
             without one, prompts are token id lists and only ``eod``/lengths stop.
         vocab_size: ids a token may take (default: the tokenizer's unpadded vocabulary, else all
             the model's logits); the padded vocabulary's extra ids are never generated.

@@ -6,7 +6,7 @@
 
 (``tools/evaluate.py`` is lm-eval's own command line with this adapter registered.)
 ``LimeMegatronLM`` loads the checkpoint at any layout into one process
-(``lime_megatron.checkpoint_model``) with the tokenizer it was trained with and answers lm-eval's
+(``lime_megatron.interop.checkpoint_model``) with the tokenizer it was trained with and answers lm-eval's
 three request types on the megatron model:
 
 - ``loglikelihood(context, continuation)``: sum of the continuation tokens' log-probabilities
@@ -14,7 +14,7 @@ three request types on the megatron model:
   cut from the left to the model's length), and whether greedy decoding would produce them;
 - ``loglikelihood_rolling(text)``: the text's log-likelihood from lm-eval's disjoint rolling
   windows of the model's length (first token conditioned on the end-of-document token);
-- ``generate_until(context, gen_kwargs)``: ``lime_megatron.generation`` with the KV cache
+- ``generate_until(context, gen_kwargs)``: ``lime_megatron.inference.generation`` with the KV cache
   (``until`` stop strings, ``max_gen_toks``, ``do_sample``/``temperature``/``top_k``/``top_p``).
 
 Requests are scored in batches of ``batch_size`` sequences, longest first (right padding never
@@ -35,10 +35,10 @@ from lm_eval.api.model import LM
 from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
-from lime_megatron.checkpoint_model import load_model
-from lime_megatron.decoding import full_logits
-from lime_megatron.generation import DTYPES, Generator, SamplingOptions
-from lime_megatron.model import LimeGPTModel
+from lime_megatron.inference.decoding import full_logits
+from lime_megatron.inference.generation import DTYPES, Generator, SamplingOptions
+from lime_megatron.interop.checkpoint_model import load_model
+from lime_megatron.models.gpt_model import LimeGPTModel
 
 
 @register_model("lime_megatron")

@@ -1,6 +1,6 @@
 """A trained model from a distributed checkpoint, for decoding, export and analysis.
 
-``pretrain_lime.py`` saves megatron distributed checkpoints (``lime_megatron.checkpointing``) at
+``pretrain_lime.py`` saves megatron distributed checkpoints (``lime_megatron.training.checkpointing``) at
 whatever layout the run used.  Every tensor in them is keyed by its global name and offsets, so
 they read into a model of any tensor-parallel size (PP=1, no virtual stages, no sequence
 parallelism): one process by default,
@@ -11,7 +11,7 @@ parallelism): one process by default,
 
 or N tensor-parallel ranks under ``torchrun --nproc-per-node N`` (each rank holds its shard of the
 heads, MLP and vocabulary; megatron's ``dist_checkpointing`` reshards; LIMe routers load their
-input-head columns, ``lime_megatron.router``):
+input-head columns, ``lime_megatron.models.lime.router``):
 
     loaded = load_model("ckpt/lime-1b", tensor_parallel=N)
     logits = loaded.model(tokens, positions, None, runtime_gather_output=True)  # full vocab, every rank
@@ -31,11 +31,11 @@ from dataclasses import dataclass
 import torch
 from megatron.core import dist_checkpointing, parallel_state
 
-from lime_megatron import arguments, checkpointing, data
-from lime_megatron.config import LimeTransformerConfig
-from lime_megatron.model import LimeGPTModel, build_model
-from lime_megatron.parallel import initialize_parallel, launch_world_size
-from lime_megatron.run_config import RunConfig
+from lime_megatron.models.config import LimeTransformerConfig
+from lime_megatron.models.gpt_model import LimeGPTModel, build_model
+from lime_megatron.parallel.process_groups import initialize_parallel, launch_world_size
+from lime_megatron.training import arguments, checkpointing, data
+from lime_megatron.training.run_config import RunConfig
 
 INFERENCE_LAYOUT = dict(
     pipeline_model_parallel_size=1, virtual_pipeline_size=None,
@@ -175,7 +175,7 @@ def _build(config: LimeTransformerConfig, run: dict) -> LimeGPTModel:
 
 def new_model(run: dict, dtype: torch.dtype) -> LimeGPTModel:
     """An uninitialised single-process model of ``run`` in ``dtype``, to be filled (e.g. by a
-    Hugging Face import, ``lime_megatron.hf_export``) and written with :func:`save_model`."""
+    Hugging Face import, ``lime_megatron.interop.hf_export``) and written with :func:`save_model`."""
     initialize_parallel()
     config = inference_config(run, dtype)
     config.perform_initialization = False

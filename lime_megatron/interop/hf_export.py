@@ -10,7 +10,7 @@
 
 The LLaMA baseline loads as transformers' ``LlamaForCausalLM``; LIMe is written in the layout of
 the paper's official ``LIMeForCausalLM`` (``architectures``; tensor names and layouts in
-``lime_megatron.hf_layout``).  ``import_checkpoint`` reads such a directory (ours, or one written
+``lime_megatron.interop.hf_layout``).  ``import_checkpoint`` reads such a directory (ours, or one written
 by transformers / the official code) into a weights-only checkpoint that
 ``pretrain_lime.py --load DIR --no-load-optim`` starts from at any layout.
 
@@ -36,10 +36,10 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
-from lime_megatron import arguments, checkpointing, data
-from lime_megatron.checkpoint_model import load_model, new_model, save_model
-from lime_megatron.hf_layout import LayoutError, ModelShape, from_hf_tensors, to_hf_tensors
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.interop.checkpoint_model import load_model, new_model, save_model
+from lime_megatron.interop.hf_layout import LayoutError, ModelShape, from_hf_tensors, to_hf_tensors
+from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.training import arguments, checkpointing, data
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 LIME_ARCHITECTURE = "LIMeForCausalLM"

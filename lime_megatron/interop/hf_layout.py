@@ -50,7 +50,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lime_megatron.router import fixed_routing_weight, routing_sources
+from lime_megatron.models.lime.router import fixed_routing_weight, routing_sources
 
 Tensors = tuple[torch.Tensor, ...]
 

@@ -50,10 +50,10 @@ class LimeTransformerConfig(TransformerConfig):
     Keeps LIMe's saved activations at the baseline's size (the raw K/V of every layer are stored
     once in the memory buffer); costs one extra router product per layer in backward."""
 
-    # Initialisation (``lime_megatron.initialization``).
+    # Initialisation (``lime_megatron.models.initialization``).
     init_style: str = "megatron"
     """Initial weight distributions: ``megatron`` (megatron's defaults) or ``official`` (the paper's
-    released code); see ``lime_megatron.initialization.INIT_STYLES``."""
+    released code); see ``lime_megatron.models.initialization.INIT_STYLES``."""
 
     init_seed: int = 1234
     """Seed of the layout-invariant initial weights (the run's ``--seed``)."""
@@ -137,7 +137,7 @@ def llama_architecture(**overrides: Any) -> dict[str, Any]:
     """Keyword arguments for a LLaMA-style megatron config (paper Table 3).
 
     RMSNorm, SwiGLU MLP, no biases; RoPE and tied embeddings are model-level options (see
-    ``lime_megatron.model``).  Fused kernels are off so the same config runs on CPU; GPU
+    ``lime_megatron.models.gpt_model``).  Fused kernels are off so the same config runs on CPU; GPU
     launches switch them on.  ``overrides`` win over every default.
     """
     arch: dict[str, Any] = dict(

@@ -17,12 +17,12 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from lime_megatron.config import LimeTransformerConfig
-from lime_megatron.initialization import initialize_weights
-from lime_megatron.layer_spec import lime_block_spec
-from lime_megatron.memory import LayerIntegratedMemory
-from lime_megatron.pipeline import kept_rows
-from lime_megatron.router import LimeRouter
+from lime_megatron.models.config import LimeTransformerConfig
+from lime_megatron.models.initialization import initialize_weights
+from lime_megatron.models.layer_specs import lime_block_spec
+from lime_megatron.models.lime.memory import LayerIntegratedMemory
+from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.parallel.pipeline import kept_rows
 
 
 class LimeGPTModel(GPTModel):
@@ -31,7 +31,7 @@ class LimeGPTModel(GPTModel):
     Inputs and outputs as ``GPTModel.forward``: input_ids/position_ids ``[b, s]``; returns the
     per-token loss ``[b, s]`` when labels are given, else the logits.  Under pipeline parallelism
     a chunk exchanges megatron's hidden state as usual (``set_input_tensor``, output) and the
-    keys/values later chunks read through ``lime_megatron.pipeline``'s side channel.
+    keys/values later chunks read through ``lime_megatron.parallel.pipeline``'s side channel.
     """
 
     def __init__(self, *args, **kwargs):
@@ -103,7 +103,7 @@ def build_model(
 
     ``vocab_size`` is the padded vocabulary; ``transformer_impl`` picks the layer spec (``local``
     or ``transformer_engine``).  RoPE positions, no learned absolute embeddings, tied input/output
-    embeddings by default (paper Table 3).  Weights are drawn by ``lime_megatron.initialization``
+    embeddings by default (paper Table 3).  Weights are drawn by ``lime_megatron.models.initialization``
     from ``config.init_seed`` and ``config.init_style``, the same at every parallel layout.
     """
     model = LimeGPTModel(

@@ -38,7 +38,7 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
-from lime_megatron.router import LimeRouter, init_router_weight
+from lime_megatron.models.lime.router import LimeRouter, init_router_weight
 
 INIT_STYLES = ("megatron", "official")
 

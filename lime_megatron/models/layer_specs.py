@@ -20,10 +20,10 @@ from megatron.core.transformer.spec_utils import ModuleSpec
 from megatron.core.transformer.transformer_block import TransformerBlockSubmodules, get_num_layers_to_build
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
-from lime_megatron.attention import LimeSelfAttention
-from lime_megatron.config import LimeTransformerConfig
-from lime_megatron.memory import LayerIntegratedMemory
-from lime_megatron.norm import TorchNorm
+from lime_megatron.models.config import LimeTransformerConfig
+from lime_megatron.models.lime.attention import LimeSelfAttention
+from lime_megatron.models.lime.memory import LayerIntegratedMemory
+from lime_megatron.models.norm import TorchNorm
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 
@@ -32,7 +32,7 @@ class LimeTransformerLayer(TransformerLayer):
     """megatron ``TransformerLayer`` whose attention reads the pass's layer-integrated memory.
 
     The memory arrives as the handle megatron threads through every layer as ``context``
-    (``lime_megatron.model.LimeGPTModel`` puts it there); it is bound to the attention only for
+    (``lime_megatron.models.gpt_model.LimeGPTModel`` puts it there); it is bound to the attention only for
     the duration of the call, so recomputation in backward binds the right pass's memory.
     """
 

@@ -102,7 +102,7 @@ Tested range: megatron-core 0.16.1 (CPU machines) to 0.19.x (GPU machines; ``set
 it), torch 2.4 and later.  Every private (``_``-prefixed) or internal megatron-core / torch API the
 project touches, what it expects, and who uses it; :func:`private_api_problems` probes each one
 (signatures and small behavioural checks) and names those that differ
-(``tests/test_compat_apis.py`` fails on any):
+(``tests/parallel/test_compat_apis.py`` fails on any):
 
 - megatron's pipeline schedules run each model chunk's forwards, and its backwards, in
   micro-batch order (``pipeline.KeptRows`` numbers the micro-batches of its side channel by

@@ -10,7 +10,7 @@ The options and what each needs (megatron-core 0.16.1 and 0.19.x):
 - ``apply_rope_fusion``: TransformerEngine's fused RoPE kernel (``fused_apply_rotary_pos_emb``,
   sbhd).  LIMe rotates the routed keys after routing through the same megatron function
   (``LimeSelfAttention._rotate``), so the fused kernel applies there too; it saves only the
-  frequencies for backward, so the routed-K/V drop of ``lime_megatron.recompute`` is unchanged.
+  frequencies for backward, so the routed-K/V drop of ``lime_megatron.models.lime.recompute`` is unchanged.
 - ``bias_activation_fusion``: megatron's jit-fused SwiGLU (``bias_swiglu_impl``); pure torch,
   compiled on CUDA (the LLaMA architecture: SiLU with a gated linear unit).
 - ``masked_softmax_fusion``: megatron's fused scale-mask-softmax of its local

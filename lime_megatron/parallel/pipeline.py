@@ -62,9 +62,9 @@ from dataclasses import dataclass
 import torch
 from megatron.core import parallel_state
 
-from lime_megatron.config import pipeline_layer_split
-from lime_megatron.memory import LayerIntegratedMemory
-from lime_megatron.router import routing_consumers
+from lime_megatron.models.config import pipeline_layer_split
+from lime_megatron.models.lime.memory import LayerIntegratedMemory
+from lime_megatron.models.lime.router import routing_consumers
 
 
 def carried_layers(config, boundary: int) -> range:
@@ -358,7 +358,7 @@ def kept_rows(config) -> KeptRows:
     """This rank's ``KeptRows`` for the current schedule call."""
     if _KEPT is None or _KEPT.config is not config:
         raise RuntimeError(
-            "LIMe under pipeline parallelism needs lime_megatron.pipeline.schedule_arguments(config) "
+            "LIMe under pipeline parallelism needs lime_megatron.parallel.pipeline.schedule_arguments(config) "
             "called for each call of megatron's forward-backward function"
         )
     return _KEPT

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
-from lime_megatron.compat import distributed_backend, enable_cpu_support
+from lime_megatron.parallel.compat import distributed_backend, enable_cpu_support
 
 
 def _free_port() -> int:
@@ -70,7 +70,7 @@ def destroy_parallel() -> None:
     """
     from torch.distributed import distributed_c10d
 
-    from lime_megatron import pipeline
+    from lime_megatron.parallel import pipeline
 
     if torch.distributed.is_initialized():
         default = distributed_c10d._get_default_group()

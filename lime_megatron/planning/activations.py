@@ -2,16 +2,16 @@
 
 The formulas behind the ``--dry-run`` activation memory (``estimate`` replays the pipeline
 schedule over them); docs/estimate.md states every term and the measurements that check them
-(``saved_tensors.SavedTensorBytes`` in tests/test_estimate.py).
+(``saved_tensors.SavedTensorBytes`` in tests/planning/test_estimate.py).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 
-from lime_megatron.config import LimeTransformerConfig
-from lime_megatron.pipeline import chunk_starting_at, hop_blocks
-from lime_megatron.recompute import drops_routed_kv
+from lime_megatron.models.config import LimeTransformerConfig
+from lime_megatron.models.lime.recompute import drops_routed_kv
+from lime_megatron.parallel.pipeline import chunk_starting_at, hop_blocks
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 RECOMPUTED_MODULES = ("core_attn", "mlp")

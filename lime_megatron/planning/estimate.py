@@ -21,21 +21,21 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.process_groups_config import ProcessGroupCollection
 
-from lime_megatron.activations import (
+from lime_megatron.models.config import LimeTransformerConfig, pipeline_layer_split
+from lime_megatron.models.gpt_model import LimeGPTModel
+from lime_megatron.models.layer_specs import lime_block_spec
+from lime_megatron.models.lime.head_parallel import HeadSharding
+from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.parallel.fusions import replace_config
+from lime_megatron.planning.activations import (
     TRANSFORMER_IMPLS,
     ActivationBytes,
     Geometry,
     chunk_activations,
     recompute_modules,
 )
-from lime_megatron.config import LimeTransformerConfig, pipeline_layer_split
-from lime_megatron.flops import chunk_forward_flops_per_token, forward_flops_per_token
-from lime_megatron.fusions import replace_config
-from lime_megatron.head_parallel import HeadSharding
-from lime_megatron.layer_spec import lime_block_spec
-from lime_megatron.model import LimeGPTModel
-from lime_megatron.router import LimeRouter
-from lime_megatron.schedule_model import (
+from lime_megatron.planning.flops import chunk_forward_flops_per_token, forward_flops_per_token
+from lime_megatron.planning.schedule_model import (
     DEFAULT_COMPUTE_TFLOPS,
     INFINIBAND,
     NVLINK,

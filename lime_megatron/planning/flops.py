@@ -22,8 +22,8 @@ docs/estimate.md, "FLOPs and the paper's Table 8").
 
 from __future__ import annotations
 
-from lime_megatron.config import LimeTransformerConfig
-from lime_megatron.router import router_source_count
+from lime_megatron.models.config import LimeTransformerConfig
+from lime_megatron.models.lime.router import router_source_count
 
 
 def router_flops_per_token(config: LimeTransformerConfig, layers: range | None = None) -> float:

@@ -28,7 +28,7 @@ of a blocking send with its receive, tensor- and data-parallel communication, th
 
 **Figures.** ``bubble`` = T_free / C - 1, with T_free the iteration with free transfer and C the
 busiest rank's compute: (p - 1)/m for 1F1B and (p - 1)/(v m) interleaved with uniform chunks
-(``tests/test_schedule_model.py``). ``exposed`` = T - T_free, the transfer time the schedule does
+(``tests/planning/test_schedule_model.py``). ``exposed`` = T - T_free, the transfer time the schedule does
 not hide. Compute time is FLOPs (``flops``) / (``compute_tflops`` x TP) per GPU; backward costs
 2x forward, 3x with full recompute.
 """
@@ -41,11 +41,11 @@ from typing import NamedTuple
 
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
-from lime_megatron.activations import Geometry
-from lime_megatron.config import LimeTransformerConfig, pipeline_layer_split
-from lime_megatron.flops import chunk_forward_flops_per_token
-from lime_megatron.fusions import replace_config
-from lime_megatron.pipeline import exact_stage_width
+from lime_megatron.models.config import LimeTransformerConfig, pipeline_layer_split
+from lime_megatron.parallel.fusions import replace_config
+from lime_megatron.parallel.pipeline import exact_stage_width
+from lime_megatron.planning.activations import Geometry
+from lime_megatron.planning.flops import chunk_forward_flops_per_token
 
 
 @dataclass(frozen=True)

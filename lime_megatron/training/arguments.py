@@ -1,6 +1,6 @@
 """Command-line arguments of ``pretrain_lime.py``: Megatron-LM's flag names plus the LIMe options.
 
-The flags are declared once, as the fields of the option groups in ``lime_megatron.run_config``
+The flags are declared once, as the fields of the option groups in ``lime_megatron.training.run_config``
 (:func:`build_parser` adds one flag per field). ``parse_args(argv, world_size)`` reads, in
 increasing priority, their defaults, the YAML file given with ``--config FILE.yaml`` (keys are the
 flag names with underscores: ``num_layers: 16``, ``lime: true``, ``data_path: [0.7, data/a, 0.3,
@@ -26,10 +26,11 @@ from typing import Any
 import torch
 import yaml
 
-from lime_megatron import fusions
-from lime_megatron.compat import cpu_config_overrides
-from lime_megatron.config import LimeConfigError, lime_config, validate_router
-from lime_megatron.run_config import (
+from lime_megatron.data.tokenizer import add_tokenizer_args
+from lime_megatron.models.config import LimeConfigError, lime_config, validate_router
+from lime_megatron.parallel import fusions
+from lime_megatron.parallel.compat import cpu_config_overrides
+from lime_megatron.training.run_config import (
     GROUPS,
     NULL_TOKENIZER,
     PAPER_ROUTER_LR,
@@ -37,7 +38,6 @@ from lime_megatron.run_config import (
     PrecisionOptions,
     RunConfig,
 )
-from lime_megatron.tokenizer import add_tokenizer_args
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
             "train_iters", "lr")
@@ -401,7 +401,7 @@ def parse_run(argv: Sequence[str] | None = None, world_size: int | None = None) 
 
 def transformer_config(run: RunConfig):
     """The run's ``LimeTransformerConfig``: LLaMA architecture, layout, precision, FP8, recompute
-    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.fusions`` decides.
+    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.parallel.fusions`` decides.
     Raises :class:`ArgumentsError` for shapes or layouts megatron or LIMe reject."""
     model, parallel, precision, lime = run.model, run.parallel, run.precision, run.lime
     dtype = precision.params_dtype

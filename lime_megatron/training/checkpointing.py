@@ -34,8 +34,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedObject
 from megatron.core.utils import unwrap_model
 from torch.distributed.checkpoint.api import CheckpointException as TorchCheckpointException
 
-from lime_megatron.arguments import UsageError
-from lime_megatron.run_config import RunConfig
+from lime_megatron.training.arguments import UsageError
+from lime_megatron.training.run_config import RunConfig
 
 TRACKER = "latest_checkpointed_iteration.txt"
 OPTIMIZER_METADATA = {"distrib_optim_sharding_type": "fully_reshardable"}

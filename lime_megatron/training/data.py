@@ -22,10 +22,10 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
-from lime_megatron.arguments import UsageError, parse_blend
-from lime_megatron.compat import default_device
-from lime_megatron.run_config import NULL_TOKENIZER, DataOptions, RunConfig, TrainingOptions
-from lime_megatron.tokenizer import NO_PAD, build_tokenizer, padded_vocab_size, tokenizer_kwargs
+from lime_megatron.data.tokenizer import NO_PAD, build_tokenizer, padded_vocab_size, tokenizer_kwargs
+from lime_megatron.parallel.compat import default_device
+from lime_megatron.training.arguments import UsageError, parse_blend
+from lime_megatron.training.run_config import NULL_TOKENIZER, DataOptions, RunConfig, TrainingOptions
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
 """Fields of a microbatch, each ``[micro_batch_size, seq_length]``."""
@@ -58,7 +58,7 @@ class NullTokenizer:
 def tokenizer_of(options: DataOptions, vocab_size: int | None = None):
     """The run's tokenizer: a :class:`NullTokenizer` for ``--tokenizer-type NullTokenizer
     --vocab-size N`` or ``--vocab-size N`` alone (mock data and dry runs), else the one the
-    tokenizer flags describe (``lime_megatron.tokenizer``).
+    tokenizer flags describe (``lime_megatron.data.tokenizer``).
 
     The vocabulary is padded to a multiple of ``--make-vocab-size-divisible-by`` alone (which
     must be divisible by the TP size), not of that times the TP size as in Megatron-LM, so the

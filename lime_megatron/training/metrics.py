@@ -13,7 +13,7 @@ already averaged over data-parallel ranks). Destinations:
 - TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``; ``--wandb-mode`` or
   ``$WANDB_MODE``: online, offline or disabled): every iteration's scalars.
 
-Model FLOPs come from ``lime_megatron.flops`` (router included); a training iteration counts 3x
+Model FLOPs come from ``lime_megatron.planning.flops`` (router included); a training iteration counts 3x
 the forward FLOPs (forward + backward, recomputation not counted). MFU is
 relative to the dense bf16 peak of the GPU (``--gpu-peak-tflops``, or the table below).
 """
@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lime_megatron.run_config import LoggingOptions
+from lime_megatron.training.run_config import LoggingOptions
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "B200": 2250.0, "L40S": 362.1}
 """Dense bf16 tensor-core peak (TFLOP/s) by GPU name fragment, for MFU."""

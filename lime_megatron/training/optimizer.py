@@ -24,7 +24,6 @@ an existing group's, its override is exactly that group's, and megatron merges t
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from megatron.core.optimizer import (
@@ -37,10 +36,7 @@ from megatron.core.optimizer import (
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
-from lime_megatron.router import ROUTER_PARAM_ATTR
-
-if TYPE_CHECKING:  # run_config takes the weight-decay groupings from here
-    from lime_megatron.run_config import RunConfig
+from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR
 
 
 def _is_router(param: torch.nn.Parameter) -> bool:
@@ -118,35 +114,6 @@ def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = 
         if routed:
             overrides[ROUTER] = routed
     return overrides
-
-
-def optimizer_config(run: RunConfig) -> OptimizerConfig:
-    """megatron ``OptimizerConfig`` of the run (Adam is AdamW)."""
-    training, precision = run.training, run.precision
-    return OptimizerConfig(
-        optimizer=training.optimizer, lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
-        adam_beta1=training.adam_beta1, adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
-        sgd_momentum=training.sgd_momentum, clip_grad=training.clip_grad, bf16=precision.bf16,
-        fp16=precision.fp16, params_dtype=precision.params_dtype, loss_scale=precision.loss_scale,
-        initial_loss_scale=precision.initial_loss_scale, min_loss_scale=precision.min_loss_scale,
-        loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
-        use_distributed_optimizer=run.parallel.use_distributed_optimizer,
-    )
-
-
-def router_group(run: RunConfig) -> RouterGroup | None:
-    """The LIMe routers' parameter group of the run (None for the LLaMA baseline)."""
-    lime = run.lime
-    return RouterGroup(lime.lime_router_lr, lime.lime_router_weight_decay) if lime.lime else None
-
-
-def lr_schedule(run: RunConfig) -> LRSchedule:
-    """The learning-rate schedule of the run."""
-    training = run.training
-    return LRSchedule(max_lr=training.lr, decay_iters=training.lr_decay_iters, train_iters=training.train_iters,
-                      min_lr=training.min_lr, init_lr=training.lr_warmup_init,
-                      warmup_iters=training.lr_warmup_iters, decay_style=training.lr_decay_style,
-                      weight_decay=training.weight_decay)
 
 
 def build_optimizer(model_chunks: list, config: OptimizerConfig, router: RouterGroup | None = None,

@@ -21,7 +21,7 @@ import os
 
 import torch
 
-from lime_megatron.run_config import LoggingOptions
+from lime_megatron.training.run_config import LoggingOptions
 
 
 class IterationProfiler:

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from lime_megatron.config import ROUTER_VARIANTS
-from lime_megatron.initialization import INIT_STYLES
-from lime_megatron.optimizer import WEIGHT_DECAY_GROUPINGS
+from lime_megatron.models.config import ROUTER_VARIANTS
+from lime_megatron.models.initialization import INIT_STYLES
+from lime_megatron.training.optimizer import WEIGHT_DECAY_GROUPINGS
 
 PAPER_ROUTER_LR = 1e-2
 """Router learning rate of the paper (Table 2); the default of ``--lime-router-lr``."""
@@ -44,7 +44,7 @@ def option(default: Any = None, *, type: Any = None, help: str | None = None, **
 
 def external(default: Any = None) -> Any:
     """A field whose flag another module defines (the tokenizer flags of
-    ``lime_megatron.tokenizer.add_tokenizer_args``)."""
+    ``lime_megatron.data.tokenizer.add_tokenizer_args``)."""
     return field(default=default, metadata=dict(flag=False))
 
 
@@ -81,7 +81,7 @@ class ModelOptions:
                                         "bf16/FP8")
     init_style: str = option("megatron", choices=INIT_STYLES,
                              help="initial weight distributions: megatron's defaults or the paper's released "
-                                  "code (lime_megatron.initialization); drawn the same at every layout")
+                                  "code (lime_megatron.models.initialization); drawn the same at every layout")
     recompute_granularity: str | None = option(choices=("full", "selective"))
     recompute_method: str | None = option(choices=("uniform", "block"))
     recompute_num_layers: int | None = option(type=int)
@@ -276,7 +276,7 @@ class LoggingOptions:
 
 @dataclass(frozen=True)
 class StepTimeOptions:
-    """``--dry-run``'s step-time model of the pipeline schedule (``lime_megatron.schedule_model``)."""
+    """``--dry-run``'s step-time model of the pipeline schedule (``lime_megatron.planning.schedule_model``)."""
 
     group = "dry-run step-time model"
 

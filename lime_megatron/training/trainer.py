@@ -2,14 +2,14 @@
 
 megatron-core's pip package ships the pieces of a trainer but not Megatron-LM's loop; this module
 is that loop, kept short. ``train(argv)`` parses the flags into a typed
-``lime_megatron.run_config.RunConfig`` and then:
+``lime_megatron.training.run_config.RunConfig`` and then:
 
-1. ``torch.distributed`` and megatron's parallel state, seeded (``lime_megatron.parallel``);
-2. :func:`build_trainer`: the tokenizer and datasets (``lime_megatron.data``), checked before any
+1. ``torch.distributed`` and megatron's parallel state, seeded (``lime_megatron.parallel.process_groups``);
+2. :func:`build_trainer`: the tokenizer and datasets (``lime_megatron.training.data``), checked before any
    model is built; one LIMe/LLaMA chunk per virtual pipeline stage (:func:`build_model_chunks`,
    ``Float16Module`` for bf16/fp16, megatron's ``DistributedDataParallel``); megatron's optimizer
-   with the router group and the LR schedule (``lime_megatron.optimizer``); resume from
-   ``--load`` (``lime_megatron.checkpointing``). All of it is held by one :class:`Trainer`;
+   with the router group and the LR schedule (``lime_megatron.training.optimizer``); resume from
+   ``--load`` (``lime_megatron.training.checkpointing``). All of it is held by one :class:`Trainer`;
 3. the loop, one named step after the other: :func:`_step` (this rank's microbatches, megatron's
    forward-backward schedule through :func:`train_step`, the optimizer and scheduler step),
    :func:`_maybe_evaluate` (every ``--eval-interval``), :func:`_record` (metrics sinks),
@@ -39,35 +39,37 @@ import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 from megatron.core.distributed import DistributedDataParallel, DistributedDataParallelConfig, finalize_model_grads
-from megatron.core.optimizer import MegatronOptimizer
+from megatron.core.optimizer import MegatronOptimizer, OptimizerConfig
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.pipeline_parallel import get_forward_backward_func
 from megatron.core.transformer.module import Float16Module
 from megatron.core.utils import get_model_config, unwrap_model
 
-from lime_megatron import arguments, checkpointing, data, estimate, flops, fusions, recompute
-from lime_megatron.arguments import UsageError
-from lime_megatron.compat import default_device
-from lime_megatron.config import LimeConfigError, LimeTransformerConfig
-from lime_megatron.metrics import (
+from lime_megatron.models.config import LimeConfigError, LimeTransformerConfig
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.models.lime import recompute
+from lime_megatron.parallel import fusions
+from lime_megatron.parallel.compat import default_device
+from lime_megatron.parallel.pipeline import schedule_arguments
+from lime_megatron.parallel.process_groups import destroy_parallel, initialize_parallel
+from lime_megatron.planning import estimate, flops
+from lime_megatron.training import arguments, checkpointing, data
+from lime_megatron.training.arguments import UsageError
+from lime_megatron.training.metrics import (
     IterationMetrics,
     MetricsLogger,
     gpu_peak_tflops,
     perplexity,
 )
-from lime_megatron.model import build_model
-from lime_megatron.optimizer import (
+from lime_megatron.training.optimizer import (
+    LRSchedule,
+    RouterGroup,
     build_optimizer,
     build_scheduler,
     group_learning_rates,
-    lr_schedule,
-    optimizer_config,
-    router_group,
 )
-from lime_megatron.parallel import destroy_parallel, initialize_parallel
-from lime_megatron.pipeline import schedule_arguments
-from lime_megatron.profiling import IterationProfiler
-from lime_megatron.run_config import CheckpointOptions, RunConfig, TrainingOptions
+from lime_megatron.training.profiling import IterationProfiler
+from lime_megatron.training.run_config import CheckpointOptions, RunConfig, TrainingOptions
 
 
 @dataclass
@@ -120,7 +122,7 @@ def train(argv=None) -> TrainingResult:
 
 
 def dry_run_report(run: RunConfig) -> str:
-    """``lime_megatron.estimate``'s report for the requested model and layout (one process, no
+    """``lime_megatron.planning.estimate``'s report for the requested model and layout (one process, no
     ``torch.distributed``)."""
     config = arguments.transformer_config(run)
     step_time = run.step_time
@@ -136,7 +138,7 @@ def dry_run_report(run: RunConfig) -> str:
 @contextlib.contextmanager
 def distributed(run: RunConfig):
     """torch.distributed (created if needed, then destroyed) and megatron's parallel state for
-    the run's layout, seeded (``lime_megatron.parallel.set_random_seed``)."""
+    the run's layout, seeded (``lime_megatron.parallel.process_groups.set_random_seed``)."""
     created = not torch.distributed.is_initialized()
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
@@ -354,6 +356,35 @@ class Trainer:
 def _print0(*parts) -> None:
     if torch.distributed.get_rank() == 0:
         print(*parts, flush=True)
+
+
+def optimizer_config(run: RunConfig) -> OptimizerConfig:
+    """megatron ``OptimizerConfig`` of the run (Adam is AdamW)."""
+    training, precision = run.training, run.precision
+    return OptimizerConfig(
+        optimizer=training.optimizer, lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
+        adam_beta1=training.adam_beta1, adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
+        sgd_momentum=training.sgd_momentum, clip_grad=training.clip_grad, bf16=precision.bf16,
+        fp16=precision.fp16, params_dtype=precision.params_dtype, loss_scale=precision.loss_scale,
+        initial_loss_scale=precision.initial_loss_scale, min_loss_scale=precision.min_loss_scale,
+        loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
+        use_distributed_optimizer=run.parallel.use_distributed_optimizer,
+    )
+
+
+def router_group(run: RunConfig) -> RouterGroup | None:
+    """The LIMe routers' parameter group of the run (None for the LLaMA baseline)."""
+    lime = run.lime
+    return RouterGroup(lime.lime_router_lr, lime.lime_router_weight_decay) if lime.lime else None
+
+
+def lr_schedule(run: RunConfig) -> LRSchedule:
+    """The learning-rate schedule of the run."""
+    training = run.training
+    return LRSchedule(max_lr=training.lr, decay_iters=training.lr_decay_iters, train_iters=training.train_iters,
+                      min_lr=training.min_lr, init_lr=training.lr_warmup_init,
+                      warmup_iters=training.lr_warmup_iters, decay_style=training.lr_decay_style,
+                      weight_decay=training.weight_decay)
 
 
 def build_trainer(run: RunConfig) -> Trainer:

@@ -1,4 +1,4 @@
-"""lime_megatron.analysis: entropy against closed forms, router numbers against the model's
+"""lime_megatron.analysis.measures: entropy against closed forms, router numbers against the model's
 routers, the probe on separable and on random data, hooked values against the model's own value
 projections, and the plots of a LIMe/LLaMA comparison."""
 
@@ -12,8 +12,8 @@ import pytest
 import torch
 from lime_fixtures import SEQ, VOCAB, tiny_model
 
-from lime_megatron import analysis
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.analysis import measures
+from lime_megatron.parallel.process_groups import initialize_parallel
 
 pytest.importorskip("sklearn")
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -48,16 +48,16 @@ def models():
 def test_entropy_closed_forms(alpha):
     t = 8
     row = torch.randn(1, 16, dtype=torch.float64)
-    assert analysis.renyi_entropy(row.repeat(t, 1), alpha) == pytest.approx(0.0, abs=1e-9)
+    assert measures.renyi_entropy(row.repeat(t, 1), alpha) == pytest.approx(0.0, abs=1e-9)
     orthonormal, _ = torch.linalg.qr(torch.randn(16, t, dtype=torch.float64))
-    assert analysis.renyi_entropy(orthonormal.T, alpha) == pytest.approx(math.log(t), rel=1e-9)
+    assert measures.renyi_entropy(orthonormal.T, alpha) == pytest.approx(math.log(t), rel=1e-9)
     # Two orthogonal directions with weights 3:1 -> p = (0.9, 0.1).
     two = torch.tensor([[3.0, 0.0], [0.0, 1.0]], dtype=torch.float64)
     p = np.array([0.9, 0.1])
     expected = -(p * np.log(p)).sum() if alpha == 1 else np.log((p**alpha).sum()) / (1 - alpha)
-    assert analysis.renyi_entropy(two, alpha) == pytest.approx(expected, rel=1e-9)
+    assert measures.renyi_entropy(two, alpha) == pytest.approx(expected, rel=1e-9)
     with pytest.raises(ValueError, match="alpha must be > 0"):
-        analysis.renyi_entropy(row, 0.0)
+        measures.renyi_entropy(row, 0.0)
 
 
 def test_probe_separates_separable_data_and_not_random_labels():
@@ -65,20 +65,20 @@ def test_probe_separates_separable_data_and_not_random_labels():
     centres = generator.normal(size=(4, 16)) * 4
     labels = np.repeat(np.arange(4), 50)
     features = centres[labels] + generator.normal(size=(200, 16))
-    mean, std = analysis.probe_accuracy(features, labels)
+    mean, std = measures.probe_accuracy(features, labels)
     assert mean >= 0.98 and std < 0.05
-    chance, _ = analysis.probe_accuracy(generator.normal(size=(200, 16)), labels)
+    chance, _ = measures.probe_accuracy(generator.normal(size=(200, 16)), labels)
     assert chance < 0.5
     with pytest.raises(ValueError, match="needs >= 5 examples"):
-        analysis.probe_accuracy(features[48:56], labels[48:56])
+        measures.probe_accuracy(features[48:56], labels[48:56])
     with pytest.raises(ValueError, match="at least 2 classes"):
-        analysis.probe_accuracy(features[:8], labels[:8])
+        measures.probe_accuracy(features[:8], labels[:8])
 
 
 def test_hooked_values_are_the_models_value_projections(models):
     model = models["LIMe"]
     tokens = _tokens(4)
-    reps = analysis.collect_representations(model, tokens, batch_size=3, progress=False)
+    reps = measures.collect_representations(model, tokens, batch_size=3, progress=False)
     assert len(reps.values) == len(reps.hidden) == model.config.num_layers
     with torch.no_grad():
         for index in range(1, model.config.num_layers):
@@ -91,15 +91,15 @@ def test_hooked_values_are_the_models_value_projections(models):
 
 def test_retrieval_shares_of_a_known_router():
     weight = torch.tensor([[[1.0, -3.0], [2.0, 0.0]], [[-1.0, 1.0], [0.0, 2.0]]])  # [kv=2, sources=2, kv=2]
-    shares = analysis.retrieval_shares({1: ([0, 1], weight)}, 2)
+    shares = measures.retrieval_shares({1: ([0, 1], weight)}, 2)
     np.testing.assert_allclose(shares[1], [0.6, 0.4])  # mean |w|: source 0 -> 1.5, source 1 -> 1.0
-    np.testing.assert_allclose(analysis.self_retrieval(shares), [0.0, 0.4])
-    np.testing.assert_allclose(analysis.expected_depth(shares), [0.0, 0.4])
+    np.testing.assert_allclose(measures.self_retrieval(shares), [0.0, 0.4])
+    np.testing.assert_allclose(measures.expected_depth(shares), [0.0, 0.4])
 
 
 def test_analysis_of_lime_and_llama_writes_numbers_and_plots(models, tmp_path):
-    options = analysis.AnalysisOptions(tsne_layers=(4,), tsne_iterations=250)
-    results = analysis.analyze(models, _tokens(), WordTokenizer(), str(tmp_path), options)
+    options = measures.AnalysisOptions(tsne_layers=(4,), tsne_iterations=250)
+    results = measures.analyze(models, _tokens(), WordTokenizer(), str(tmp_path), options)
     saved = json.loads((tmp_path / "analysis.json").read_text())
     lime = saved["models"]["LIMe"]
     for router in models["LIMe"].routers():
@@ -118,6 +118,6 @@ def test_analysis_of_lime_and_llama_writes_numbers_and_plots(models, tmp_path):
 
 
 def test_a_word_without_a_single_token_is_named():
-    assert analysis.word_token_ids(WordTokenizer(), ["is", "were"]) == {"is": [7], "were": [10]}
+    assert measures.word_token_ids(WordTokenizer(), ["is", "were"]) == {"is": [7], "were": [10]}
     with pytest.raises(ValueError, match="no single token for 'been'"):
-        analysis.word_token_ids(WordTokenizer(), ["is", "been"])
+        measures.word_token_ids(WordTokenizer(), ["is", "been"])

@@ -16,10 +16,10 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
-from lime_megatron import corpus
-from lime_megatron.tokenizer import build_tokenizer
+from lime_megatron.data import corpus
+from lime_megatron.data.tokenizer import build_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import inspect_dataset  # noqa: E402
 import merge_datasets  # noqa: E402

@@ -12,9 +12,9 @@ import sentencepiece
 from tokenizers import ByteLevelBPETokenizer
 from tokenizers import Tokenizer as HFTokenizer
 
-from lime_megatron import tokenizer as tk
+from lime_megatron.data import tokenizer as tk
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 import preprocess_data  # noqa: E402
 import train_tokenizer  # noqa: E402

@@ -1,4 +1,4 @@
-"""KV-cache decoding (lime_megatron.decoding) against the full forward, float64.
+"""KV-cache decoding (lime_megatron.inference.decoding) against the full forward, float64.
 
 Prefill plus one token at a time gives the logits of one full causal forward (every router
 variant, MHA and GQA, LIMe and the baseline); a batch of different prompt lengths decoded at one
@@ -13,7 +13,7 @@ import torch
 from decoding_fixtures import incremental_logits
 from lime_fixtures import VOCAB, relative_error, tiny_model
 
-from lime_megatron.decoding import decode_step, full_logits, kv_cache_context
+from lime_megatron.inference.decoding import decode_step, full_logits, kv_cache_context
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

@@ -1,4 +1,4 @@
-"""lime_megatron.generation and tools/generate.py: the KV cache generates what recomputing the
+"""lime_megatron.inference.generation and tools/generate.py: the KV cache generates what recomputing the
 full sequence per token generates (greedy and sampled), sampling is reproducible with a seed,
 top-k/top-p restrict the choice, generation stops at stop strings and the end of document, and
 the command line generates from a checkpoint what the module generates from the loaded model.
@@ -23,11 +23,11 @@ from decoding_fixtures import incremental_logits, tiny_checkpoint
 from distributed import run_distributed
 from lime_fixtures import relative_error, tiny_model
 
-from lime_megatron.checkpoint_model import load_model
-from lime_megatron.decoding import full_logits
-from lime_megatron.generation import Generator, SamplingOptions, sample_next
+from lime_megatron.inference.decoding import full_logits
+from lime_megatron.inference.generation import Generator, SamplingOptions, sample_next
+from lime_megatron.interop.checkpoint_model import load_model
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 import generate as tool  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),

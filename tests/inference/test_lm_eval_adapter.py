@@ -1,4 +1,4 @@
-"""lime_megatron.evaluation: lm-eval's requests answered from the model's own forward (float64),
+"""lime_megatron.inference.lm_eval_adapter: lm-eval's requests answered from the model's own forward (float64),
 and ``tools/evaluate.py --model lime_megatron`` on a checkpoint with local YAML tasks (offline)
 whose answers are known from that forward.
 
@@ -26,14 +26,14 @@ from lime_fixtures import tiny_model  # noqa: E402
 from lm_eval import utils as lm_eval_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from lime_megatron.checkpoint_model import load_model  # noqa: E402
-from lime_megatron.evaluation import LimeMegatronLM  # noqa: E402
-from lime_megatron.generation import Generator, SamplingOptions  # noqa: E402
+from lime_megatron.inference.generation import Generator, SamplingOptions  # noqa: E402
+from lime_megatron.inference.lm_eval_adapter import LimeMegatronLM  # noqa: E402
+from lime_megatron.interop.checkpoint_model import load_model  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = ["1 + 2 =", "The sky is", "", "(7 + 5) x 3 ="]
 CHOICES = ["3", "blue", "12", "x"]
 TOLERANCE = 1e-10

@@ -8,9 +8,9 @@ round-trips every tensor bit for bit and the trainer resumes from its output.
 import pytest
 import torch
 
-from lime_megatron import arguments, data, training
-from lime_megatron.checkpoint_model import load_model, resolve_checkpoint, save_model
-from lime_megatron.checkpointing import CheckpointError
+from lime_megatron.interop.checkpoint_model import load_model, resolve_checkpoint, save_model
+from lime_megatron.training import arguments, data, trainer
+from lime_megatron.training.checkpointing import CheckpointError
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -24,7 +24,7 @@ TINY = ("--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-gro
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
     root = tmp_path_factory.mktemp("ckpt")
-    result = training.train(TINY + ["--save", str(root)])
+    result = trainer.train(TINY + ["--save", str(root)])
     return root, result
 
 
@@ -57,8 +57,8 @@ def test_save_model_round_trips_and_the_trainer_starts_from_it(trained, tmp_path
     tensors = [name for name, value in before.items() if isinstance(value, torch.Tensor)]
     assert tensors and all(torch.equal(before[name], after[name]) for name in tensors)
     with pytest.raises(CheckpointError, match="holds weights only"):
-        training.train(TINY + ["--load", str(tmp_path / "copy"), "--train-iters", "3"])
-    result = training.train(TINY + ["--load", str(tmp_path / "copy"), "--no-load-optim"])
+        trainer.train(TINY + ["--load", str(tmp_path / "copy"), "--train-iters", "3"])
+    result = trainer.train(TINY + ["--load", str(tmp_path / "copy"), "--no-load-optim"])
     assert result.resumed_from == directory and result.iteration == 2
 
 

@@ -26,16 +26,16 @@ from lime_fixtures import SEQ, VOCAB, batch, relative_error, tiny_model
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
-from lime_megatron import arguments, checkpointing, data
-from lime_megatron.checkpoint_model import load_model, new_model, save_model
-from lime_megatron.hf_export import ConversionError, Description, import_checkpoint, write_hf
-from lime_megatron.hf_layout import ModelShape
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.interop.checkpoint_model import load_model, new_model, save_model
+from lime_megatron.interop.hf_export import ConversionError, Description, import_checkpoint, write_hf
+from lime_megatron.interop.hf_layout import ModelShape
+from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.training import arguments, checkpointing, data
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-sys.path.insert(0, str(Path(__file__).parent.parent / "tools"))
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 TOLERANCE = 1e-10
 EPS, ROPE_BASE = 1e-6, 5000
@@ -57,7 +57,7 @@ def _write(model, directory, **description) -> str:
 
 def _model(**overrides):
     """A float64 tiny model (RoPE base ``ROPE_BASE`` and epsilon ``EPS``) in eval mode."""
-    from lime_megatron.model import build_model
+    from lime_megatron.models.gpt_model import build_model
 
     template = tiny_model(layernorm_epsilon=EPS, **overrides)
     model = build_model(template.config, VOCAB, SEQ, rotary_base=ROPE_BASE,
@@ -93,7 +93,7 @@ def test_llama_logits_equal_transformers(tmp_path, monkeypatch, groups, tied):
 
 def _untied(model):
     """``model`` with a separate output layer (a different random matrix)."""
-    from lime_megatron.model import build_model
+    from lime_megatron.models.gpt_model import build_model
 
     untied = build_model(model.config, VOCAB, SEQ, rotary_base=ROPE_BASE, share_embeddings_and_output_weights=False)
     state = model.state_dict()
@@ -268,7 +268,7 @@ def test_gpt2_tokenizer_files_load_in_transformers(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_starts_from_an_import(tmp_path):
-    from lime_megatron import training
+    from lime_megatron.training import trainer
 
     source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS["lime-gqa-untied-mock"].split())
     from convert_checkpoint import main
@@ -278,7 +278,7 @@ def test_trainer_starts_from_an_import(tmp_path):
     flags = (ROUND_TRIPS["lime-gqa-untied-mock"] + " --seq-length 16 --micro-batch-size 2 --global-batch-size 2 "
              "--lr 1e-3 --train-iters 1 --log-interval 100 --eval-interval 100 --eval-iters 1 --no-load-optim "
              f"--load {tmp_path / 'back'}").split()
-    result = training.train(flags)
+    result = trainer.train(flags)
     assert result.resumed_from.endswith("iter_0000000") and result.iteration == 1
 
 

@@ -1,4 +1,4 @@
-"""Layout-invariant initialisation (lime_megatron.initialization): the drawn distributions of
+"""Layout-invariant initialisation (lime_megatron.models.initialization): the drawn distributions of
 each init style, the same full weights at every layout, and from-scratch runs of
 pretrain_lime.py at pipeline/tensor/data-parallel layouts reproducing the single-process losses."""
 
@@ -10,11 +10,11 @@ import pytest
 import torch
 from distributed import ShardRule, run_distributed
 
-from lime_megatron.config import lime_config
-from lime_megatron.head_parallel import HeadSharding
-from lime_megatron.initialization import INIT_STYLES, initialize_weights, local_shard
-from lime_megatron.model import build_model
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.models.initialization import INIT_STYLES, initialize_weights, local_shard
+from lime_megatron.models.lime.head_parallel import HeadSharding
+from lime_megatron.parallel.process_groups import initialize_parallel
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -176,7 +176,7 @@ LAYOUTS = {
 
 
 def _train_runs(runs: list) -> list:
-    from lime_megatron.training import train
+    from lime_megatron.training.trainer import train
 
     return [train(argv).losses for argv in runs]
 
@@ -192,7 +192,7 @@ def test_from_scratch_layouts_reproduce_the_single_process_losses():
 
 
 def test_init_style_and_seed_come_from_the_trainer_flags():
-    from lime_megatron import arguments
+    from lime_megatron.training import arguments
 
     flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
              "--lr 1e-3 --train-iters 1 --mock-data --vocab-size 64 --lime --seed 77").split()

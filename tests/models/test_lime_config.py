@@ -4,19 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lime_fixtures import TABLE_8
 
-from lime_megatron.config import PAPER_1B, PAPER_VOCAB_SIZE, LimeConfigError, lime_config
-from lime_megatron.model import build_model
-from lime_megatron.parallel import initialize_parallel as init_single_process
-from lime_megatron.router import router_parameter_count
-
-# Paper Table 8 (billions, 5 significant digits) and the exact integers this codebase builds.
-TABLE_8 = {
-    ("LLaMA-GQA8", False, 8): (1.07607, 1_076_072_448),
-    ("LIMe-GQA8", True, 8): (1.07608, 1_076_081_088),
-    ("LLaMA", False, 32): (1.17674, 1_176_735_744),
-    ("LIMe", True, 32): (1.17687, 1_176_873_984),
-}
+from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, LimeConfigError, lime_config
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.models.lime.router import router_parameter_count
+from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
 
 
 @pytest.mark.parametrize("name,lime,kv_heads", list(TABLE_8), ids=[k[0] for k in TABLE_8])

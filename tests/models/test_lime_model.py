@@ -18,8 +18,8 @@ from lime_fixtures import (
 from reference_lime import average_router
 from reference_lime import forward as reference_forward
 
-from lime_megatron.parallel import initialize_parallel as init_single_process
-from lime_megatron.router import routing_sources
+from lime_megatron.models.lime.router import routing_sources
+from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
 
 TOLERANCE = 1e-10
 
@@ -167,7 +167,7 @@ def test_windowed_sources(variant, window):
 def test_routed_kv_are_rebuilt_not_saved():
     """With recompute on, autograd keeps no routed K/V: exactly the routed [2, s, b, h, d] and the
     rotated keys [s, b, h, d] of every layer drop out of the saved bytes."""
-    from lime_megatron.saved_tensors import SavedTensorBytes
+    from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved = {}
@@ -185,8 +185,8 @@ def test_full_recompute_keeps_its_savings():
     """After the forward under megatron's full recompute, LIMe keeps what the baseline keeps (the
     checkpointed layer inputs; LIMe's memory handle adds 8 bytes) and, outside autograd, its
     buffer of raw K/V, which recomputed layers read: a small part of what full recompute drops."""
-    from lime_megatron.memory import LayerIntegratedMemory
-    from lime_megatron.saved_tensors import SavedTensorBytes
+    from lime_megatron.models.lime.memory import LayerIntegratedMemory
+    from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved, buffers = {}, []

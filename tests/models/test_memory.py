@@ -14,9 +14,9 @@ from decoding_fixtures import incremental_logits
 from lime_fixtures import VOCAB, batch, loss_of, megatron_logits, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from lime_megatron import flops
-from lime_megatron.decoding import full_logits
-from lime_megatron.recompute import routed_kv_log
+from lime_megatron.inference.decoding import full_logits
+from lime_megatron.models.lime.recompute import routed_kv_log
+from lime_megatron.planning import flops
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

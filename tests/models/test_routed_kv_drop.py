@@ -1,4 +1,4 @@
-"""The routed-K/V drop says what it did (``lime_megatron.recompute.routed_kv_log``).
+"""The routed-K/V drop says what it did (``lime_megatron.models.lime.recompute.routed_kv_log``).
 
 With megatron's own attention (MHA) every layer's routed keys and values are dropped from the
 saved tensors and rebuilt once in backward.  A core attention that saves copies (put in through
@@ -15,13 +15,13 @@ import pytest
 import torch
 from lime_fixtures import SEQ, batch, loss_of, relative_error, tiny_model
 from megatron.core.transformer.dot_product_attention import DotProductAttention
-from test_lime_model import init_single_process
 
-from lime_megatron.activations import Geometry, layer_activation_bytes
-from lime_megatron.config import lime_config
-from lime_megatron.layer_spec import lime_block_spec
-from lime_megatron.model import LimeGPTModel
-from lime_megatron.recompute import RoutedKVLog, drops_routed_kv, routed_kv_log
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.gpt_model import LimeGPTModel
+from lime_megatron.models.layer_specs import lime_block_spec
+from lime_megatron.models.lime.recompute import RoutedKVLog, drops_routed_kv, routed_kv_log
+from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
+from lime_megatron.planning.activations import Geometry, layer_activation_bytes
 
 LAYERS = 5
 
@@ -90,7 +90,7 @@ def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog)
     expected = gradients(model)
     fresh_log.take()
     copying = with_core_attention(model, CopyingAttention)
-    with caplog.at_level(logging.WARNING, logger="lime_megatron.recompute"):
+    with caplog.at_level(logging.WARNING, logger="lime_megatron.models.lime.recompute"):
         actual = gradients(copying)
         gradients(copying)
     warnings = [record for record in caplog.records if "saved its own copies" in record.getMessage()]

@@ -1,4 +1,4 @@
-"""The private megatron-core / torch APIs the project relies on (listed in ``lime_megatron.compat``'s
+"""The private megatron-core / torch APIs the project relies on (listed in ``lime_megatron.parallel.compat``'s
 docstring) have the signatures and behaviour the code expects under the installed versions; a
 difference fails with the API's name."""
 
@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from lime_megatron import compat
+from lime_megatron.parallel import compat
 
 LISTED = (  # every private/internal API the code touches, as the docstring names it
     "micro-batch order", "``context`` threading", "TransformerBlock._checkpointed_forward",

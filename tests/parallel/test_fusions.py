@@ -1,4 +1,4 @@
-"""lime_megatron.fusions: every example config resolved as on a CUDA machine with
+"""lime_megatron.parallel.fusions: every example config resolved as on a CUDA machine with
 TransformerEngine (the environment is a ``Platform`` argument), CPU runs keep fusions off, the run's
 config and ``--dry-run`` carry the choices, and a pipeline run with ``deallocate_pipeline_outputs``
 (what every pipeline run gets) reproduces the single-stage model exactly (2 processes, gloo)."""
@@ -11,11 +11,12 @@ from functools import partial
 import pytest
 import torch
 from distributed import Layout, run_distributed
-from test_examples import CONFIGS, parsed
+from example_configs import CONFIGS, parsed
 
-from lime_megatron import arguments, fusions
-from lime_megatron.fusions import Platform
-from lime_megatron.run_config import RunConfig
+from lime_megatron.parallel import fusions
+from lime_megatron.parallel.fusions import Platform
+from lime_megatron.training import arguments
+from lime_megatron.training.run_config import RunConfig
 
 H100_TE = Platform(cuda=True, te=True)
 H100_TE_APEX = Platform(cuda=True, te=True, fused_wgrad=True, softmax_kernels=True)

@@ -39,7 +39,7 @@ TOLERANCE = 1e-5
 
 
 def make_config(layout: Layout, **model):
-    from lime_megatron.config import lime_config
+    from lime_megatron.models.config import lime_config
 
     settings = dict(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
                     deallocate_pipeline_outputs=layout.pp > 1)
@@ -51,7 +51,7 @@ def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: in
           stages: dict | None = None, micro_batches: int = MICRO_BATCHES):
     """``steps`` SGD steps; returns (losses, [full grads per step], initial full weights).
     ``stages``: config options of the pipeline split (left out of the single-stage reference)."""
-    from lime_megatron.training import train_step
+    from lime_megatron.training.trainer import train_step
 
     initialize_layout(layout)
     config = make_config(layout, **model, **(stages or {}))
@@ -129,7 +129,7 @@ def send_stale_rows(kept_rows: type) -> tuple[str, object]:
 def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
     """``compare`` with ``mutation`` applied to ``pipeline.KeptRows`` (a test-only monkeypatch in
     this process, undone afterwards)."""
-    from lime_megatron.pipeline import KeptRows
+    from lime_megatron.parallel.pipeline import KeptRows
 
     name, replacement = mutation(KeptRows)
     original = getattr(KeptRows, name)
@@ -146,8 +146,8 @@ def side_channel_accounting() -> dict:
     ``pipeline.hop_elements`` says; the rows still kept after each call; both losses."""
     from megatron.core import parallel_state
 
-    from lime_megatron import pipeline
-    from lime_megatron.training import forward_backward, run_schedule
+    from lime_megatron.parallel import pipeline
+    from lime_megatron.training.trainer import forward_backward, run_schedule
 
     layout = Layout(pp=4, vpp=2)
     initialize_layout(layout)
@@ -219,7 +219,7 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
     """Loss of a freshly initialised model at ``layout`` after loading ``checkpoint`` (if any)."""
     from megatron.core import dist_checkpointing
 
-    from lime_megatron.training import forward_backward
+    from lime_megatron.training.trainer import forward_backward
 
     initialize_layout(layout)
     config = make_config(layout, num_query_groups=2, init_seed=100 + layout.pp)  # other weights than saved
@@ -238,7 +238,7 @@ def reshard_checkpoint(directory: str):
     """Save at TP=2 x PP=2 x VPP=2, load at PP=1 and PP=4 x VPP=2: (saved, loaded, fresh)."""
     from megatron.core import dist_checkpointing
 
-    from lime_megatron.training import forward_backward
+    from lime_megatron.training.trainer import forward_backward
 
     layout = Layout(tp=2, pp=2, vpp=2)
     initialize_layout(layout)
@@ -310,8 +310,8 @@ def test_deep_model_over_eight_stages():
 def test_every_row_reaches_a_rank_once(router, pp, vpp, layers):
     """Over all hops into a rank's chunks, one micro-batch brings each layer's rows at most once,
     and exactly the layers its chunks read (``router.routing_sources``) that it does not produce."""
-    from lime_megatron.pipeline import chunk_layers, hop_blocks
-    from lime_megatron.router import routing_sources
+    from lime_megatron.models.lime.router import routing_sources
+    from lime_megatron.parallel.pipeline import chunk_layers, hop_blocks
 
     config = make_config(Layout(pp=pp, vpp=vpp), num_layers=layers, **router)
     chunks = chunk_layers(config)
@@ -327,7 +327,7 @@ def test_every_row_reaches_a_rank_once(router, pp, vpp, layers):
 
 
 def test_layouts_that_cannot_split_fail_clearly():
-    from lime_megatron.config import LimeConfigError
+    from lime_megatron.models.config import LimeConfigError
 
     with pytest.raises(LimeConfigError, match="divisible by pipeline_model_parallel_size"):
         make_config(Layout(pp=4), num_layers=6)

@@ -51,7 +51,7 @@ def router_rule(config, name, param):
 def build_chunks(config, weights=None, extra_shard_rules=None) -> list:
     """This rank's DDP-wrapped chunks as the trainer builds them, loaded with the full
     single-process ``weights`` if given."""
-    from lime_megatron.training import build_model_chunks
+    from lime_megatron.training.trainer import build_model_chunks
 
     chunks = build_model_chunks(config, VOCAB, SEQ)
     if weights is not None:
@@ -64,7 +64,7 @@ def sgd(chunks, lr: float, steps: int):
     parameter, routers included (no momentum, weight decay or clipping; constant lr)."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from lime_megatron.optimizer import LRSchedule, RouterGroup, build_optimizer, build_scheduler
+    from lime_megatron.training.optimizer import LRSchedule, RouterGroup, build_optimizer, build_scheduler
 
     config = OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0,
                              params_dtype=torch.float32)
@@ -75,8 +75,8 @@ def sgd(chunks, lr: float, steps: int):
 def train(layout: Layout, kv_heads: int, weights=None):
     """3 SGD steps; returns (losses, [full grads per step], initial full weights, [router gradient
     norm per step as megatron's clipping sees it])."""
-    from lime_megatron.config import lime_config
-    from lime_megatron.training import train_step
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.training.trainer import train_step
 
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -137,8 +137,8 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
     """Loss of a fresh model at ``layout`` (other random weights) after loading ``checkpoint``."""
     from megatron.core import dist_checkpointing
 
-    from lime_megatron.config import lime_config
-    from lime_megatron.training import forward_backward
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.training.trainer import forward_backward
 
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
@@ -155,8 +155,8 @@ def reshard_checkpoint(directory: str):
     """Save at TP=2, load at TP=1 and TP=4: (saved loss, [loaded losses], fresh-model loss)."""
     from megatron.core import dist_checkpointing
 
-    from lime_megatron.config import lime_config
-    from lime_megatron.training import forward_backward
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.training.trainer import forward_backward
 
     initialize_layout(Layout(tp=2))
 

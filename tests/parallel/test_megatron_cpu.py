@@ -71,7 +71,7 @@ def _adam(chunks, distributed_optimizer: bool):
     ``CLIP_GRAD``, with a constant learning rate."""
     from megatron.core.optimizer import OptimizerConfig
 
-    from lime_megatron.optimizer import LRSchedule, build_optimizer, build_scheduler
+    from lime_megatron.training.optimizer import LRSchedule, build_optimizer, build_scheduler
 
     config = OptimizerConfig(
         optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.0, clip_grad=CLIP_GRAD,
@@ -87,7 +87,7 @@ def _train_step(chunks, batches, distributed_optimizer: bool) -> dict:
 
     The distributed optimizer's state is then loaded into a fresh one, as when resuming.
     """
-    from lime_megatron.training import forward_backward, optimizer_step
+    from lime_megatron.training.trainer import forward_backward, optimizer_step
 
     loss = forward_backward(chunks, batches)
     grads = None if distributed_optimizer else gather_full(chunks, lambda param: param.main_grad)
@@ -101,8 +101,8 @@ def _train_step(chunks, batches, distributed_optimizer: bool) -> dict:
 def _gpt_model(layout: Layout, weights=None, distributed_optimizer: bool = False):
     """Initialise ``layout`` and build this rank's DDP-wrapped chunks of a tiny LLaMA baseline
     (4 layers, hidden 64, 4 heads in 2 query groups), loaded with ``weights`` if given."""
-    from lime_megatron.config import lime_config
-    from lime_megatron.training import build_model_chunks
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.training.trainer import build_model_chunks
 
     initialize_layout(layout)
     config = lime_config(lime=False, num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
@@ -290,7 +290,7 @@ def test_merge_shards_rejects_disagreeing_replicas():
 
 
 def test_enable_cpu_support_is_idempotent():
-    from lime_megatron import compat
+    from lime_megatron.parallel import compat
 
     if torch.cuda.is_available():
         assert compat.enable_cpu_support() is False

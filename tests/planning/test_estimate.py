@@ -1,4 +1,4 @@
-"""lime_megatron.estimate against measured reality: parameter counts of models megatron builds
+"""lime_megatron.planning.estimate against measured reality: parameter counts of models megatron builds
 (one process, and every rank of TP/PP/VPP/uneven layouts on 4 gloo ranks), saved activation
 bytes against ``saved_tensors.SavedTensorBytes`` (TP=1 in-process; TP=2 with and without sequence
 parallelism on ranks), megatron's pipeline schedule order, the report and bad input."""
@@ -9,16 +9,16 @@ import re
 
 import pytest
 import torch
+from lime_fixtures import TABLE_8
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
-from test_lime_config import TABLE_8
 
-from lime_megatron import activations
-from lime_megatron import estimate as E
-from lime_megatron.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
-from lime_megatron.model import build_model
-from lime_megatron.parallel import initialize_parallel
-from lime_megatron.saved_tensors import SavedTensorBytes
-from lime_megatron.schedule_model import rank_operations
+from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.planning import activations
+from lime_megatron.planning import estimate as E
+from lime_megatron.planning.saved_tensors import SavedTensorBytes
+from lime_megatron.planning.schedule_model import rank_operations
 
 VOCAB, SEQ, BATCH = 128, 32, 2
 # Saved bytes the estimate leaves out on purpose: LIMe's 8-byte memory handle and a few scalars.
@@ -282,7 +282,7 @@ def _rank_checks(layouts: dict, activation_cases: dict) -> dict:
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
-    from lime_megatron.training import build_model_chunks
+    from lime_megatron.training.trainer import build_model_chunks
 
     results = {}
     for name, (fields, overrides) in layouts.items():

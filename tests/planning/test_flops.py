@@ -1,4 +1,4 @@
-"""lime_megatron.flops checked independently: a tiny model's matrix products counted by hand,
+"""lime_megatron.planning.flops checked independently: a tiny model's matrix products counted by hand,
 the products a built model actually runs counted by torch's FlopCounterMode, and the paper's
 Table 8 forward FLOPs reproduced under the official implementation's counting convention."""
 
@@ -8,10 +8,10 @@ import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
 
-from lime_megatron import flops
-from lime_megatron.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
-from lime_megatron.model import build_model
-from lime_megatron.parallel import initialize_parallel
+from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.planning import flops
 
 # 2 layers, hidden 8, 4 query heads of dim 2 sharing 2 kv heads (GQA), FFN 12 (SwiGLU), vocab 16.
 TINY = dict(num_layers=2, hidden_size=8, ffn_hidden_size=12, num_attention_heads=4, num_query_groups=2,
@@ -94,7 +94,7 @@ def test_formula_matches_measured_products(overrides):
     """Formula = FlopCounterMode's count under a stated convention. Attention: the formula counts
     the causal half, 2 * 2 * s * (heads * d) / 2 per token and layer; the counter sees whole
     squares, exactly that much again. Routers: both leave layer 0 out (its identity routing runs
-    no product; backward and decoding: tests/test_memory.py)."""
+    no product; backward and decoding: tests/models/test_memory.py)."""
     shape = dict(TINY, num_layers=5, **overrides)
     lime, baseline = lime_config(**shape), lime_config(**shape, lime=False)
     unmasked_half = lime.num_layers * 2 * 2 * SEQ * lime.num_attention_heads * lime.kv_channels / 2 * TOKENS

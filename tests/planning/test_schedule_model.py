@@ -1,4 +1,4 @@
-"""lime_megatron.schedule_model: megatron's schedule order, the closed-form bubbles with free
+"""lime_megatron.planning.schedule_model: megatron's schedule order, the closed-form bubbles with free
 transfer, two timelines worked by hand, and the work derived from a model config."""
 
 from __future__ import annotations
@@ -7,11 +7,11 @@ import pytest
 import torch
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
-from lime_megatron import flops
-from lime_megatron.activations import Geometry
-from lime_megatron.config import lime_config, pipeline_layer_split
-from lime_megatron.pipeline import exact_stage_width
-from lime_megatron.schedule_model import (
+from lime_megatron.models.config import lime_config, pipeline_layer_split
+from lime_megatron.parallel.pipeline import exact_stage_width
+from lime_megatron.planning import flops
+from lime_megatron.planning.activations import Geometry
+from lime_megatron.planning.schedule_model import (
     Link,
     Operation,
     PipelineWork,

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 spec = importlib.util.spec_from_file_location("depth_sweep", ROOT / "tools" / "depth_sweep.py")
 depth_sweep = sys.modules["depth_sweep"] = importlib.util.module_from_spec(spec)
 spec.loader.exec_module(depth_sweep)
@@ -49,7 +49,7 @@ def test_the_cpu_sweep_plans_six_runs():
 
 
 def test_the_run_config_resolves_through_the_trainers_arguments(tmp_path):
-    from lime_megatron import arguments
+    from lime_megatron.training import arguments
 
     sweep = depth_sweep.load_sweep(str(_sweep_file(tmp_path)))
     run = sweep.runs[3]  # LLaMA, 4 layers, PP 2
@@ -143,7 +143,7 @@ def test_results_table_and_plots(tmp_path):
 def test_the_paper_sweep_resolves_at_its_layouts(tmp_path):
     """examples/sweeps/depth_paper.yaml: six runs of 5,000 iterations whose configs the trainer
     accepts (dry run, one 8-GPU node) with the layouts of examples/*_deep*.yaml."""
-    from lime_megatron import arguments
+    from lime_megatron.training import arguments
 
     sweep = depth_sweep.load_sweep(str(ROOT / "examples" / "sweeps" / "depth_paper.yaml"), str(tmp_path))
     assert [run.name for run in sweep.runs] == ["LIMe-L32", "LLaMA-L32", "LIMe-L64", "LLaMA-L64", "LIMe-L128",

@@ -10,20 +10,19 @@ import sys
 from pathlib import Path
 
 import pytest
-import yaml
-from test_lime_config import TABLE_8
+from example_configs import CONFIGS, parsed, world_size
+from lime_fixtures import TABLE_8
 
-from lime_megatron import arguments, estimate
-from lime_megatron.data import tokenizer_of
-from lime_megatron.run_config import RunConfig
+from lime_megatron.planning import estimate
+from lime_megatron.training import arguments
+from lime_megatron.training.data import tokenizer_of
+from lime_megatron.training.run_config import RunConfig
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 sys.path.insert(0, str(ROOT))
 import pretrain_lime  # noqa: E402
 
-CONFIGS = sorted(EXAMPLES.glob("*.yaml"))
-DATA_PARALLEL = 8  # data-parallel replicas assumed by the dry runs
 # Paper Table 2 (and App. A for the router), as the trainer's parsed options.
 TABLE_2 = dict(optimizer="adam", lr=1e-3, min_lr=1e-6, lr_decay_style="cosine", lr_warmup_iters=200,
                weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
@@ -33,18 +32,6 @@ LIME_ROUTER = dict(lime_router_lr=1e-2, lime_router_weight_decay=0.0)
 OFFICIAL = dict(norm_epsilon=1e-6, weight_decay_grouping="official", init_style="official")
 GPT2_VOCAB = 50257
 SHAPE = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads", "num_query_groups")
-
-
-def world_size(path: Path) -> int:
-    """GPUs for the dry run of ``path``: its model-parallel size times DATA_PARALLEL."""
-    values = yaml.safe_load(path.read_text())
-    return (values.get("tensor_model_parallel_size", 1) * values.get("pipeline_model_parallel_size", 1)
-            * DATA_PARALLEL)
-
-
-def parsed(path: Path):
-    return arguments.parse_args(["--config", str(path), "--dry-run", "--dry-run-world-size",
-                                 str(world_size(path))])
 
 
 def shape(args) -> tuple:

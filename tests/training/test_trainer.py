@@ -1,6 +1,6 @@
 """pretrain_lime.py in one process: options and config files, the router parameter group, loss
 going down on the main job's data, exact resume, signals, checkpoint and data errors, metrics
-sinks and the dry run. Runs call the trainer in-process (``training.train``/``main``).
+sinks and the dry run. Runs call the trainer in-process (``trainer.train``/``main``).
 """
 
 import importlib
@@ -18,21 +18,20 @@ import pytest
 import torch
 
 from lime_megatron import __main__ as main_job
-from lime_megatron import arguments, training
-from lime_megatron.arguments import ArgumentsError, parse_args
-from lime_megatron.checkpointing import TRACKER, CheckpointError, published_iterations
-from lime_megatron.data import DataError, tokenizer_of
-from lime_megatron.optimizer import (
+from lime_megatron.training import arguments, trainer
+from lime_megatron.training.arguments import ArgumentsError, parse_args
+from lime_megatron.training.checkpointing import TRACKER, CheckpointError, published_iterations
+from lime_megatron.training.data import DataError, tokenizer_of
+from lime_megatron.training.optimizer import (
     EMBEDDING,
     NO_WEIGHT_DECAY,
-    optimizer_config,
     param_group_overrides,
-    router_group,
     router_override,
 )
-from lime_megatron.run_config import RunConfig
+from lime_megatron.training.run_config import RunConfig
+from lime_megatron.training.trainer import optimizer_config, router_group
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tools"))
 # megatron-core's notices on CPU (no apex/TE, deprecated defaults) repeat for every model built.
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -53,8 +52,8 @@ def flatten(parts) -> list[str]:
 
 
 def run(*argv):
-    """``training.train`` on the flags ``argv`` (strings, paths, lists of them)."""
-    return training.train(flatten(argv))
+    """``trainer.train`` on the flags ``argv`` (strings, paths, lists of them)."""
+    return trainer.train(flatten(argv))
 
 
 def metrics(path) -> list:
@@ -146,7 +145,7 @@ def test_gpu_only_options_fail_on_cpu():
 
 
 def test_invalid_model_shape_fails_at_start(capsys):
-    assert training.main(BASE + ["--num-query-groups", "3", "--train-iters", "2"]) == 2
+    assert trainer.main(BASE + ["--num-query-groups", "3", "--train-iters", "2"]) == 2
     error = capsys.readouterr().err
     assert "pretrain_lime.py: error: invalid model configuration" in error and "must divide" in error
 
@@ -199,12 +198,12 @@ def _decayed(*flags) -> dict[str, bool]:
 
     run = arguments.parse_run(TINY + ["--lime", "--weight-decay", "0.1", "--train-iters", "1", *flags],
                               world_size=1)
-    with training.distributed(run):
-        trainer = training.build_trainer(run)
-        trainer.metrics.close()
-        names = {id(param): name for chunk in trainer.model for name, param in unwrap_model(chunk).named_parameters()}
+    with trainer.distributed(run):
+        built = trainer.build_trainer(run)
+        built.metrics.close()
+        names = {id(param): name for chunk in built.model for name, param in unwrap_model(chunk).named_parameters()}
         return {names[id(param)]: group["weight_decay"] > 0
-                for group in trainer.optimizer.param_groups for param in group["params"]}
+                for group in built.optimizer.param_groups for param in group["params"]}
 
 
 def test_weight_decay_groupings():
@@ -343,7 +342,7 @@ def test_bad_checkpoints_fail_with_one_clear_message(checkpoint, tmp_path, capsy
     if how:
         _break(root, how)
     argv = flatten([RESUMABLE, "--load", root, flags])
-    assert training.main(argv) == 2
+    assert trainer.main(argv) == 2
     error = capsys.readouterr().err.strip()
     assert error.startswith("pretrain_lime.py: error: ") and len(error.splitlines()) == 1
     assert re.search(message, error), error
@@ -421,7 +420,7 @@ def test_dry_run_needs_no_distributed(capsys, monkeypatch):
         raise AssertionError("the dry run must not start torch.distributed")
 
     monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
-    assert training.main(BASE[:-1] + ["--lime", "--dry-run", "--tensor-model-parallel-size", "2",
+    assert trainer.main(BASE[:-1] + ["--lime", "--dry-run", "--tensor-model-parallel-size", "2",
                                       "--pipeline-model-parallel-size", "2", "--vocab-size", "96",
                                       "--global-batch-size", "8"]) == 0
     report = capsys.readouterr().out
@@ -447,8 +446,8 @@ def test_main_job_end_to_end(tmp_path):
 
 
 def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figures():
-    from lime_megatron import flops
-    from lime_megatron.metrics import IterationMetrics, console_line
+    from lime_megatron.planning import flops
+    from lime_megatron.training.metrics import IterationMetrics, console_line
 
     def config(*flags):
         return arguments.transformer_config(arguments.parse_run(BASE + ["--global-batch-size", "8", *flags],

@@ -19,9 +19,9 @@ import psutil
 import pytest
 from distributed import run_distributed
 
-from lime_megatron.checkpointing import published_iterations
+from lime_megatron.training.checkpointing import published_iterations
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # absolute, on the mean loss per token
 # LIMe, 4 layers, 4 microbatches of 2 per iteration (8 samples), its own router schedule.
 LIME = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
@@ -33,7 +33,7 @@ pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
 
 def _train_runs(runs: list) -> list:
     """Train each argv of ``runs`` in turn on every rank; the per-iteration losses of each."""
-    from lime_megatron.training import train
+    from lime_megatron.training.trainer import train
 
     return [train(argv).losses for argv in runs]
 

@@ -3,7 +3,7 @@
 Per layer l (``layer_number - 1``), with X the layer input ``[s, b, hidden]``:
 
 1. Q, K_l, V_l = linear_qkv(X)                        (megatron, unchanged; Eq. 1)
-2. write K_l, V_l into the layer-integrated memory   (``lime_megatron.memory``)
+2. write K_l, V_l into the layer-integrated memory   (``lime_megatron.models.lime.memory``)
 3. K~, V~ = R^(l) . buffer[sources(l)]                (Eq. 2, one router for K and V)
 4. RoPE on Q and on the routed K~                      (positions after routing)
 5. out = linear_proj(attention(Q, K~, V~))            (megatron's core attention, unchanged)
@@ -31,10 +31,10 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
-from lime_megatron.head_parallel import HeadSharding
-from lime_megatron.memory import LayerIntegratedMemory, route_keys_values, route_new_tokens
-from lime_megatron.recompute import Rebuilt, recompute_in_backward, routed_kv_log
-from lime_megatron.router import LimeRouter
+from lime_megatron.models.lime.head_parallel import HeadSharding
+from lime_megatron.models.lime.memory import LayerIntegratedMemory, route_keys_values, route_new_tokens
+from lime_megatron.models.lime.recompute import Rebuilt, recompute_in_backward, routed_kv_log
+from lime_megatron.models.lime.router import LimeRouter
 
 
 class LimeSelfAttention(SelfAttention):
@@ -117,7 +117,7 @@ class LimeSelfAttention(SelfAttention):
 
     def _rotate(self, tensor: torch.Tensor, freqs: torch.Tensor) -> torch.Tensor:
         """RoPE on ``[s, b, heads, d]``: TransformerEngine's fused kernel with
-        ``config.apply_rope_fusion`` (``lime_megatron.fusions``; it takes the fp32 ``[s, 1, 1, d]``
+        ``config.apply_rope_fusion`` (``lime_megatron.parallel.fusions``; it takes the fp32 ``[s, 1, 1, d]``
         frequencies megatron's ``RotaryEmbedding`` gives and saves only them for backward, so the
         rebuilt rotated keys of ``_recompute_routed`` come out of the same kernel with the same
         layout), else megatron's unfused one."""

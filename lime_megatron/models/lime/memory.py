@@ -26,7 +26,7 @@ Recomputed routed K/V.  Attention keeps its K and V for backward; for LIMe those
 ``recompute.recompute_in_backward`` drops them from autograd's saved tensors and rebuilds them from the
 buffer when backward first needs them (one extra router product per layer).
 
-Decoding.  With a KV cache (``lime_megatron.decoding``) each forward pass is one decoding step
+Decoding.  With a KV cache (``lime_megatron.inference.decoding``) each forward pass is one decoding step
 over the step's new tokens only: its memory holds their raw keys/values of all layers
 (``[num_layers * kv_heads, 2 * s_new * b * d]``, one token per sequence after the prompt) and is
 freed with the step; the routed keys/values go to the per-layer cache.  ``route_new_tokens`` is
@@ -34,7 +34,7 @@ that path: Eqs. 1-2 without autograd.
 
 The memory of a pass is found by layers through a small handle tensor that megatron threads
 through every layer (and through its activation-recompute checkpoints) as the decoder's
-``context``; see ``lime_megatron.model``.
+``context``; see ``lime_megatron.models.gpt_model``.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ from collections.abc import Iterator
 
 import torch
 
-from lime_megatron.head_parallel import gather_heads, scatter_heads
-from lime_megatron.router import LimeRouter, routing_consumers
+from lime_megatron.models.lime.head_parallel import gather_heads, scatter_heads
+from lime_megatron.models.lime.router import LimeRouter, routing_consumers
 
 _MEMORIES: weakref.WeakValueDictionary[int, LayerIntegratedMemory] = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count()
@@ -66,7 +66,7 @@ class LayerIntegratedMemory:
     from other ranks or kept from this rank's earlier chunks); in backward this chunk's share of
     their gradient is handed back (``external_shares``), and the gradient of its own rows from
     later chunks arrives before its layers' backward (``receive_downstream_grad``); see
-    ``lime_megatron.pipeline``.
+    ``lime_megatron.parallel.pipeline``.
     """
 
     def __init__(self, num_layers: int, variant: str, window: int | None, layers: range | None = None):
@@ -126,7 +126,7 @@ class LayerIntegratedMemory:
         if handle is None:
             raise RuntimeError(
                 "a LIMe layer ran without its layer-integrated memory: build the model with "
-                "lime_megatron.model.LimeGPTModel, whose forward passes it to the decoder"
+                "lime_megatron.models.gpt_model.LimeGPTModel, whose forward passes it to the decoder"
             )
         memory = _MEMORIES.get(int(handle))
         if memory is None:

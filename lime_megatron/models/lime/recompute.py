@@ -3,7 +3,7 @@ when backward first needs them.
 
 LIMe's attention saves its (routed, rotated) keys and values for backward; with
 ``recompute_in_backward`` those are matched by storage and replaced by a recipe that rebuilds
-them from the layer-integrated memory (``lime_megatron.attention``).  Every other saved tensor
+them from the layer-integrated memory (``lime_megatron.models.lime.attention``).  Every other saved tensor
 passes to the saved-tensor hooks active around the block (offloading, memory accounting).
 
 The drop only works when the core attention saves the tensors it was given (or views of them):

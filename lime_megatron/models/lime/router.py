@@ -29,8 +29,8 @@ from megatron.core.dist_checkpointing.mapping import ShardedTensor, ShardedTenso
 from megatron.core.tensor_parallel.layers import set_tensor_model_parallel_attributes
 from torch import nn
 
-from lime_megatron.config import LimeTransformerConfig
-from lime_megatron.head_parallel import HeadSharding
+from lime_megatron.models.config import LimeTransformerConfig
+from lime_megatron.models.lime.head_parallel import HeadSharding
 
 ROUTER_PARAM_ATTR = "is_lime_router"
 """Attribute set to True on every router weight; optimizer overrides select it (see

@@ -1,0 +1,1 @@
+"""Tokenizers and corpora for the data tools and the trainer."""

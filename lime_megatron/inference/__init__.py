@@ -1,0 +1,1 @@
+"""Using trained models: KV-cache decoding, text generation, and the lm-evaluation-harness adapter."""

@@ -1,0 +1,50 @@
+"""The dependency direction of docs/architecture.md: a subpackage imports only from the ones
+below it (lazy imports inside functions included), with the one documented exception."""
+
+import ast
+from pathlib import Path
+
+PACKAGE = Path(__file__).resolve().parents[1] / "lime_megatron"
+
+# Lowest first: each may import from itself and from anything before it.
+LAYERS = ["data", "models.config", "models.lime", "models", "parallel", "planning", "training", "interop",
+          "inference", "analysis"]
+EXCEPTIONS = {("models.gpt_model", "parallel.pipeline")}  # docs/architecture.md, "one arrow"
+
+
+def _layer(module: str) -> int:
+    """Index in LAYERS of the most specific prefix of ``module`` (dotted, without the package)."""
+    matches = [i for i, name in enumerate(LAYERS) if module == name or module.startswith(name + ".")]
+    return max(matches, key=lambda i: len(LAYERS[i]))
+
+
+def _imports(path: Path) -> set[str]:
+    """Package modules ``path`` imports (``from lime_megatron.x import y`` names ``x.y`` if it is a module)."""
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+        if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("lime_megatron."):
+            base = node.module.removeprefix("lime_megatron.")
+            for alias in node.names:
+                is_module = (PACKAGE / base.replace(".", "/") / f"{alias.name}.py").exists()
+                found.add(f"{base}.{alias.name}" if is_module else base)
+        elif isinstance(node, ast.Import):
+            found |= {a.name.removeprefix("lime_megatron.") for a in node.names if a.name.startswith("lime_megatron.")}
+    return found
+
+
+def test_subpackages_import_downwards():
+    wrong = []
+    for path in sorted(PACKAGE.rglob("*.py")):
+        module = ".".join(path.relative_to(PACKAGE).with_suffix("").parts)
+        if "." not in module:  # entry points at the top (__main__, gpu_check) sit above everything
+            continue
+        for target in _imports(path):
+            if _layer(target) > _layer(module) and (module, target) not in EXCEPTIONS:
+                wrong.append(f"{module} -> {target}")
+    assert not wrong, "imports against docs/architecture.md's direction:\n" + "\n".join(wrong)
+
+
+def test_layers_cover_every_subpackage():
+    folders = {".".join(p.relative_to(PACKAGE).parts) for p in PACKAGE.rglob("*") if p.is_dir()
+               and (p / "__init__.py").exists()}
+    assert folders <= set(LAYERS), f"subpackages missing from the layer order: {folders - set(LAYERS)}"
