@@ -70,16 +70,21 @@ def reference_params(model: LimeGPTModel) -> tuple[dict, dict[str, torch.Tensor]
         grouped = qkv.view(kv_heads, heads // kv_heads + 2, d, cfg.hidden_size)
         gate, up = leaves[prefix + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         layer = dict(
-            attn_norm=leaves[prefix + "input_layernorm.weight"],
+            attn_norm=leaves.get(prefix + "input_layernorm.weight"),
             wq=grouped[:, : heads // kv_heads].reshape(heads * d, -1),
             wk=grouped[:, -2].reshape(kv_heads * d, -1),
             wv=grouped[:, -1].reshape(kv_heads * d, -1),
             wo=leaves[prefix + "self_attention.linear_proj.weight"],
-            mlp_norm=leaves[prefix + "pre_mlp_layernorm.weight"],
+            mlp_norm=leaves.get(prefix + "pre_mlp_layernorm.weight"),
             w_gate=gate,
             w_up=up,
             w_down=leaves[prefix + "mlp.linear_fc2.weight"],
         )
+        for connection in ("hc_attn", "hc_mlp"):  # Hyper-Connections: the official parameter names
+            start = prefix + connection + "."
+            named = {name[len(start):]: leaf for name, leaf in leaves.items() if name.startswith(start)}
+            if named:
+                layer[connection] = named
         router = leaves.get(prefix + "self_attention.router.weight")
         if router is not None:
             layer["router"] = router
@@ -103,6 +108,8 @@ def reference_spec(model: LimeGPTModel) -> dict:
         lime=cfg.lime,
         variant=cfg.lime_router,
         window=cfg.lime_router_window,
+        hyper_connections=cfg.hyper_connections,
+        dynamic=not cfg.hyper_connections_static,
     )
 
 
