@@ -125,3 +125,23 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.norm().item()
     diff = (actual - expected).norm().item()
     return diff / scale if scale > 0 else diff
+
+
+RECOMPUTE = {
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
+    "selective": dict(recompute_granularity="selective"),
+}
+"""megatron's activation-recompute settings the model tests cover."""
+
+
+def recompute_gradient_errors(build, recompute: dict) -> dict[str, float]:
+    """Relative gradient error, per parameter, of ``build(**recompute)`` against ``build()`` on the
+    same weights and batch."""
+    plain, recomputed = build(), build(**recompute)
+    recomputed.load_state_dict(plain.state_dict())
+    tokens, positions, mask = batch()
+    for model in (plain, recomputed):
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    return {name: relative_error(b.grad, a.grad)
+            for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters())}

@@ -5,9 +5,21 @@ Table 8 parameter counts; one clear error per invalid configuration."""
 
 from __future__ import annotations
 
+from functools import partial
+
 import pytest
 import torch
-from lime_fixtures import batch, loss_of, megatron_logits, reference_params, reference_spec, relative_error, tiny_model
+from lime_fixtures import (
+    RECOMPUTE,
+    batch,
+    loss_of,
+    megatron_logits,
+    recompute_gradient_errors,
+    reference_params,
+    reference_spec,
+    relative_error,
+    tiny_model,
+)
 from reference_hc import forward as reference_forward
 
 from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, LimeConfigError, lime_config
@@ -77,23 +89,10 @@ def test_official_initial_values(streams):
     assert not any("layernorm" in name for name, _ in model.decoder.layers.named_parameters())
 
 
-RECOMPUTE = {
-    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
-    "selective": dict(recompute_granularity="selective"),
-}
-
-
 @pytest.mark.parametrize("recompute", list(RECOMPUTE.values()), ids=list(RECOMPUTE))
 def test_activation_recompute_gives_the_same_gradients(recompute):
-    plain = hc_model(4, num_query_groups=2)
-    recomputed = hc_model(4, num_query_groups=2, **recompute)
-    recomputed.load_state_dict(plain.state_dict())
-    tokens, positions, mask = batch()
-    for model in (plain, recomputed):
-        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
-    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
-        assert relative_error(b.grad, a.grad) <= TOLERANCE, name
+    errors = recompute_gradient_errors(partial(hc_model, 4, num_query_groups=2), recompute)
+    assert all(error <= TOLERANCE for error in errors.values()), errors
 
 
 @pytest.mark.parametrize("kv_heads", list(TABLE_8_HC), ids=["HC-GQA8", "HC-MHA"])
@@ -131,3 +130,26 @@ def test_transformer_engine_spec_is_refused():
     config = lime_config(lime=False, hyper_connections=2, num_layers=2, hidden_size=32, num_attention_heads=4)
     with pytest.raises(LimeConfigError, match="local layer spec"):
         lime_layer_spec(config, "transformer_engine")
+
+
+@pytest.mark.parametrize("kv_heads", list(TABLE_8_HC), ids=["HC-GQA8", "HC-MHA"])
+def test_flags_and_dry_run_count_table_8(kv_heads):
+    """``--hyper-connections 4`` through the trainer's flags: the dry run's parameter count is Table 8's
+    (the GPT-2 vocabulary unpadded), at PP=1 and over TP2 x PP2 x VPP2 (vocabulary made even)."""
+    from lime_megatron.planning import estimate
+    from lime_megatron.training import arguments
+    from lime_megatron.training.run_config import RunConfig
+
+    shape = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads",
+             "32", "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "4", "--mock-data",
+             "--hyper-connections", "4", "--dry-run"]
+    if kv_heads == 8:
+        shape += ["--group-query-attention", "--num-query-groups", "8"]
+    layouts = {(): 0, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
+                       "--num-layers-per-virtual-pipeline-stage", "4"): 1}
+    for layout, padding in layouts.items():
+        run = RunConfig.from_namespace(arguments.parse_args([*shape, *layout, "--dry-run-world-size", "4"]))
+        assert run.name == "HC"
+        result = estimate.estimate(arguments.transformer_config(run), vocab_size=PAPER_VOCAB_SIZE + padding,
+                                   seq_length=2048, micro_batch_size=1, num_microbatches=4)
+        assert result.total_parameters == TABLE_8_HC[kv_heads][1] + padding * 2048
