@@ -89,7 +89,8 @@ class HyperConnection(torch.nn.Module):
             return self.static_alpha, self.static_beta
         normed = layer_norm_without_affine(streams)
         alpha = self.static_alpha + self.dynamic_alpha_scale * torch.tanh(normed @ self.dynamic_alpha_fn)
-        beta = self.static_beta + self.dynamic_beta_scale * torch.tanh(normed @ self.dynamic_beta_fn)
+        projected = (normed @ self.dynamic_beta_fn.unsqueeze(-1)).squeeze(-1)  # a matrix product, as official
+        beta = self.static_beta + self.dynamic_beta_scale * torch.tanh(projected)
         return alpha, beta
 
     def forward(self, streams: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:
