@@ -28,6 +28,12 @@ import torch.nn.functional as F
 LAYER_NORM_EPS = 1e-5
 """Epsilon of the parameter-free LayerNorms (``torch.nn.LayerNorm``'s default, the official code's)."""
 
+STATIC_PARAM_ATTR = "is_hyper_connection_static"
+"""Set on ``static_alpha``/``static_beta`` (the official optimizer groups do not decay them)."""
+
+DYNAMIC_PARAM_ATTR = "is_hyper_connection_dynamic"
+"""Set on the ``dynamic_*`` parameters (the official optimizer groups decay them, 1-D ones included)."""
+
 DYNAMIC_SCALE_INIT = 0.01
 """Initial ``dynamic_alpha_scale`` / ``dynamic_beta_scale`` (official code)."""
 
@@ -66,8 +72,9 @@ class HyperConnection(torch.nn.Module):
             self.dynamic_beta_fn = torch.nn.Parameter(torch.empty(hidden, dtype=dtype))
             self.dynamic_beta_scale = torch.nn.Parameter(torch.empty(1, dtype=dtype))
         self.reset_parameters()
-        for param in self.parameters():
+        for name, param in self.named_parameters():
             param.sequence_parallel = config.sequence_parallel
+            setattr(param, STATIC_PARAM_ATTR if name.startswith("static") else DYNAMIC_PARAM_ATTR, True)
 
     @torch.no_grad()
     def reset_parameters(self) -> None:
