@@ -153,3 +153,10 @@ def test_flags_and_dry_run_count_table_8(kv_heads):
         result = estimate.estimate(arguments.transformer_config(run), vocab_size=PAPER_VOCAB_SIZE + padding,
                                    seq_length=2048, micro_batch_size=1, num_microbatches=4)
         assert result.total_parameters == TABLE_8_HC[kv_heads][1] + padding * 2048
+
+
+def test_hugging_face_export_is_refused():
+    from lime_megatron.interop.hf_layout import LayoutError, ModelShape
+
+    with pytest.raises(LayoutError, match="Hyper-Connections"):
+        ModelShape.of_model(tiny_model(lime=False, hyper_connections=2))
