@@ -14,7 +14,9 @@ folding into the sequence would multiply by n; sequence parallelism splits that 
 it still splits positions, never streams. The pipeline schedule is told ``micro_batch_size * n``
 (``LimeTransformerConfig.residual_streams``, used by ``lime_megatron.training.trainer.run_schedule``),
 so megatron's p2p buffers have the right shape and its own send/receive order carries the streams:
-no side channel, nothing that could interleave with megatron's messages under NCCL.
+no side channel, nothing that could interleave with megatron's messages under NCCL. (megatron
+0.16.1 and 0.19.2 use the schedule's ``micro_batch_size`` for nothing but that shape:
+``get_tensor_shapes`` and the interleaved schedule's ``tensor_shape``.)
 """
 
 from __future__ import annotations
