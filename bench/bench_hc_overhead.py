@@ -108,7 +108,10 @@ def print_tables(rows: list[dict], args) -> None:
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     initialize_parallel()
-    rows = [measure(args, layers) for layers in tqdm(args.depths, desc="depths")]
+    rows = []
+    for layers in tqdm(args.depths, desc="depths"):
+        rows.append(measure(args, layers))
+        tqdm.write(f"L{layers}: seconds {rows[-1]['time']}, saved bytes {rows[-1]['saved']}")
     print_tables(rows, args)
     worst = max(rows, key=lambda r: r["time"]["HC"] / r["time"]["LLaMA"])
     print(f"\nsummary: {len(rows)} depths; HC time over LLaMA up to {worst['time']['HC'] / worst['time']['LLaMA']:.3f} "
