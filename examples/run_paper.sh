@@ -4,13 +4,13 @@
 #
 #   examples/run_paper.sh GROUP [pretrain_lime.py flags for every run ...]
 #
-# Groups: 1b (Tables 2/3: LIMe and LLaMA, GQA and MHA), ablation (App. D: the 150M routers),
+# Groups: 1b (Tables 2/3: LIMe, LLaMA and Hyper-Connections, GQA and MHA), ablation (App. D: the 150M routers),
 # deep (§5.5: 32/64/128 layers with pipeline parallelism), all.
 set -euo pipefail
 
 configs() {
     case "$1" in
-        1b) echo lime_1b_gqa8 llama_1b_gqa8 lime_1b_mha llama_1b_mha ;;
+        1b) echo lime_1b_gqa8 llama_1b_gqa8 hc_1b_gqa8 lime_1b_mha llama_1b_mha hc_1b_mha ;;
         ablation) echo llama_150m lime_150m_full lime_150m_average lime_150m_last2 \
                        lime_150m_last4 lime_150m_last6 lime_150m_first2 lime_150m_first4 \
                        lime_150m_first6 ;;

@@ -70,16 +70,21 @@ def reference_params(model: LimeGPTModel) -> tuple[dict, dict[str, torch.Tensor]
         grouped = qkv.view(kv_heads, heads // kv_heads + 2, d, cfg.hidden_size)
         gate, up = leaves[prefix + "mlp.linear_fc1.weight"].chunk(2, dim=0)
         layer = dict(
-            attn_norm=leaves[prefix + "input_layernorm.weight"],
+            attn_norm=leaves.get(prefix + "input_layernorm.weight"),
             wq=grouped[:, : heads // kv_heads].reshape(heads * d, -1),
             wk=grouped[:, -2].reshape(kv_heads * d, -1),
             wv=grouped[:, -1].reshape(kv_heads * d, -1),
             wo=leaves[prefix + "self_attention.linear_proj.weight"],
-            mlp_norm=leaves[prefix + "pre_mlp_layernorm.weight"],
+            mlp_norm=leaves.get(prefix + "pre_mlp_layernorm.weight"),
             w_gate=gate,
             w_up=up,
             w_down=leaves[prefix + "mlp.linear_fc2.weight"],
         )
+        for connection in ("hc_attn", "hc_mlp"):  # Hyper-Connections: the official parameter names
+            start = prefix + connection + "."
+            named = {name[len(start):]: leaf for name, leaf in leaves.items() if name.startswith(start)}
+            if named:
+                layer[connection] = named
         router = leaves.get(prefix + "self_attention.router.weight")
         if router is not None:
             layer["router"] = router
@@ -103,6 +108,8 @@ def reference_spec(model: LimeGPTModel) -> dict:
         lime=cfg.lime,
         variant=cfg.lime_router,
         window=cfg.lime_router_window,
+        hyper_connections=cfg.hyper_connections,
+        dynamic=not cfg.hyper_connections_static,
     )
 
 
@@ -118,3 +125,23 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     scale = expected.norm().item()
     diff = (actual - expected).norm().item()
     return diff / scale if scale > 0 else diff
+
+
+RECOMPUTE = {
+    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
+    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
+    "selective": dict(recompute_granularity="selective"),
+}
+"""megatron's activation-recompute settings the model tests cover."""
+
+
+def recompute_gradient_errors(build, recompute: dict) -> dict[str, float]:
+    """Relative gradient error, per parameter, of ``build(**recompute)`` against ``build()`` on the
+    same weights and batch."""
+    plain, recomputed = build(), build(**recompute)
+    recomputed.load_state_dict(plain.state_dict())
+    tokens, positions, mask = batch()
+    for model in (plain, recomputed):
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    return {name: relative_error(b.grad, a.grad)
+            for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters())}

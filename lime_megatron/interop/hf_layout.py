@@ -78,8 +78,12 @@ class ModelShape:
 
     @classmethod
     def of_model(cls, model) -> ModelShape:
-        """The shape of a single-process ``LimeGPTModel``."""
+        """The shape of a single-process ``LimeGPTModel``; one ``LayoutError`` for Hyper-Connections,
+        whose Hugging Face layout (the official ``LlamaHCForCausalLM``) is not written."""
         config = model.config
+        if config.hyper_connections:
+            raise LayoutError("Hugging Face export of Hyper-Connections (the official LlamaHCForCausalLM layout) "
+                              "is not built")
         return cls(config.num_layers, config.hidden_size, config.ffn_hidden_size, config.num_attention_heads,
                    config.kv_heads, config.kv_channels, model.vocab_size,
                    model.share_embeddings_and_output_weights, config.lime,

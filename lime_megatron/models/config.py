@@ -58,10 +58,23 @@ class LimeTransformerConfig(TransformerConfig):
     init_seed: int = 1234
     """Seed of the layout-invariant initial weights (the run's ``--seed``)."""
 
+    # Hyper-Connections (``lime_megatron.models.hyper_connections``), the paper's second baseline.
+    hyper_connections: int = 0
+    """Residual streams n of Hyper-Connections (Zhu et al. 2024; 0: off, the plain residual)."""
+
+    hyper_connections_static: bool = False
+    """Static Hyper-Connections (fixed alpha/beta) instead of the dynamic ones of the official code."""
+
     def __post_init__(self) -> None:
         validate_lime_options(self)
         super().__post_init__()
         pipeline_layer_split(self)
+
+    @property
+    def residual_streams(self) -> int:
+        """Copies of the residual stream a decoder layer carries (n of Hyper-Connections, else 1):
+        the factor megatron's pipeline stage tensor ``[s, b * streams, hidden]`` has on its batch."""
+        return self.hyper_connections or 1
 
     @property
     def kv_heads(self) -> int:
@@ -79,6 +92,28 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
             f"num_attention_heads = {heads}"
         )
     validate_router(config.lime_router, config.lime_router_window)
+    validate_hyper_connections(config)
+
+
+def validate_hyper_connections(config: LimeTransformerConfig) -> None:
+    """Hyper-Connections need n >= 1 streams, the LLaMA attention (not LIMe's), no hidden dropout
+    (the official code has none) and, for selective recompute, only megatron's ``core_attn``
+    (the layer's norms and MLP run inside the hyper-connections)."""
+    streams = config.hyper_connections
+    if streams < 0:
+        raise LimeConfigError(f"hyper_connections (residual streams) must be >= 1, or 0 for none; got {streams}")
+    if not streams:
+        if config.hyper_connections_static:
+            raise LimeConfigError("hyper_connections_static needs hyper_connections >= 1")
+        return
+    if config.lime:
+        raise LimeConfigError("Hyper-Connections are a baseline of their own: set lime=False with hyper_connections")
+    if config.hidden_dropout:
+        raise LimeConfigError(f"Hyper-Connections are built without hidden dropout; got hidden_dropout "
+                              f"{config.hidden_dropout}")
+    recomputed = set(config.recompute_modules or ["core_attn"]) - {"core_attn"}
+    if config.recompute_granularity == "selective" and recomputed:
+        raise LimeConfigError(f"Hyper-Connections recompute only core_attn selectively, not {sorted(recomputed)}")
 
 
 def validate_router(router: str, window: int | None, *, flags: bool = False) -> None:

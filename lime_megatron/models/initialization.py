@@ -14,6 +14,9 @@ run depend on its layout.  ``initialize_weights`` redraws every parameter of a b
    the gated MLP's fc1 as two blocks ``[gate; up]``, the LIMe router by input head
    (``LimeRouter._local_columns``, replicated heads when kv heads < TP).
 
+Hyper-connection parameters are not drawn: they take the official code's constant initial values
+(``HyperConnection.reset_parameters``) in both styles.
+
 Distributions (``INIT_STYLES``):
 
 - ``megatron`` (default): megatron's defaults, N(0, init_method_std) for every matrix, the scaled
@@ -38,6 +41,7 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
+from lime_megatron.models.hyper_connections.connection import HyperConnection
 from lime_megatron.models.lime.router import LimeRouter, init_router_weight
 
 INIT_STYLES = ("megatron", "official")
@@ -145,8 +149,14 @@ def initialize_weights(model: nn.Module, seed: int, style: str = "megatron") -> 
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
     routers = {id(module.weight): module for module in model.modules()
                if isinstance(module, LimeRouter) and module.learned}
+    connections = [module for module in model.modules() if isinstance(module, HyperConnection)]
+    constant = {id(param) for module in connections for param in module.parameters()}
     with torch.no_grad():
+        for module in connections:
+            module.reset_parameters()
         for layer, name, param in keyed_parameters(model):
+            if id(param) in constant:
+                continue
             router = routers.get(id(param))
             with seeded_rng(parameter_seed(seed, layer, name), param.device):
                 full = draw_full(config, layer, name, full_shape(param, router, tp_size), router, style,

@@ -8,7 +8,9 @@ replaces two module classes, so both get identical LIMe wiring:
 - the layer: ``LimeTransformerLayer`` (binds the pass's memory to its attention),
 - self-attention: ``LimeSelfAttention`` (routes K/V through the memory).
 
-With ``config.lime`` False the untouched megatron spec is returned (the LLaMA baseline).
+With ``config.lime`` False the untouched megatron spec is returned (the LLaMA baseline);
+with ``config.hyper_connections`` the Hyper-Connections layer built from it
+(``lime_megatron.models.hyper_connections.spec``).
 """
 
 from __future__ import annotations
@@ -21,6 +23,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from lime_megatron.models.config import LimeTransformerConfig
+from lime_megatron.models.hyper_connections.spec import hyper_connection_layer_spec
 from lime_megatron.models.lime.attention import LimeSelfAttention
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
 from lime_megatron.models.norm import TorchNorm
@@ -66,8 +69,10 @@ def megatron_layer_spec(config: LimeTransformerConfig, transformer_impl: str) ->
 
 
 def lime_layer_spec(config: LimeTransformerConfig, transformer_impl: str = "local") -> ModuleSpec:
-    """The layer spec for ``config``: LIMe's layer/attention on megatron's spec for
-    ``transformer_impl``."""
+    """The layer spec for ``config``: LIMe's layer/attention (or the Hyper-Connections layer) on
+    megatron's spec for ``transformer_impl``."""
+    if config.hyper_connections:
+        return hyper_connection_layer_spec(transformer_impl, lambda: megatron_layer_spec(config, transformer_impl))
     spec = megatron_layer_spec(config, transformer_impl)
     if not config.lime:
         return spec

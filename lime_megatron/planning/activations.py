@@ -151,16 +151,35 @@ def _mlp_bytes(config: LimeTransformerConfig, geometry: Geometry) -> int:
     return (3 if config.bias_activation_fusion else 5) * row
 
 
+def _hyper_connection_bytes(config: LimeTransformerConfig, geometry: Geometry) -> int:
+    """What one hyper-connection and its sublayer's LayerNorm without affine keep (the norm's
+    input is a view of the mixed streams), with ``r`` rows ``s_h b`` and one stream ``[s_h, b, h]``:
+    the streams n, the mixed streams n+1 and the sublayer's output 1 (multiplied by beta) streams,
+    the norm's statistics 2r; dynamic also the LayerNorm of the streams (its output n streams,
+    statistics 2rn), tanh and alpha ``[r, n, n+1]`` twice, tanh and beta ``[r, n]`` twice. The
+    statistics are counted in the activation dtype, as torch's CPU kernel keeps them (CUDA keeps
+    them in fp32 for bf16: 4r(n+1) bytes more per hyper-connection)."""
+    n, rows = config.hyper_connections, geometry.hidden_rows * geometry.batch
+    small = 2 * rows
+    streams = n + (n + 1) + 1
+    if not config.hyper_connections_static:
+        streams += n
+        small += 2 * rows * n + rows * (2 * n * (n + 1) + 2 * n)
+    return streams * geometry.hidden_state + small * geometry.element
+
+
 def layer_activation_bytes(config: LimeTransformerConfig, geometry: Geometry, impl: str) -> int:
     """Bytes one transformer layer keeps for backward without full recompute (LIMe memory
-    excluded); docs/estimate.md lists the terms."""
+    excluded); docs/estimate.md lists the terms. Hyper-Connections: two hyper-connections in place
+    of the two RMSNorms (layer 0 keeps n - 1 streams less: its streams are the embedding expanded,
+    ``chunk_activations`` subtracts them)."""
     if impl not in TRANSFORMER_IMPLS:
         raise ValueError(f"transformer_impl must be one of {TRANSFORMER_IMPLS}, not {impl!r}")
     g = geometry
     rope = 0 if config.apply_rope_fusion else 4 * g.seq * g.head_dim * g.element
     linear_inputs = 2 * g.hidden_state + g.heads_bytes(g.heads)  # QKV, FC1, projection
-    return (2 * _norm_bytes(g, impl) + linear_inputs + rope + _attention_bytes(config, g, impl)
-            + _mlp_bytes(config, g))
+    norms = 2 * (_hyper_connection_bytes(config, g) if config.hyper_connections else _norm_bytes(g, impl))
+    return norms + linear_inputs + rope + _attention_bytes(config, g, impl) + _mlp_bytes(config, g)
 
 
 def _recompute_groups(config: LimeTransformerConfig, layers: int) -> tuple[int, int, int]:
@@ -196,7 +215,9 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
     checkpoint = geometry.hidden_state
     if config.distribute_saved_activations and not config.sequence_parallel:
         checkpoint //= config.tensor_model_parallel_size
-    layer_bytes = kept * per_layer + checkpoints * checkpoint
+    layer_bytes = kept * per_layer + checkpoints * checkpoint * config.residual_streams
+    if config.hyper_connections and pre_process:  # layer 0's streams (or its group's input): the embedding
+        layer_bytes -= (config.hyper_connections - 1) * (geometry.hidden_state if kept == len(layers) else checkpoint)
     if checkpoints:  # every checkpoint also keeps the rotary frequencies [s, 1, 1, d] (one tensor)
         layer_bytes += geometry.seq * geometry.head_dim * FP32
 
@@ -204,7 +225,7 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
     if not pre_process and config.lime:
         hop = hop_blocks(config, chunk_starting_at(config, layers.start))
         received = sum(len(block.layers) for block in hop) * geometry.kv_rows
-    sent = 0 if post_process or config.deallocate_pipeline_outputs else geometry.hidden_state
+    sent = 0 if post_process or config.deallocate_pipeline_outputs else geometry.hidden_state * config.residual_streams
     output = 0
     if post_process:
         loss = geometry.seq * geometry.batch * (geometry.vocab * FP32 + 1 + INT64)

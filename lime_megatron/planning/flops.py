@@ -12,7 +12,10 @@ sequence, one token costs in forward:
   causal attention 2 * 2sad / 2;
 - LIMe router of layer l >= 1 (paper Eq. 2, keys and values): 2 * 2 g^2 d * |sources(l)|
   (``router.router_source_count``);
-- logits: 2hV.
+- logits: 2hV;
+- Hyper-Connections with n streams, per sublayer (two per layer): the mixing ``alpha^T H``
+  2(n+1)nh and, dynamic, the projections of the normed streams onto alpha and beta 2nh(n+2)
+  (``hyper_connection_flops_per_token``).
 
 A training iteration counts 3x forward (recomputation not counted).
 
@@ -33,7 +36,7 @@ def router_flops_per_token(config: LimeTransformerConfig, layers: range | None =
 
 
 def layer_flops_per_token(config: LimeTransformerConfig, seq_len: int) -> float:
-    """Forward FLOPs per token of one transformer layer without its router."""
+    """Forward FLOPs per token of one transformer layer without its router or hyper-connections."""
     d = config.hidden_size
     q_width = config.num_attention_heads * config.kv_channels
     kv_width = config.kv_heads * config.kv_channels
@@ -42,6 +45,13 @@ def layer_flops_per_token(config: LimeTransformerConfig, seq_len: int) -> float:
     mlp = 2.0 * mlp_matrices * d * config.ffn_hidden_size
     causal_attention = 2.0 * 2.0 * seq_len * q_width / 2
     return projections + mlp + causal_attention
+
+
+def hyper_connection_flops_per_token(config: LimeTransformerConfig) -> float:
+    """Forward FLOPs per token of one layer's two hyper-connections (0 without them)."""
+    n, h = config.hyper_connections, config.hidden_size
+    dynamic = 0.0 if config.hyper_connections_static else 2.0 * n * h * (n + 2)
+    return 2 * (2.0 * (n + 1) * n * h + dynamic) if n else 0.0
 
 
 def logits_flops_per_token(config: LimeTransformerConfig, vocab_size: int) -> float:
@@ -53,7 +63,8 @@ def chunk_forward_flops_per_token(config: LimeTransformerConfig, layers: range, 
                                   vocab_size: int, post_process: bool) -> float:
     """Forward FLOPs per token of a model chunk: its layers, their routers and, on the chunk
     holding the output layer (``post_process``), the logits."""
-    flops = len(layers) * layer_flops_per_token(config, seq_len) + router_flops_per_token(config, layers)
+    per_layer = layer_flops_per_token(config, seq_len) + hyper_connection_flops_per_token(config)
+    flops = len(layers) * per_layer + router_flops_per_token(config, layers)
     return flops + (logits_flops_per_token(config, vocab_size) if post_process else 0.0)
 
 
@@ -86,7 +97,8 @@ def paper_table_8_forward_flops(config: LimeTransformerConfig, seq_len: int, voc
     square, mean, +eps, rsqrt, two products), two residual additions (2h), SwiGLU (silu and
     product, 2f) and RoPE on queries and keys (3.5 per element: two products, a sum, a negated
     half); once per model the final RMSNorm and the rotary tables (their s x d/2 outer product,
-    then cos and sin at 15 and the attention-scaling product on [s, d]).
+    then cos and sin at 15 and the attention-scaling product on [s, d]). Hyper-Connections:
+    ``_table_8_hyper_connection_flops``.
     """
     if not config.gated_linear_unit:
         raise ValueError("the paper's FLOP count is defined for the LLaMA (SwiGLU) layer")
@@ -99,4 +111,21 @@ def paper_table_8_forward_flops(config: LimeTransformerConfig, seq_len: int, voc
     routers = router_flops_per_token(config) / 2  # one FLOP per multiply-add
     per_sequence = config.num_layers * (s * (linear + elementwise) + attention) + s * routers
     rotary_tables = s * d // 2 + 2 * (15 + 1) * s * d
+    if config.hyper_connections:
+        per_sequence += s * (config.num_layers * _table_8_hyper_connection_flops(config) - 2 * config.num_layers
+                             * (norm + h) + config.hyper_connections * h)
     return per_sequence + s * (norm + h * vocab_size) + rotary_tables
+
+
+def _table_8_hyper_connection_flops(config: LimeTransformerConfig) -> float:
+    """Per token and layer, the official ``hc.py`` under the official counter: per sublayer the
+    width connection (dynamic: a LayerNorm without affine 4nh, fvcore's count, the matmuls onto
+    alpha nh(n+1) and beta nh, tanh/scale/add on alpha and beta 3(n+1)n + 3n; the mixing matmul
+    (n+1)nh), the sublayer's LayerNorm 4h and the depth connection (the einsum ``blh,bln->blnh``:
+    numpy's optimised count of an outer product halved, nh/2; the add nh). The caller removes the
+    LLaMA RMSNorms and residual adds these replace and adds the streams' sum before the final norm
+    (nh)."""
+    n, h = config.hyper_connections, config.hidden_size
+    dynamic = 0 if config.hyper_connections_static else 4 * n * h + n * h * (n + 1) + n * h + 3 * (n + 1) * n + 3 * n
+    per_sublayer = dynamic + (n + 1) * n * h + 4 * h + n * h // 2 + n * h
+    return 2 * per_sublayer

@@ -438,6 +438,8 @@ def transformer_config(run: RunConfig):
         lime_router=lime.lime_router or "full",
         lime_router_window=lime.lime_router_window,
         lime_recompute_routed_kv=lime.lime_recompute_routed_kv,
+        hyper_connections=model.hyper_connections,
+        hyper_connections_static=model.hyper_connections_static,
         init_style=model.init_style,
         init_seed=run.training.seed,
         **_fp8_options(precision),

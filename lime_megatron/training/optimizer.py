@@ -11,7 +11,11 @@ model's 1e-3) and without weight decay. megatron-core builds parameter groups fr
 
 Biases and 1-D weights (norms) are not decayed (megatron's rule). ``--weight-decay-grouping
 official`` also spares the word embedding, as the paper's own implementation did (its optimizer
-groups follow minGPT: decay only the weights of linear layers); megatron decays embeddings.
+groups follow minGPT: decay only the weights of linear layers); megatron decays embeddings. For
+Hyper-Connections the official grouping is the official code's too: ``static_alpha`` and
+``static_beta`` are not decayed, every ``dynamic_*`` parameter is (the 1-D ``dynamic_beta_fn`` and
+the scales included); all of them train at the main learning rate. The ``megatron`` grouping applies
+megatron's rule to them (1-D not decayed: ``static_beta``, ``dynamic_beta_fn``, the scales).
 
 The resume trap: megatron-core 0.16 matches saved and current parameter groups only by
 ``(wd_mult, lr_mult, is_expert_parallel, is_decoupled_lr)``. A router group that differed from
@@ -36,6 +40,7 @@ from megatron.core.optimizer import (
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
+from lime_megatron.models.hyper_connections.connection import DYNAMIC_PARAM_ATTR, STATIC_PARAM_ATTR
 from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR
 
 
@@ -48,6 +53,15 @@ NO_WEIGHT_DECAY = ParamKey(
     predicate=ParamPredicate(name="one_dim_not_router", fn=lambda p: p.dim() == 1 and not _is_router(p)),
 )
 """megatron's usual no-decay set (biases and 1-D weights such as norms), routers excluded."""
+
+OFFICIAL_NO_WEIGHT_DECAY = ParamKey(
+    name="*.bias", attr=STATIC_PARAM_ATTR,
+    predicate=ParamPredicate(
+        name="one_dim_not_router_not_dynamic_hyper_connection",
+        fn=lambda p: p.dim() == 1 and not _is_router(p) and not getattr(p, DYNAMIC_PARAM_ATTR, False)),
+)
+"""The official code's no-decay set: biases, 1-D weights (norms) but the dynamic hyper-connection
+parameters, and the static hyper-connection parameters (2-D ``static_alpha`` included)."""
 
 ROUTER = ParamKey(attr=ROUTER_PARAM_ATTR)
 """The LIMe router weights."""
@@ -101,14 +115,16 @@ def router_override(config: OptimizerConfig, router: RouterGroup) -> dict:
 def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = None,
                           weight_decay_grouping: str = "megatron") -> dict:
     """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights
-    (and, for the ``official`` grouping, on the word embedding), and the LIMe router group
+    (and, for the ``official`` grouping, on the word embedding; the official code's rule for
+    hyper-connection parameters), and the LIMe router group
     (``router`` None: the LLaMA baseline, no routers)."""
     if weight_decay_grouping not in WEIGHT_DECAY_GROUPINGS:
         raise ValueError(f"unknown weight-decay grouping {weight_decay_grouping!r}; choose one of "
                          f"{WEIGHT_DECAY_GROUPINGS}")
-    overrides = {NO_WEIGHT_DECAY: {"wd_mult": 0.0}}
     if weight_decay_grouping == "official":
-        overrides[EMBEDDING] = {"wd_mult": 0.0}
+        overrides = {OFFICIAL_NO_WEIGHT_DECAY: {"wd_mult": 0.0}, EMBEDDING: {"wd_mult": 0.0}}
+    else:
+        overrides = {NO_WEIGHT_DECAY: {"wd_mult": 0.0}}
     if router is not None:
         routed = router_override(config, router)
         if routed:

@@ -82,6 +82,9 @@ class ModelOptions:
     init_style: str = option("megatron", choices=INIT_STYLES,
                              help="initial weight distributions: megatron's defaults or the paper's released "
                                   "code (lime_megatron.models.initialization); drawn the same at every layout")
+    hyper_connections: int = option(0, type=int, help="Hyper-Connections with N residual streams (the paper's HC "
+                                                        "baseline; 0: none; needs --no-lime)")
+    hyper_connections_static: bool = option(type=bool, help="static Hyper-Connections (default: dynamic)")
     recompute_granularity: str | None = option(choices=("full", "selective"))
     recompute_method: str | None = option(choices=("uniform", "block"))
     recompute_num_layers: int | None = option(type=int)
@@ -331,5 +334,5 @@ class RunConfig:
 
     @property
     def name(self) -> str:
-        """``LIMe`` or ``LLaMA``."""
-        return "LIMe" if self.lime.lime else "LLaMA"
+        """``LIMe``, ``HC`` (Hyper-Connections) or ``LLaMA``."""
+        return "LIMe" if self.lime.lime else "HC" if self.model.hyper_connections else "LLaMA"

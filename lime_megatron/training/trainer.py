@@ -185,8 +185,8 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
         if config.bf16 or config.fp16:
             chunk = Float16Module(config, chunk)
         chunks.append(chunk)
-    ddp_config = DistributedDataParallelConfig(
-        grad_reduce_in_fp32=True, use_distributed_optimizer=use_distributed_optimizer)
+    ddp_config = DistributedDataParallelConfig(  # float32 gradients, float64 ones for a float64 model
+        grad_reduce_in_fp32=config.params_dtype != torch.float64, use_distributed_optimizer=use_distributed_optimizer)
     model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
@@ -236,7 +236,8 @@ def run_schedule(model: list, batches: list, forward_only: bool = False) -> floa
     """megatron's forward(-backward) schedule (no pipelining, 1F1B or interleaved, as the parallel
     state says) over this rank's microbatches ``batches`` (dicts of ``[mbs, seq]`` tensors);
     returns the mean loss per token over the global batch (identical on every rank). Gradients
-    accumulate in each parameter's ``main_grad``."""
+    accumulate in each parameter's ``main_grad``. The stage tensor between pipeline stages is
+    ``[s, mbs * config.residual_streams, hidden]`` (Hyper-Connections fold their streams into it)."""
     config = get_model_config(model[0])
     micro_batch_size, seq_length = batches[0]["tokens"].shape
     iterators = [iter(batches) for _ in model]
@@ -246,7 +247,7 @@ def run_schedule(model: list, batches: list, forward_only: bool = False) -> floa
         model=model,
         num_microbatches=len(batches),
         seq_length=seq_length,
-        micro_batch_size=micro_batch_size,
+        micro_batch_size=micro_batch_size * config.residual_streams,  # Hyper-Connections' stage tensor
         forward_only=forward_only,
         **schedule_arguments(config),
     )

@@ -1,8 +1,8 @@
 """KV-cache decoding (lime_megatron.inference.decoding) against the full forward, float64.
 
 Prefill plus one token at a time gives the logits of one full causal forward (every router
-variant, MHA and GQA, LIMe and the baseline); a batch of different prompt lengths decoded at one
-shared position gives each sequence's own unpadded forward; LIMe's cache is the baseline's size
+variant, MHA and GQA, LIMe, the baseline and Hyper-Connections); a batch of different prompt
+lengths decoded at one shared position gives each sequence's own unpadded forward; LIMe's cache is the baseline's size
 and a decoding step's layer-integrated memory holds only the new tokens.
 """
 
@@ -28,6 +28,7 @@ MODELS = [
     dict(lime_router="last", lime_router_window=2),
     dict(lime_router="first", lime_router_window=2),
     dict(lime=False),
+    dict(lime=False, hyper_connections=4),  # Hyper-Connections: the streams are per position
 ]
 
 

@@ -3,13 +3,16 @@
 from __future__ import annotations
 
 import math
+from functools import partial
 
 import pytest
 import torch
 from lime_fixtures import (
+    RECOMPUTE,
     batch,
     loss_of,
     megatron_logits,
+    recompute_gradient_errors,
     reference_params,
     reference_spec,
     relative_error,
@@ -96,23 +99,10 @@ def test_identity_routers_equal_baseline(kv_heads):
     )
 
 
-RECOMPUTE = {
-    "full-uniform": dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1),
-    "full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=3),
-    "selective": dict(recompute_granularity="selective"),
-}
-
-
 @pytest.mark.parametrize("recompute", list(RECOMPUTE.values()), ids=list(RECOMPUTE))
 def test_activation_recompute_gives_the_same_gradients(recompute):
-    plain = tiny_model(num_query_groups=2)
-    recomputed = tiny_model(num_query_groups=2, **recompute)
-    recomputed.load_state_dict(plain.state_dict())
-    tokens, positions, mask = batch()
-    for model in (plain, recomputed):
-        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
-    for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
-        assert relative_error(b.grad, a.grad) <= TOLERANCE, name
+    errors = recompute_gradient_errors(partial(tiny_model, num_query_groups=2), recompute)
+    assert all(error <= TOLERANCE for error in errors.values()), errors
 
 
 def test_saving_routed_kv_gives_the_same_gradients():

@@ -45,7 +45,7 @@ def configs() -> dict:
 
 
 def test_every_config_has_the_paper_hyperparameters(configs):
-    assert len(configs) == 19
+    assert len(configs) == 21
     for name, args in configs.items():
         expected = {**TABLE_2, "train_iters": 5000} if "_deep" in name else TABLE_2  # official deep config
         assert {key: getattr(args, key) for key in TABLE_2} == expected, name
@@ -55,7 +55,7 @@ def test_every_config_has_the_paper_hyperparameters(configs):
         assert args.tokenizer_type == "GPT2BPETokenizer" and args.data_path, name
         assert not args.untie_embeddings_and_output_weights, name
         assert args.save == args.load == f"checkpoints/{name}" and args.wandb_exp_name == name
-        assert name.startswith("lime_" if args.lime else "llama_"), name
+        assert name.startswith("lime_" if args.lime else "hc_" if args.hyper_connections else "llama_"), name
         assert args.num_microbatches * args.micro_batch_size * args.data_parallel_size == 1024
 
 
@@ -71,6 +71,24 @@ def test_1b_configs_are_table_3_and_count_table_8(configs):
         result = estimate.estimate(arguments.transformer_config(run), vocab_size=vocab,
                                    seq_length=2048, micro_batch_size=args.micro_batch_size,
                                    num_microbatches=args.num_microbatches,
+                                   transformer_impl=args.transformer_impl)
+        assert result.total_parameters == exact + (vocab - GPT2_VOCAB) * 2048, stem
+
+
+# Paper Table 8's HC rows (1B, n = 4 dynamic): kv heads -> exact count of the unpadded vocabulary.
+TABLE_8_HC = {8: 1_076_400_960, 32: 1_177_064_256}
+
+
+def test_hc_1b_configs_count_table_8(configs):
+    for kv_heads, exact in TABLE_8_HC.items():
+        stem = f"hc_1b_{'gqa8' if kv_heads == 8 else 'mha'}"
+        args = configs[stem]
+        assert shape(args) == (16, 2048, 8192, 32, 8 if kv_heads == 8 else None), stem
+        assert args.hyper_connections == 4 and not args.hyper_connections_static and not args.lime, stem
+        run = RunConfig.from_namespace(args)
+        vocab = tokenizer_of(run.data, run.model.vocab_size).vocab_size
+        result = estimate.estimate(arguments.transformer_config(run), vocab_size=vocab, seq_length=2048,
+                                   micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
                                    transformer_impl=args.transformer_impl)
         assert result.total_parameters == exact + (vocab - GPT2_VOCAB) * 2048, stem
 
@@ -103,7 +121,7 @@ def dry_run(path: Path, capsys) -> str:
     return report
 
 
-REPRESENTATIVE = ["lime_1b_gqa8", "lime_150m_first2", "lime_deep128"]
+REPRESENTATIVE = ["lime_1b_gqa8", "lime_150m_first2", "lime_deep128", "hc_1b_gqa8"]
 
 
 @pytest.mark.parametrize("stem", REPRESENTATIVE)

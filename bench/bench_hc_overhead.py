@@ -1,0 +1,124 @@
+"""Hyper-Connections and LIMe over the LLaMA baseline: forward+backward time, bytes saved for
+backward, and the bytes each pipeline rank receives per micro-batch.
+
+For each depth it builds LLaMA, LIMe (full router) and HC (n = 4, dynamic: the paper's) with the same
+shape and measures them in the same process, interleaved (``bench_lime_overhead``'s step and
+saved-bytes helpers): median forward+backward wall time over ``--repeats`` runs after ``--warmup``,
+and the bytes autograd keeps from one forward; ratios over LLaMA, beside the paper's Table 9 ratios
+(1B, H100, PyTorch Inductor: step time and peak memory, GQA and full attention, default mode).
+
+Pipeline: per micro-batch (forward direction; backward returns as many) the bytes the hop into each
+rank carries at PP=4 without virtual stages: LLaMA and HC megatron's stage tensor (HC's holds the n
+streams, ``[s, b * n, hidden]``), LIMe the stage tensor plus the K/V rows of its side channel
+(``lime_megatron.parallel.pipeline.hop_bytes``).
+
+Run (the figures in BENCHMARKS.md):
+    python bench/bench_hc_overhead.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+import torch
+from bench_lime_overhead import make_batch, saved_bytes, train_step
+from tqdm import tqdm
+
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.parallel.pipeline import hop_bytes
+from lime_megatron.parallel.process_groups import initialize_parallel
+
+MODELS = {"LLaMA": dict(lime=False), "LIMe": dict(lime=True), "HC": dict(lime=False, hyper_connections=4)}
+# Paper Table 9 (default mode): step time and peak memory over LLaMA, GQA and full attention.
+TABLE_9 = {("LIMe", "time"): "+1.57% / +10.46%", ("LIMe", "memory"): "+0.00% / +0.01%",
+           ("HC", "time"): "+25.39% / +22.85%", ("HC", "memory"): "+5.88% / +2.87%"}
+PIPELINE_STAGES = 4
+ELEMENT_BYTES = 2  # bf16 stage tensors, as on GPU
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", type=int, nargs="+", default=[16, 32, 64, 128])
+    parser.add_argument("--kv-heads", type=int, default=8)
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--ffn-hidden-size", type=int, default=1024)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def config_of(args, num_layers: int, model: str, **layout):
+    return lime_config(num_layers=num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
+                       num_attention_heads=args.num_attention_heads, num_query_groups=args.kv_heads,
+                       use_cpu_initialization=True, **MODELS[model], **layout)
+
+
+def measure(args, num_layers: int) -> dict:
+    models = {}
+    for name in MODELS:
+        torch.manual_seed(0)
+        models[name] = build_model(config_of(args, num_layers, name), args.vocab_size, args.seq_length)
+    batch = make_batch(args)
+    times = {name: [] for name in models}
+    for run in range(args.warmup + args.repeats):
+        for name, model in models.items():
+            elapsed = train_step(model, batch)
+            if run >= args.warmup:
+                times[name].append(elapsed)
+    return dict(layers=num_layers, time={name: statistics.median(t) for name, t in times.items()},
+                saved={name: saved_bytes(model, batch) for name, model in models.items()})
+
+
+def received_bytes(args, num_layers: int) -> dict[str, list[int]]:
+    """Bytes each pipeline rank 1..3 receives per micro-batch at PP=4 (rank 0 receives nothing)."""
+    stage = args.seq_length * args.micro_batch_size * args.hidden_size * ELEMENT_BYTES
+    lime = config_of(args, num_layers, "LIMe", pipeline_model_parallel_size=PIPELINE_STAGES,
+                     pipeline_dtype=torch.bfloat16)
+    hc = config_of(args, num_layers, "HC")
+    return {"LLaMA": [stage] * (PIPELINE_STAGES - 1), "HC": [stage * hc.residual_streams] * (PIPELINE_STAGES - 1),
+            "LIMe": [hop_bytes(lime, rank, args.seq_length, args.micro_batch_size, ELEMENT_BYTES)
+                     for rank in range(1, PIPELINE_STAGES)]}
+
+
+def print_tables(rows: list[dict], args) -> None:
+    print(f"forward+backward on CPU, hidden {args.hidden_size}, {args.num_attention_heads} heads, {args.kv_heads} kv "
+          f"heads, seq {args.seq_length}, micro batch {args.micro_batch_size}; ratios over LLaMA")
+    header = f"{'layers':>6} {'LLaMA s':>8} {'LIMe x':>7} {'HC x':>7} {'LLaMA MiB':>10} {'LIMe x':>7} {'HC x':>7}"
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        t, m = r["time"], r["saved"]
+        print(f"{r['layers']:>6} {t['LLaMA']:>8.3f} {t['LIMe'] / t['LLaMA']:>7.3f} {t['HC'] / t['LLaMA']:>7.3f} "
+              f"{m['LLaMA'] / 2**20:>10.1f} {m['LIMe'] / m['LLaMA']:>7.3f} {m['HC'] / m['LLaMA']:>7.3f}")
+    print("paper Table 9 (1B, H100, default mode; GQA / full): "
+          + "; ".join(f"{model} {kind} {value}" for (model, kind), value in TABLE_9.items()))
+    print(f"\nbytes received per micro-batch at PP={PIPELINE_STAGES} (bf16; ranks 1..{PIPELINE_STAGES - 1}), MiB")
+    for r in rows:
+        received = received_bytes(args, r["layers"])
+        print(f"{r['layers']:>6} layers: " + "; ".join(
+            f"{name} {', '.join(f'{b / 2**20:.2f}' for b in values)}" for name, values in received.items()))
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    initialize_parallel()
+    rows = []
+    for layers in tqdm(args.depths, desc="depths"):
+        rows.append(measure(args, layers))
+        tqdm.write(f"L{layers}: seconds {rows[-1]['time']}, saved bytes {rows[-1]['saved']}")
+    print_tables(rows, args)
+    worst = max(rows, key=lambda r: r["time"]["HC"] / r["time"]["LLaMA"])
+    print(f"\nsummary: {len(rows)} depths; HC time over LLaMA up to {worst['time']['HC'] / worst['time']['LLaMA']:.3f} "
+          f"(L{worst['layers']}); HC saved bytes over LLaMA up to "
+          f"{max(r['saved']['HC'] / r['saved']['LLaMA'] for r in rows):.3f}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
