@@ -96,7 +96,8 @@ def deallocated_pipeline_runs() -> dict:
     deallocate = schedules.deallocate_output_tensor
 
     def counting(out, deallocate_pipeline_outputs=False):
-        if out is not None and deallocate_pipeline_outputs:
+        # megatron-core 0.19 also passes lists/dicts of stage tensors and recurses through this name
+        if isinstance(out, torch.Tensor) and deallocate_pipeline_outputs:
             freed.append(out.numel())
         deallocate(out, deallocate_pipeline_outputs)
 
