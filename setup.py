@@ -2,6 +2,8 @@
 
 from setuptools import find_packages, setup
 
+GPU_TRANSFORMER_ENGINE = "transformer-engine[core_cu13,pytorch]"
+
 setup(
     name="lime-megatron",
     version="0.1.0",
@@ -14,7 +16,9 @@ setup(
     # in the same pip command so that no CUDA build is ever pulled).
     install_requires=[
         "torch>=2.4",
-        "megatron-core>=0.16.1,<0.20",  # tested: 0.16.1 (CPU) and 0.19.x (GPU); lime_megatron.parallel.compat
+        # CI (.ci/run) tests megatron-core 0.16.1 on Python 3.11 (torch 2.13.0+cpu) and 0.19.2 on
+        # Python 3.12 (torch 2.13.0+cu130 on CPU); lime_megatron.parallel.compat probes what it relies on
+        "megatron-core>=0.16.1,<0.20",
         "numpy",
         "psutil",
         "sentencepiece",
@@ -42,6 +46,8 @@ setup(
         # exported LLaMA in LlamaForCausalLM (tests) -- the official LIMe code pins 4.51.1.
         "hf": ["safetensors>=0.4", "transformers>=4.51"],
         # GPU machines only: installing transformer-engine on a CPU machine breaks megatron.core.
-        "gpu": ["transformer-engine[pytorch]"],
+        # Exactly megatron-core 0.19.2's own `te` extra (its metadata declares no version range;
+        # tests/parallel/test_fusions.py compares the two where 0.19 is installed).
+        "gpu": [GPU_TRANSFORMER_ENGINE],
     },
 )

@@ -39,6 +39,7 @@ from dataclasses import dataclass
 import torch
 
 from lime_megatron.models.config import PAPER_1B, lime_config
+from lime_megatron.models.lime.recompute import drops_routed_kv, routed_kv_log
 from lime_megatron.parallel import fusions
 from lime_megatron.parallel.fusions import Choice, Platform
 from lime_megatron.planning import flops
@@ -60,6 +61,8 @@ class Tolerances:
 
 TOLERANCES = Tolerances()
 FP8_STEPS = 20
+FP8_MIN_DISTANCE = 1e-6
+"""Below this the FP8 run's losses equal bf16's (to float32 printing): FP8 did not run."""
 FP8_RECIPES = ("delayed", "tensorwise")  # megatron's names: delayed and current (tensorwise) scaling
 CHECK_SHAPE = dict(num_layers=4, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=2)
 CHECK_BATCH = (2, 256)  # (micro batch, sequence) of the correctness checks
@@ -221,32 +224,54 @@ def exit_code(rows: list[Row]) -> int:
 # --------------------------------------------------------------------------- GPU runs
 
 
-def check_config(lime: bool, *, te: bool, bf16: bool, fusions_on: bool, **overrides):
+@dataclass(frozen=True)
+class Machine:
+    """Where the checks run: the device and the spec of the candidate models.  ``main`` uses
+    ``Machine()`` (CUDA, TransformerEngine spec, the machine's fused kernels); the CPU tests
+    run the same checks with ``Machine("cpu", te=False)`` (local spec, no fusions)."""
+
+    device: str = "cuda"
+    te: bool = True
+
+    @property
+    def transformer_impl(self) -> str:
+        return "transformer_engine" if self.te else "local"
+
+    def platform(self) -> Platform:
+        """The fused kernels the candidates use: this machine's on CUDA, none on CPU."""
+        return Platform.detect() if self.device == "cuda" else Platform(cuda=False)
+
+
+GPU = Machine()
+
+
+def check_config(lime: bool, *, te: bool, bf16: bool, fusions_on: bool, machine: Machine = GPU, **overrides):
     """A LIMe (or baseline) config of ``overrides`` (else ``CHECK_SHAPE``) for the checks: bf16 or
-    fp32, with the machine's fused kernels (``fusions``) or none.  Gradient-accumulation fusion
+    fp32, with ``machine``'s fused kernels (``fusions``) or none.  Gradient-accumulation fusion
     stays off: the checks run without DDP's ``main_grad``."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     shape = {**CHECK_SHAPE, **overrides}
     config = lime_config(lime=lime, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
-                         transformer_impl="transformer_engine" if te else "local", **shape)
-    platform = Platform.detect() if fusions_on else Platform(cuda=False)
+                         transformer_impl="transformer_engine" if te else "local",
+                         use_cpu_initialization=machine.device == "cpu", **shape)
+    platform = machine.platform() if fusions_on else Platform(cuda=False)
     choices = fusions.resolve(platform, config.transformer_impl, 1)
     choices = dataclasses.replace(choices, gradient_accumulation_fusion=Choice(False, "no DDP main_grad"))
     return choices.apply(config)
 
 
-def build(config, seq: int, te: bool):
+def build(config, seq: int, machine: Machine = GPU):
+    """The model of ``config`` (spec ``config.transformer_impl``) on ``machine``'s device."""
     from lime_megatron.models.gpt_model import build_model
 
-    return build_model(config, VOCAB, seq, backend="te" if te else "local").cuda()
+    return build_model(config, VOCAB, seq, transformer_impl=config.transformer_impl).to(machine.device)
 
 
-def make_batch(micro_batch: int, seq: int, seed: int, vocab: int = VOCAB,
-               device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, labels) ``[b, s]`` of a learnable sequence: random start, then +1 mod vocab."""
+def make_batch(micro_batch: int, seq: int, seed: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) ``[b, s]`` of a learnable sequence: random start, then +1 mod ``VOCAB``."""
     generator = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, vocab, (micro_batch, 1), generator=generator)
-    tokens = (start + torch.arange(seq + 1)) % vocab
+    start = torch.randint(0, VOCAB, (micro_batch, 1), generator=generator)
+    tokens = (start + torch.arange(seq + 1)) % VOCAB
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
@@ -264,19 +289,35 @@ def loss_and_gradients(model, batch) -> tuple[float, dict[str, torch.Tensor]]:
     return loss.item(), grads
 
 
-def check_bf16(lime: bool, tolerances: Tolerances) -> list[Row]:
-    """TE spec in bf16 (fused kernels) against the local spec in fp32 (none), same weights."""
+def check_bf16(lime: bool, tolerances: Tolerances, machine: Machine = GPU) -> list[Row]:
+    """``machine``'s spec in bf16 (its fused kernels) against the local spec in fp32 (none), same
+    weights; for LIMe also whether the routed K/V were dropped where the dry run predicts."""
     label = "LIMe" if lime else "baseline"
     micro_batch, seq = CHECK_BATCH
     torch.manual_seed(1)
-    candidate = build(check_config(lime, te=True, bf16=True, fusions_on=True), seq, te=True)
-    reference = build(check_config(lime, te=False, bf16=False, fusions_on=False), seq, te=False)
+    config = check_config(lime, te=machine.te, bf16=True, fusions_on=True, machine=machine)
+    candidate = build(config, seq, machine)
+    reference = build(check_config(lime, te=False, bf16=False, fusions_on=False, machine=machine), seq, machine)
     copy_weights(candidate, reference)
-    batch = make_batch(micro_batch, seq, seed=0)
+    batch = make_batch(micro_batch, seq, seed=0, device=machine.device)
+    routed_kv_log.take()
     loss, grads = loss_and_gradients(candidate, batch)
+    drops = routed_kv_log.take()
     ref_loss, ref_grads = loss_and_gradients(reference, batch)
     rows = [Row("bf16 vs fp32", label, "loss", abs(loss - ref_loss) / abs(ref_loss), tolerances.loss_bf16)]
+    rows += routed_kv_rows(label, config, drops) if lime else []
     return rows + summarize_gradients(compare_gradients("bf16 vs fp32", label, grads, ref_grads, tolerances.grad_bf16))
+
+
+def routed_kv_rows(label: str, config, drops: dict) -> list[Row]:
+    """One row: the layers whose routed K/V were dropped (``routed_kv_log.take()``'s ``drops``)
+    or kept against ``recompute.drops_routed_kv``, the prediction ``--dry-run``'s memory estimate
+    uses; FAILED when a layer differs or no layer was logged."""
+    predicted = drops_routed_kv(config, config.transformer_impl)
+    wrong = [layer for layer, counts in drops.items() if bool(counts.dropped and not counts.kept) != predicted]
+    quantity = (f"layers whose routed K/V were {'kept' if predicted else 'dropped'} against the dry run's "
+                f"'{'dropped' if predicted else 'kept'}' ({len(drops)} logged)")
+    return [Row("routed K/V", label, quantity, len(wrong) if drops else math.inf, 0)]
 
 
 def train_losses(model, batches, lr: float = 1e-3) -> list[float]:
@@ -291,30 +332,41 @@ def train_losses(model, batches, lr: float = 1e-3) -> list[float]:
     return losses
 
 
-def check_fp8(lime: bool, tolerances: Tolerances) -> list[Row]:
-    """FP8_STEPS steps with each FP8 recipe against bf16, from the same weights and batches."""
+def check_fp8(lime: bool, tolerances: Tolerances, machine: Machine = GPU,
+              capability: tuple[int, int] | None = None) -> list[Row]:
+    """FP8_STEPS steps with each FP8 recipe against bf16, from the same weights and batches
+    (``capability``: the GPU's compute capability, asked from CUDA when None)."""
     label = "LIMe" if lime else "baseline"
-    if torch.cuda.get_device_capability() < (8, 9):
+    if (capability or torch.cuda.get_device_capability()) < (8, 9):
         return [Row("fp8", label, "skipped: FP8 needs compute capability >= 8.9", math.nan, None)]
     micro_batch, seq = CHECK_BATCH
-    batches = [make_batch(micro_batch, seq, seed=step) for step in range(FP8_STEPS)]
+    batches = [make_batch(micro_batch, seq, seed=step, device=machine.device) for step in range(FP8_STEPS)]
     torch.manual_seed(2)
-    bf16 = build(check_config(lime, te=True, bf16=True, fusions_on=True), seq, te=True)
+    bf16 = build(check_config(lime, te=machine.te, bf16=True, fusions_on=True, machine=machine), seq, machine)
     initial = {name: param.detach().clone() for name, param in bf16.named_parameters()}
     reference = train_losses(bf16, batches)
     rows = []
     for recipe in FP8_RECIPES:
-        config = check_config(lime, te=True, bf16=True, fusions_on=True, fp8="hybrid", fp8_recipe=recipe)
-        model = build(config, seq, te=True)
+        config = check_config(lime, te=machine.te, bf16=True, fusions_on=True, machine=machine, fp8="hybrid",
+                              fp8_recipe=recipe)
+        model = build(config, seq, machine)
         with torch.no_grad():
             for name, param in model.named_parameters():
                 param.copy_(initial[name])
-        losses = train_losses(model, batches)
-        distance = max(abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(losses, reference))
-        rows.append(Row(f"fp8 {recipe}", label, f"max rel. loss distance to bf16 over {FP8_STEPS} steps",
-                        distance, tolerances.fp8_loss))
+        rows += fp8_rows(f"fp8 {recipe}", label, train_losses(model, batches), reference, tolerances)
         del model
     return rows
+
+
+def fp8_rows(check: str, label: str, losses: list[float], reference: list[float], tolerances: Tolerances) -> list[Row]:
+    """The largest relative distance of the FP8 ``losses`` to the bf16 ``reference`` losses, twice:
+    within ``tolerances.fp8_loss``, and above ``FP8_MIN_DISTANCE`` (a distance of 0 means FP8 was
+    never applied: the same losses as bf16)."""
+    distance = max(abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(losses, reference))
+    steps = len(losses)
+    return [Row(check, label, f"max rel. loss distance to bf16 over {steps} steps", distance, tolerances.fp8_loss),
+            Row(check, label, "FP8 changed the losses (distance to bf16)", distance, FP8_MIN_DISTANCE,
+                lower_bound=True)]
 
 
 def _timed_step(model, batch) -> tuple[float, int]:
@@ -336,7 +388,7 @@ def time_shape(shape: TimedShape, peak_tflops: float | None, warmup: int = 3, re
     models = {}
     for lime in (True, False):
         config = check_config(lime, te=True, bf16=True, fusions_on=True, **shape.model)
-        models["LIMe" if lime else "baseline"] = (build(config, shape.seq, te=True), config)
+        models["LIMe" if lime else "baseline"] = (build(config, shape.seq), config)
     batch = make_batch(shape.micro_batch, shape.seq, seed=0)
     times: dict[str, list[float]] = {name: [] for name in models}
     peaks: dict[str, int] = {}
@@ -403,8 +455,9 @@ def main(argv=None) -> int:
     peak = args.peak_tflops or device_peak_tflops(name)
     print(f"gpu_check on {name} (bf16 peak {peak or 'unknown'} TFLOP/s); {Platform.detect().describe()}", flush=True)
     rows = []
-    if not Platform.detect().te:
-        rows.append(Row("setup", "-", "TransformerEngine not importable", math.nan, math.inf))
+    platform = Platform.detect()
+    if not platform.te:
+        rows.append(Row("setup", "-", f"TransformerEngine: {platform.te_problem}", math.nan, math.inf))
     else:
         for lime in (True, False):
             rows += guarded("bf16 vs fp32", lambda lime=lime: check_bf16(lime, TOLERANCES))

@@ -1,7 +1,9 @@
 """The GPU-free pieces of ``python -m lime_megatron.gpu_check``: the exit without CUDA, the weight
 copy between the TransformerEngine and local specs (local -> local and against a hand-made
-TE-style module), the gradient comparison, the table and exit code, and that the bf16 tolerances
-hold for bf16 rounding of a small LIMe model on CPU."""
+TE-style module), the gradient comparison, the table and exit code, that the bf16 tolerances
+hold for bf16 rounding of a small LIMe model on CPU, and the bf16 and FP8 checks themselves run
+on CPU with the local spec (``Machine("cpu", te=False)``): model building, the weight copy, the
+routed-K/V row against the dry run's prediction, and an FP8 run that changes nothing FAILS."""
 
 from __future__ import annotations
 
@@ -20,6 +22,19 @@ from lime_megatron.parallel.process_groups import initialize_parallel as init_si
 @pytest.fixture(scope="module", autouse=True)
 def megatron():
     init_single_process()
+
+
+CPU = gpu_check.Machine("cpu", te=False)  # the GPU checks' code paths with the local spec on CPU
+
+
+@pytest.fixture
+def small_checks(monkeypatch):
+    """The checks' model, batch and FP8 run shrunk to a CPU test's size."""
+    monkeypatch.setattr(gpu_check, "CHECK_SHAPE", dict(num_layers=2, hidden_size=64, ffn_hidden_size=128,
+                                                       num_attention_heads=4, num_query_groups=2))
+    monkeypatch.setattr(gpu_check, "CHECK_BATCH", (2, 16))
+    monkeypatch.setattr(gpu_check, "VOCAB", VOCAB)
+    monkeypatch.setattr(gpu_check, "FP8_STEPS", 2)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -135,7 +150,7 @@ def test_bf16_tolerances_hold_for_bf16_rounding_on_cpu():
     assert max(row.value for row in rows) > 1e-4  # bf16 did round: the comparison is not vacuous
 
 
-def test_check_configs_and_the_training_loop_on_cpu():
+def test_check_configs_and_the_training_loop_on_cpu(small_checks):
     """The pieces the GPU runs share with CPU: configs (no fusions for the fp32 reference, no
     gradient-accumulation fusion without DDP), loss and local-named gradients, AdamW steps."""
     reference = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False)
@@ -143,9 +158,36 @@ def test_check_configs_and_the_training_loop_on_cpu():
                                                          "bias_dropout_fusion", "gradient_accumulation_fusion"))
     assert reference.params_dtype == torch.float32 and reference.num_query_groups == 2
     model = tiny_model(dtype=torch.float32, seed=5)
-    batch_ = gpu_check.make_batch(2, SEQ, seed=0, vocab=VOCAB, device="cpu")
+    batch_ = gpu_check.make_batch(2, SEQ, seed=0, device="cpu")
     loss, grads = gpu_check.loss_and_gradients(model, batch_)
     assert math.isfinite(loss) and sum("router" in name for name in grads) == 4
     assert set(grads) == set(gpu_check.local_named(model.named_parameters()))
     losses = gpu_check.train_losses(model, [batch_] * 8, lr=1e-2)
     assert losses[-1] < losses[0] - 0.5  # the sequence task is learnable
+
+
+def test_bf16_check_runs_on_cpu_and_checks_the_routed_kv_prediction(small_checks, monkeypatch):
+    for lime in (True, False):
+        rows = gpu_check.check_bf16(lime, gpu_check.TOLERANCES, CPU)
+        assert gpu_check.exit_code(rows) == 0, gpu_check.format_table(rows)
+        assert [row.quantity for row in rows][0] == "loss"
+        assert any(row.check == "routed K/V" for row in rows) == lime
+        assert max(row.value for row in rows if row.quantity.startswith("worst")) > 1e-4  # bf16 rounded
+    # a dry run predicting the opposite (GQA on the local spec keeps copies) is caught
+    monkeypatch.setattr(gpu_check, "drops_routed_kv", lambda config, impl: True)
+    routed = [row for row in gpu_check.check_bf16(True, gpu_check.TOLERANCES, CPU) if row.check == "routed K/V"]
+    assert routed[0].status == "FAILED" and routed[0].value == 2  # both layers differ
+    assert gpu_check.routed_kv_rows("LIMe", gpu_check.check_config(True, te=False, bf16=False, fusions_on=False),
+                                    {})[0].status == "FAILED"  # nothing logged: LIMe's attention never ran
+
+
+def test_fp8_that_changes_nothing_fails(small_checks):
+    """The local spec ignores ``fp8``: the FP8 run repeats the bf16 losses exactly, and the check
+    must say FAILED instead of passing on a distance of 0."""
+    rows = gpu_check.check_fp8(True, gpu_check.TOLERANCES, CPU, capability=(9, 0))
+    unchanged = [row for row in rows if row.quantity.startswith("FP8 changed")]
+    assert len(unchanged) == len(gpu_check.FP8_RECIPES) and all(row.status == "FAILED" for row in unchanged)
+    assert gpu_check.exit_code(rows) == 1 and "FAILED" in gpu_check.format_table(rows)
+    changed = gpu_check.fp8_rows("fp8 delayed", "LIMe", [2.01, 1.52], [2.0, 1.5], gpu_check.TOLERANCES)
+    assert [row.status for row in changed] == ["ok", "ok"]
+    assert gpu_check.check_fp8(True, gpu_check.TOLERANCES, CPU, capability=(8, 0))[0].limit is None  # skipped

@@ -3,7 +3,8 @@
 The context holds, per layer, megatron's key/value cache ``[max_length, batch, kv_heads, d]``
 (``key_value_memory_dict``, keyed by layer number) and the number of positions already cached
 (``sequence_len_offset``).  A decoding step feeds only the new tokens ``[b, s_new]``; every
-attention layer appends its keys/values to its cache and attends over the cached prefix:
+attention layer appends its keys/values to its cache and attends over the cached prefix (the
+prefill takes any number of tokens, every later step one token per sequence):
 
 - the baseline through megatron's own ``SelfAttention`` inference path;
 - LIMe through ``LimeSelfAttention``'s decoding branch, which routes the new tokens' keys/values
@@ -65,11 +66,18 @@ def _materialize_all_logits(context: StaticInferenceContext) -> None:
 @torch.no_grad()
 def decode_step(model: LimeGPTModel, context: StaticInferenceContext, tokens: torch.Tensor) -> torch.Tensor:
     """Feed the new tokens ``[b, s_new]`` (positions ``offset .. offset + s_new - 1``); returns their
-    logits ``[b, s_new, padded vocab]`` and advances the context by ``s_new``."""
+    logits ``[b, s_new, padded vocab]`` and advances the context by ``s_new``.
+
+    The prefill (offset 0) takes any ``s_new``; after it, a step takes one token per sequence:
+    megatron's decode path attends every new query to the whole cache without a causal mask over
+    the new tokens, so several new tokens after a prefill are refused (ValueError)."""
     offset = context.sequence_len_offset
     batch, new = tokens.shape
     if offset + new > context.max_sequence_length:
         raise ValueError(f"decoding past the cache: positions up to {offset + new} of {context.max_sequence_length}")
+    if offset > 0 and new != 1:
+        raise ValueError(f"decode_step after the prefill takes one new token per sequence, got {new} "
+                         f"(at offset {offset}); feed them one step at a time")
     if offset > 0:
         context.enable_decode_mode()
     positions = torch.arange(offset, offset + new, device=tokens.device).expand(batch, new)

@@ -143,7 +143,9 @@ def pipeline_layer_split(config: TransformerConfig) -> dict[tuple[int, int | Non
     try:
         split = {key: _chunk_range(config, *key) for key in keys}
     except AssertionError as error:
-        raise LimeConfigError(f"cannot split the layers over the pipeline: {error}") from error
+        # one wording on every megatron-core version (0.19 writes "config.<field>", wraps lines)
+        reason = " ".join(str(error).replace("config.", "").split())
+        raise LimeConfigError(f"cannot split the layers over the pipeline: {reason}") from error
     if sum(len(layers) for layers in split.values()) != config.num_layers:
         raise LimeConfigError(
             f"{config.num_layers} layers do not split over {config.pipeline_model_parallel_size} pipeline "

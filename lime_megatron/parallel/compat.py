@@ -109,7 +109,8 @@ project touches, what it expects, and who uses it; :func:`private_api_problems` 
   counting calls; the pipeline exactness tests fail if that changes).
 - The decoder ``context`` threading: ``GPTModel.forward(extra_block_kwargs=...)``,
   ``TransformerBlock.forward(context=...)`` passing ``context=context`` to every layer and to
-  ``TransformerBlock._checkpointed_forward(..., context, ...)`` (``model.LimeGPTModel`` hands the
+  the full-recompute entry (``TransformerBlock._checkpointed_forward(..., context, ...)`` up to 0.18,
+  ``megatron.core.recompute.checkpointed_forward(block, ..., context, ...)`` from 0.19; ``model.LimeGPTModel`` hands the
   memory handle through it; ``layer_spec.LimeTransformerLayer`` reads it).
 - ``SelfAttention.get_query_key_value_tensors(hidden_states, ...)`` and
   ``SelfAttention._checkpointed_attention_forward(query, key, value, attention_mask, ...,
@@ -465,6 +466,16 @@ def _probe_schedules() -> list[str | None]:
     ]
 
 
+def _full_recompute_entry() -> tuple[str, Callable]:
+    """The function full activation recompute runs the layers through: megatron-core 0.19 moved
+    ``TransformerBlock._checkpointed_forward`` to ``megatron.core.recompute.checkpointed_forward``."""
+    from megatron.core.transformer.transformer_block import TransformerBlock
+
+    if hasattr(TransformerBlock, "_checkpointed_forward"):
+        return "TransformerBlock._checkpointed_forward", TransformerBlock._checkpointed_forward
+    return "recompute.checkpointed_forward", _module("recompute").checkpointed_forward
+
+
 def _probe_context_threading() -> list[str | None]:
     from megatron.core.models.gpt.gpt_model import GPTModel
     from megatron.core.transformer.transformer_block import TransformerBlock
@@ -472,8 +483,7 @@ def _probe_context_threading() -> list[str | None]:
     return [
         missing_parameters("GPTModel.forward", GPTModel.forward, "extra_block_kwargs"),
         missing_parameters("TransformerBlock.forward", TransformerBlock.forward, "context"),
-        missing_parameters("TransformerBlock._checkpointed_forward", TransformerBlock._checkpointed_forward,
-                           "context"),
+        missing_parameters(*_full_recompute_entry(), "context"),
         _source_passes("TransformerBlock.forward (context to its layers)", TransformerBlock.forward,
                        "context=context"),
     ]

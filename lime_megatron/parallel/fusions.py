@@ -34,8 +34,9 @@ references.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import importlib.util
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -53,14 +54,19 @@ class Platform:
     fused_wgrad: bool = False
     softmax_kernels: bool = False
     assumed: bool = False
+    te_problem: str = field(default="", compare=False)
+    """Why TransformerEngine cannot be used here (its import error), empty when it can."""
 
     @classmethod
     def detect(cls) -> Platform:
-        """This machine.  Libraries are looked up, not imported (TransformerEngine's import
-        fails without CUDA libraries)."""
+        """This machine.  TransformerEngine is imported (``transformer_engine.pytorch``: a wheel
+        without its CUDA libraries fails there, and megatron then fails on ``import megatron.core``);
+        apex's and megatron's kernels are looked up, not imported."""
+        te_problem = _import_problem("transformer_engine.pytorch")
         return cls(
             cuda=torch.cuda.is_available(),
-            te=_importable("transformer_engine"),
+            te=not te_problem,
+            te_problem=te_problem,
             fused_wgrad=_importable("fused_weight_gradient_mlp_cuda"),
             softmax_kernels=_importable("scaled_upper_triang_masked_softmax_cuda")
             and _importable("scaled_masked_softmax_cuda"),
@@ -76,9 +82,20 @@ class Platform:
         """One line, e.g. ``CUDA, TransformerEngine, no apex wgrad GEMM, no fused softmax (assumed)``."""
         if not self.cuda:
             return "CPU"
-        parts = ["CUDA", _has(self.te, "TransformerEngine"), _has(self.fused_wgrad, "apex wgrad GEMM"),
+        transformer_engine = "TransformerEngine" if self.te or not self.te_problem else (
+            f"TransformerEngine ({self.te_problem})")
+        parts = ["CUDA", _has(self.te, transformer_engine), _has(self.fused_wgrad, "apex wgrad GEMM"),
                  _has(self.softmax_kernels, "fused softmax kernels")]
         return ", ".join(parts) + (" (assumed GPU machine of this --dry-run)" if self.assumed else "")
+
+
+def _import_problem(module: str) -> str:
+    """Empty if ``module`` imports, else one line: why it does not (any import-time error)."""
+    try:
+        importlib.import_module(module)
+    except Exception as error:  # noqa: BLE001 - TE raises RuntimeError/OSError without CUDA libraries
+        return f"cannot import {module}: {type(error).__name__}: {str(error).splitlines()[0] if str(error) else ''}"
+    return ""
 
 
 def _importable(module: str) -> bool:

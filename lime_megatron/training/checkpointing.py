@@ -218,8 +218,10 @@ def read_common(directory: str) -> dict:
         raise CheckpointError(f"{directory} is not a complete checkpoint (no metadata.json)")
     try:
         common = dist_checkpointing.load_common_state_dict(directory)
-    except Exception as error:  # noqa: BLE001 - any failure to read means a corrupt checkpoint
-        raise CheckpointError(f"corrupt checkpoint {directory}: {cause(error)}") from None
+    except (Exception, TorchCheckpointException) as error:  # noqa: BLE001 - any failure to read: corrupt
+        # megatron-core 0.19 reads the common state through torch.distributed.checkpoint too
+        raise CheckpointError(f"cannot load checkpoint {directory} (corrupt or truncated?): "
+                              f"{cause(error)}") from None
     if not isinstance(common, dict) or common.get("format_version") != FORMAT_VERSION:
         raise CheckpointError(f"{directory} is not a checkpoint of this trainer (format "
                               f"{FORMAT_VERSION})")

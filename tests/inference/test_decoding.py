@@ -89,3 +89,15 @@ def test_decoding_refuses_autograd_and_overlong_input():
         model(_tokens(1)[:, :3], positions, None, inference_context=context, runtime_gather_output=True)
     with pytest.raises(ValueError, match="decoding past the cache"):
         decode_step(model, kv_cache_context(model, 1, 4), _tokens(1)[:, :5])
+
+
+def test_several_new_tokens_after_the_prefill_are_refused():
+    """megatron's decode path has no causal mask over the new tokens: a multi-token step after
+    the prefill is refused with one message, and the context is left where it was."""
+    model = tiny_model(num_query_groups=2).eval()
+    context = kv_cache_context(model, 2, LENGTH)
+    tokens = _tokens(2)
+    decode_step(model, context, tokens[:, :PREFILL])
+    with pytest.raises(ValueError, match="takes one new token per sequence, got 2"):
+        decode_step(model, context, tokens[:, PREFILL : PREFILL + 2])
+    assert context.sequence_len_offset == PREFILL
