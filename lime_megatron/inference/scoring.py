@@ -82,7 +82,8 @@ def greedy_completer(generator: Generator, max_new_tokens: int, batch_size: int 
         texts = []
         batches = range(0, len(prompts), batch_size)
         for start in tqdm(batches, desc="generating", unit="batch", disable=not progress):
-            batch = [[generator.eod, *generator.tokenizer.tokenize(prompt)] for prompt in prompts[start:start + batch_size]]
+            batch = [[generator.eod, *generator.tokenizer.tokenize(prompt)]
+                     for prompt in prompts[start:start + batch_size]]
             texts += generator.generate(batch, options).texts
         return texts
 

@@ -54,7 +54,6 @@ class SolvingGenerator:
             texts.append(" " + " = ".join(steps))
         return Generation([[1]] * len(prompts), ["eod"] * len(prompts), 0.0, texts)
 
-import re  # noqa: E402
 
 @pytest.fixture(scope="module")
 def records() -> list[dict]:
