@@ -137,7 +137,7 @@ def checkpoint_dir(out: Path, name: str) -> Path:
 
 def score_models(out: Path, names: list[str]) -> dict[str, list[dict]]:
     """Score each trained checkpoint by generation on the held-out expressions; per-tier
-    accuracies of each (``TierAccuracy.as_dict``)."""
+    accuracies of each (``Accuracy.as_dict``)."""
     scores = {}
     for name in names:
         path = out / f"{name.lower()}_scores.json"
@@ -204,8 +204,8 @@ def _plot(metrics: dict[str, list[dict]], path: Path) -> None:
 def report_accuracy(scores: dict[str, list[dict]], out: Path) -> None:
     """Print the generation accuracies per operand count side by side; plot them."""
     names = list(scores)
-    tiers = sorted({tier["num_operands"] for name in names for tier in scores[name]})
-    by_tier = {name: {tier["num_operands"]: tier for tier in scores[name]} for name in names}
+    tiers = sorted({tier["group"] for name in names for tier in scores[name]})
+    by_tier = {name: {tier["group"]: tier for tier in scores[name]} for name in names}
     print("\ngeneration accuracy on held-out expressions (greedy, KV cache; exact match of the final answer, "
           "95% Wilson interval):")
     print(f"{'operands':>8} " + " ".join(f"{name + ' accuracy':>28}" for name in names))

@@ -1,4 +1,5 @@
-"""Scoring a model on the arithmetic-expression task (LIMe paper §5.3.2, App. B) by generation.
+"""Scoring a model by generation: the arithmetic-expression task (LIMe paper §5.3.2, App. B) and
+ProsQA (§5.3.1; ``lime_megatron.data.prosqa``).
 
 Every test expression is given as the prompt ``"<eod><expression> ="`` (the end-of-document token
 first, as every training document follows one); the model continues greedily with the KV cache
@@ -12,6 +13,10 @@ at 0 or 100% accuracy:
     centre = (p + z^2 / 2n) / (1 + z^2 / n),  half = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2)
 
 with p = correct / n and z = 1.96.
+
+ProsQA: the prompt is the question and a newline (after the end-of-document token); the answer
+is right when the text after the generation's last ``#`` equals the record's answer (Coconut's
+exact match), the steps when the generated lines before ``###`` equal the record's steps.
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from dataclasses import asdict, dataclass
 
 from tqdm import tqdm
 
+from lime_megatron.data import prosqa
 from lime_megatron.inference.generation import Generator, SamplingOptions
 
 Z_95 = 1.959963984540054
@@ -45,10 +51,11 @@ def final_answer(continuation: str) -> str:
 
 
 @dataclass(frozen=True)
-class TierAccuracy:
-    """Exact-match accuracy of one tier (operand count) with its 95% Wilson interval."""
+class Accuracy:
+    """Exact-match accuracy of one group (an AET operand count, ProsQA's "answer" or "steps")
+    with its 95% Wilson interval."""
 
-    num_operands: int
+    group: int | str
     correct: int
     total: int
 
@@ -95,7 +102,7 @@ def prompt_of(record: dict) -> str:
     return f"{record['expression']} ="
 
 
-def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list[TierAccuracy], list[dict]]:
+def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list[Accuracy], list[dict]]:
     """Per-tier accuracies (sorted by operand count) of ``complete`` on ``records``
     (``expression``, ``answer``, ``num_operands``), and one row per record (prompt, generated
     continuation, extracted and expected answer, correct)."""
@@ -110,4 +117,19 @@ def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list
                      "expected": record["answer"], "num_operands": record["num_operands"], "correct": correct})
         hits, total = tiers.get(record["num_operands"], (0, 0))
         tiers[record["num_operands"]] = (hits + correct, total + 1)
-    return [TierAccuracy(tier, *tiers[tier]) for tier in sorted(tiers)], rows
+    return [Accuracy(tier, *tiers[tier]) for tier in sorted(tiers)], rows
+
+
+def score_prosqa(complete: Completer, records: Sequence[dict]) -> tuple[list[Accuracy], list[dict]]:
+    """Answer and step accuracy of ``complete`` on ProsQA ``records``, and one row per record."""
+    if not records:
+        raise ValueError("no test records to score")
+    continuations = complete([prosqa.prompt_of(record) for record in records])
+    rows = []
+    for record, continuation in zip(records, continuations, strict=True):
+        rows.append({"generated": continuation, "answer": prosqa.final_answer(continuation),
+                     "expected": record["answer"],
+                     "answer_correct": prosqa.final_answer(continuation) == record["answer"],
+                     "steps_correct": prosqa.generated_steps(continuation) == record["steps"]})
+    return [Accuracy(group, sum(row[f"{group}_correct"] for row in rows), len(rows))
+            for group in ("answer", "steps")], rows

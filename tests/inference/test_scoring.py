@@ -80,7 +80,7 @@ def test_a_generator_made_to_be_right_scores_100_percent(records):
     generator = SolvingGenerator()
     tiers, rows = scoring.score_arithmetic(scoring.greedy_completer(generator, 100, batch_size=32), records)
     assert generator.batches == [32, 32, 26]
-    assert [tier.num_operands for tier in tiers] == [4, 5, 6]
+    assert [tier.group for tier in tiers] == [4, 5, 6]
     assert sum(tier.total for tier in tiers) == 90
     assert all(tier.correct == tier.total for tier in tiers) and all(row["correct"] for row in rows)
     assert rows[0]["answer"] == str(records[0]["answer"])
@@ -91,7 +91,7 @@ def test_a_generator_made_to_be_wrong_scores_0_and_one_wrong_tier_only_there(rec
     assert all(tier.correct == 0 for tier in tiers)
     partly = SolvingGenerator(offset=7, wrong_tiers=(5,))
     tiers, _ = scoring.score_arithmetic(scoring.greedy_completer(partly, 100), records)
-    counts = {tier.num_operands: (tier.correct, tier.total) for tier in tiers}
+    counts = {tier.group: (tier.correct, tier.total) for tier in tiers}
     assert counts[5][0] == 0 and counts[4][0] == counts[4][1] and counts[6][0] == counts[6][1]
     table = score_generation.table(tiers)
     assert "100.0%" in table and "  0.0%" in table and "[" in table
