@@ -7,7 +7,11 @@
 4. ``pretrain_lime.py`` trains a tiny LIMe and the LLaMA baseline on it, each launched with
    ``torch.distributed.run`` on 2 CPU processes over gloo, pipeline-parallel (PP=2; ``--layout
    tp2`` for tensor parallelism), same seed, data, schedule and paper optimizer settings;
-5. their losses are printed side by side with a summary, and plotted to ``loss.png``.
+5. ``tools/score_generation.py`` scores each trained checkpoint by greedy generation with the KV
+   cache on held-out expressions (none of them in the training data): exact-match accuracy of
+   the final answer per operand count, with 95% Wilson intervals;
+6. their losses and accuracies are printed side by side with a summary, and plotted to
+   ``loss.png`` and ``accuracy.png``.
 
 Everything is written under ``--output-dir`` (default: a new temporary directory).
 """
@@ -44,6 +48,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lime_megatron", description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", help="where data, tokenizer, metrics and plot go")
     parser.add_argument("--num-samples", type=int, default=20000, help="arithmetic expressions")
+    parser.add_argument("--test-samples", type=int, default=400, help="held-out expressions scored by generation")
     parser.add_argument("--train-iters", type=int, default=120)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="pp2")
     return parser.parse_args(argv)
@@ -62,13 +67,14 @@ def _run(step: str, command: list[str]) -> None:
 TOKENIZER_VOCAB = 48  # SentencePiece pieces: the task's 18 characters and frequent merges
 
 
-def data_steps(out: Path, num_samples: int) -> list[tuple[str, str, list[str]]]:
-    """The data stages as ``(name, tool script, its arguments)``: generate, train the tokenizer,
-    preprocess."""
+def data_steps(out: Path, num_samples: int, test_samples: int) -> list[tuple[str, str, list[str]]]:
+    """The data stages as ``(name, tool script, its arguments)``: generate (with the held-out
+    test expressions), train the tokenizer, preprocess."""
     jsonl, tokenizer = out / "arith.jsonl", out / "tokenizer"
     return [
         ("arithmetic data", "make_arithmetic_data.py",
-         ["--output", str(jsonl), "--num-samples", str(num_samples), "--seed", "0", "--no-progress"]),
+         ["--output", str(jsonl), "--num-samples", str(num_samples), "--seed", "0", "--no-progress",
+          "--test-output", str(test_file(out)), "--test-samples", str(test_samples)]),
         ("tokenizer", "train_tokenizer.py",
          ["--input", str(jsonl), "--kind", "sentencepiece", "--vocab-size", str(TOKENIZER_VOCAB),
           "--character-coverage", "1.0", "--no-byte-fallback", "--output-dir", str(tokenizer),
@@ -77,6 +83,11 @@ def data_steps(out: Path, num_samples: int) -> list[tuple[str, str, list[str]]]:
          ["--input", str(jsonl), "--output-prefix", str(out / "arith"), "--append-eod",
           "--no-progress", *tokenizer_flags(out)]),
     ]
+
+
+def test_file(out: Path) -> Path:
+    """The held-out expressions scored by generation."""
+    return out / "arith_test.jsonl"
 
 
 def tokenizer_flags(out: Path) -> list[str]:
@@ -92,9 +103,9 @@ def trainer_data_flags(out: Path) -> list[str]:
             str(out / "cache"), *tokenizer_flags(out)]
 
 
-def prepare_data(out: Path, num_samples: int) -> list[str]:
+def prepare_data(out: Path, num_samples: int, test_samples: int) -> list[str]:
     """Run the data stages; the trainer's data flags."""
-    for name, tool, tool_args in data_steps(out, num_samples):
+    for name, tool, tool_args in data_steps(out, num_samples, test_samples):
         _run(name, [sys.executable, f"tools/{tool}", *tool_args])
     return trainer_data_flags(out)
 
@@ -114,9 +125,27 @@ def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> 
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
             "pretrain_lime.py", *TRAINER_OPTIONS, *LAYOUTS[args.layout], *data_flags, *model_flags,
             "--train-iters", str(args.train_iters),
-            "--lr-warmup-iters", str(warmup_iters(args.train_iters)), "--metrics-file", str(path)])
+            "--lr-warmup-iters", str(warmup_iters(args.train_iters)), "--metrics-file", str(path),
+            "--save", str(checkpoint_dir(out, name))])
         metrics[name] = [json.loads(line) for line in path.read_text().splitlines()]
     return metrics
+
+
+def checkpoint_dir(out: Path, name: str) -> Path:
+    return out / f"checkpoint-{name.lower()}"
+
+
+def score_models(out: Path, names: list[str]) -> dict[str, list[dict]]:
+    """Score each trained checkpoint by generation on the held-out expressions; per-tier
+    accuracies of each (``Accuracy.as_dict``)."""
+    scores = {}
+    for name in names:
+        path = out / f"{name.lower()}_scores.json"
+        _run(f"scoring {name} by generation", [
+            sys.executable, "tools/score_generation.py", str(checkpoint_dir(out, name)),
+            "--test-file", str(test_file(out)), "--output", str(path), "--no-progress"])
+        scores[name] = json.loads(path.read_text())["tiers"]
+    return scores
 
 
 def _smoothed(records: list[dict], last: int = 10) -> float:
@@ -172,14 +201,58 @@ def _plot(metrics: dict[str, list[dict]], path: Path) -> None:
     plt.close(figure)
 
 
+def report_accuracy(scores: dict[str, list[dict]], out: Path) -> None:
+    """Print the generation accuracies per operand count side by side; plot them."""
+    names = list(scores)
+    tiers = sorted({tier["group"] for name in names for tier in scores[name]})
+    by_tier = {name: {tier["group"]: tier for tier in scores[name]} for name in names}
+    print("\ngeneration accuracy on held-out expressions (greedy, KV cache; exact match of the final answer, "
+          "95% Wilson interval):")
+    print(f"{'operands':>8} " + " ".join(f"{name + ' accuracy':>28}" for name in names))
+    for count in tiers:
+        cells = []
+        for name in names:
+            tier = by_tier[name][count]
+            cells.append(f"{tier['accuracy']:>7.1%} [{tier['ci95_low']:.1%}, {tier['ci95_high']:.1%}] "
+                         f"of {tier['total']:>3}")
+        print(f"{count:>8} " + " ".join(f"{cell:>28}" for cell in cells))
+    _plot_accuracy(by_tier, tiers, out / "accuracy.png")
+    print(f"  accuracy plot: {out / 'accuracy.png'}")
+
+
+def _plot_accuracy(by_tier: dict[str, dict[int, dict]], tiers: list[int], path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    figure, axis = plt.subplots(figsize=(7, 4))
+    width = 0.8 / len(by_tier)
+    for index, (name, tier_scores) in enumerate(by_tier.items()):
+        rows = [tier_scores[count] for count in tiers]
+        accuracy = np.array([row["accuracy"] for row in rows])
+        errors = [accuracy - [row["ci95_low"] for row in rows], [row["ci95_high"] for row in rows] - accuracy]
+        axis.bar(np.arange(len(tiers)) + index * width, 100 * accuracy, width, yerr=100 * np.array(errors),
+                 capsize=3, label=name)
+    axis.set_xticks(np.arange(len(tiers)) + width * (len(by_tier) - 1) / 2, [str(count) for count in tiers])
+    axis.set(xlabel="operands", ylabel="exact-match accuracy (%)",
+             title="LIMe vs LLaMA, arithmetic task: generation accuracy (95% Wilson CI)")
+    axis.legend()
+    figure.tight_layout()
+    figure.savefig(path, dpi=120)
+    plt.close(figure)
+
+
 def main(argv=None) -> None:
     args = parse_args(argv)
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="lime-main-job-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
     start = time.perf_counter()
-    data_flags = prepare_data(out, args.num_samples)
+    data_flags = prepare_data(out, args.num_samples, args.test_samples)
     metrics = train_models(out, data_flags, args)
+    scores = score_models(out, list(metrics))
     report(metrics, out)
+    report_accuracy(scores, out)
     print(f"  total time {time.perf_counter() - start:.0f} s")
 
 

@@ -2,6 +2,8 @@
 """Generate the Arithmetic Expression Task (LIMe paper App. B; Feng et al. 2023) as JSONL.
 
     python tools/make_arithmetic_data.py --output data/arith.jsonl --num-samples 100000 --seed 0
+    python tools/make_arithmetic_data.py --output data/aet_train.jsonl --num-samples 150000 \
+        --min-operands 4 --max-operands 6 --test-output data/aet_test.jsonl --test-samples 1500
 
 Each line is one expression over integer operands with + - * / and parentheses, followed by its
 step-by-step solution and the exact integer result::
@@ -43,7 +45,7 @@ import re
 import sys
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from functools import lru_cache
 from typing import Union
@@ -286,18 +288,36 @@ def _pick(rng: random.Random, cumulative: np.ndarray) -> int:
     return int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
 
 
-def generate(num_samples: int, seed: int, spec: ArithmeticSpec = ArithmeticSpec()
-             ) -> Iterator[dict]:
+def generate(num_samples: int, seed: int, spec: ArithmeticSpec = ArithmeticSpec(),
+             exclude: frozenset[str] = frozenset()) -> Iterator[dict]:
     """Yield `num_samples` records (text, expression, answer, num_operands); same seed, same
-    records. The operand count of each is uniform in [min_operands, max_operands]."""
+    records. The operand count of each is uniform in [min_operands, max_operands]. A drawn
+    expression in `exclude` (a held-out test set) is skipped and another one drawn."""
     if num_samples < 1:
         raise ValueError(f"num_samples must be at least 1 (got {num_samples})")
     rng, sampler = random.Random(seed), ExpressionSampler(spec)
-    for _ in range(num_samples):
+    produced = 0
+    while produced < num_samples:
         num_operands = rng.randint(spec.min_operands, spec.max_operands)
         steps = solution(sampler.sample(rng, num_operands), spec.symbols)
+        if steps[0] in exclude:
+            continue
+        produced += 1
         yield {"text": " = ".join(steps), "expression": steps[0], "answer": int(steps[-1]),
                "num_operands": num_operands}
+
+
+def test_split(num_samples: int, seed: int, spec: ArithmeticSpec) -> list[dict]:
+    """`num_samples` distinct held-out expressions, drawn with their own stream (seed ``-1 - seed``,
+    never a training seed >= 0); train with ``exclude`` = their expressions."""
+    records, seen = [], set()
+    for record in generate(10 * num_samples, -1 - seed, spec):
+        if record["expression"] not in seen:
+            seen.add(record["expression"])
+            records.append(record)
+        if len(records) == num_samples:
+            return records
+    raise ValueError(f"could not draw {num_samples} distinct test expressions: widen the value bounds")
 
 
 @dataclass
@@ -320,9 +340,8 @@ class Summary:
                 f"{self.distinct:,} distinct expressions"]
 
 
-def write_jsonl(path: str, num_samples: int, seed: int, spec: ArithmeticSpec,
-                progress: bool = True) -> Summary:
-    """Write `generate(num_samples, seed, spec)` to `path` (complete, or not at all)."""
+def write_jsonl(path: str, records: Iterable[dict], num_samples: int, progress: bool = True) -> Summary:
+    """Write the `num_samples` `records` to `path` (complete, or not at all)."""
     start = time.perf_counter()
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
@@ -330,7 +349,6 @@ def write_jsonl(path: str, num_samples: int, seed: int, spec: ArithmeticSpec,
     operands, answers, expressions = Counter(), [], set()
     try:
         with open(temporary, "w", encoding="utf-8") as out:
-            records = generate(num_samples, seed, spec)
             for record in tqdm(records, total=num_samples, desc="expressions", unit="expr",
                                disable=not progress):
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
@@ -362,6 +380,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="bound of every intermediate value and answer (all are >= 0)")
     parser.add_argument("--symbols", choices=sorted(SYMBOLS), default=defaults.symbols,
                         help="ascii: * and /; paper: × and ÷")
+    parser.add_argument("--test-output", help="also write held-out test expressions here; no training "
+                        "expression equals one of them")
+    parser.add_argument("--test-samples", type=int, default=0, help="distinct test expressions (with --test-output)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
@@ -371,15 +392,23 @@ def parse_args(argv=None) -> argparse.Namespace:
         parser.error(str(err).replace("_", "-"))
     if args.num_samples < 1:
         parser.error(f"--num-samples must be at least 1 (got {args.num_samples})")
+    if bool(args.test_output) != (args.test_samples > 0):
+        parser.error("--test-output and --test-samples (>= 1) go together")
     return args
 
 
 def main(argv=None) -> int:
     """Entry point; returns the process exit status."""
     args = parse_args(argv)
+    progress = not args.no_progress
     try:
-        summary = write_jsonl(args.output, args.num_samples, args.seed, args.spec,
-                              progress=not args.no_progress)
+        held_out = frozenset()
+        if args.test_output:
+            test = test_split(args.test_samples, args.seed, args.spec)
+            held_out = frozenset(record["expression"] for record in test)
+            print("\n".join(write_jsonl(args.test_output, test, len(test), progress).lines(args.test_output)))
+        records = generate(args.num_samples, args.seed, args.spec, exclude=held_out)
+        summary = write_jsonl(args.output, records, args.num_samples, progress)
     except (OSError, ValueError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1

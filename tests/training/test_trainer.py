@@ -229,7 +229,7 @@ def test_weight_decay_groupings():
 def arithmetic_data(tmp_path_factory):
     """The main job's data (fewer samples), made in-process by the real tools."""
     out = tmp_path_factory.mktemp("arith")
-    for _, tool, tool_args in main_job.data_steps(out, num_samples=3000):
+    for _, tool, tool_args in main_job.data_steps(out, num_samples=3000, test_samples=60):
         module = importlib.import_module(tool[:-3])
         assert module.main(tool_args) in (0, None)
     return out
@@ -432,16 +432,24 @@ def test_dry_run_needs_no_distributed(capsys, monkeypatch):
 
 @pytest.mark.slow
 def test_main_job_end_to_end(tmp_path):
-    """``python -m lime_megatron`` (shortened): both models train on 2 processes; report and
-    plot written."""
+    """``python -m lime_megatron`` (shortened): both models train on 2 processes, are scored by
+    generation on the held-out expressions; report and plots written."""
     import subprocess
 
     completed = subprocess.run(
         [sys.executable, "-m", "lime_megatron", "--output-dir", str(tmp_path), "--train-iters", "8",
-         "--num-samples", "2000"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+         "--num-samples", "2000", "--test-samples", "40"], cwd=ROOT, capture_output=True, text=True, timeout=600)
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "LIMe - LLaMA validation loss" in completed.stdout
-    assert (tmp_path / "loss.png").stat().st_size > 0
+    assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "accuracy.png").stat().st_size > 0
+    assert "generation accuracy on held-out expressions" in completed.stdout
+    for name in ("lime", "llama"):
+        scores = json.loads((tmp_path / f"{name}_scores.json").read_text())
+        assert sum(tier["total"] for tier in scores["tiers"]) == 40 and scores["iteration"] == 8
+        assert len(scores["generations"]) == 40
+    held_out = {json.loads(line)["expression"] for line in (tmp_path / "arith_test.jsonl").read_text().splitlines()}
+    trained = {json.loads(line)["expression"] for line in (tmp_path / "arith.jsonl").read_text().splitlines()}
+    assert len(held_out) == 40 and not held_out & trained
     assert len(metrics(tmp_path / "lime.jsonl")) == 8 and len(metrics(tmp_path / "llama.jsonl")) == 8
 
 

@@ -1,0 +1,135 @@
+"""Scoring a model by generation: the arithmetic-expression task (LIMe paper §5.3.2, App. B) and
+ProsQA (§5.3.1; ``lime_megatron.data.prosqa``).
+
+Every test expression is given as the prompt ``"<eod><expression> ="`` (the end-of-document token
+first, as every training document follows one); the model continues greedily with the KV cache
+(:class:`lime_megatron.inference.generation.Generator`) until it emits the end-of-document token
+or ``max_new_tokens``. The final answer is the text after the continuation's last ``=`` (the
+whole continuation when it has none), and a sample is right when that equals the expected integer
+exactly (exact match, as the paper scores AET). Accuracy is reported per operand count (the
+paper's tiers) with a 95% Wilson score interval, which stays inside [0, 1] and is not degenerate
+at 0 or 100% accuracy:
+
+    centre = (p + z^2 / 2n) / (1 + z^2 / n),  half = z / (1 + z^2 / n) * sqrt(p (1 - p) / n + z^2 / 4n^2)
+
+with p = correct / n and z = 1.96.
+
+ProsQA: the prompt is the question and a newline (after the end-of-document token); the answer
+is right when the text after the generation's last ``#`` equals the record's answer (Coconut's
+exact match), the steps when the generated lines before ``###`` equal the record's steps.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass
+
+from tqdm import tqdm
+
+from lime_megatron.data import prosqa
+from lime_megatron.inference.generation import Generator, SamplingOptions
+
+Z_95 = 1.959963984540054
+"""The standard normal quantile of 0.975: two-sided 95% intervals."""
+
+
+def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, float]:
+    """The Wilson score interval ``(low, high)`` of a binomial proportion ``correct / total``."""
+    if total < 1 or not 0 <= correct <= total:
+        raise ValueError(f"need 0 <= correct <= total and total >= 1 (got {correct} of {total})")
+    p, n = correct / total, total
+    scale = 1 + z * z / n
+    centre = (p + z * z / (2 * n)) / scale
+    half = z / scale * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
+    return max(0.0, centre - half), min(1.0, centre + half)
+
+
+def final_answer(continuation: str) -> str:
+    """The text after the last ``=`` of a generated solution (all of it when there is none)."""
+    return continuation.rsplit("=", 1)[-1].strip()
+
+
+@dataclass(frozen=True)
+class Accuracy:
+    """Exact-match accuracy of one group (an AET operand count, ProsQA's "answer" or "steps")
+    with its 95% Wilson interval."""
+
+    group: int | str
+    correct: int
+    total: int
+
+    @property
+    def accuracy(self) -> float:
+        return self.correct / self.total
+
+    @property
+    def interval(self) -> tuple[float, float]:
+        return wilson_interval(self.correct, self.total)
+
+    def as_dict(self) -> dict:
+        low, high = self.interval
+        return {**asdict(self), "accuracy": self.accuracy, "ci95_low": low, "ci95_high": high}
+
+
+Completer = Callable[[Sequence[str]], list[str]]
+"""Prompts (text) -> the generated continuation of each."""
+
+
+def greedy_completer(generator: Generator, max_new_tokens: int, batch_size: int = 64,
+                     progress: bool = False) -> Completer:
+    """A :data:`Completer` decoding greedily with ``generator`` (its KV cache unless built with
+    ``use_cache=False``): each prompt is tokenized after the end-of-document token, batches of
+    ``batch_size`` prompts, stop at end of document."""
+    if generator.tokenizer is None or generator.eod is None:
+        raise ValueError("scoring needs a generator with a tokenizer and an end-of-document token")
+    options = SamplingOptions(max_new_tokens=max_new_tokens, temperature=0.0, stop_at_eod=True)
+
+    def complete(prompts: Sequence[str]) -> list[str]:
+        texts = []
+        batches = range(0, len(prompts), batch_size)
+        for start in tqdm(batches, desc="generating", unit="batch", disable=not progress):
+            batch = [[generator.eod, *generator.tokenizer.tokenize(prompt)]
+                     for prompt in prompts[start:start + batch_size]]
+            texts += generator.generate(batch, options).texts
+        return texts
+
+    return complete
+
+
+def prompt_of(record: dict) -> str:
+    """The prompt of one task record (``make_arithmetic_data.py``'s ``expression``)."""
+    return f"{record['expression']} ="
+
+
+def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list[Accuracy], list[dict]]:
+    """Per-tier accuracies (sorted by operand count) of ``complete`` on ``records``
+    (``expression``, ``answer``, ``num_operands``), and one row per record (prompt, generated
+    continuation, extracted and expected answer, correct)."""
+    if not records:
+        raise ValueError("no test records to score")
+    continuations = complete([prompt_of(record) for record in records])
+    rows, tiers = [], {}
+    for record, continuation in zip(records, continuations, strict=True):
+        answer = final_answer(continuation)
+        correct = answer == str(record["answer"])
+        rows.append({"prompt": prompt_of(record), "generated": continuation, "answer": answer,
+                     "expected": record["answer"], "num_operands": record["num_operands"], "correct": correct})
+        hits, total = tiers.get(record["num_operands"], (0, 0))
+        tiers[record["num_operands"]] = (hits + correct, total + 1)
+    return [Accuracy(tier, *tiers[tier]) for tier in sorted(tiers)], rows
+
+
+def score_prosqa(complete: Completer, records: Sequence[dict]) -> tuple[list[Accuracy], list[dict]]:
+    """Answer and step accuracy of ``complete`` on ProsQA ``records``, and one row per record."""
+    if not records:
+        raise ValueError("no test records to score")
+    continuations = complete([prosqa.prompt_of(record) for record in records])
+    rows = []
+    for record, continuation in zip(records, continuations, strict=True):
+        rows.append({"generated": continuation, "answer": prosqa.final_answer(continuation),
+                     "expected": record["answer"],
+                     "answer_correct": prosqa.final_answer(continuation) == record["answer"],
+                     "steps_correct": prosqa.generated_steps(continuation) == record["steps"]})
+    return [Accuracy(group, sum(row[f"{group}_correct"] for row in rows), len(rows))
+            for group in ("answer", "steps")], rows
