@@ -29,6 +29,7 @@ from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
+from nccl_rules import Coordinator, announce_exit, install
 
 from lime_megatron.parallel.compat import (
     cpu_config_overrides,
@@ -40,6 +41,7 @@ MASTER_ADDR = "127.0.0.1"
 # Imported once by the fork server that starts every rank, so no launch pays for them again.
 _PRELOAD = (
     __name__,
+    "nccl_rules",
     "megatron.core.distributed",
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
@@ -64,12 +66,15 @@ def free_port() -> int:
         return sock.getsockname()[1]
 
 
-def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, **kwargs) -> list:
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, nccl_rules: bool = False,
+                    **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (processes forked from the fork
     server) and return the list of their results, indexed by rank.
 
     ``fn`` and its arguments and results must be picklable (``fn`` a module-level function);
-    ``timeout`` is the only keyword argument not passed on to ``fn``.
+    ``timeout`` and ``nccl_rules`` are the keyword arguments not passed on to ``fn``; with
+    ``nccl_rules`` the ranks' point-to-point operations follow NCCL's rules (``nccl_rules``
+    module: a deadlock there fails the launch with every rank's pending operations listed).
     Each rank has the default process group initialised, megatron's CPU support enabled and one
     intra-op thread; megatron's parallel state and the process group are torn down afterwards.
     Raises :class:`DistributedTestError` with every failing rank's traceback, or
@@ -81,8 +86,13 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     context.set_forkserver_preload(list(_PRELOAD))
     messages = context.Queue()
     port = free_port()
+    coordinator = None
+    if nccl_rules:
+        coordinator = Coordinator(world_size, context.Queue(), [context.Queue() for _ in range(world_size)])
+        coordinator.start()
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs, messages))
+        context.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs, messages, coordinator and (
+            coordinator.inbox, coordinator.outboxes[rank])))
         for rank in range(world_size)
     ]
     for process in processes:
@@ -92,6 +102,8 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
         _collect(processes, messages, timeout, results, failures)
     finally:
         _stop(processes, wait_s=_EXIT_WAIT_S if len(results) == world_size else 0.0)
+        if coordinator is not None:
+            coordinator.stop()
     if failures:
         details = "\n".join(f"--- rank {rank} ---\n{failures[rank]}" for rank in sorted(failures))
         raise DistributedTestError(f"{len(failures)} of {world_size} ranks failed:\n{details}")
@@ -136,8 +148,9 @@ def _stop(processes, wait_s: float) -> None:
             process.join()
 
 
-def _worker(rank, world_size, port, fn, args, kwargs, messages) -> None:
-    """Body of one spawned rank: set up, run ``fn``, tear down, report."""
+def _worker(rank, world_size, port, fn, args, kwargs, messages, nccl_queues) -> None:
+    """Body of one spawned rank: set up, run ``fn``, tear down, report (``nccl_queues``: this
+    rank's (messages to, answers from) the NCCL-rules coordinator, or None)."""
     os.environ.update(
         MASTER_ADDR=MASTER_ADDR,
         MASTER_PORT=str(port),
@@ -151,9 +164,12 @@ def _worker(rank, world_size, port, fn, args, kwargs, messages) -> None:
         torch.distributed.init_process_group(
             distributed_backend(), rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
         )
+        rules = install(rank, *nccl_queues) if nccl_queues else None
         try:
             message = (rank, True, pickle.dumps(fn(*args, **kwargs)))
         finally:
+            if rules is not None:
+                announce_exit(rules)
             _teardown()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         message = (rank, False, traceback.format_exc())
