@@ -138,7 +138,7 @@ def test_invalid_options_fail_with_one_clear_message(argv, world_size, message):
 def test_gpu_only_options_fail_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    for flags, message in ((["--bf16"], "need a CUDA GPU"),
+    for flags, message in ((["--fp16"], "--fp16 needs a CUDA GPU"),
                            (["--transformer-impl", "transformer_engine"], "needs a CUDA GPU")):
         with pytest.raises(ArgumentsError, match=message):
             parse_args(BASE + flags, world_size=1)
