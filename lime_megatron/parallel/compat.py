@@ -131,7 +131,8 @@ project touches, what it expects, and who uses it; :func:`private_api_problems` 
   ``_set_cuda_rng_state``; ``DistributedOptimizer._build_model_and_main_param_groups`` (a
   classmethod), ``get_parameter_state_dp_zero``, ``state_dict``, ``load_state_dict``,
   ``_set_main_param_and_optimizer_states(model_param, tensors)``;
-  ``distrib_optimizer.HAVE_APEX_OR_TE``; ``Float16OptimizerWithFloat16Params.__init__``; ``p2p_communication._p2p_ops`` (keyword-only
+  ``distrib_optimizer.HAVE_APEX_OR_TE``; ``Float16OptimizerWithFloat16Params.__init__``;
+  ``p2p_communication._p2p_ops`` (keyword-only
   ``tensor_send_prev``/``tensor_send_next``, called by name from ``_communicate``);
   ``clip_grad_by_total_norm_fp32`` in
   ``optimizer.clip_grads`` and ``optimizer.optimizer``;
@@ -566,6 +567,8 @@ def _probe_patch_targets() -> list[str | None]:
         missing_parameters("DistributedOptimizer._set_main_param_and_optimizer_states",
                            optimizer_cls._set_main_param_and_optimizer_states, "model_param", "tensors"),
         _present("distrib_optimizer.HAVE_APEX_OR_TE", getattr(distrib, "HAVE_APEX_OR_TE", None)),
+        _present("optimizer.Float16OptimizerWithFloat16Params",
+                 getattr(_module("optimizer.optimizer"), "Float16OptimizerWithFloat16Params", None)),
         *(_present(f"{name}.clip_grad_by_total_norm_fp32", getattr(_module(name), "clip_grad_by_total_norm_fp32", None))
           for name in ("optimizer.clip_grads", "optimizer.optimizer")),
         missing_parameters("p2p_communication._p2p_ops", _module("pipeline_parallel.p2p_communication")._p2p_ops,

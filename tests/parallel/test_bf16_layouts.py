@@ -3,8 +3,8 @@
 What a GPU run does in bf16, run here on CPU through the trainer's functions
 (``build_model_chunks``: megatron's ``Float16Module``; ``build_optimizer`` with ``bf16=True``:
 megatron's mixed-precision optimizers with fp32 main parameters, plain and distributed): LIMe and
-the LLaMA baseline, single process, TP=2 + SP (data-parallel 2) and
-PP=2 x VPP=2 (data-parallel 2, plain optimizer) and TP=2 + SP with the distributed optimizer, three Adam steps each, from the float32 run's
+the LLaMA baseline, single process, TP=2 + SP (data-parallel 2), PP=2 x VPP=2 (data-parallel 2)
+and TP=2 + SP with the distributed optimizer, three Adam steps each, from the float32 run's
 initial weights, against the single-process float32 run.
 
 Dtypes checked: model parameters, LIMe routers included, are bf16 (``Float16Module`` casts the
