@@ -31,18 +31,10 @@ from __future__ import annotations
 
 from functools import partial
 
+import distributed as dist
 import pytest
 import torch
-from distributed import (
-    Layout,
-    data_parallel_share,
-    gather_full,
-    initialize_layout,
-    layout_config_kwargs,
-    load_full,
-    make_batches,
-    run_distributed,
-)
+from distributed import Layout
 from test_lime_tensor_parallel import router_rule
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 3, 1e-2
@@ -62,7 +54,7 @@ def make_config(layout: Layout, bf16: bool, **model):
     precision = dict(bf16=True, pipeline_dtype=torch.bfloat16) if bf16 else {}
     settings = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
                     deallocate_pipeline_outputs=layout.pp > 1)
-    return lime_config(use_cpu_initialization=True, **settings, **model, **{**layout_config_kwargs(layout),
+    return lime_config(use_cpu_initialization=True, **settings, **model, **{**dist.layout_config_kwargs(layout),
                                                                            **precision})
 
 
@@ -100,21 +92,21 @@ def train(layout: Layout, model: dict, bf16: bool, distributed: bool = False, we
     """``STEPS`` Adam steps; the losses, the first step's full gradients, the initial weights and the dtypes."""
     from lime_megatron.training.trainer import build_model_chunks, train_step
 
-    initialize_layout(layout)
+    dist.initialize_layout(layout)
     config = make_config(layout, bf16, **model)
     rules = partial(router_rule, config)
     chunks = build_model_chunks(config, VOCAB, SEQ, use_distributed_optimizer=distributed)
     if weights is not None:
-        load_full(chunks, weights, rules)
+        dist.load_full(chunks, weights, rules)
     optimizer, scheduler = adam(chunks, bf16, distributed)
-    initial = gather_full(chunks, extra_shard_rules=rules)
+    initial = dist.gather_full(chunks, extra_shard_rules=rules)
     keys = attention_key_dtypes(chunks)
-    batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
+    batches = dist.data_parallel_share(dist.make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
     losses, grads = [], None
     for _ in range(STEPS):
         losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
         if grads is None and not distributed:
-            grads = gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules)
+            grads = dist.gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules)
     return dict(losses=losses, grads=grads, initial=initial, keys=keys,
                 params={p.dtype for chunk in chunks for p in chunk.parameters()},
                 main_grads={p.main_grad.dtype for chunk in chunks for p in chunk.parameters()},
@@ -164,9 +156,9 @@ def layout_runs(references: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def runs() -> dict:
-    single = run_distributed(single_process_runs, 1)[0]
+    single = dist.run_distributed(single_process_runs, 1)[0]
     weights = {name: single[f"{name} fp32"]["initial"] for name in MODELS}
-    launched = run_distributed(layout_runs, 4, weights, timeout=900)[0]
+    launched = dist.run_distributed(layout_runs, 4, weights, timeout=900)[0]
     return {**single, **launched}
 
 
