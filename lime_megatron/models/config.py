@@ -93,6 +93,8 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
         )
     validate_router(config.lime_router, config.lime_router_window)
     validate_hyper_connections(config)
+    if config.lime:
+        reject_options_bypassing_lime(config)
 
 
 def validate_hyper_connections(config: LimeTransformerConfig) -> None:
@@ -114,6 +116,46 @@ def validate_hyper_connections(config: LimeTransformerConfig) -> None:
     recomputed = set(config.recompute_modules or ["core_attn"]) - {"core_attn"}
     if config.recompute_granularity == "selective" and recomputed:
         raise LimeConfigError(f"Hyper-Connections recompute only core_attn selectively, not {sorted(recomputed)}")
+
+
+OPTIONS_BYPASSING_LIME: dict[str, tuple[Any, str]] = {
+    # option: (its off value, what it would do to LIMe); probed by name, so options newer than the
+    # installed megatron-core (absent attributes) pass.
+    "cuda_graph_impl": ("none", "CUDA-graph capture runs TransformerLayer._forward_attention directly, so the "
+                                "layer-integrated memory is never bound"),
+    "enable_cuda_graph": (False, "CUDA-graph capture (deprecated flag of cuda_graph_impl='local') runs "
+                                 "TransformerLayer._forward_attention directly, so the memory is never bound"),
+    "external_cuda_graph": (False, "CUDA-graph capture (deprecated flag of cuda_graph_impl='transformer_engine') "
+                                   "runs TransformerLayer._forward_attention directly, so the memory is never bound"),
+    "overlap_moe_expert_parallel_comm": (False, "the expert-parallel overlap schedule calls "
+                                                "TransformerLayer._forward_attention directly, so the memory is "
+                                                "never bound"),
+    "context_parallel_size": (1, "context parallelism splits the sequence; the memory and the routed K/V are "
+                                 "not split with it"),
+    "attention_output_gate": (False, "LimeSelfAttention does not apply the output gate"),
+    "no_rope_freq": (None, "LimeSelfAttention applies RoPE on every layer"),
+    "qk_clip": (False, "qk-clip rescales the query/key projections from attention logits LimeSelfAttention does "
+                       "not record, and routed keys are not the projections it clips"),
+    "fine_grained_activation_offloading": (False, "LimeSelfAttention does not offload, and the routed K/V "
+                                                  "recompute keeps its own saved tensors"),
+    "fused_single_qkv_rope": (False, "the fused QKV+RoPE kernel rotates the keys before the memory routes them "
+                                     "(LIMe rotates the routed keys)"),
+    "multi_latent_attention": (False, "LIMe's layer spec builds LimeSelfAttention, not multi-latent attention"),
+    "experimental_attention_variant": (None, "LIMe's layer spec builds LimeSelfAttention, not the variant"),
+    "yarn_rotary_scaling_factor": (None, "YaRN's attention mscale is applied by megatron's SelfAttention.forward, "
+                                         "which LimeSelfAttention replaces"),
+}
+"""megatron-core options (0.16 to 0.19) that skip LIMe's memory binding or change attention semantics in a
+way ``LimeSelfAttention.forward`` does not implement."""
+
+
+def reject_options_bypassing_lime(config: TransformerConfig) -> None:
+    """Raise one ``LimeConfigError`` naming the first option of ``OPTIONS_BYPASSING_LIME`` set on ``config``
+    (an attribute it lacks counts as off)."""
+    for option, (off, reason) in OPTIONS_BYPASSING_LIME.items():
+        value = getattr(config, option, off)
+        if value != off:
+            raise LimeConfigError(f"{option}={value!r} is not supported with LIMe: {reason}")
 
 
 def validate_router(router: str, window: int | None, *, flags: bool = False) -> None:

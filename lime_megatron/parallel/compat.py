@@ -50,13 +50,14 @@ Patches, all applied together by :func:`enable_cpu_support`:
    CPU-generator equivalents: ``CudaRNGStatesTracker.fork`` (entered by ``DotProductAttention``
    and weight initialisation even without dropout) and activation checkpointing call them.
 
-3. Four megatron functions run with CPU-tolerant tensor methods (``Tensor.cuda()`` returns the
+3. Five megatron functions run with CPU-tolerant tensor methods (``Tensor.cuda()`` returns the
    CPU tensor, ``Tensor.type()`` names the CUDA type) for the duration of the call only:
 
    - ``optimizer.clip_grads.clip_grad_by_total_norm_fp32`` (and its alias imported into
      ``optimizer.optimizer``) asserts ``param.grad.type() == 'torch.cuda.FloatTensor'``.
-   - ``DistributedOptimizer._build_model_and_main_param_groups`` rejects parameters whose
-     ``type()`` is not a ``torch.cuda`` type.
+   - ``DistributedOptimizer._build_model_and_main_param_groups`` and, for bf16/fp16 with the
+     plain optimizer, ``Float16OptimizerWithFloat16Params.__init__`` (which makes the fp32 main
+     copies) reject parameters whose ``type()`` is not a ``torch.cuda`` type.
    - ``DistributedOptimizer.get_parameter_state_dp_zero`` (distributed-optimizer checkpoints in
      the ``fully_reshardable`` format) moves each state shard to the GPU with ``.cuda()`` before
      gathering it over the data-parallel group.
@@ -131,7 +132,8 @@ project touches, what it expects, and who uses it; :func:`private_api_problems` 
   ``_set_cuda_rng_state``; ``DistributedOptimizer._build_model_and_main_param_groups`` (a
   classmethod), ``get_parameter_state_dp_zero``, ``state_dict``, ``load_state_dict``,
   ``_set_main_param_and_optimizer_states(model_param, tensors)``;
-  ``distrib_optimizer.HAVE_APEX_OR_TE``; ``p2p_communication._p2p_ops`` (keyword-only
+  ``distrib_optimizer.HAVE_APEX_OR_TE``; ``Float16OptimizerWithFloat16Params.__init__``;
+  ``p2p_communication._p2p_ops`` (keyword-only
   ``tensor_send_prev``/``tensor_send_next``, called by name from ``_communicate``);
   ``clip_grad_by_total_norm_fp32`` in
   ``optimizer.clip_grads`` and ``optimizer.optimizer``;
@@ -319,6 +321,11 @@ def _patch_tensor_method_users() -> None:
     clip = _with_cuda_tensor_methods(clip_grads.clip_grad_by_total_norm_fp32)
     clip_grads.clip_grad_by_total_norm_fp32 = clip
     _module("optimizer.optimizer").clip_grad_by_total_norm_fp32 = clip
+
+    # bf16/fp16 (plain optimizer): sorts parameters into fp32 main copies by param.type() and raises
+    # TypeError unless it names a torch.cuda type (0.16, 0.19).
+    float16_cls = _module("optimizer.optimizer").Float16OptimizerWithFloat16Params
+    float16_cls.__init__ = _with_cuda_tensor_methods(float16_cls.__init__)
 
     # Raises TypeError unless model_param.type() is a torch.cuda type (0.16, 0.19).
     optimizer_cls = _module("optimizer.distrib_optimizer").DistributedOptimizer
@@ -570,6 +577,8 @@ def _probe_patch_targets() -> list[str | None]:
         missing_parameters("DistributedOptimizer._set_main_param_and_optimizer_states",
                            optimizer_cls._set_main_param_and_optimizer_states, "model_param", "tensors"),
         _present("distrib_optimizer.HAVE_APEX_OR_TE", getattr(distrib, "HAVE_APEX_OR_TE", None)),
+        _present("optimizer.Float16OptimizerWithFloat16Params",
+                 getattr(_module("optimizer.optimizer"), "Float16OptimizerWithFloat16Params", None)),
         *(_present(f"{name}.clip_grad_by_total_norm_fp32", getattr(_module(name), "clip_grad_by_total_norm_fp32", None))
           for name in ("optimizer.clip_grads", "optimizer.optimizer")),
         missing_parameters("p2p_communication._p2p_ops", _module("pipeline_parallel.p2p_communication")._p2p_ops,

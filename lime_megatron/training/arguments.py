@@ -291,8 +291,8 @@ def _check_precision(args, world_size) -> None:
     if args.bf16 and args.fp16:
         raise ArgumentsError("choose one of --bf16 and --fp16")
     cuda = torch.cuda.is_available() or args.dry_run
-    if (args.bf16 or args.fp16) and not cuda:
-        raise ArgumentsError("--bf16/--fp16 need a CUDA GPU (CPU runs train in float32)")
+    if args.fp16 and not cuda:
+        raise ArgumentsError("--fp16 needs a CUDA GPU (CPU runs train in float32 or --bf16)")
     if args.transformer_impl == "transformer_engine" and not cuda:
         raise ArgumentsError("--transformer-impl transformer_engine needs a CUDA GPU")
     if args.fp8_format is not None:

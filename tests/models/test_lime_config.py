@@ -54,3 +54,48 @@ def test_router_count_for_windowed_variants():
     assert router_parameter_count(config) == 4 * (2 + 2 + 2)
     average = lime_config(num_layers=4, hidden_size=32, num_attention_heads=4, lime_router="average")
     assert router_parameter_count(average) == 0
+
+
+BYPASSING = {  # every option of OPTIONS_BYPASSING_LIME that is a TransformerConfig field, switched on
+    "cuda_graph_impl": "local",
+    "enable_cuda_graph": True,
+    "external_cuda_graph": True,
+    "overlap_moe_expert_parallel_comm": True,
+    "context_parallel_size": 2,
+    "attention_output_gate": True,
+    "no_rope_freq": 2,
+    "qk_clip": True,
+    "fine_grained_activation_offloading": True,
+    "fused_single_qkv_rope": True,
+    "multi_latent_attention": True,
+    "experimental_attention_variant": "gated_delta_net",
+}
+
+
+def test_every_bypassing_option_is_tested():
+    from lime_megatron.models.config import OPTIONS_BYPASSING_LIME
+
+    assert set(OPTIONS_BYPASSING_LIME) == {*BYPASSING, "yarn_rotary_scaling_factor"}
+
+
+@pytest.mark.parametrize("option, value", BYPASSING.items(), ids=list(BYPASSING))
+def test_options_that_bypass_lime_fail_naming_the_option(option, value):
+    with pytest.raises(LimeConfigError, match=rf"^{option}={value!r} is not supported with LIMe: "):
+        lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, **{option: value})
+
+
+def test_yarn_scaling_set_after_the_config_fails_when_the_attention_is_built():
+    """megatron reads YaRN's mscale from ``yarn_rotary_scaling_factor`` if the config has that
+    attribute (not a TransformerConfig field: probed by name); LimeSelfAttention checks again."""
+    init_single_process()
+    config = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    build_model(config, vocab_size=64, max_sequence_length=8)  # builds without it
+    config.yarn_rotary_scaling_factor = 4.0
+    with pytest.raises(LimeConfigError, match="^yarn_rotary_scaling_factor=4.0 is not supported with LIMe: YaRN"):
+        build_model(config, vocab_size=64, max_sequence_length=8)
+
+
+def test_the_baseline_keeps_megatron_attention_options():
+    config = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, lime=False, attention_output_gate=True,
+                         qk_clip=True, no_rope_freq=2)
+    assert config.attention_output_gate and config.qk_clip and config.no_rope_freq == [0, 1]

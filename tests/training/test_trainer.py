@@ -138,10 +138,20 @@ def test_invalid_options_fail_with_one_clear_message(argv, world_size, message):
 def test_gpu_only_options_fail_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    for flags, message in ((["--bf16"], "need a CUDA GPU"),
+    for flags, message in ((["--fp16"], "--fp16 needs a CUDA GPU"),
                            (["--transformer-impl", "transformer_engine"], "needs a CUDA GPU")):
         with pytest.raises(ArgumentsError, match=message):
             parse_args(BASE + flags, world_size=1)
+
+
+def test_bf16_command_line_run_trains_on_cpu_near_the_float32_run():
+    """``--bf16`` on CPU (``Float16Module``, fp32 main parameters): the losses of the float32 run
+    within ``test_bf16_layouts.LOSS_TOLERANCE`` (u/2 = 2^-9, relative; derived there)."""
+    flags = BASE + ["--lime", "--train-iters", "3", "--global-batch-size", "4"]
+    fp32, bf16 = run(flags).losses, run(flags + ["--bf16"]).losses
+    assert sorted(bf16) == sorted(fp32) == [1, 2, 3]
+    assert all(abs(bf16[i] - fp32[i]) <= 2.0 ** -9 * fp32[i] for i in fp32), (fp32, bf16)
+    assert bf16 != fp32  # the run did change precision
 
 
 def test_invalid_model_shape_fails_at_start(capsys):

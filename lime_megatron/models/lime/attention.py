@@ -31,6 +31,7 @@ from megatron.core.models.common.embeddings.rope_utils import apply_rotary_pos_e
 from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
+from lime_megatron.models.config import reject_options_bypassing_lime
 from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.models.lime.memory import LayerIntegratedMemory, route_keys_values, route_new_tokens
 from lime_megatron.models.lime.recompute import Rebuilt, recompute_in_backward, routed_kv_log
@@ -43,8 +44,7 @@ class LimeSelfAttention(SelfAttention):
 
     def __init__(self, config, submodules, layer_number, attn_mask_type=AttnMaskType.causal, **kwargs):
         super().__init__(config, submodules, layer_number, attn_mask_type=attn_mask_type, **kwargs)
-        if config.context_parallel_size > 1:
-            raise NotImplementedError("LIMe does not support context parallelism")
+        reject_options_bypassing_lime(config)  # again here: options set after the config was made
         sharding = HeadSharding(
             config.kv_heads, self.tp_group.rank() if self.world_size > 1 else 0, self.world_size, self.tp_group
         )
