@@ -226,6 +226,7 @@ class KeptRows:
         self.forwards = [0] * len(self.chunks)
         self.sends: dict[tuple[int, int], list] = {}
         self.grad_sends: list = []
+        self.backward_state: dict[tuple[str, int, int], tuple] = {}
 
     def _tag(self, micro_batch: int, chunk: int, index: int) -> int:
         """Unique tag of block ``index`` of the hop into ``chunk`` for ``micro_batch``."""
@@ -258,6 +259,18 @@ class KeptRows:
             work.wait()
         self.sends, self.grad_sends = {}, []
 
+    def _on_backward(self, tensor: torch.Tensor, step, chunk: int, micro_batch: int, *state) -> None:
+        """Run ``step(chunk, micro_batch, *state)`` when ``tensor``'s gradient is computed (if
+        autograd will compute one).  ``state`` (the pass's memory) is held here until then, not by
+        the hook: the hook lives as long as ``tensor``, and megatron keeps a chunk's last stage
+        input (``TransformerBlock.input_tensor``), so a hook holding the memory would keep the
+        last micro-batch's buffer alive until the next schedule call."""
+        if not (tensor.requires_grad and torch.is_grad_enabled()):
+            return
+        key = (step.__name__, chunk, micro_batch)
+        self.backward_state[key] = state
+        tensor.register_hook(lambda grad: step(chunk, micro_batch, *self.backward_state.pop(key)))
+
     # ------------------------------------------------------------------ forward
     def start_forward(self, chunk: int) -> int:
         """The micro-batch of chunk ``chunk``'s next forward."""
@@ -289,8 +302,7 @@ class KeptRows:
             if batch == micro_batch and len(layers):
                 external.append((layers, kept.view(layers, heads)))
         memory.receive(external, kv_shape)
-        if hidden.requires_grad and torch.is_grad_enabled():
-            hidden.register_hook(lambda grad: self._end_backward(chunk, micro_batch, memory, received, hidden))
+        self._on_backward(hidden, self._end_backward, chunk, micro_batch, memory, received)
 
     def send(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, output: torch.Tensor) -> None:
         """Forward end of a chunk before the last: isend its own block of the next hop, keep its
@@ -303,8 +315,7 @@ class KeptRows:
         for index, block in enumerate(hop_blocks(self.config, chunk + 1)):
             if block.source == chunk:
                 self._send_rows(memory.rows(block.layers.start, block.layers.stop), micro_batch, chunk + 1, index)
-        if output.requires_grad and torch.is_grad_enabled():
-            output.register_hook(lambda grad: self._start_backward(chunk, micro_batch, memory, own))
+        self._on_backward(output, self._start_backward, chunk, micro_batch, memory, own)
 
     def end_forward(self, chunk: int, micro_batch: int) -> None:
         """Without backward (``torch.no_grad``), forget the micro-batch's rows once this rank's
@@ -330,7 +341,7 @@ class KeptRows:
             memory.receive_downstream_grad(kept.gradient(), kept.layers)
 
     def _end_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
-                      received: list[HopBlock], hidden: torch.Tensor) -> None:
+                      received: list[HopBlock]) -> None:
         """After chunk ``chunk``'s layers ran backward: add its shares of the kept rows'
         gradients, return the gradient of the rows the hop into it carried, free them."""
         heads = memory.kv_heads
@@ -364,14 +375,21 @@ def kept_rows(config) -> KeptRows:
     return _KEPT
 
 
+def finish_schedule() -> None:
+    """After a call of megatron's forward-backward function: wait for the side channel's last
+    sends and drop their handles, so no micro-batch's rows outlive the call (an evaluation call,
+    which runs no backward, would otherwise keep every micro-batch's sent rows until the next)."""
+    if _KEPT is not None:
+        _KEPT.finish_sends()
+
+
 def schedule_arguments(config) -> dict:
     """Prepare LIMe's side channel for one call of megatron's ``get_forward_backward_func()``
-    (call it once per schedule call, on every rank: micro-batches are numbered from 0 again)
+    (call it once per schedule call, on every rank: micro-batches are numbered from 0 again;
+    :func:`finish_schedule` after the call)
     and return the keyword arguments LIMe needs there (none: megatron's own communicator
     moves the hidden state)."""
     global _KEPT
-    if _KEPT is not None:
-        _KEPT.finish_sends()
     lime = getattr(config, "lime", False)
     pipelined = parallel_state.model_parallel_is_initialized() and \
         parallel_state.get_pipeline_model_parallel_world_size() > 1

@@ -50,7 +50,7 @@ from lime_megatron.models.gpt_model import build_model
 from lime_megatron.models.lime import recompute
 from lime_megatron.parallel import fusions
 from lime_megatron.parallel.compat import default_device
-from lime_megatron.parallel.pipeline import schedule_arguments
+from lime_megatron.parallel.pipeline import finish_schedule, schedule_arguments
 from lime_megatron.parallel.process_groups import destroy_parallel, initialize_parallel
 from lime_megatron.planning import estimate, flops
 from lime_megatron.training import arguments, checkpointing, data
@@ -251,6 +251,7 @@ def run_schedule(model: list, batches: list, forward_only: bool = False) -> floa
         forward_only=forward_only,
         **schedule_arguments(config),
     )
+    finish_schedule()
     counted = bool(reports) and parallel_state.get_tensor_model_parallel_rank() == 0
     totals = torch.zeros(2, dtype=torch.float64, device=default_device())
     if counted:
