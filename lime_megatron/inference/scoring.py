@@ -42,7 +42,8 @@ def wilson_interval(correct: int, total: int, z: float = Z_95) -> tuple[float, f
     scale = 1 + z * z / n
     centre = (p + z * z / (2 * n)) / scale
     half = z / scale * math.sqrt(p * (1 - p) / n + z * z / (4 * n * n))
-    return max(0.0, centre - half), min(1.0, centre + half)
+    # The interval contains p; rounding can put a bound a hair past it at p = 0 or 1.
+    return max(0.0, min(p, centre - half)), min(1.0, max(p, centre + half))
 
 
 def final_answer(continuation: str) -> str:

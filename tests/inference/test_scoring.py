@@ -103,3 +103,12 @@ def test_scoring_needs_records_and_a_tokenizer():
     generator.tokenizer = None
     with pytest.raises(ValueError, match="tokenizer"):
         scoring.greedy_completer(generator, 10)
+
+
+def test_wilson_interval_contains_the_proportion_at_the_boundaries():
+    """At 0 or all correct, rounding must not put a bound past the proportion (the main job's
+    accuracy plot draws accuracy - low and high - accuracy as error bars)."""
+    for total in range(1, 500):
+        for correct in (0, total):
+            low, high = scoring.wilson_interval(correct, total)
+            assert low <= correct / total <= high, (correct, total, low, high)
