@@ -51,10 +51,11 @@ def run_both(model):
     return logits, ref_logits, leaves
 
 
+@pytest.mark.parametrize("block", [1, 2, 3], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
-def test_matches_reference_logits_and_gradients(kv_heads, variant):
-    model = tiny_model(num_query_groups=kv_heads, **variant)
+def test_matches_reference_logits_and_gradients(kv_heads, variant, block):
+    model = tiny_model(num_query_groups=kv_heads, lime_routing_block=block, **variant)
     logits, ref_logits, leaves = run_both(model)
     assert relative_error(logits, ref_logits) <= TOLERANCE
     named = dict(model.named_parameters())
