@@ -292,12 +292,9 @@ class LayerIntegratedMemory:
         ``since`` on (the others zero), accumulated in float32 (``weight_grad_product``);
         ``grad_rows`` holds all kv_heads rows of g_l.  Replica ranks compute the same value
         (their weight columns are one shared parameter)."""
-        grad = torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight)) if since else None
-        parts = [(columns, weight_grad_product(grad_rows, rows)) for columns, rows in self._source_blocks(router, since)]
-        if grad is None:
-            return parts[0][1] if len(parts) == 1 else torch.cat([part for _, part in parts], dim=1)
-        for columns, part in parts:
-            grad[:, columns] = part
+        grad = torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight))
+        for columns, rows in self._source_blocks(router, since):
+            grad[:, columns] = weight_grad_product(grad_rows, rows)
         return grad
 
     def _grad_buffer(self, kv_heads: int) -> torch.Tensor:
