@@ -139,7 +139,7 @@ class LimeSelfAttention(SelfAttention):
             return nullcontext()
         memory, router, log, layer = self.memory, self.router, routed_kv_log, self.router.layer
         def rebuild():
-            return memory.mix(router, router.weight.detach(), memory.rebuilt_earlier_partial(router))
+            return memory.mix(router, router.weight.detach(), memory.rebuilt_earlier_partial(router), "rebuild")
 
         routed_again = Rebuilt(rebuild, log.rebuilt(layer, "routed"))
         rebuilds = {routed: routed_again}

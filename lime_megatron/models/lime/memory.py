@@ -256,12 +256,14 @@ class LayerIntegratedMemory:
             readers = [reader for reader in self._earlier_readers(block) if reader.layer <= router.layer]
             with torch.no_grad():
                 self._rebuild_partials = dict(zip((reader.layer for reader in readers),
-                                                  mix_earlier(self, block, readers)))
+                                                  mix_earlier(self, block, readers, "rebuild")))
         return self._rebuild_partials.pop(router.layer)
 
-    def mix(self, router: LimeRouter, weight: torch.Tensor, earlier: torch.Tensor | None = None) -> torch.Tensor:
+    def mix(self, router: LimeRouter, weight: torch.Tensor, earlier: torch.Tensor | None = None,
+            kind: str = "forward") -> torch.Tensor:
         """Eq. 2: ``weight @ rows(sources)``, one product per contiguous block of sources; with
         ``earlier`` (the block's sums over the sources before the block) only the in-block ones.
+        ``kind`` names the products for ``routing_blocks.routing_reads`` (``rebuild`` in backward).
 
         Under tensor parallelism each rank multiplies its own heads' rows, giving partial sums
         for all kv_heads output heads, and a reduce-scatter leaves each rank its heads' sums.
@@ -274,7 +276,7 @@ class LayerIntegratedMemory:
         if router.sharding.primary:
             since = 0 if earlier is None else self.block_of(router.layer).start
             for columns, rows in self._source_blocks(router, since):
-                part = routing_product("forward", weight[:, columns], rows)
+                part = routing_product(kind, weight[:, columns], rows)
                 partial = part if partial is None else partial.add_(part)
             if earlier is not None:
                 partial = partial.add_(earlier)

@@ -41,7 +41,7 @@ class MachineBalance:
     bytes_per_s: float
 
 
-CPU_2_CORE = MachineBalance("2-core CPU VM (fp32 ~60 GFLOP/s, ~8 GB/s)", 60e9, 8e9)
+CPU_2_CORE = MachineBalance("2-core AVX2 CPU VM (fp32 peak 160 GFLOP/s, ~4 GB/s shared)", 160e9, 4e9)
 H100_SXM = MachineBalance("H100 SXM (bf16 dense 989 TFLOP/s, HBM3 3.35 TB/s)", 989e12, 3.35e12)
 
 
@@ -169,12 +169,12 @@ def earlier_runs(memory, block: range, routers: list[LimeRouter]) -> list[tuple[
     return [piece for run in contiguous_runs(sources) for piece in memory.row_blocks(*run)]
 
 
-def mix_earlier(memory, block: range, routers: list[LimeRouter]) -> tuple[torch.Tensor, ...]:
+def mix_earlier(memory, block: range, routers: list[LimeRouter], kind: str = "forward") -> tuple[torch.Tensor, ...]:
     """Each router's sum over the sources before ``block``, ``[kv_heads, 2*s*b*d]`` (this rank's
-    columns), from one product per row block for all ``routers`` together."""
+    columns), from one product per row block for all ``routers`` together (counted as ``kind``)."""
     partial = None
     for start, stop in earlier_runs(memory, block, routers):
-        part = routing_product("forward", stacked_columns(routers, start, stop), memory.rows(start, stop))
+        part = routing_product(kind, stacked_columns(routers, start, stop), memory.rows(start, stop))
         partial = part if partial is None else partial.add_(part)
     return tuple(partial.chunk(len(routers)))
 
