@@ -104,16 +104,35 @@ RECOMPUTE = {
 }
 
 
+@pytest.mark.parametrize("block", [1, 2], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("recompute", list(RECOMPUTE.values()), ids=list(RECOMPUTE))
-def test_activation_recompute_gives_the_same_gradients(recompute):
-    plain = tiny_model(num_query_groups=2)
-    recomputed = tiny_model(num_query_groups=2, **recompute)
+def test_activation_recompute_gives_the_same_gradients(recompute, block):
+    """Against the plain model at B = 1 (full recompute of 3 layers with B = 2 runs blocks of 1)."""
+    plain = tiny_model(num_query_groups=2, lime_routing_block=1)
+    recomputed = tiny_model(num_query_groups=2, lime_routing_block=block, **recompute)
     recomputed.load_state_dict(plain.state_dict())
     tokens, positions, mask = batch()
     for model in (plain, recomputed):
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
     for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters()):
         assert relative_error(b.grad, a.grad) <= TOLERANCE, name
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+def test_blocked_routing_equals_per_layer_routing(kv_heads, variant):
+    """7 layers, B = 3 (blocks 0-2, 3-5, 6) against B = 1: loss and every gradient at the
+    level of float64 summation order."""
+    per_layer = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=1, **variant)
+    blocked = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=3, **variant)
+    blocked.load_state_dict(per_layer.state_dict())
+    tokens, positions, mask = batch()
+    losses = [loss_of(megatron_logits(model, tokens, positions, mask), tokens) for model in (per_layer, blocked)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[1].item() - losses[0].item()) <= 1e-13 * abs(losses[0].item())
+    for (name, a), (_, b) in zip(per_layer.named_parameters(), blocked.named_parameters()):
+        assert relative_error(b.grad, a.grad) <= 1e-13, name
 
 
 def test_saving_routed_kv_gives_the_same_gradients():

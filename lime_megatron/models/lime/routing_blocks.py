@@ -115,10 +115,11 @@ def routing_reads():
 
 
 def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
-    """``narrow @ wide`` ([r, k] @ [k, N]) with the read of ``wide`` counted as ``kind``."""
+    """``narrow @ wide`` ([r, k] @ [k, N]) in ``wide``'s dtype (router weights may be kept in float32
+    beside bf16 activations), with the read of ``wide`` counted as ``kind``."""
     for counter in _COUNTER:
         counter.add(kind, wide)
-    return narrow @ wide
+    return narrow.to(wide.dtype) @ wide
 
 
 def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
