@@ -73,8 +73,8 @@ def sgd(chunks, lr: float, steps: int):
 
 
 def train(layout: Layout, kv_heads: int, weights=None, block: int = 1):
-    """3 SGD steps with routing blocks of ``block`` layers; returns (losses, [full grads per step], initial full weights, [router gradient
-    norm per step as megatron's clipping sees it])."""
+    """3 SGD steps with routing blocks of ``block`` layers; returns (losses, [full grads per step],
+    initial full weights, [router gradient norm per step as megatron's clipping sees it])."""
     from lime_megatron.models.config import lime_config
     from lime_megatron.training.trainer import train_step
 
@@ -131,7 +131,8 @@ def compare_layouts():
                 for g, ref in zip(grads, ref_grads) for name in ref
             )
             norm_error = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
-            report.append((layout.name + (f"-B{block}" if block > 1 else ""), kv_heads, max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            name = layout.name + (f"-B{block}" if block > 1 else "")
+            report.append((name, kv_heads, max(abs(a - b) for a, b in zip(losses, ref_losses)),
                            max(worst, norm_error), sorted(name for name in ref_grads[0] if "router" in name)))
     return report
 
