@@ -438,6 +438,7 @@ def transformer_config(run: RunConfig):
         lime_router=lime.lime_router or "full",
         lime_router_window=lime.lime_router_window,
         lime_recompute_routed_kv=lime.lime_recompute_routed_kv,
+        lime_routing_block=lime.lime_routing_block,
         init_style=model.init_style,
         init_seed=run.training.seed,
         **_fp8_options(precision),

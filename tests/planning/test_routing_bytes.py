@@ -48,3 +48,18 @@ def test_blocking_reads_less_for_the_same_flops():
     assert sum(blocked[0].values()) < 0.6 * sum(per_layer[0].values())
     # zero-padded stacked routers would add FLOPs; the full router pads nothing
     assert blocked[1] == per_layer[1]
+
+
+def test_dry_run_reports_the_block_and_the_bytes_read():
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
+    from lime_megatron.planning.estimate import estimate, report_lines
+
+    config = lime_config(num_layers=32, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                         num_query_groups=4, use_cpu_initialization=True)
+    result = estimate(config, vocab_size=128, seq_length=64, micro_batch_size=2, num_microbatches=1)
+    block = chunk_routing_block(config, 32, H100_SXM)
+    per_layer, blocked = (sum(routing_bytes_per_step(config, 64, 2, b).values()) / 2**30 for b in (1, block))
+    line = next(line for line in report_lines(result) if line.startswith("LIMe routing"))
+    assert f"block size B [{block}]" in line and block > 1
+    assert f"per layer (B=1) {per_layer:.2f} GiB, blocked {blocked:.2f} GiB" in line

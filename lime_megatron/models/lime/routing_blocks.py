@@ -73,10 +73,12 @@ def routing_block_size(num_layers: int, kv_heads: int, element_size: int,
     return min(block for block, seconds in times.items() if seconds <= 1.01 * best)
 
 
-def chunk_routing_block(config, num_layers: int, machine: MachineBalance = CPU_2_CORE) -> int:
+def chunk_routing_block(config, num_layers: int, machine: MachineBalance | None = None) -> int:
     """The block size a model chunk of ``num_layers`` layers runs with: ``config.lime_routing_block``
-    or the roofline's choice; under full activation recompute it divides the recompute chunk
+    or the roofline's choice on ``machine`` (default: ``H100_SXM`` where CUDA is available, else
+    ``CPU_2_CORE``); under full activation recompute it divides the recompute chunk
     (``recompute_num_layers``) so that no block spans two recomputed chunks."""
+    machine = machine or (H100_SXM if torch.cuda.is_available() else CPU_2_CORE)
     element_size = torch.empty(0, dtype=config.params_dtype).element_size()
     block = config.lime_routing_block or routing_block_size(num_layers, config.kv_heads, element_size, machine)
     if config.recompute_granularity == "full" and config.recompute_num_layers:
