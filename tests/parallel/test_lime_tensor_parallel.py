@@ -120,7 +120,7 @@ LAYOUTS = [  # (layout, kv_heads, routing block; the TP=1 reference runs B = 1)
 def compare_layouts():
     """On every rank: each layout against TP=1 from the same initial weights."""
     report = []
-    for kv_heads in sorted({kv for _, kv in LAYOUTS}):
+    for kv_heads in sorted({kv for _, kv, _ in LAYOUTS}):
         ref_losses, ref_grads, weights, ref_norms = train(Layout(), kv_heads)
         for layout, kv, block in LAYOUTS:
             if kv != kv_heads:
