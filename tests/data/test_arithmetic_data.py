@@ -120,8 +120,8 @@ def test_interrupted_run_keeps_the_previous_file(tmp_path, monkeypatch, capsys):
     out = tmp_path / "arith.jsonl"
     out.write_text("previous\n")
 
-    def interrupted(num_samples, seed, spec, generate=arith.generate):
-        yield from itertools.islice(generate(num_samples, seed, spec), 3)
+    def interrupted(num_samples, seed, spec, exclude=frozenset(), generate=arith.generate):
+        yield from itertools.islice(generate(num_samples, seed, spec, exclude), 3)
         raise KeyboardInterrupt
 
     monkeypatch.setattr(arith, "generate", interrupted)
