@@ -440,7 +440,6 @@ def transformer_config(run: RunConfig):
         lime_recompute_routed_kv=lime.lime_recompute_routed_kv,
         hyper_connections=model.hyper_connections,
         hyper_connections_static=model.hyper_connections_static,
-        lime_routing_block=lime.lime_routing_block,
         init_style=model.init_style,
         init_seed=run.training.seed,
         **_fp8_options(precision),
