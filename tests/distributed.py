@@ -21,7 +21,6 @@ import itertools
 import os
 import pickle
 import queue
-import socket
 import time
 import traceback
 from collections.abc import Callable, Sequence
@@ -59,11 +58,12 @@ class DistributedTestError(RuntimeError):
 # --------------------------------------------------------------------------- launching
 
 
-def free_port() -> int:
-    """A TCP port on 127.0.0.1 that was free a moment ago."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((MASTER_ADDR, 0))
-        return sock.getsockname()[1]
+def rendezvous_store() -> torch.distributed.TCPStore:
+    """The launch's rendezvous server, listening on a port the OS picks as it binds it (a port
+    found free and bound later by a rank races with every other process on the machine: that
+    race once failed a CI run with ``EADDRINUSE``); ranks connect to ``store.port`` as clients."""
+    return torch.distributed.TCPStore(MASTER_ADDR, 0, is_master=True, wait_for_workers=False,
+                                      timeout=timedelta(minutes=5))
 
 
 def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, nccl_rules: bool = False,
@@ -85,7 +85,8 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     context = mp.get_context("forkserver")
     context.set_forkserver_preload(list(_PRELOAD))
     messages = context.Queue()
-    port = free_port()
+    store = rendezvous_store()
+    port = store.port
     coordinator = None
     if nccl_rules:
         coordinator = Coordinator(world_size, context.Queue(), [context.Queue() for _ in range(world_size)])
@@ -161,8 +162,9 @@ def _worker(rank, world_size, port, fn, args, kwargs, messages, nccl_queues) -> 
     torch.set_num_threads(1)
     try:
         enable_cpu_support()
+        store = torch.distributed.TCPStore(MASTER_ADDR, port, is_master=False, timeout=timedelta(minutes=5))
         torch.distributed.init_process_group(
-            distributed_backend(), rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
+            distributed_backend(), store=store, rank=rank, world_size=world_size, timeout=timedelta(minutes=5)
         )
         rules = install(rank, *nccl_queues) if nccl_queues else None
         try:

@@ -6,19 +6,12 @@ from __future__ import annotations
 import gc
 import os
 import random
-import socket
 
 import numpy as np
 import torch
 from megatron.core import parallel_state, tensor_parallel
 
 from lime_megatron.parallel.compat import distributed_backend, enable_cpu_support
-
-
-def _free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 def initialize_parallel(
@@ -30,18 +23,23 @@ def initialize_parallel(
     """Initialise torch.distributed and megatron's parallel state (idempotent), then seed with
     :func:`set_random_seed` when the parallel state is new.
 
-    Under ``torchrun`` the rank and world size come from the environment; otherwise a world of
-    one process is created.  On machines without CUDA, megatron's CPU support is enabled first.
+    Under ``torchrun`` (``MASTER_PORT`` set) the rank, world size and rendezvous come from the
+    environment; otherwise a world of one process is created on an in-process store, so that no
+    TCP port is taken (picking a "free" port and binding it later races with every other process
+    on the machine: a CI run lost a scoring step to ``EADDRINUSE`` that way).  On machines
+    without CUDA, megatron's CPU support is enabled first.
     """
     enable_cpu_support()
     if not torch.distributed.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_free_port()))
-        torch.distributed.init_process_group(
-            distributed_backend(),
-            rank=int(os.environ.get("RANK", 0)),
-            world_size=int(os.environ.get("WORLD_SIZE", 1)),
-        )
+        if "MASTER_PORT" in os.environ:
+            torch.distributed.init_process_group(
+                distributed_backend(),
+                rank=int(os.environ.get("RANK", 0)),
+                world_size=int(os.environ.get("WORLD_SIZE", 1)),
+            )
+        else:
+            torch.distributed.init_process_group(
+                distributed_backend(), store=torch.distributed.HashStore(), rank=0, world_size=1)
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size,
