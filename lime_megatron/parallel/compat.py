@@ -103,7 +103,9 @@ Tested range: megatron-core 0.16.1 (CPU machines) to 0.19.x (GPU machines; ``set
 it), torch 2.4 and later.  Every private (``_``-prefixed) or internal megatron-core / torch API the
 project touches, what it expects, and who uses it; :func:`private_api_problems` probes each one
 (signatures and small behavioural checks) and names those that differ
-(``tests/parallel/test_compat_apis.py`` fails on any):
+(``tests/parallel/test_compat_apis.py`` fails on any).  ``PRIVATE_APIS`` maps every private name
+the code spells (``torch``'s, megatron-core's and ``argparse``'s) to its probe; the same test
+parses the package and fails on a private name it reaches into that is not registered there:
 
 - megatron's pipeline schedules run each model chunk's forwards, and its backwards, in
   micro-batch order (``pipeline.KeptRows`` numbers the micro-batches of its side channel by
@@ -123,7 +125,14 @@ project touches, what it expects, and who uses it; :func:`private_api_problems` 
   ``schedules.get_schedule_table(num_microbatches, num_model_chunks,
   microbatch_group_size_per_vp_stage)`` (``estimate``'s interleaved in-flight count).
 - ``schedules.deallocate_output_tensor(out, deallocate_pipeline_outputs)`` (``fusions`` turns it
-  on for pipeline runs; LIMe's sent hidden state is not a view).
+  on for pipeline runs; LIMe's sent hidden state is not a view); it swaps ``out``'s storage for
+  one element (probed: patch 6 depends on it).
+- KV-cache decoding: ``Attention._adjust_key_value_for_inference(inference_context, query, key,
+  value, rotary_pos_emb, ...)`` returning a 6-tuple, ``StaticInferenceContext``'s
+  ``key_value_memory_dict``/``sequence_len_offset``/``is_static_batching``, and attention's
+  ``pg_collection.cp`` (RoPE after routing).
+- ``argparse``'s ``parser._actions``, ``_group_actions`` and ``_StoreTrueAction``
+  (``training.arguments`` translates YAML configs to flags).
 - torch's ``torch._C._autograd._top_saved_tensors_default_hooks(False)``: the innermost
   ``saved_tensors_hooks`` pair ``(pack, unpack)``, or None outside any (``recompute``).
 - torch's ``distributed_c10d._world.pg_map`` (every live process group) and
@@ -155,6 +164,7 @@ __all__ = [
     "default_device",
     "distributed_backend",
     "enable_cpu_support",
+    "PRIVATE_APIS",
     "private_api_problems",
 ]
 
@@ -590,10 +600,87 @@ def _probe_patch_targets() -> list[str | None]:
     ]
 
 
+def _probe_decoding() -> list[str | None]:
+    """KV-cache decoding (``inference.decoding``, ``LimeSelfAttention._decoding_forward``): megatron's
+    ``Attention._adjust_key_value_for_inference`` returns the 6-tuple (query, key, value, rotary
+    embeddings, mask type, block table), a ``StaticInferenceContext`` holds the cache in
+    ``key_value_memory_dict`` at ``sequence_len_offset``, and attention keeps ``pg_collection.cp``."""
+    from megatron.core.inference.contexts import StaticInferenceContext
+    from megatron.core.process_groups_config import ProcessGroupCollection
+    from megatron.core.transformer.attention import Attention
+
+    adjust = Attention._adjust_key_value_for_inference
+    context = StaticInferenceContext(1, 4)
+    missing_state = [name for name in ("key_value_memory_dict", "sequence_len_offset", "is_static_batching")
+                     if not hasattr(context, name)]
+    returns = str(inspect.signature(adjust).return_annotation)
+    return [
+        missing_parameters("Attention._adjust_key_value_for_inference", adjust, "inference_context", "query", "key",
+                           "value", "rotary_pos_emb"),
+        None if returns.count(",") == 5 else
+        f"Attention._adjust_key_value_for_inference: expected a 6-tuple result, annotated {returns}",
+        None if not missing_state else f"StaticInferenceContext: missing {missing_state}",
+        missing_parameters("Attention.__init__ (pg_collection)", Attention.__init__, "pg_collection"),
+        None if "cp" in getattr(ProcessGroupCollection, "__dataclass_fields__", {}) else
+        "ProcessGroupCollection.cp: missing",
+    ]
+
+
+def _probe_output_deallocation() -> list[str | None]:
+    """Behaviour: ``deallocate_output_tensor(out, True)`` swaps ``out``'s storage for one element
+    (the storage swap patch 6 protects in-flight sends from)."""
+    from megatron.core.pipeline_parallel import schedules
+
+    out = torch.ones(4)
+    schedules.deallocate_output_tensor(out, True)
+    return [None if out.numel() == 1 else
+            f"schedules.deallocate_output_tensor: left {out.numel()} elements, expected a 1-element storage swap"]
+
+
+def _probe_argparse() -> list[str | None]:
+    """The standard library's ``argparse`` internals ``training.arguments`` reads (YAML configs
+    translated to flags): ``parser._actions``, a group's ``_group_actions``, ``_StoreTrueAction``."""
+    import argparse
+
+    parser = argparse.ArgumentParser()
+    group = parser.add_argument_group("probe")
+    action = group.add_argument("--flag", action="store_true")
+    found = (getattr(parser, "_actions", None) and action in parser._actions
+             and action in getattr(group, "_group_actions", ())
+             and isinstance(action, getattr(argparse, "_StoreTrueAction", ())))
+    return [None if found else "argparse: _actions / _group_actions / _StoreTrueAction changed"]
+
+
+# Every private (``_``-prefixed) name of torch, megatron-core or the standard library that the
+# project's code spells, with the probe that checks it (``tests/parallel/test_compat_apis.py``
+# scans the package's source and fails on one missing here, and on an entry no code uses).
+PRIVATE_APIS: dict[str, Callable[[], list[str | None]]] = {
+    "_C": _probe_saved_tensor_hooks,
+    "_autograd": _probe_saved_tensor_hooks,
+    "_top_saved_tensors_default_hooks": _probe_saved_tensor_hooks,
+    "_world": _probe_process_groups,
+    "_get_default_group": _probe_process_groups,
+    "_checkpointed_forward": _probe_context_threading,
+    "_checkpointed_attention_forward": _probe_attention,
+    "_adjust_key_value_for_inference": _probe_decoding,
+    "_MPU_PIPELINE_MODEL_PARALLEL_RANK": _probe_pipeline_rank,
+    "_get_cuda_rng_state": _probe_patch_targets,
+    "_set_cuda_rng_state": _probe_patch_targets,
+    "_build_model_and_main_param_groups": _probe_patch_targets,
+    "_set_main_param_and_optimizer_states": _probe_patch_targets,
+    "_p2p_ops": _probe_patch_targets,
+    "_actions": _probe_argparse,
+    "_group_actions": _probe_argparse,
+    "_StoreTrueAction": _probe_argparse,
+}
+
+# Probes of internal APIs without an underscore name (behaviour and signatures), then those of
+# the registry above.
 _PROBES: tuple[Callable[[], list[str | None]], ...] = (
-    _probe_schedules, _probe_context_threading, _probe_attention, _probe_pipeline_rank, _probe_saved_tensor_hooks,
-    _probe_process_groups, _probe_patch_targets,
+    _probe_schedules, _probe_output_deallocation,
+    *dict.fromkeys(PRIVATE_APIS.values()),
 )
+
 
 
 def private_api_problems() -> list[str]:
