@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lime_megatron.models.config import LimeTransformerConfig
-from lime_megatron.models.lime.recompute import drops_routed_kv
+from lime_megatron.models.lime.recompute import drops_routed_kv, te_flash_attention
 from lime_megatron.parallel.pipeline import chunk_starting_at, hop_blocks
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -128,6 +128,10 @@ def _attention_bytes(config: LimeTransformerConfig, geometry: Geometry, impl: st
     query = g.heads_bytes(heads)
     if "core_attn" in recompute_modules(config):  # the checkpoint keeps q, k, v as passed
         return query + (0 if rebuilt else g.heads_bytes(g.kv_heads)) + values
+    if impl == "transformer_engine" and te_flash_attention(config):
+        # bshd copies of q, k, v and of the output (the sbhd output handed on is linear_proj's input)
+        # and the fp32 log-sum-exp; the tensors given are not saved
+        return g.heads_bytes(2 * heads + 2 * g.kv_heads) + heads * g.batch * g.seq * FP32
     if impl == "transformer_engine":
         keys = 0 if rebuilt else g.heads_bytes(g.kv_heads)
         return query + keys + values + heads * g.batch * g.seq * FP32

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 import yaml
+from megatron.core.transformer.enums import AttnBackend
 
 from lime_megatron.data.tokenizer import add_tokenizer_args
 from lime_megatron.models.config import LimeConfigError, lime_config, validate_router
@@ -295,6 +296,9 @@ def _check_precision(args, world_size) -> None:
         raise ArgumentsError("--fp16 needs a CUDA GPU (CPU runs train in float32 or --bf16)")
     if args.transformer_impl == "transformer_engine" and not cuda:
         raise ArgumentsError("--transformer-impl transformer_engine needs a CUDA GPU")
+    if args.attention_backend != "auto" and args.transformer_impl != "transformer_engine":
+        raise ArgumentsError(f"--attention-backend {args.attention_backend} needs --transformer-impl "
+                             "transformer_engine")
     if args.fp8_format is not None:
         if args.transformer_impl != "transformer_engine":
             raise ArgumentsError("--fp8-format needs --transformer-impl transformer_engine")
@@ -434,6 +438,7 @@ def transformer_config(run: RunConfig):
         recompute_num_layers=model.recompute_num_layers,
         use_cpu_initialization=not torch.cuda.is_available(),
         transformer_impl=model.transformer_impl,
+        attention_backend=AttnBackend[model.attention_backend],
         lime=lime.lime,
         lime_router=lime.lime_router or "full",
         lime_router_window=lime.lime_router_window,

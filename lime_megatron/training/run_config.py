@@ -24,6 +24,7 @@ import torch
 
 from lime_megatron.models.config import ROUTER_VARIANTS
 from lime_megatron.models.initialization import INIT_STYLES
+from lime_megatron.models.lime.recompute import ATTENTION_BACKENDS
 from lime_megatron.training.optimizer import WEIGHT_DECAY_GROUPINGS
 
 PAPER_ROUTER_LR = 1e-2
@@ -79,6 +80,11 @@ class ModelOptions:
     transformer_impl: str = option("local", choices=("local", "transformer_engine"),
                                    help="local: megatron-only modules (CPU and GPU); transformer_engine: GPU, "
                                         "bf16/FP8")
+    attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
+                                    help="TransformerEngine's attention backend (megatron's config.attention_backend, "
+                                         "which sets NVTE_FLASH_ATTN/NVTE_FUSED_ATTN): fused (cuDNN) saves the "
+                                         "routed K/V it is given, so LIMe drops them; flash saves bshd copies; auto "
+                                         "lets TransformerEngine choose (estimated as fused, its choice on Hopper)")
     init_style: str = option("megatron", choices=INIT_STYLES,
                              help="initial weight distributions: megatron's defaults or the paper's released "
                                   "code (lime_megatron.models.initialization); drawn the same at every layout")

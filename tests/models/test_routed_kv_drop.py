@@ -4,6 +4,11 @@ With megatron's own attention (MHA) every layer's routed keys and values are dro
 saved tensors and rebuilt once in backward.  A core attention that saves copies (put in through
 the layer spec) drops nothing: one warning names it and the bytes that stay, and the gradients
 are those of the default attention.  ``drops_routed_kv`` (the memory estimate's decision) agrees.
+
+TransformerEngine per backend, on CPU: stand-ins with ``TEDotProductAttention.forward``'s signature
+save what its backends save (cuDNN fused: q, k, v as given and the output handed on; flash-attn:
+contiguous ``bshd`` copies of q, k, v and of the output), and the log, the decision and the dry-run
+activation estimate (``--attention-backend``) agree with what each really keeps.
 """
 
 from __future__ import annotations
@@ -15,6 +20,7 @@ import pytest
 import torch
 from lime_fixtures import SEQ, batch, loss_of, relative_error, tiny_model
 from megatron.core.transformer.dot_product_attention import DotProductAttention
+from megatron.core.transformer.enums import AttnBackend
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import LimeGPTModel
@@ -22,6 +28,7 @@ from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.recompute import RoutedKVLog, drops_routed_kv, routed_kv_log
 from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
 from lime_megatron.planning.activations import Geometry, layer_activation_bytes
+from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
 LAYERS = 5
 
@@ -138,3 +145,103 @@ def test_the_estimate_counts_fp8_attention_copies():
     config.fp8, config.fp8_dot_product_attention = "e4m3", True
     assert layer_activation_bytes(config, geometry, "transformer_engine") - dropped == geometry.kv_rows + \
         geometry.heads_bytes(config.kv_heads)  # the routed K/V storage and the rotated keys stay
+
+
+class _StandInAttention(torch.autograd.Function):
+    """Attention ``softmax(q k^T * scale + mask) v`` with GQA groups, saving what a TransformerEngine
+    backend saves: ``flash`` False (cuDNN fused) the q ``[s, b, h, d]``, k, v ``[s, b, g, d]`` given and
+    the output ``[s, b, h*d]`` returned; True (flash-attn) contiguous ``[b, s, heads, d]`` copies of
+    q, k, v and of the output, returning an ``sbhd`` copy.  Both keep the fp32 log-sum-exp ``[b, h, s]``."""
+
+    @staticmethod
+    def _attend(query, key, value, mask, scale):
+        """``[s, b, h, d]`` output and ``[b, h, s]`` log-sum-exp from ``sbhd``-indexed q, k, v."""
+        groups = query.shape[2] // key.shape[2]
+        key, value = key.repeat_interleave(groups, dim=2), value.repeat_interleave(groups, dim=2)
+        scores = torch.einsum("sbhd,tbhd->bhst", query, key) * scale
+        scores = scores.masked_fill(mask, float("-inf"))
+        out = torch.einsum("bhst,tbhd->sbhd", scores.softmax(-1), value)
+        return out, scores.logsumexp(-1).float()
+
+    @staticmethod
+    def forward(ctx, query, key, value, mask, scale, flash):
+        inputs = tuple(t.transpose(0, 1).contiguous() for t in (query, key, value)) if flash else (query, key, value)
+        as_sbhd = (lambda t: t.transpose(0, 1)) if flash else (lambda t: t)
+        out, lse = _StandInAttention._attend(*map(as_sbhd, inputs), mask, scale)
+        s, b = query.shape[:2]
+        if flash:
+            saved_out = out.transpose(0, 1).contiguous()
+            returned = saved_out.transpose(0, 1).reshape(s, b, -1).contiguous()
+        else:
+            saved_out = returned = out.reshape(s, b, -1)
+        ctx.save_for_backward(*inputs, saved_out, lse)
+        ctx.mask, ctx.scale, ctx.as_sbhd = mask, scale, as_sbhd
+        return returned
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        *inputs, _, _ = ctx.saved_tensors
+        inputs = [ctx.as_sbhd(t).detach().requires_grad_() for t in inputs]
+        with torch.enable_grad():
+            out, _ = _StandInAttention._attend(*inputs, ctx.mask, ctx.scale)
+            grads = torch.autograd.grad(out.reshape(grad_out.shape), inputs, grad_out)
+        return (*grads, None, None, None)
+
+
+class FusedAttentionStandIn(DotProductAttention):
+    """TransformerEngine's cuDNN fused attention as far as saved tensors go (``_StandInAttention``)."""
+
+    flash = False
+
+    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
+                packed_seq_params=None):
+        return _StandInAttention.apply(query, key, value, attention_mask, self.softmax_scale, self.flash)
+
+
+class FlashAttentionStandIn(FusedAttentionStandIn):
+    """TransformerEngine's flash-attn backend as far as saved tensors go."""
+
+    flash = True
+
+
+STAND_INS = {"fused": FusedAttentionStandIn, "flash": FlashAttentionStandIn}
+
+
+def te_config(model: LimeGPTModel, backend: str):
+    config = dataclasses.replace(model.config)
+    config.attention_backend = AttnBackend[backend]
+    return config
+
+
+@pytest.mark.parametrize("backend", sorted(STAND_INS))
+def test_te_attention_stand_ins_log_what_the_estimate_decides(fresh_log, backend):
+    model = tiny_model(num_query_groups=2)
+    expected = gradients(model)
+    fresh_log.take()
+    actual = gradients(with_core_attention(model, STAND_INS[backend]))
+    counts = fresh_log.take()
+    dropped = drops_routed_kv(te_config(model, backend), "transformer_engine")
+    assert dropped == (backend == "fused")
+    names = {"keys": 1, "values": 1}
+    assert all((drops.dropped, drops.kept) == ((names, {}) if dropped else ({}, names))
+               for drops in counts.values()), counts
+    for name in expected:  # the stand-ins compute megatron's attention
+        assert relative_error(actual[name], expected[name]) <= 1e-12, name
+
+
+def test_dry_run_estimate_per_te_backend_equals_the_bytes_kept():
+    """The estimate's difference between the flash and fused backends, per layer, equals the
+    difference of the bytes autograd saves with the two stand-ins."""
+    model = tiny_model(num_query_groups=2)
+    tokens, positions, mask = batch()
+    saved = {}
+    for backend, attention in STAND_INS.items():
+        stand_in = with_core_attention(model, attention)
+        with SavedTensorBytes(stand_in) as counter:
+            loss_of(stand_in(tokens, positions, mask), tokens)
+        saved[backend] = counter.bytes
+    geometry = Geometry.of(model.config, seq_length=SEQ, micro_batch_size=tokens.shape[0],
+                           vocab_size=model.vocab_size)
+    estimate = {backend: layer_activation_bytes(te_config(model, backend), geometry, "transformer_engine")
+                for backend in STAND_INS}
+    assert saved["flash"] - saved["fused"] == LAYERS * (estimate["flash"] - estimate["fused"]) > 0

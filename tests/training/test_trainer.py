@@ -105,6 +105,7 @@ INVALID = [
      "needs --weight-decay > 0"),
     (BASE + ["--bf16", "--fp16"], 1, "choose one of --bf16 and --fp16"),
     (BASE + ["--fp8-format", "e4m3"], 1, "--fp8-format needs --transformer-impl transformer_engine"),
+    (BASE + ["--attention-backend", "flash"], 1, "--attention-backend flash needs --transformer-impl"),
     (BASE + ["--data-path", "data/x"], 1, "give exactly one data source"),
     (BASE[:-1], 1, "give exactly one data source"),
     (BASE[:-1] + ["--valid-data-path", "data/v"], 1, "--valid-data-path/--test-data-path need --train"),

@@ -191,17 +191,28 @@ routed_kv_log = RoutedKVLog()
 """The process's log of LIMe's routed-K/V drops (every ``LimeSelfAttention`` records here)."""
 
 
+ATTENTION_BACKENDS = ("auto", "fused", "flash")
+"""TransformerEngine attention backends a run may ask for (megatron's ``AttnBackend`` names)."""
+
+
+def te_flash_attention(config) -> bool:
+    """Whether ``config`` asks TransformerEngine for its flash-attn backend, which saves
+    contiguous ``bshd`` copies of q, k, v and of its output instead of the tensors given."""
+    return getattr(config.attention_backend, "name", config.attention_backend) == "flash"
+
+
 def drops_routed_kv(config, transformer_impl: str) -> bool:
     """Whether LIMe's attention drops the routed keys/values from its saved tensors under
     ``config`` (the decision the memory estimate uses): with ``lime_recompute_routed_kv``,
     unless the core attention saves copies: megatron's local attention repeats GQA keys/values
-    to the query heads; TransformerEngine's FP8 dot-product attention saves FP8 copies (its
-    cuDNN fused attention in bf16/fp16 saves the tensors given).  A selectively recomputed
-    (checkpointed) core attention saves the tensors given, whatever the attention."""
+    to the query heads; TransformerEngine's FP8 dot-product attention saves FP8 copies and its
+    flash backend ``bshd`` copies (its cuDNN fused attention in bf16/fp16 saves the tensors
+    given; ``auto`` is taken as fused, TransformerEngine's choice on Hopper).  A selectively
+    recomputed (checkpointed) core attention saves the tensors given, whatever the attention."""
     if not (config.lime and config.lime_recompute_routed_kv):
         return False
     if config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or ["core_attn"]):
         return True
     if transformer_impl == "local":
         return config.num_attention_heads == config.kv_heads
-    return not (config.fp8 and config.fp8_dot_product_attention)
+    return not (config.fp8 and config.fp8_dot_product_attention) and not te_flash_attention(config)
