@@ -12,7 +12,16 @@ On one CUDA GPU, in a few minutes, in one process:
    current/tensorwise scaling) from the bf16 run's initial weights on the same batches: every
    loss finite and within ``TOLERANCES.fp8_loss`` (relative) of the bf16 run's.  Skipped (not
    failed) on GPUs without FP8 (compute capability < 8.9).
-3. **Speed and memory.**  Forward+backward of LIMe and the baseline at the paper's 1B shapes
+3. **Attention backend.**  The backend TransformerEngine selected for LIMe's attention (its debug
+   log, ``NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2``, which ``main`` sets): FAILED if it is not the one the
+   routed-K/V prediction and the ``--dry-run`` memory estimate assume (``--attention-backend``:
+   cuDNN ``FusedAttention`` for ``auto``/``fused``, ``FlashAttention`` for ``flash``).
+4. **Training legs** (``lime_megatron.training.short_runs``: the trainer itself on mock data, a few
+   iterations): ``--bf16`` through megatron's ``Float16Module`` with the distributed optimizer
+   against the float32 run (``TOLERANCES.loss_bf16``); under ``torchrun`` with 2 or more GPUs also
+   TP2 + SP and PP2 (LIMe's rows over NCCL) against the data-parallel run over the same GPUs, in
+   float32 (``TOLERANCES.layout_loss``); on one GPU the layout row says it was skipped.
+5. **Speed and memory.**  Forward+backward of LIMe and the baseline at the paper's 1B shapes
    (GQA-8 and MHA, 16 layers) and at the deep-narrow shape (128 layers, hidden 512), timed
    interleaved (LIMe, baseline, LIMe, ...) in bf16 with the TE spec: median step time, LIMe's
    overhead, tokens/s, TFLOP/s and MFU (``flops`` module, routers included, training = 3x
@@ -28,21 +37,27 @@ between specs, the comparison) are tested on CPU (``tests/test_gpu_check.py``).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
+import logging
 import math
+import os
+import re
 import statistics
 import sys
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 
 import torch
 
 from lime_megatron.models.config import PAPER_1B, lime_config
-from lime_megatron.models.lime.recompute import drops_routed_kv, routed_kv_log
+from lime_megatron.models.lime.recompute import drops_routed_kv, routed_kv_log, te_flash_attention
 from lime_megatron.parallel import fusions
 from lime_megatron.parallel.fusions import Choice, Platform
 from lime_megatron.planning import flops
+from lime_megatron.training import short_runs
+from lime_megatron.training.short_runs import ShortRun
 
 VOCAB = 50304  # GPT-2's 50257 padded to a multiple of 128, as the trainer pads it
 
@@ -57,6 +72,9 @@ class Tolerances:
     """||g_bf16 - g_fp32|| / ||g_fp32|| for every parameter (bf16 keeps 8 mantissa bits)."""
     fp8_loss: float = 3e-2
     """|loss_fp8 - loss_bf16| / loss_bf16 at every one of the FP8_STEPS training steps."""
+    layout_loss: float = 1e-5
+    """|loss_layout - loss_DP| / loss_DP at every iteration of the float32 TP2 and PP2 legs: the same
+    function summed in another order (measured 3e-8 on CPU over gloo, ``tests/test_gpu_check.py``)."""
 
 
 TOLERANCES = Tolerances()
@@ -89,6 +107,8 @@ TIMED_SHAPES = (
                4, 2048, 0.03),
 )
 MEMORY_TARGET, MFU_TARGET = 0.02, 0.40
+TRAINING_RUN = ShortRun()
+"""The training legs' model and run (4 layers, hidden 256, 4 iterations of 8 x 256 tokens)."""
 
 
 # --------------------------------------------------------------------------- weights between specs
@@ -301,10 +321,12 @@ def check_bf16(lime: bool, tolerances: Tolerances, machine: Machine = GPU) -> li
     copy_weights(candidate, reference)
     batch = make_batch(micro_batch, seq, seed=0, device=machine.device)
     routed_kv_log.take()
-    loss, grads = loss_and_gradients(candidate, batch)
+    with captured_log_messages() as messages:
+        loss, grads = loss_and_gradients(candidate, batch)
     drops = routed_kv_log.take()
     ref_loss, ref_grads = loss_and_gradients(reference, batch)
     rows = [Row("bf16 vs fp32", label, "loss", abs(loss - ref_loss) / abs(ref_loss), tolerances.loss_bf16)]
+    rows += attention_backend_rows(label, config, messages) if machine.te else []
     rows += routed_kv_rows(label, config, drops) if lime else []
     return rows + summarize_gradients(compare_gradients("bf16 vs fp32", label, grads, ref_grads, tolerances.grad_bf16))
 
@@ -318,6 +340,44 @@ def routed_kv_rows(label: str, config, drops: dict) -> list[Row]:
     quantity = (f"layers whose routed K/V were {'kept' if predicted else 'dropped'} against the dry run's "
                 f"'{'dropped' if predicted else 'kept'}' ({len(drops)} logged)")
     return [Row("routed K/V", label, quantity, len(wrong) if drops else math.inf, 0)]
+
+
+TE_DEBUG_ENVIRONMENT = {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"}
+"""TransformerEngine logs its attention backend selection with these (read when it is imported)."""
+SELECTED_BACKEND = re.compile(r"Selected backend = (\w+)")
+
+
+def expected_te_backend(config) -> str:
+    """The TransformerEngine attention backend the routed-K/V prediction and the memory estimate
+    assume for ``config`` (``recompute.drops_routed_kv``)."""
+    return "FlashAttention" if te_flash_attention(config) else "FusedAttention"
+
+
+def attention_backend_rows(label: str, config, messages: list[str]) -> list[Row]:
+    """One row: the backend TransformerEngine's debug log ``messages`` say it selected, against
+    :func:`expected_te_backend`; FAILED when another (or none) was selected."""
+    selected = sorted({match.group(1) for message in messages for match in SELECTED_BACKEND.finditer(message)})
+    expected = expected_te_backend(config)
+    quantity = f"backends selected {selected or 'none logged'}, the dry run assumes {expected}"
+    return [Row("attention backend", label, quantity, 0 if selected == [expected] else math.inf, 0)]
+
+
+@contextlib.contextmanager
+def captured_log_messages() -> Iterator[list[str]]:
+    """The messages every logger emits within the block (TransformerEngine's attention logger
+    does not propagate to the root logger, so a handler goes on each logger)."""
+    messages: list[str] = []
+    handler = logging.Handler(logging.DEBUG)
+    handler.emit = lambda record: messages.append(record.getMessage())
+    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
+                                       if isinstance(logger, logging.Logger)]
+    for logger in loggers:
+        logger.addHandler(handler)
+    try:
+        yield messages
+    finally:
+        for logger in loggers:
+            logger.removeHandler(handler)
 
 
 def train_losses(model, batches, lr: float = 1e-3) -> list[float]:
@@ -367,6 +427,24 @@ def fp8_rows(check: str, label: str, losses: list[float], reference: list[float]
     return [Row(check, label, f"max rel. loss distance to bf16 over {steps} steps", distance, tolerances.fp8_loss),
             Row(check, label, "FP8 changed the losses (distance to bf16)", distance, FP8_MIN_DISTANCE,
                 lower_bound=True)]
+
+
+def training_rows(lime: bool, tolerances: Tolerances, world_size: int, machine: Machine = GPU,
+                  run: ShortRun = TRAINING_RUN) -> list[Row]:
+    """The training legs (``short_runs``): bf16 + distributed optimizer against float32 (the
+    machine's spec), and with a world of 2 or more processes TP2 + SP and PP2 against data
+    parallelism (float32, local spec); one skipped row for the layouts on a world of one."""
+    label = "LIMe" if lime else "baseline"
+    distance = short_runs.mixed_precision_difference(run, lime, machine.transformer_impl)
+    rows = [Row("bf16 training", label, f"Float16Module + dist. optimizer vs fp32, max rel. loss diff over "
+                f"{run.iterations} its", distance, tolerances.loss_bf16)]
+    if world_size < 2 or world_size % 2:
+        return rows + [Row("layouts", label, f"skipped: TP2/PP2 need torchrun on 2k GPUs (world {world_size})",
+                           math.nan, None)]
+    for leg, difference in short_runs.layout_differences(run, lime).items():
+        rows.append(Row("layouts", label, f"{leg} vs DP{world_size} fp32, max rel. loss diff over "
+                        f"{run.iterations} its", difference, tolerances.layout_loss))
+    return rows
 
 
 def _timed_step(model, batch) -> tuple[float, int]:
@@ -445,12 +523,15 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    for name, value in TE_DEBUG_ENVIRONMENT.items():
+        os.environ.setdefault(name, value)
     if not torch.cuda.is_available():
         print("gpu_check: no CUDA GPU on this machine; nothing checked", flush=True)
         return 2
-    from lime_megatron.parallel.process_groups import initialize_parallel
+    from lime_megatron.parallel.process_groups import initialize_parallel, launch_world_size
 
     initialize_parallel()
+    world_size = launch_world_size()
     name = torch.cuda.get_device_name()
     peak = args.peak_tflops or device_peak_tflops(name)
     print(f"gpu_check on {name} (bf16 peak {peak or 'unknown'} TFLOP/s); {Platform.detect().describe()}", flush=True)
@@ -465,6 +546,10 @@ def main(argv=None) -> int:
         if not args.skip_timing:
             for shape in TIMED_SHAPES:
                 rows += guarded(f"speed {shape.name}", lambda shape=shape: time_shape(shape, peak))
+        for lime in (True, False):  # last: the trainer re-initialises the parallel state
+            rows += guarded("training", lambda lime=lime: training_rows(lime, TOLERANCES, world_size))
+    if torch.distributed.get_rank() != 0:
+        return exit_code(rows)
     print(format_table(rows), flush=True)
     code = exit_code(rows)
     print("gpu_check: all tolerances met" if code == 0 else "gpu_check: a tolerance was missed (FAILED rows)")

@@ -3,12 +3,17 @@ copy between the TransformerEngine and local specs (local -> local and against a
 TE-style module), the gradient comparison, the table and exit code, that the bf16 tolerances
 hold for bf16 rounding of a small LIMe model on CPU, and the bf16 and FP8 checks themselves run
 on CPU with the local spec (``Machine("cpu", te=False)``): model building, the weight copy, the
-routed-K/V row against the dry run's prediction, and an FP8 run that changes nothing FAILS."""
+routed-K/V row against the dry run's prediction, and an FP8 run that changes nothing FAILS; the
+attention-backend row from TransformerEngine-style debug messages; the training legs through the
+trainer (bf16 + distributed optimizer single process; TP2 + SP and PP2 on 2 gloo ranks), each
+shown to FAIL on a leg that trains something else."""
 
 from __future__ import annotations
 
+import logging
 import math
 
+import distributed as dist
 import pytest
 import torch
 from lime_fixtures import SEQ, VOCAB, batch, loss_of, tiny_model
@@ -17,6 +22,7 @@ from torch import nn
 from lime_megatron import gpu_check
 from lime_megatron.gpu_check import Row
 from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
+from lime_megatron.training import short_runs
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -191,3 +197,56 @@ def test_fp8_that_changes_nothing_fails(small_checks):
     changed = gpu_check.fp8_rows("fp8 delayed", "LIMe", [2.01, 1.52], [2.0, 1.5], gpu_check.TOLERANCES)
     assert [row.status for row in changed] == ["ok", "ok"]
     assert gpu_check.check_fp8(True, gpu_check.TOLERANCES, CPU, capability=(8, 0))[0].limit is None  # skipped
+
+
+def test_attention_backend_row_names_the_selection_and_fails_on_another():
+    auto = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False)
+    flash = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False, attention_backend="flash")
+    fused_log = ["Available backends = {FlashAttention=True, FusedAttention=True (sub-backend 1)}",
+                 "Selected backend = FusedAttention (sub-backend 1)"]
+    flash_log = ["Selected backend = FlashAttention"]
+    assert [row.status for row in gpu_check.attention_backend_rows("LIMe", auto, fused_log)] == ["ok"]
+    assert [row.status for row in gpu_check.attention_backend_rows("LIMe", flash, flash_log)] == ["ok"]
+    assert [row.status for row in gpu_check.attention_backend_rows("LIMe", auto, flash_log)] == ["FAILED"]
+    assert [row.status for row in gpu_check.attention_backend_rows("LIMe", auto, fused_log + flash_log)] == ["FAILED"]
+    assert [row.status for row in gpu_check.attention_backend_rows("LIMe", auto, [])] == ["FAILED"]
+
+
+def test_log_capture_reaches_a_logger_that_does_not_propagate():
+    logger = logging.getLogger("te-style-attention-logger")
+    logger.propagate, logger.level = False, logging.DEBUG
+    with gpu_check.captured_log_messages() as messages:
+        logger.debug("Selected backend = %s", "FusedAttention")
+    logger.debug("after the block")
+    assert messages == ["Selected backend = FusedAttention"]
+
+
+SMALL_RUN = short_runs.ShortRun(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128,
+                                iterations=3)
+OTHER_LR = {"other-lr": ["--lr", "2e-3"]}  # a leg that trains something else: the check must fail it
+
+
+def layout_rows(lime: bool, extra_legs: dict) -> list[Row]:
+    """``training_rows`` on a rank of the 2-process world (``extra_legs`` added to the layouts)."""
+    short_runs.LAYOUT_LEGS.update(extra_legs)
+    return [row for row in gpu_check.training_rows(lime, gpu_check.TOLERANCES, 2, CPU, SMALL_RUN)
+            if row.check == "layouts"]
+
+
+@pytest.mark.parametrize("lime", [True, False], ids=["lime", "llama"])
+def test_layout_legs_match_data_parallel_on_two_ranks(lime):
+    rows = dist.run_distributed(layout_rows, 2, lime, OTHER_LR)[0]
+    assert [row.quantity.split()[0] for row in rows] == ["TP2", "PP2", "other-lr"]
+    assert [row.status for row in rows] == ["ok", "ok", "FAILED"], gpu_check.format_table(rows)
+    assert all(row.value < 1e-6 for row in rows[:2])
+
+
+def test_bf16_training_leg_on_cpu_and_layouts_skipped_on_one_process(monkeypatch):
+    try:
+        rows = gpu_check.training_rows(True, gpu_check.TOLERANCES, 1, CPU, SMALL_RUN)
+        assert [(row.check, row.status) for row in rows] == [("bf16 training", "ok"), ("layouts", "")]
+        assert 0 < rows[0].value  # bf16 did round
+        monkeypatch.setattr(short_runs, "MIXED_PRECISION_LEG", short_runs.MIXED_PRECISION_LEG + ["--lr", "1e-2"])
+        assert gpu_check.training_rows(True, gpu_check.TOLERANCES, 1, CPU, SMALL_RUN)[0].status == "FAILED"
+    finally:
+        init_single_process()  # the trainer tore the parallel state down
