@@ -244,4 +244,6 @@ def test_dry_run_estimate_per_te_backend_equals_the_bytes_kept():
                            vocab_size=model.vocab_size)
     estimate = {backend: layer_activation_bytes(te_config(model, backend), geometry, "transformer_engine")
                 for backend in STAND_INS}
+    print(f"saved bytes fused {saved['fused']:,} flash {saved['flash']:,}; per-layer estimate fused "
+          f"{estimate['fused']:,} flash {estimate['flash']:,}")
     assert saved["flash"] - saved["fused"] == LAYERS * (estimate["flash"] - estimate["fused"]) > 0
