@@ -184,6 +184,7 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
             chunk.cuda(torch.cuda.current_device())
         if config.bf16 or config.fp16:
             chunk = Float16Module(config, chunk)
+            keep_routers_in_float32(chunk)
         chunks.append(chunk)
     ddp_config = DistributedDataParallelConfig(  # float32 gradients, float64 ones for a float64 model
         grad_reduce_in_fp32=config.params_dtype != torch.float64, use_distributed_optimizer=use_distributed_optimizer)
@@ -191,6 +192,17 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
     return model
+
+
+def keep_routers_in_float32(chunk) -> None:
+    """Give the learned LIMe routers of a ``Float16Module`` chunk float32 weights again (it cast
+    the whole model to bf16/fp16): their gradient ``float32_product`` returns reaches the float32
+    ``main_grad`` without a bf16 rounding, and their 10x learning rate updates float32 weights
+    (megatron's mixed-precision optimizers keep float32 model parameters as they are).  The routing
+    products cast the weight to the activations' dtype."""
+    for router in unwrap_model(chunk).routers():
+        if router.learned:
+            router.weight.data = router.weight.data.float()
 
 
 def count_parameters(model: list) -> tuple[int, int]:

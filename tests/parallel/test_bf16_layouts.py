@@ -7,10 +7,12 @@ the LLaMA baseline, single process, TP=2 + SP (data-parallel 2), PP=2 x VPP=2 (d
 and TP=2 + SP with the distributed optimizer, three Adam steps each, from the float32 run's
 initial weights, against the single-process float32 run.
 
-Dtypes checked: model parameters, LIMe routers included, are bf16 (``Float16Module`` casts the
-whole model, as on GPU); every parameter the optimizer updates is an fp32 main copy; the gradients
-are reduced into fp32 ``main_grad`` buffers (``grad_reduce_in_fp32``); the routed keys/values reaching
-the core attention, and so the memory buffer they are mixed from, are bf16.
+Dtypes checked: model parameters are bf16 (``Float16Module`` casts the whole model, as on GPU)
+but the learned LIMe routers, which the trainer keeps in float32 (``keep_routers_in_float32``: their
+gradient is accumulated in float32 and reaches ``main_grad`` unrounded); every parameter the
+optimizer updates is an fp32 main copy; the gradients are reduced into fp32 ``main_grad`` buffers
+(``grad_reduce_in_fp32``); the routed keys/values reaching the core attention, and so the memory
+buffer they are mixed from, are bf16.
 
 Tolerances (bf16 keeps 8 significant bits: unit roundoff u = 2^-8 ~ 3.9e-3):
 
@@ -107,8 +109,10 @@ def train(layout: Layout, model: dict, bf16: bool, distributed: bool = False, we
         losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
         if grads is None and not distributed:
             grads = dist.gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules)
+    routers = [p for chunk in chunks for p in chunk.parameters() if getattr(p, "is_lime_router", False)]
     return dict(losses=losses, grads=grads, initial=initial, keys=keys,
-                params={p.dtype for chunk in chunks for p in chunk.parameters()},
+                params={p.dtype for chunk in chunks for p in chunk.parameters() if all(p is not r for r in routers)},
+                routers={p.dtype for p in routers},
                 main_grads={p.main_grad.dtype for chunk in chunks for p in chunk.parameters()},
                 optimized=optimized_dtypes(optimizer))
 
@@ -120,7 +124,8 @@ def differences(run: dict, reference: dict) -> dict:
         loss=max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"])),
         grad=max(((grads[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref) if run["grads"] else None,
         names=set(grads) == set(ref),
-        dtypes=dict(params=run["params"], main_grads=run["main_grads"], optimized=run["optimized"], keys=run["keys"]),
+        dtypes=dict(params=run["params"], routers=run["routers"], main_grads=run["main_grads"],
+                    optimized=run["optimized"], keys=run["keys"]),
     )
 
 
@@ -171,13 +176,14 @@ def test_bf16_run_follows_the_fp32_run(runs, model, case):
     assert result["loss"] <= LOSS_TOLERANCE
     assert ("distopt" in case) == (result["grad"] is None)
     assert result["grad"] is None or result["grad"] <= GRAD_TOLERANCE
-    assert result["dtypes"] == dict(params={torch.bfloat16}, main_grads={torch.float32},
+    routers = {torch.float32} if model == "lime" else set()  # ``keep_routers_in_float32``
+    assert result["dtypes"] == dict(params={torch.bfloat16}, routers=routers, main_grads={torch.float32},
                                     optimized={torch.float32}, keys={torch.bfloat16})
 
 
 def test_fp32_run_keeps_fp32_everywhere(runs):
     result = differences(runs["lime fp32"], runs["lime fp32"])
-    assert result["dtypes"] == dict(params={torch.float32}, main_grads={torch.float32},
+    assert result["dtypes"] == dict(params={torch.float32}, routers={torch.float32}, main_grads={torch.float32},
                                     optimized={torch.float32}, keys={torch.float32})
 
 

@@ -13,7 +13,9 @@ O(L^2) time and saved memory).  Layer 0 has no router (W_0 = I over its own rows
 routed keys/values or decoding, and under tensor parallelism no collective either (each rank's
 routed heads are its own heads).
 
-Backward.  ``RouteKeysValues`` gives the router weight gradient ``g_l @ buffer[sources]^T`` and
+Backward.  ``RouteKeysValues`` gives the router weight gradient ``g_l @ buffer[sources]^T``
+(accumulated and returned in float32 for bf16/fp16 rows, ``float32_product``; a bf16 run keeps
+its routers in float32 and the products cast them to the rows' dtype) and
 the gradient of layer l's own keys/values, which collects the contributions of every *consumer*
 m >= l of layer l:  grad(kv_l) = sum_m W_m[:, block l]^T g_m.  Autograd runs layer l's backward
 only after every later layer's (later layers depend on layer l through the residual stream), so
@@ -209,7 +211,7 @@ class LayerIntegratedMemory:
         partial = None
         if router.sharding.primary:
             for columns, rows in self._source_blocks(router):
-                part = weight[:, columns] @ rows
+                part = weight[:, columns].to(rows.dtype) @ rows  # a float32 router on bf16 rows
                 partial = part if partial is None else partial.add_(part)
         else:  # a replica of another rank's heads: those terms are added once, by the primary
             partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
@@ -221,10 +223,10 @@ class LayerIntegratedMemory:
         self._routers[router.layer] = router
 
     def weight_grad(self, router: LimeRouter, grad_rows: torch.Tensor) -> torch.Tensor:
-        """dL/dW_l = g_l @ rows(sources)^T for this rank's columns; ``grad_rows`` holds all
-        kv_heads rows of g_l.  Replica ranks compute the same value (their weight columns are
-        one shared parameter)."""
-        parts = [grad_rows @ rows.t() for _, rows in self._source_blocks(router)]
+        """dL/dW_l = g_l @ rows(sources)^T for this rank's columns, accumulated and returned in at
+        least float32 (``float32_product``); ``grad_rows`` holds all kv_heads rows of g_l.  Replica
+        ranks compute the same value (their weight columns are one shared parameter)."""
+        parts = [float32_product(grad_rows, rows) for _, rows in self._source_blocks(router)]
         return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
 
     def _grad_buffer(self, kv_heads: int) -> torch.Tensor:
@@ -253,7 +255,7 @@ class LayerIntegratedMemory:
             grads = self._grad_buffer(kv_heads)[(mixing.start - self.layers.start) * kv_heads :
                                                 (mixing.stop - self.layers.start) * kv_heads]
             blocks = torch.cat([self._routers[m].block(layer) for m in mixing], dim=0)
-            grad = blocks.t() @ grads
+            grad = blocks.to(grads.dtype).t() @ grads
         downstream = self._downstream_rows(layer) if stop > self.layers.stop and layer >= self.layers.start else None
         for term in (own_grad, downstream):
             if term is not None:
@@ -297,6 +299,25 @@ class LayerIntegratedMemory:
             shares.append((layers, torch.cat([self._consumer_grad(layer) for layer in layers])))
         self.external = []
         return shares
+
+
+FLOAT32_CHUNK_BYTES = 64 * 2**20
+"""Bytes of the float32 copies of one chunk of the reduced dimension in ``float32_product``."""
+
+
+def float32_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``grad_rows @ rows^T`` (``[m, N] x [n, N] -> [m, n]``), accumulated in float32 for
+    bf16/fp16 operands: the router weight gradient reduces over N = 2*s*b*d elements (about 2M at
+    the paper's 1B shape), where bf16 partial sums (split-K) lose about 1e-2 relative.  The
+    operands are upcast a chunk of N at a time (``FLOAT32_CHUNK_BYTES``), never whole.  Float32 and
+    float64 operands multiply as they are."""
+    if grad_rows.dtype in (torch.float32, torch.float64) and rows.dtype == grad_rows.dtype:
+        return grad_rows @ rows.t()
+    step = max(1, FLOAT32_CHUNK_BYTES // (4 * (grad_rows.shape[0] + rows.shape[0])))
+    product = grad_rows.new_zeros(grad_rows.shape[0], rows.shape[0], dtype=torch.float32)
+    for start in range(0, rows.shape[1], step):
+        product.addmm_(grad_rows[:, start : start + step].float(), rows[:, start : start + step].float().t())
+    return product
 
 
 class RouteKeysValues(torch.autograd.Function):
