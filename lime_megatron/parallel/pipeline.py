@@ -57,14 +57,19 @@ rank's later chunks when the owning chunk's backward starts; without backward (e
 
 from __future__ import annotations
 
+from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 from megatron.core import parallel_state
+from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lime_megatron.models.config import pipeline_layer_split
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
 from lime_megatron.models.lime.router import routing_consumers
+from lime_megatron.parallel.compat import default_device
 
 
 def carried_layers(config, boundary: int) -> range:
@@ -172,8 +177,10 @@ _SIDE_GROUPS: dict = {}
 
 
 def _side_groups(pp_group) -> tuple:
-    """Two duplicates of the pipeline group ``pp_group`` (rows forward, gradients backward).
-    Created on first use, by every rank of the world together (``new_group`` is collective)."""
+    """Two duplicates of the pipeline group ``pp_group`` (rows forward, gradients backward),
+    created by every rank of the world together (``new_group`` is collective) and made ready at
+    once: each member enters a barrier on each of its two groups, in the same order, so no
+    communicator is first set up lazily by one rank while its peer waits elsewhere."""
     if pp_group not in _SIDE_GROUPS:
         mine = torch.distributed.get_process_group_ranks(pp_group)
         everyone = [None] * torch.distributed.get_world_size()
@@ -182,7 +189,14 @@ def _side_groups(pp_group) -> tuple:
             pair = (torch.distributed.new_group(list(ranks)), torch.distributed.new_group(list(ranks)))
             if list(ranks) == mine:
                 _SIDE_GROUPS[pp_group] = pair
+        for group in _SIDE_GROUPS[pp_group]:
+            make_ready(group)
     return _SIDE_GROUPS[pp_group]
+
+
+def make_ready(group) -> None:
+    """Set up ``group``'s communicator now, collectively (a barrier of its members)."""
+    torch.distributed.barrier(group=group)
 
 
 @dataclass
@@ -209,49 +223,113 @@ class _KeptBlock:
         return self.grad if self.grad is not None else torch.zeros_like(self.rows)
 
 
+@dataclass(frozen=True)
+class PointToPoint:
+    """One point-to-point operation: send ``tensor`` to, or receive it from, global rank ``peer``
+    on ``group``.  Posted through ``torch.distributed``'s functions as they are at posting time."""
+
+    send: bool
+    tensor: torch.Tensor
+    peer: int
+    group: object
+
+    def _function(self):
+        return torch.distributed.isend if self.send else torch.distributed.irecv
+
+    def post(self):
+        return self._function()(self.tensor, self.peer, self.group)
+
+    def batched(self):
+        """The operation as a ``torch.distributed.P2POp`` for ``batch_isend_irecv``."""
+        return torch.distributed.P2POp(self._function(), self.tensor, self.peer, self.group)
+
+
+def forward_order(config, num_microbatches: int, rank: int) -> list[tuple[int, int]]:
+    """``(global chunk, micro-batch)`` of this pipeline rank's forwards in the order megatron's
+    schedule runs them (its schedule table with virtual stages, micro-batch order without)."""
+    p = config.pipeline_model_parallel_size
+    vpp = config.virtual_pipeline_model_parallel_size
+    if not vpp:
+        return [(rank, micro_batch) for micro_batch in range(num_microbatches)]
+    from megatron.core.pipeline_parallel.schedules import get_schedule_table
+
+    group = config.microbatch_group_size_per_vp_stage or p
+    return [(vp * p + rank, micro_batch) for micro_batch, vp in get_schedule_table(num_microbatches, vpp, group)]
+
+
+def backward_order(config, num_microbatches: int, rank: int) -> list[tuple[int, int]]:
+    """``(global chunk, micro-batch)`` of this pipeline rank's backwards in megatron's order: the
+    schedule table with the virtual stages reversed."""
+    vpp = config.virtual_pipeline_model_parallel_size
+    if not vpp:
+        return forward_order(config, num_microbatches, rank)
+    p = config.pipeline_model_parallel_size
+    last = (vpp - 1) * p + rank
+    forwards = forward_order(config, num_microbatches, rank)
+    return [(last - (chunk - rank), micro_batch) for chunk, micro_batch in forwards]
+
+
 class KeptRows:
     """This rank's K/V rows per micro-batch in flight, shared by its chunks, and the side
-    channel that moves them (see the module docstring)."""
+    channel that moves them (see the module docstring).
 
-    def __init__(self, config):
+    The rows travel in the same posting order as megatron's hidden state: the model queues what
+    each hop sends (``outgoing``), ``SideChannelCommunicator`` posts it right after the hidden-state
+    operation it belongs to and posts the receives of the hop megatron receives next
+    (``expected``, from the schedule's order), and the model takes what arrived (``arrived``)."""
+
+    def __init__(self, config, num_microbatches: int, forward_only: bool):
         self.config = config
         self.p = config.pipeline_model_parallel_size
         self.chunks = chunk_layers(config)
         self.rank = parallel_state.get_pipeline_model_parallel_rank()
         pp_group = parallel_state.get_pipeline_model_parallel_group()
         self.rows_group, self.grads_group = _side_groups(pp_group)
-        self.next_rank = (self.rank + 1) % self.p
-        self.prev_rank = (self.rank - 1) % self.p
+        self.next_peer = torch.distributed.get_global_rank(self.rows_group, (self.rank + 1) % self.p)
+        self.prev_peer = torch.distributed.get_global_rank(self.rows_group, (self.rank - 1) % self.p)
         self.blocks: dict[tuple[int, int], _KeptBlock] = {}
         self.forwards = [0] * len(self.chunks)
+        last = len(self.chunks) - 1
+        backwards = [] if forward_only else backward_order(config, num_microbatches, self.rank)
+        self.expected = {  # hops megatron receives next, in its order: (global chunk of the hop, micro-batch)
+            "recv_prev": deque(key for key in forward_order(config, num_microbatches, self.rank) if key[0] > 0),
+            "recv_next": deque((chunk + 1, mb) for chunk, mb in backwards if chunk < last),
+        }
+        self.outgoing = {"send_next": deque(), "send_prev": deque()}  # tensors of each hop, in megatron's order
+        self.arrived: dict[tuple[str, int, int], tuple[list, list]] = {}  # (kind, chunk, mb) -> (tensors, works)
         self.sends: dict[tuple[int, int], list] = {}
         self.grad_sends: list = []
         self.backward_state: dict[tuple[str, int, int], tuple] = {}
 
-    def _tag(self, micro_batch: int, chunk: int, index: int) -> int:
-        """Unique tag of block ``index`` of the hop into ``chunk`` for ``micro_batch``."""
-        return (micro_batch * len(self.chunks) + chunk) * self.p + index
+    def _row_shapes(self, chunk: int, hidden_shape: torch.Size) -> list[tuple[int, int]]:
+        """Shapes ``[layers * local kv heads, 2*s*b*d]`` of the blocks of the hop into ``chunk``."""
+        kv_shape = stage_kv_shape(hidden_shape, self.config)
+        heads, row = kv_shape[2], 2 * kv_shape[0] * kv_shape[1] * kv_shape[3]
+        return [(len(block.layers) * heads, row) for block in hop_blocks(self.config, chunk)]
 
-    def chunk_of_tag(self, tag: int) -> int:
-        """The receiving chunk of the hop whose block carries ``tag`` (inverse of ``_tag``)."""
-        return (tag // self.p) % len(self.chunks)
+    def attached_ops(self, kind: str, hidden: torch.Tensor) -> tuple[list, Callable]:
+        """The side channel's operations that follow megatron's hidden-state operation ``kind``
+        (``send_next``, ``recv_prev``, ``send_prev``, ``recv_next``) on ``hidden``
+        (``PointToPoint``), and a callback taking their works once posted."""
+        forward = kind in ("send_next", "recv_prev")
+        group = self.rows_group if forward else self.grads_group
+        if kind in self.outgoing:
+            key, tensors = self.outgoing[kind].popleft()
+            peer = self.next_peer if forward else self.prev_peer
+            ops = [PointToPoint(True, tensor.contiguous(), peer, group) for tensor in tensors]
+            return ops, self.sends.setdefault(key, []).extend if forward else self.grad_sends.extend
+        chunk, micro_batch = self.expected[kind].popleft()
+        peer = self.prev_peer if forward else self.next_peer
+        tensors = [hidden.new_empty(shape, requires_grad=False) for shape in self._row_shapes(chunk, hidden.shape)]
+        ops = [PointToPoint(False, tensor, peer, group) for tensor in tensors]
+        return ops, lambda works: self.arrived.__setitem__((kind, chunk, micro_batch), (tensors, works))
 
-    def _peer(self, group, rank: int) -> int:
-        """Global rank of pipeline rank ``rank`` in ``group``."""
-        return torch.distributed.get_global_rank(group, rank)
-
-    def _send(self, tensor: torch.Tensor, group, rank: int, tag: int):
-        return torch.distributed.isend(tensor.contiguous(), self._peer(group, rank), group, tag)
-
-    def _send_rows(self, rows: torch.Tensor, micro_batch: int, chunk: int, index: int) -> None:
-        """isend block ``index`` of the hop into ``chunk``, posted during chunk ``chunk - 1``."""
-        work = self._send(rows, self.rows_group, self.next_rank, self._tag(micro_batch, chunk, index))
-        self.sends.setdefault((micro_batch, chunk - 1), []).append(work)
-
-    def _receive(self, shape, like: torch.Tensor, group, rank: int, tag: int) -> torch.Tensor:
-        tensor = like.new_empty(shape)
-        torch.distributed.irecv(tensor, self._peer(group, rank), group, tag).wait()
-        return tensor
+    def _take(self, kind: str, chunk: int, micro_batch: int) -> list[torch.Tensor]:
+        """The tensors of hop ``chunk`` and ``micro_batch`` received with megatron's ``kind``."""
+        tensors, works = self.arrived.pop((kind, chunk, micro_batch))
+        for work in works:
+            work.wait()
+        return tensors
 
     def finish_sends(self) -> None:
         """Wait for every send posted so far (at the end of a schedule call)."""
@@ -279,22 +357,15 @@ class KeptRows:
         return micro_batch
 
     def receive(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, hidden: torch.Tensor) -> None:
-        """Forward of the hop into ``chunk``: receive its blocks, pass on at once those the
-        next hop carries (not waiting for this chunk's compute), and give ``memory`` every kept
-        block its layers read.  In backward (a hook on ``hidden``, once every layer of the chunk
-        ran) the chunk's shares are added and the hop's gradient is returned."""
+        """Forward of the hop into ``chunk``: take its blocks (received with the hidden state)
+        and give ``memory`` every kept block its layers read.  In backward (a hook on ``hidden``,
+        once every layer of the chunk ran) the chunk's shares are added and the hop's gradient
+        is queued for the hidden state's gradient."""
         kv_shape = stage_kv_shape(hidden.shape, self.config)
-        heads, row = kv_shape[2], 2 * kv_shape[0] * kv_shape[1] * kv_shape[3]
+        heads = kv_shape[2]
         received = hop_blocks(self.config, chunk)
-        for index, block in enumerate(received):
-            rows = self._receive((len(block.layers) * heads, row), hidden, self.rows_group, self.prev_rank,
-                                 self._tag(micro_batch, chunk, index))
+        for block, rows in zip(received, self._take("recv_prev", chunk, micro_batch)):
             self.blocks[micro_batch, block.source] = _KeptBlock(block.layers, rows)
-        if chunk + 1 < len(self.chunks):
-            for index, block in enumerate(hop_blocks(self.config, chunk + 1)):
-                if block.source != chunk:
-                    self._send_rows(self.blocks[micro_batch, block.source].view(block.layers, heads),
-                                    micro_batch, chunk + 1, index)
         read = carried_layers(self.config, self.chunks[chunk].start)
         external = []
         for (batch, _), kept in sorted(self.blocks.items(), key=lambda item: item[0]):
@@ -305,16 +376,21 @@ class KeptRows:
         self._on_backward(hidden, self._end_backward, chunk, micro_batch, memory, received)
 
     def send(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, output: torch.Tensor) -> None:
-        """Forward end of a chunk before the last: isend its own block of the next hop, keep its
-        rows for this rank's later chunks; in backward (a hook on ``output``, before the chunk's
-        layers) receive the hop's returned gradient."""
+        """Forward end of a chunk before the last: queue the blocks of the next hop (its own rows
+        and the kept blocks it passes on) for the hidden state's send, keep its rows for this
+        rank's later chunks; in backward (a hook on ``output``, before the chunk's layers) take
+        the hop's returned gradient."""
         own = carried_layers(self.config, self.chunks[chunk].stop)
         own = range(max(own.start, self.chunks[chunk].start), own.stop)
         if len(own):
             self.blocks[micro_batch, chunk] = _KeptBlock(own, memory.rows(own.start, own.stop))
-        for index, block in enumerate(hop_blocks(self.config, chunk + 1)):
+        tensors = []
+        for block in hop_blocks(self.config, chunk + 1):
             if block.source == chunk:
-                self._send_rows(memory.rows(block.layers.start, block.layers.stop), micro_batch, chunk + 1, index)
+                tensors.append(memory.rows(block.layers.start, block.layers.stop))
+            else:
+                tensors.append(self.blocks[micro_batch, block.source].view(block.layers, memory.kv_heads))
+        self.outgoing["send_next"].append(((micro_batch, chunk), tensors))
         self._on_backward(output, self._start_backward, chunk, micro_batch, memory, own)
 
     def end_forward(self, chunk: int, micro_batch: int) -> None:
@@ -331,10 +407,8 @@ class KeptRows:
         chunks goes to ``memory``."""
         for work in self.sends.pop((micro_batch, chunk), []):  # matched: the next rank ran its backward
             work.wait()  # the own rows sent are about to be overwritten by gradients
-        heads, row = memory.kv_heads, memory.row_length
-        for index, block in enumerate(hop_blocks(self.config, chunk + 1)):
-            grad = self._receive((len(block.layers) * heads, row), memory.buffer, self.grads_group, self.next_rank,
-                                 self._tag(micro_batch, chunk + 1, index))
+        heads = memory.kv_heads
+        for block, grad in zip(hop_blocks(self.config, chunk + 1), self._take("recv_next", chunk + 1, micro_batch)):
             self.blocks[micro_batch, block.source].add_grad(block.layers, grad, heads)
         kept = self.blocks.pop((micro_batch, chunk), None)
         if kept is not None:
@@ -343,16 +417,70 @@ class KeptRows:
     def _end_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
                       received: list[HopBlock]) -> None:
         """After chunk ``chunk``'s layers ran backward: add its shares of the kept rows'
-        gradients, return the gradient of the rows the hop into it carried, free them."""
+        gradients, queue the gradient of the rows the hop into it carried for the hidden state's
+        gradient, free them."""
         heads = memory.kv_heads
         for layers, share in memory.external_shares():
             source = next(index for index, own in enumerate(self.chunks) if own.start <= layers.start < own.stop)
             self.blocks[micro_batch, source].add_grad(layers, share, heads)
-        for index, block in enumerate(received):
-            kept = self.blocks.pop((micro_batch, block.source))
-            tag = self._tag(micro_batch, chunk, index)
-            self.grad_sends.append(self._send(kept.gradient(), self.grads_group, self.prev_rank, tag))
+        grads = [self.blocks.pop((micro_batch, block.source)).gradient() for block in received]
+        self.outgoing["send_prev"].append(((micro_batch, chunk), grads))
         self.grad_sends = [work for work in self.grad_sends if not work.is_completed()]
+
+
+_HIDDEN_ORDER = {0: ("send_next", "recv_prev", "send_prev", "recv_next"),
+                 1: ("recv_prev", "send_next", "recv_next", "send_prev")}
+"""megatron's posting order of the hidden-state operations on even and odd pipeline ranks (two
+neighbours never both start with a send to each other)."""
+
+
+class SideChannelCommunicator(P2PCommunicator):
+    """megatron's pipeline communicator with LIMe's K/V rows attached: each hidden-state operation
+    is followed at once, in the same posting order (and in the same batch with
+    ``batch_p2p_comm``), by the side channel's operations of the same hop (``KeptRows.attached_ops``).
+    Refuses megatron's variable sequence lengths and ring exchange, which LIMe does not use."""
+
+    def __init__(self, pp_group, config, kept: KeptRows):
+        if config.variable_seq_lengths or getattr(config, "use_ring_exchange_p2p", False):
+            raise NotImplementedError("LIMe's pipeline side channel needs fixed stage shapes and megatron's "
+                                      "send/receive path (no variable_seq_lengths, no ring exchange)")
+        super().__init__(pp_group, config)
+        self.kept = kept
+
+    def _buffer(self, shape) -> torch.Tensor:
+        return torch.empty(shape, requires_grad=True, device=default_device(), dtype=self.config.pipeline_dtype)
+
+    def _hidden_op(self, kind: str, tensor: torch.Tensor) -> PointToPoint:
+        send, peer = kind.startswith("send"), self.next_rank if kind.endswith("next") else self.prev_rank
+        # a send hands over an alias: megatron may swap the sent output's storage (deallocate_output_tensor)
+        return PointToPoint(send, tensor.detach() if send else tensor, peer, self.pp_group)
+
+    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
+                     wait_on_reqs=True):
+        hidden = {"send_next": tensor_send_next, "recv_prev": self._buffer(tensor_shape) if recv_prev else None,
+                  "send_prev": tensor_send_prev, "recv_next": self._buffer(tensor_shape) if recv_next else None}
+        hops = []  # (kind, hidden-state operation, the rows' operations, callback taking their works)
+        for kind in _HIDDEN_ORDER[self.pp_group.rank() % 2]:
+            if hidden[kind] is not None:
+                hops.append((kind, self._hidden_op(kind, hidden[kind]), *self.kept.attached_ops(kind, hidden[kind])))
+        works = iter(self._post([op for _, hidden_op, row_ops, _ in hops for op in (hidden_op, *row_ops)]))
+        reqs = {}
+        for kind, _, row_ops, keep in hops:
+            reqs[kind] = next(works)
+            keep([next(works) for _ in row_ops])
+        if wait_on_reqs:
+            for work in reqs.values():
+                work.wait()
+            reqs = None
+        return hidden["recv_prev"], hidden["recv_next"], reqs
+
+    def _post(self, ops: list[PointToPoint]) -> list:
+        """Post ``ops`` in order: one batch with ``batch_p2p_comm``, else one by one."""
+        if not ops:
+            return []
+        if self.config.batch_p2p_comm:
+            return list(torch.distributed.batch_isend_irecv([op.batched() for op in ops]))
+        return [op.post() for op in ops]
 
 
 _KEPT: KeptRows | None = None
@@ -383,15 +511,20 @@ def finish_schedule() -> None:
         _KEPT.finish_sends()
 
 
-def schedule_arguments(config) -> dict:
+def schedule_arguments(config, num_microbatches: int, forward_only: bool = False) -> dict:
     """Prepare LIMe's side channel for one call of megatron's ``get_forward_backward_func()``
-    (call it once per schedule call, on every rank: micro-batches are numbered from 0 again;
-    :func:`finish_schedule` after the call)
-    and return the keyword arguments LIMe needs there (none: megatron's own communicator
-    moves the hidden state)."""
+    over ``num_microbatches`` (call it once per schedule call, on every rank: micro-batches are
+    numbered from 0 again; :func:`finish_schedule` after the call) and return the keyword
+    arguments LIMe needs there: under pipeline parallelism megatron's communicator with the rows
+    attached (``SideChannelCommunicator``) and the process groups it goes with; none otherwise."""
     global _KEPT
     lime = getattr(config, "lime", False)
     pipelined = parallel_state.model_parallel_is_initialized() and \
         parallel_state.get_pipeline_model_parallel_world_size() > 1
-    _KEPT = KeptRows(config) if lime and pipelined else None
-    return {}
+    _KEPT = KeptRows(config, num_microbatches, forward_only) if lime and pipelined else None
+    if _KEPT is None:
+        return {}
+    pp_group = parallel_state.get_pipeline_model_parallel_group()
+    groups = ProcessGroupCollection.use_mpu_process_groups(
+        required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp_cp", "tp_dp_cp", "dp"])
+    return dict(p2p_communicator=SideChannelCommunicator(pp_group, config, _KEPT), pg_collection=groups)

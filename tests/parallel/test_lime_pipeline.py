@@ -19,6 +19,7 @@ processes), the virtual layouts with overlap on and off.
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from functools import partial
 
 import pytest
@@ -104,26 +105,37 @@ SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
 DEEP = dict(num_layers=128, hidden_size=16, ffn_hidden_size=32, num_attention_heads=2, num_query_groups=2)
 
 
-def drop_returned_gradients(kept_rows: type) -> tuple[str, object]:
+def _rewrite_queued(kind: str, rewrite) -> Callable:
+    """A replacement of ``KeptRows.attached_ops`` that first rewrites the tensors queued for
+    megatron's ``kind`` operation: ``rewrite(key, tensors) -> tensors``."""
+    from lime_megatron.parallel.pipeline import KeptRows
+
+    attached = KeptRows.attached_ops
+
+    def rewritten(self, operation, hidden):
+        if operation == kind:
+            key, tensors = self.outgoing[kind].popleft()
+            self.outgoing[kind].appendleft((key, rewrite(key, tensors)))
+        return attached(self, operation, hidden)
+
+    return rewritten
+
+
+def drop_returned_gradients() -> tuple[str, object]:
     """Mutation of ``pipeline.KeptRows``: every hop returns zeros instead of the gradient of the
     rows it carried.  Returns (method name, replacement)."""
-    send = kept_rows._send
-
-    def zero_gradients(self, tensor, group, rank, tag):
-        return send(self, torch.zeros_like(tensor) if group is self.grads_group else tensor, group, rank, tag)
-
-    return "_send", zero_gradients
+    return "attached_ops", _rewrite_queued("send_prev", lambda key, grads: [torch.zeros_like(g) for g in grads])
 
 
-def send_stale_rows(kept_rows: type) -> tuple[str, object]:
+def send_stale_rows() -> tuple[str, object]:
     """Mutation of ``pipeline.KeptRows``: every hop sends the rows it sent for the first
     micro-batch, whatever the micro-batch."""
-    send_rows, first = kept_rows._send_rows, {}
+    first = {}
 
-    def stale(self, rows, micro_batch, chunk, index):
-        return send_rows(self, first.setdefault((chunk, index), rows.clone()), micro_batch, chunk, index)
+    def stale(key, rows):
+        return [first.setdefault((key[1], index), row.clone()) for index, row in enumerate(rows)]
 
-    return "_send_rows", stale
+    return "attached_ops", _rewrite_queued("send_next", stale)
 
 
 def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
@@ -131,7 +143,7 @@ def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
     this process, undone afterwards)."""
     from lime_megatron.parallel.pipeline import KeptRows
 
-    name, replacement = mutation(KeptRows)
+    name, replacement = mutation()
     original = getattr(KeptRows, name)
     setattr(KeptRows, name, replacement)
     try:
@@ -154,25 +166,34 @@ def side_channel_accounting() -> dict:
     config = make_config(layout)
     chunks = build_chunks(config)
     batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
-    sent, isend = defaultdict(int), torch.distributed.isend
+    sent, isend, attached = defaultdict(int), torch.distributed.isend, pipeline.KeptRows.attached_ops
+    handed = defaultdict(int)  # elements handed to isend on the rows' group, whatever the hop
 
-    def counted(tensor, dst=None, group=None, tag=0, **kwargs):
+    def counted(self, kind, hidden):  # per hop: the rows attached to the hidden state's send into it
+        hop = self.outgoing[kind][0][0][1] + 1 if kind == "send_next" else None  # queued (micro-batch, chunk)
+        ops, keep = attached(self, kind, hidden)
+        if hop is not None:
+            sent[hop] += sum(op.tensor.numel() for op in ops)
+        return ops, keep
+
+    def counted_isend(tensor, dst=None, group=None, tag=0, **kwargs):
         if group is pipeline._KEPT.rows_group:
-            sent[pipeline._KEPT.chunk_of_tag(tag)] += tensor.numel()
+            handed["all"] += tensor.numel()
         return isend(tensor, dst, group, tag, **kwargs)
 
-    torch.distributed.isend = counted
+    pipeline.KeptRows.attached_ops, torch.distributed.isend = counted, counted_isend
     try:
         loss = forward_backward(chunks, batches)
     finally:
-        torch.distributed.isend = isend
+        pipeline.KeptRows.attached_ops, torch.distributed.isend = attached, isend
     kept_after_training = len(pipeline._KEPT.blocks)
     with torch.no_grad():
         evaluated = run_schedule(chunks, batches, forward_only=True)
     rank = parallel_state.get_pipeline_model_parallel_rank()
     expected = {chunk: MICRO_BATCHES * pipeline.hop_elements(config, chunk, SEQ, 2)[1]
                 for chunk in range(rank + 1, 8, 4)}
-    return dict(sent={chunk: sent[chunk] for chunk in expected}, expected=expected, loss=(loss, evaluated),
+    return dict(sent={chunk: sent[chunk] for chunk in expected}, expected=expected, handed=handed["all"],
+                loss=(loss, evaluated),
                 kept=(kept_after_training, len(pipeline._KEPT.blocks)))
 
 
@@ -275,6 +296,7 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
         print(f"rank {rank}: K/V elements sent per hop {accounting['sent']}, kept rows after a training and an "
               f"evaluation call {accounting['kept']}")
         assert accounting["sent"] == accounting["expected"] and all(accounting["sent"].values()), rank
+        assert accounting["handed"] == sum(accounting["expected"].values()), rank  # nothing else on the rows' group
         assert accounting["kept"] == (0, 0), rank
         assert abs(accounting["loss"][0] - accounting["loss"][1]) <= TOLERANCE, rank
     saved, loaded, fresh = result["checkpoint"]
