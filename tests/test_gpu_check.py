@@ -235,7 +235,7 @@ def layout_rows(lime: bool, extra_legs: dict) -> list[Row]:
 
 @pytest.mark.parametrize("lime", [True, False], ids=["lime", "llama"])
 def test_layout_legs_match_data_parallel_on_two_ranks(lime):
-    rows = dist.run_distributed(layout_rows, 2, lime, OTHER_LR)[0]
+    rows = dist.run_distributed(layout_rows, 2, lime, OTHER_LR, nccl_rules=True)[0]
     assert [row.quantity.split()[0] for row in rows] == ["TP2", "PP2", "other-lr"]
     assert [row.status for row in rows] == ["ok", "ok", "FAILED"], gpu_check.format_table(rows)
     assert all(row.value < 1e-6 for row in rows[:2])

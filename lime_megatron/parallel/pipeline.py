@@ -463,16 +463,22 @@ class SideChannelCommunicator(P2PCommunicator):
         for kind in _HIDDEN_ORDER[self.pp_group.rank() % 2]:
             if hidden[kind] is not None:
                 hops.append((kind, self._hidden_op(kind, hidden[kind]), *self.kept.attached_ops(kind, hidden[kind])))
-        works = iter(self._post([op for _, hidden_op, row_ops, _ in hops for op in (hidden_op, *row_ops)]))
-        reqs = {}
-        for kind, _, row_ops, keep in hops:
-            reqs[kind] = next(works)
-            keep([next(works) for _ in row_ops])
+        ordered = self.posting_order(hops)
+        works = dict(zip(map(id, ordered), self._post(ordered)))
+        reqs = {kind: works[id(hidden_op)] for kind, hidden_op, _, _ in hops}
+        for _, _, row_ops, keep in hops:
+            keep([works[id(op)] for op in row_ops])
         if wait_on_reqs:
             for work in reqs.values():
                 work.wait()
             reqs = None
         return hidden["recv_prev"], hidden["recv_next"], reqs
+
+    @staticmethod
+    def posting_order(hops: list) -> list[PointToPoint]:
+        """The operations of ``hops`` (``(kind, hidden-state operation, row operations, _)`` in
+        megatron's order) as posted: each hidden-state operation followed at once by its rows."""
+        return [op for _, hidden_op, row_ops, _ in hops for op in (hidden_op, *row_ops)]
 
     def _post(self, ops: list[PointToPoint]) -> list:
         """Post ``ops`` in order: one batch with ``batch_p2p_comm``, else one by one."""

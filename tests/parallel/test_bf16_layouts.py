@@ -163,7 +163,7 @@ def layout_runs(references: dict) -> dict:
 def runs() -> dict:
     single = dist.run_distributed(single_process_runs, 1)[0]
     weights = {name: single[f"{name} fp32"]["initial"] for name in MODELS}
-    launched = dist.run_distributed(layout_runs, 4, weights, timeout=900)[0]
+    launched = dist.run_distributed(layout_runs, 4, weights, timeout=900, nccl_rules=True)[0]
     return {**single, **launched}
 
 

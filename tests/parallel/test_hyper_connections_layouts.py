@@ -196,7 +196,7 @@ def layout_checks(directory: str) -> dict:
 
 
 def test_hyper_connections_layouts_equal_single_stage(tmp_path):
-    result = run_distributed(layout_checks, 4, str(tmp_path), timeout=1200)[0]
+    result = run_distributed(layout_checks, 4, str(tmp_path), timeout=1200, nccl_rules=True)[0]
     for case, outcome in result["cases"].items():
         print(f"{case}: |loss diff| {outcome['loss']:.1e}, relative grad error {outcome['grad']:.1e} "
               f"(dynamic scales {outcome['scale']:.1e}), {outcome['connections']} hyper-connection parameters compared")

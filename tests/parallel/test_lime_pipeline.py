@@ -25,6 +25,7 @@ from functools import partial
 import pytest
 import torch
 from distributed import (
+    DistributedTestError,
     Layout,
     data_parallel_share,
     gather_full,
@@ -284,7 +285,7 @@ def check_report(report: dict) -> None:
 
 
 def test_pipeline_layouts_equal_single_stage(tmp_path):
-    results = run_distributed(pipeline_checks, 4, str(tmp_path), timeout=900)
+    results = run_distributed(pipeline_checks, 4, str(tmp_path), timeout=900, nccl_rules=True)
     result = results[0]
     check_report(result["cases"])
     assert result["cases"]["mha tp1-pp4"]["routers"] == 7
@@ -316,14 +317,14 @@ def deep_eight_stages() -> dict:
 
 @pytest.mark.slow
 def test_rest_of_the_matrix_and_the_deep_model_over_four_ranks():
-    report = run_distributed(slow_pipeline_checks, 4, timeout=1800)[0]
+    report = run_distributed(slow_pipeline_checks, 4, timeout=1800, nccl_rules=True)[0]
     check_report(report)
     assert report["deep-128 tp1-pp4-vpp4"]["routers"] == 127
 
 
 @pytest.mark.slow
 def test_deep_model_over_eight_stages():
-    check_report(run_distributed(deep_eight_stages, 8, timeout=1800)[0])
+    check_report(run_distributed(deep_eight_stages, 8, timeout=1800, nccl_rules=True)[0])
 
 
 @pytest.mark.parametrize("router", [dict(), dict(lime_router="last", lime_router_window=3),
@@ -406,10 +407,108 @@ def side_channel_residue(steps: int = 3) -> dict:
 def test_side_channel_keeps_nothing_alive_without_the_garbage_collector():
     """Nothing of a step's or an evaluation's micro-batches survives the call with the cyclic
     collector off (a hook closing over its own tensor, or a kept send handle, would grow these)."""
-    residues = run_distributed(side_channel_residue, 4)
+    residues = run_distributed(side_channel_residue, 4, nccl_rules=True)
     for rank, residue in enumerate(residues):
         for layout, counts in residue.items():
             print(f"rank {rank} {layout}: (memories, kept blocks, pending sends, kept bytes) per call {counts}")
     for rank, residue in enumerate(residues):
         for layout, counts in residue.items():
             assert counts == [(0, 0, 0, 0)] * len(counts), (rank, layout, counts)
+
+
+# --------------------------------------------------------------------------- NCCL's rules
+
+
+def rows_after_all_hidden_sends_first(hops: list) -> list:
+    """Mutation of ``SideChannelCommunicator.posting_order``: the rows after every hidden-state
+    operation of the call, sends before receives: two neighbours' row sends face each other."""
+    rows = [op for _, _, row_ops, _ in hops for op in row_ops]
+    return [hidden_op for _, hidden_op, _, _ in hops] + sorted(rows, key=lambda op: not op.send)
+
+
+def rows_before_the_hidden_send(hops: list) -> list:
+    """Mutation of ``SideChannelCommunicator.posting_order``: a sender posts the rows before the
+    hidden state, its receiver takes the hidden state first."""
+    return [op for kind, hidden_op, row_ops, _ in hops
+            for op in ((*row_ops, hidden_op) if kind.startswith("send") else (hidden_op, *row_ops))]
+
+
+def receive_when_the_chunk_starts() -> tuple[Callable, Callable]:
+    """Mutation of ``KeptRows``: a hop's rows are received when the receiving chunk starts (the
+    old side channel), not posted with the hidden state's receive.  Returns replacements of
+    (``attached_ops``, ``_take``)."""
+    from lime_megatron.parallel.pipeline import KeptRows
+
+    attached, take = KeptRows.attached_ops, KeptRows._take
+
+    def deferred(self, kind, hidden):
+        ops, keep = attached(self, kind, hidden)
+        if kind != "recv_prev":
+            return ops, keep
+        before = set(self.arrived)
+        keep([])
+        (key,) = set(self.arrived) - before
+        self.arrived[key] = (self.arrived[key][0], [op.post for op in ops])  # posted by ``late``
+        return [], lambda works: None
+
+    def late(self, kind, chunk, micro_batch):
+        tensors, works = self.arrived[kind, chunk, micro_batch]
+        self.arrived[kind, chunk, micro_batch] = (tensors, [work() if callable(work) else work for work in works])
+        return take(self, kind, chunk, micro_batch)
+
+    return deferred, late
+
+
+def lazy_groups(pipeline) -> None:
+    """Side groups set up by their first use (no barrier at creation)."""
+    pipeline.make_ready = lambda group: None
+
+
+def lazy_groups_and_late_receives(pipeline) -> None:
+    """The old side channel's communicator setup: groups set up by their first use, which comes
+    when a chunk starts, while the peer may sit in megatron's receive on another communicator."""
+    lazy_groups(pipeline)
+    pipeline.KeptRows.attached_ops, pipeline.KeptRows._take = receive_when_the_chunk_starts()
+
+
+def facing_row_sends(pipeline) -> None:
+    pipeline.SideChannelCommunicator.posting_order = staticmethod(rows_after_all_hidden_sends_first)
+
+
+def rows_posted_first_by_senders(pipeline) -> None:
+    pipeline.SideChannelCommunicator.posting_order = staticmethod(rows_before_the_hidden_send)
+
+
+DEADLOCKS = {  # the issue's three deadlocks: the layout showing it, the mutation, what the report says
+    "lazy-communicators": (Layout(pp=4), lazy_groups_and_late_receives, "blocked creating communicator"),
+    "facing-row-sends": (Layout(pp=2, vpp=2), facing_row_sends, "blocked waiting for entry"),
+    "rows-before-hidden": (Layout(pp=2, vpp=2), rows_posted_first_by_senders, "blocked waiting for entry"),
+}
+
+
+def one_step_with(layout: Layout, mutation: Callable) -> float:
+    """One training step of the 8-layer LIMe model on ``layout`` with ``mutation`` applied to
+    the pipeline module in this process (a fresh rank of the harness)."""
+    from lime_megatron.parallel import pipeline
+
+    mutation(pipeline)
+    pipeline.reset_side_channel()  # the side groups are made again, under the mutation
+    return train(layout, {}, steps=1)[0][0]
+
+
+@pytest.mark.parametrize("case", sorted(DEADLOCKS))
+def test_nccl_rules_catch_each_deadlock_of_the_old_side_channel(case):
+    """Each of the three deadlocks, reintroduced into the real side channel, is reported by the
+    NCCL-rules mode (with the pending operations) instead of passing as it does over gloo."""
+    layout, mutation, state = DEADLOCKS[case]
+    with pytest.raises(DistributedTestError, match="NCCL rules: deadlock") as caught:
+        run_distributed(one_step_with, layout.pp, layout, mutation, nccl_rules=True, timeout=120)
+    assert state in str(caught.value)
+    run_distributed(one_step_with, layout.pp, layout, mutation, timeout=120)  # gloo runs it
+
+
+@pytest.mark.parametrize("layout", [Layout(pp=4), Layout(pp=2, vpp=2)], ids=lambda layout: layout.name)
+def test_side_groups_are_first_used_with_megatrons_own(layout):
+    """Even set up lazily, the side groups cannot deadlock now: every rank first uses them in the
+    same call as megatron's pipeline group (the eager setup is a second line of defence)."""
+    run_distributed(one_step_with, layout.pp, layout, lazy_groups, nccl_rules=True, timeout=120)

@@ -39,7 +39,7 @@ def _train_runs(runs: list) -> list:
 
 
 def _launch(world_size: int, runs: list) -> list:
-    return run_distributed(_train_runs, world_size, [[str(a) for a in argv] for argv in runs])[0]
+    return run_distributed(_train_runs, world_size, [[str(a) for a in argv] for argv in runs], nccl_rules=True)[0]
 
 
 @pytest.fixture(scope="module")
