@@ -3,7 +3,8 @@
 For each deep example config (LIMe and its LLaMA baseline, shape, batch and precision as in
 examples/*.yaml) at a world of ``--world-size`` GPUs, for PP 4/8 x VPP 1/2/4 with layers split
 evenly, and the example's own uneven layout: the step-time model's iteration time
-(``lime_megatron.planning.schedule_model``; transfers overlapped with compute, hops at
+(``lime_megatron.planning.schedule_model``; transfers as the run does them: overlapped with compute
+in the interleaved schedule, where ``overlap_p2p_comm`` is on by default, blocking in 1F1B; hops at
 ``pipeline.exact_stage_width``), LIMe over baseline, the bubble and the transfer left exposed,
 over the NVLink-like and InfiniBand-like links. Prints a markdown table (examples/README.md).
 
@@ -18,7 +19,14 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lime_megatron.planning.schedule_model import DEFAULT_COMPUTE_TFLOPS, INFINIBAND, NVLINK, pipeline_work, step_time
+from lime_megatron.planning.schedule_model import (
+    DEFAULT_COMPUTE_TFLOPS,
+    INFINIBAND,
+    NVLINK,
+    overlaps_transfers,
+    pipeline_work,
+    step_time,
+)
 from lime_megatron.training import arguments, data
 from lime_megatron.training.run_config import RunConfig
 
@@ -69,16 +77,18 @@ def main(argv=None) -> None:
         _, _, llama_work = pipeline_of("llama", depth, options.world_size, layout, options.compute_tflops)
         pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size or 1
         name = f"PP{pp} x VPP{vpp}" + (" (example)" if layout is None else "")
+        overlapped = overlaps_transfers(config)
         for link in (NVLINK, INFINIBAND):
-            lime, llama = step_time(lime_work, link), step_time(llama_work, link)
-            rows.append(f"| {depth} | {name} | {m} | {link.name} | {1e3 * llama.iteration_s:,.0f} | "
-                        f"{1e3 * lime.iteration_s:,.0f} | {100 * (lime.iteration_s / llama.iteration_s - 1):+.1f}% | "
-                        f"{100 * lime.bubble:.1f}% | {1e3 * lime.exposed_s:,.0f} |")
+            (lime, exposed), (llama, _) = (step_time(work, link).as_run(overlapped) for work in (lime_work, llama_work))
+            bubble = step_time(lime_work, link).bubble
+            rows.append(f"| {depth} | {name} | {m} | {'overlapped' if overlapped else 'blocking'} | {link.name} | "
+                        f"{1e3 * llama:,.0f} | {1e3 * lime:,.0f} | {100 * (lime / llama - 1):+.1f}% | "
+                        f"{100 * bubble:.1f}% | {1e3 * exposed:,.0f} |")
     print(f"world {options.world_size} GPUs, {options.compute_tflops:g} TFLOP/s per GPU; iteration times in ms, "
-          "transfers overlapped with compute\n")
-    print("| layers | layout | microbatches | link | LLaMA | LIMe | LIMe over LLaMA | LIMe bubble | "
+          "transfers as the run does them\n")
+    print("| layers | layout | microbatches | transfers | link | LLaMA | LIMe | LIMe over LLaMA | LIMe bubble | "
           "LIMe exposed transfer |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     print("\n".join(rows))
 
 

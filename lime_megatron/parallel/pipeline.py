@@ -25,30 +25,34 @@ back as the hop's returned gradient, exactly the rows the hop carried; block and
 then freed.  A chunk's own rows get their later consumers' shares (same rank and other ranks)
 before its layers' backward runs (``LayerIntegratedMemory.receive_downstream_grad``).
 
-Design: a side channel.  megatron's stage tensor is the plain hidden state ``[s', b, hidden]``,
-so megatron's p2p code (``batch_p2p_comm``, ``overlap_p2p_comm``, ``deallocate_pipeline_outputs``,
-variable shapes never needed) is used as is.  The rows travel by ``isend``/``irecv`` on two
-duplicates of the pipeline process group (``_side_groups``: rows forward, gradients backward),
-own communicators so their order cannot interleave with megatron's messages (NCCL matches
-point-to-point messages per peer in posting order; gloo by tag, and every message has a unique
-tag).  Both sides know every message's size from the config and the hidden state's shape, so no
-shape is exchanged.  Each chunk numbers its forwards (megatron runs a chunk's micro-batches in
-order, on every rank in the same global order, so sends and receives match per peer and
-direction); ``schedule_arguments`` restarts the numbering for each schedule call.  The
-alternative, one stage tensor per hop through megatron's communicator with a width per chunk,
-would have to replay megatron's call order per direction (and its combined calls under
-``overlap_p2p_comm``) to know which chunk each receive is for; the side channel needs none of
-that and lets rows be sent before the sender's compute.
+Design: rows beside megatron's hidden state.  megatron's stage tensor is the plain hidden state
+``[s', b, hidden]`` (its buffers, ``overlap_p2p_comm``, ``batch_p2p_comm`` and
+``deallocate_pipeline_outputs`` work as they are); the rows travel in the same calls.
+``schedule_arguments`` hands megatron's schedule a ``SideChannelCommunicator``: megatron's own
+communicator whose ``_communicate`` posts each hidden-state operation (megatron's even/odd rank
+order: even ranks send first, odd ranks receive first, so two neighbours never both start with a
+send) followed at once by the same hop's row operations, on two duplicates of the pipeline group
+(``_side_groups``: rows forward, gradients backward), in the same ``batch_isend_irecv`` under
+``batch_p2p_comm``.  Each row operation thus sits right behind its hidden-state operation on both
+ends, which is what NCCL needs: it matches point-to-point messages per (communicator, peer) in
+posting order, ignoring tags, and with one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``)
+completes a GPU's operations in posting order; a pair that completes in megatron's order completes
+with its rows after it.  The side groups are set up eagerly (a barrier of their members at
+creation), and in any case every rank first uses them in the same call as megatron's pipeline group.
+Both ends know each hop's sizes from the config and the hidden state's shape: the sender queues
+the tensors of each hop when a chunk's forward (or backward) ends, in megatron's order of sends; the
+receiver sizes the receives megatron posts next from the schedule's order of forwards and
+backwards (``forward_order``, ``backward_order``: megatron's schedule table with virtual stages).
+``tests/parallel/test_lime_pipeline.py`` runs every layout under the test harness's NCCL-rules mode
+and reintroduces the three deadlocks of the earlier design (lazy communicators, facing row sends,
+rows posted before the hidden state) to show the mode catches them.
 
-Overlap.  The blocks a rank forwards that it received (all but the one of its own chunk) are
-isent as soon as they arrive, before the chunk's own layers run; only the chunk's own rows wait
-for its compute.  Sends are asynchronous; a receive is posted and waited when the receiving chunk
-starts (megatron's schedule gives no earlier point at which the next chunk and micro-batch are
-known without replaying it).  megatron's ``overlap_p2p_comm`` (interleaved schedule; it posts the
-hidden state's receive for the next forward before the current one's compute) and
-``batch_p2p_comm`` (NCCL; on gloo batched isend/irecv to one peer in both directions swaps tensors,
-so the unbatched path stays there) apply to the hidden state unchanged; the interleaved layouts
-are tested exact with overlap on and off (over gloo, ``compat`` keeps in-flight sends' storage alive).
+Overlap.  A hop's rows are sent when the sending chunk's forward ends and received where megatron
+receives the hidden state: with ``overlap_p2p_comm`` (interleaved schedule) megatron posts the
+next forward's receive before the current compute, so the rows' transfer overlaps compute as the
+hidden state's does; the 1F1B schedule without virtual stages waits for every transfer
+(``planning.schedule_model.overlaps_transfers``).  Sends are asynchronous, their handles kept until
+the sent rows may change (own rows become gradients in backward) or the schedule call ends.
 
 Memory.  Received blocks are freed when the receiving chunk's backward ends, own rows kept for the
 rank's later chunks when the owning chunk's backward starts; without backward (evaluation under

@@ -208,6 +208,19 @@ class StepTime:
     def exposed_blocking_s(self) -> float:
         return self.blocking_s - self.free_s
 
+    def as_run(self, overlapped: bool) -> tuple[float, float]:
+        """(iteration, exposed transfer) in seconds as a run communicates: overlapped or blocking
+        (``overlaps_transfers``)."""
+        return (self.iteration_s, self.exposed_s) if overlapped else (self.blocking_s, self.exposed_blocking_s)
+
+
+def overlaps_transfers(config: LimeTransformerConfig) -> bool:
+    """Whether a run of ``config`` overlaps its pipeline transfers with compute: megatron's
+    interleaved schedule does with ``overlap_p2p_comm`` (the K/V rows are posted with the hidden
+    state, ``pipeline.SideChannelCommunicator``, so they overlap alike); its 1F1B schedule without
+    virtual stages always waits for each transfer."""
+    return bool(config.overlap_p2p_comm and config.virtual_pipeline_model_parallel_size)
+
 
 def hop_bytes(config: LimeTransformerConfig, boundary: int, geometry: Geometry) -> int:
     """Bytes of the hop into the chunk starting at layer ``boundary``, one microbatch on one
@@ -272,6 +285,8 @@ def step_time_lines(config: LimeTransformerConfig, *, vocab_size: int, seq_lengt
             ratio = times["LIMe"].iteration_s / times["baseline"].iteration_s - 1
             lines.append(f"  {'':<30} LIMe over baseline: {100 * ratio:+.2f}% (overlapped), "
                          f"{100 * (times['LIMe'].blocking_s / times['baseline'].blocking_s - 1):+.2f}% (blocking)")
+    lines.append(f"  this run's transfers: {'overlapped' if overlaps_transfers(config) else 'blocking'} "
+                 "(overlapped only in the interleaved schedule with overlap_p2p_comm)")
     return lines
 
 

@@ -131,3 +131,17 @@ def test_bad_input_fails_with_one_clear_message():
     with pytest.raises(ValueError, match="compute_tflops must be positive, got -1"):
         pipeline_work(config, vocab_size=128, seq_length=32, micro_batch_size=2, num_microbatches=4,
                       compute_tflops=-1)
+
+
+def test_a_run_overlaps_its_transfers_only_in_the_interleaved_schedule():
+    from types import SimpleNamespace
+
+    from lime_megatron.planning.schedule_model import StepTime, overlaps_transfers
+
+    def config(vpp, overlap):
+        return SimpleNamespace(virtual_pipeline_model_parallel_size=vpp, overlap_p2p_comm=overlap)
+
+    assert overlaps_transfers(config(2, True))
+    assert not overlaps_transfers(config(2, False)) and not overlaps_transfers(config(None, True))
+    times = StepTime(iteration_s=3.0, blocking_s=5.0, free_s=2.0, compute_s=1.0)
+    assert times.as_run(True) == (3.0, 1.0) and times.as_run(False) == (5.0, 3.0)
