@@ -127,6 +127,10 @@ parses the package and fails on a private name it reaches into that is not regis
 - ``schedules.deallocate_output_tensor(out, deallocate_pipeline_outputs)`` (``fusions`` turns it
   on for pipeline runs; LIMe's sent hidden state is not a view); it swaps ``out``'s storage for
   one element (probed: patch 6 depends on it).
+- ``P2PCommunicator._communicate(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
+  tensor_shape, wait_on_reqs)`` and its ``pp_group``/``next_rank``/``prev_rank``/``config``, and
+  the ``p2p_communicator``/``pg_collection`` arguments of both pipeline schedules
+  (``pipeline.SideChannelCommunicator`` posts LIMe's rows in megatron's calls).
 - KV-cache decoding: ``Attention._adjust_key_value_for_inference(inference_context, query, key,
   value, rotary_pos_emb, ...)`` returning a 6-tuple, ``StaticInferenceContext``'s
   ``key_value_memory_dict``/``sequence_len_offset``/``is_static_batching``, and attention's
@@ -626,6 +630,27 @@ def _probe_decoding() -> list[str | None]:
     ]
 
 
+def _probe_pipeline_communicator() -> list[str | None]:
+    """``pipeline.SideChannelCommunicator`` overrides ``P2PCommunicator._communicate`` (keyword-only
+    arguments, returning the two receive buffers and the requests), uses its ``pp_group``,
+    ``next_rank``, ``prev_rank`` and ``config``, and is handed to both pipeline schedules with a
+    ``pg_collection``."""
+    from megatron.core.pipeline_parallel import schedules
+    from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
+
+    init = inspect.getsource(P2PCommunicator.__init__)
+    return [
+        missing_parameters("P2PCommunicator._communicate", P2PCommunicator._communicate, "tensor_send_next",
+                           "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape", "wait_on_reqs",
+                           keyword_only=True),
+        *(None if f"self.{name}" in init else f"P2PCommunicator.__init__: no longer sets self.{name}"
+          for name in ("pp_group", "next_rank", "prev_rank", "config")),
+        *(missing_parameters(f"schedules.{name}", getattr(schedules, name), "p2p_communicator", "pg_collection")
+          for name in ("forward_backward_pipelining_without_interleaving",
+                       "forward_backward_pipelining_with_interleaving")),
+    ]
+
+
 def _probe_output_deallocation() -> list[str | None]:
     """Behaviour: ``deallocate_output_tensor(out, True)`` swaps ``out``'s storage for one element
     (the storage swap patch 6 protects in-flight sends from)."""
@@ -677,7 +702,7 @@ PRIVATE_APIS: dict[str, Callable[[], list[str | None]]] = {
 # Probes of internal APIs without an underscore name (behaviour and signatures), then those of
 # the registry above.
 _PROBES: tuple[Callable[[], list[str | None]], ...] = (
-    _probe_schedules, _probe_output_deallocation,
+    _probe_schedules, _probe_output_deallocation, _probe_pipeline_communicator,
     *dict.fromkeys(PRIVATE_APIS.values()),
 )
 
