@@ -73,7 +73,8 @@ class P2PCounter:
     """Wraps ``torch.distributed``'s point-to-point calls and adds each tensor's bytes by
     (phase, kind, direction): phase ``forward``/``backward``, kind ``hidden`` (megatron's pipeline
     group) or ``rows`` (LIMe's side channel), direction ``sent``/``received``.  ``hops`` adds the
-    side channel's forward bytes per receiving chunk (decoded from the tag).  Needs 3 or more
+    side channel's forward bytes per receiving chunk (the hop ``KeptRows.attached_ops`` sizes each
+receive for).  Needs 3 or more
     pipeline ranks (the previous and next rank differ)."""
 
     NAMES = ("isend", "irecv", "send", "recv")
@@ -97,9 +98,19 @@ class P2PCounter:
         else:
             kept = pipeline._KEPT  # this schedule call's side channel
             kind, phase = "rows", "forward" if group is kept.rows_group else "backward"
-            if phase == "forward" and not sending:
-                self.hops[kept.chunk_of_tag(tag)] += size
         self.bytes[phase, kind, direction] += size
+
+    def _count_hops(self, attached):
+        """``KeptRows.attached_ops`` adding each forward receive's bytes to its hop."""
+
+        def counted(kept, kind, hidden):
+            hop = kept.expected[kind][0][0] if kind == "recv_prev" else None  # (receiving chunk, micro-batch)
+            ops, keep = attached(kept, kind, hidden)
+            if hop is not None:
+                self.hops[hop] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
+            return ops, keep
+
+        return counted
 
     def __enter__(self) -> P2PCounter:
         distributed = torch.distributed
@@ -125,11 +136,14 @@ class P2PCounter:
             return original_batch(ops)
 
         distributed.batch_isend_irecv = counted_batch
+        self._attached = pipeline.KeptRows.attached_ops
+        pipeline.KeptRows.attached_ops = self._count_hops(self._attached)
         return self
 
     def __exit__(self, *exc) -> None:
         for name, original in self._originals.items():
             setattr(torch.distributed, name, original)
+        pipeline.KeptRows.attached_ops = self._attached
 
 
 def make_config(layers: int, attention: str, pp: int, vpp: int | None, lime: bool, **options):
