@@ -488,9 +488,12 @@ class SideChannelCommunicator(P2PCommunicator):
         """Post ``ops`` in order: one batch with ``batch_p2p_comm``, else one by one."""
         if not ops:
             return []
-        if self.config.batch_p2p_comm:
-            return list(torch.distributed.batch_isend_irecv([op.batched() for op in ops]))
-        return [op.post() for op in ops]
+        if not self.config.batch_p2p_comm:
+            return [op.post() for op in ops]
+        works = list(torch.distributed.batch_isend_irecv([op.batched() for op in ops]))
+        if self.config.batch_p2p_sync and torch.cuda.is_available():
+            torch.cuda.synchronize()  # as megatron's batched path does (a workaround for a NCCL race)
+        return works
 
 
 _KEPT: KeptRows | None = None

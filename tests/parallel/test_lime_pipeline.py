@@ -5,7 +5,9 @@ every gradient, routers included, over two SGD steps; ``deallocate_pipeline_outp
 trainer runs pipelines): TP=2 x PP=2 x VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages, an
 uneven split with virtual stages, full recompute, megatron's ``overlap_p2p_comm`` on and off (on:
 TP=2 x PP=2 x VPP=2 + SP, PP=4 x VPP=2, PP=2 x VPP=2 with full recompute; over gloo it is exact
-thanks to ``compat`` patch 6, without which these cases are off by ~3e-4), MHA and GQA, the
+thanks to ``compat`` patch 6, without which these cases are off by ~3e-4), megatron's batched p2p
+(``batch_p2p_comm``, the GPU default without overlap: TP=2 x PP=2 x VPP=2 + SP and PP=4, the rows
+in the hidden state's batch), MHA and GQA, the
 ``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to ``isend`` per hop
 against ``pipeline.hop_elements``, no kept row left after a training or an evaluation call; a
 checkpoint saved at one virtual layout loaded at others; two mutations of the side channel (a hop's
@@ -45,8 +47,7 @@ def make_config(layout: Layout, **model):
 
     settings = dict(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
                     deallocate_pipeline_outputs=layout.pp > 1)
-    settings.update(model)
-    return lime_config(use_cpu_initialization=True, **settings, **layout_config_kwargs(layout))
+    return lime_config(use_cpu_initialization=True, **{**layout_config_kwargs(layout), **settings, **model})
 
 
 def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ,
@@ -85,6 +86,7 @@ UNEVEN = dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_
 UNEVEN_VIRTUAL = dict(num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2)  # of 12 layers
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 OVERLAP = dict(overlap_p2p_comm=True)  # megatron's default with virtual stages (and the trainer's)
+BATCHED = dict(batch_p2p_comm=True)  # megatron's default without overlap: one batch_isend_irecv per exchange
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
     ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4), Layout(pp=4, vpp=2)]),
     ("mha-16", dict(num_layers=16), [Layout(pp=4, vpp=4)]),
@@ -92,6 +94,7 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("mha-12-uneven", dict(num_layers=12), [Layout(pp=4, vpp=2)], UNEVEN_VIRTUAL),
     ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)]),
     ("mha-overlap", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)], OVERLAP),
+    ("mha-batched", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4)], BATCHED),
     ("gqa-full-recompute-overlap", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)], OVERLAP),
     ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)]),
     ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4, vpp=2)]),
