@@ -1,15 +1,17 @@
 """``python -m lime_megatron``: the project's pipeline end to end on data it makes itself.
 
 1. ``tools/make_arithmetic_data.py`` writes the paper's arithmetic-expression task (App. B):
-   expressions with their step-by-step solutions, as JSONL;
+   expressions (the prompt) with their step-by-step solutions (the response), as JSONL;
 2. ``tools/train_tokenizer.py`` trains a tiny SentencePiece tokenizer on it (offline);
-3. ``tools/preprocess_data.py`` turns it into megatron indexed datasets;
-4. ``pretrain_lime.py`` trains a tiny LIMe and the LLaMA baseline on it, each launched with
-   ``torch.distributed.run`` on 2 CPU processes over gloo, pipeline-parallel (PP=2; ``--layout
-   tp2`` for tensor parallelism), same seed, data, schedule and paper optimizer settings;
+3. ``tools/preprocess_data.py --prompt-key`` turns it into a prompt/response indexed dataset;
+4. ``pretrain_lime.py --sft`` trains a tiny LIMe and the LLaMA baseline on it from scratch, the
+   loss on the solutions only, each launched with ``torch.distributed.run`` on 2 CPU processes over
+   gloo, pipeline-parallel (PP=2; ``--layout tp2`` for tensor parallelism), same seed, data,
+   schedule and paper optimizer settings;
 5. ``tools/score_generation.py`` scores each trained checkpoint by greedy generation with the KV
    cache on held-out expressions (none of them in the training data): exact-match accuracy of
-   the final answer per operand count, with 95% Wilson intervals;
+   the final answer per operand count, with 95% Wilson intervals, beside the accuracy of always
+   answering the tier's most frequent training answer;
 6. their losses and accuracies are printed side by side with a summary, and plotted to
    ``loss.png`` and ``accuracy.png``.
 
@@ -24,6 +26,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections import Counter
 from pathlib import Path
 
 import numpy as np
@@ -35,12 +38,12 @@ MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
 # The tiny model and schedule (paper optimizer settings of Table 2, shorter and smaller).
 TRAINER_OPTIONS = [
     "--num-layers", "6", "--hidden-size", "64", "--ffn-hidden-size", "256",
-    "--num-attention-heads", "4", "--seq-length", "64",
+    "--num-attention-heads", "4", "--seq-length", "48",
     "--micro-batch-size", "16", "--global-batch-size", "64",
     "--lr", "3e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
     "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
-    "--clip-grad", "1.0", "--split", "95,5,0", "--eval-interval", "30", "--eval-iters", "2",
-    "--log-interval", "20", "--seed", "1234",
+    "--clip-grad", "1.0", "--split", "95,5,0", "--eval-interval", "100", "--eval-iters", "2",
+    "--log-interval", "100", "--seed", "1234",
 ]
 
 
@@ -49,7 +52,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", help="where data, tokenizer, metrics and plot go")
     parser.add_argument("--num-samples", type=int, default=20000, help="arithmetic expressions")
     parser.add_argument("--test-samples", type=int, default=400, help="held-out expressions scored by generation")
-    parser.add_argument("--train-iters", type=int, default=120)
+    parser.add_argument("--train-iters", type=int, default=600)
     parser.add_argument("--layout", choices=sorted(LAYOUTS), default="pp2")
     return parser.parse_args(argv)
 
@@ -80,8 +83,8 @@ def data_steps(out: Path, num_samples: int, test_samples: int) -> list[tuple[str
           "--character-coverage", "1.0", "--no-byte-fallback", "--output-dir", str(tokenizer),
           "--no-progress"]),
         ("preprocessing", "preprocess_data.py",
-         ["--input", str(jsonl), "--output-prefix", str(out / "arith"), "--append-eod",
-          "--no-progress", *tokenizer_flags(out)]),
+         ["--input", str(jsonl), "--output-prefix", str(out / "arith"), "--prompt-key", "prompt",
+          "--json-keys", "response", "--no-progress", *tokenizer_flags(out)]),
     ]
 
 
@@ -99,7 +102,7 @@ def tokenizer_flags(out: Path) -> list[str]:
 
 def trainer_data_flags(out: Path) -> list[str]:
     """The trainer's data and tokenizer flags for the data of :func:`data_steps`."""
-    return ["--data-path", str(out / "arith_text_document"), "--data-cache-path",
+    return ["--sft", "--data-path", str(out / "arith_response_document"), "--data-cache-path",
             str(out / "cache"), *tokenizer_flags(out)]
 
 
@@ -111,8 +114,8 @@ def prepare_data(out: Path, num_samples: int, test_samples: int) -> list[str]:
 
 
 def warmup_iters(train_iters: int) -> int:
-    """Linear warmup over the first eighth of the run (15 of the default 120 iterations)."""
-    return max(1, train_iters // 8)
+    """Linear warmup over the first fifteenth of the run (40 of the default 600 iterations)."""
+    return max(1, train_iters // 15)
 
 
 def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> dict[str, list[dict]]:
@@ -201,21 +204,41 @@ def _plot(metrics: dict[str, list[dict]], path: Path) -> None:
     plt.close(figure)
 
 
+def _records(path: Path) -> list[dict]:
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def constant_answer_accuracy(train: list[dict], test: list[dict]) -> dict[int, tuple[int, float]]:
+    """Per operand count: the most frequent answer of the training expressions and the accuracy
+    of always answering it on the test expressions (what a model that ignores the expression
+    reaches)."""
+    baseline = {}
+    for count in sorted({record["num_operands"] for record in test}):
+        answers = Counter(record["answer"] for record in train if record["num_operands"] == count)
+        answer = answers.most_common(1)[0][0] if answers else None
+        tier = [record["answer"] for record in test if record["num_operands"] == count]
+        baseline[count] = (answer, sum(value == answer for value in tier) / len(tier))
+    return baseline
+
+
 def report_accuracy(scores: dict[str, list[dict]], out: Path) -> None:
-    """Print the generation accuracies per operand count side by side; plot them."""
+    """Print the generation accuracies per operand count side by side with the constant-answer
+    baseline; plot them."""
     names = list(scores)
     tiers = sorted({tier["group"] for name in names for tier in scores[name]})
     by_tier = {name: {tier["group"]: tier for tier in scores[name]} for name in names}
+    constant = constant_answer_accuracy(_records(out / "arith.jsonl"), _records(test_file(out)))
     print("\ngeneration accuracy on held-out expressions (greedy, KV cache; exact match of the final answer, "
-          "95% Wilson interval):")
-    print(f"{'operands':>8} " + " ".join(f"{name + ' accuracy':>28}" for name in names))
+          "95% Wilson interval; constant: always the tier's most frequent training answer):")
+    print(f"{'operands':>8} " + " ".join(f"{name + ' accuracy':>28}" for name in names) + f"{'constant':>16}")
     for count in tiers:
         cells = []
         for name in names:
             tier = by_tier[name][count]
             cells.append(f"{tier['accuracy']:>7.1%} [{tier['ci95_low']:.1%}, {tier['ci95_high']:.1%}] "
                          f"of {tier['total']:>3}")
-        print(f"{count:>8} " + " ".join(f"{cell:>28}" for cell in cells))
+        answer, accuracy = constant[count]
+        print(f"{count:>8} " + " ".join(f"{cell:>28}" for cell in cells) + f"{accuracy:>8.1%} ({answer:>3})")
     _plot_accuracy(by_tier, tiers, out / "accuracy.png")
     print(f"  accuracy plot: {out / 'accuracy.png'}")
 

@@ -10,9 +10,13 @@ step-by-step solution and the exact integer result::
 
     {"text": "(7 + 5) / (6 + 4 * 3 - 2 * 7) = 12 / (6 + 4 * 3 - 2 * 7) = 12 / (6 + 12 - 2 * 7)
      = 12 / (18 - 2 * 7) = 12 / (18 - 14) = 12 / 4 = 3",
-     "expression": "(7 + 5) / (6 + 4 * 3 - 2 * 7)", "answer": 3, "num_operands": 7}
+     "expression": "(7 + 5) / (6 + 4 * 3 - 2 * 7)", "answer": 3, "num_operands": 7,
+     "prompt": "(7 + 5) / (6 + 4 * 3 - 2 * 7) =", "response": " 12 / (6 + 4 * 3 - 2 * 7) = ... = 3"}
 
-(``text`` is one line; it is wrapped here.) ``--symbols paper`` writes the paper's ``×``/``÷``.
+(``text`` is one line; it is wrapped here.) ``prompt + response == text``: the split that
+fine-tuning (``preprocess_data.py --prompt-key prompt --json-keys response``, ``pretrain_lime.py
+--sft``) and scoring by generation use (``lime_megatron.data.arithmetic_task``).
+``--symbols paper`` writes the paper's ``×``/``÷``.
 
 Value range (our choice; Feng et al. work modulo a prime, the LIMe paper's example uses plain
 integers): operands are integers in [--min-operand, --max-operand] (default 1..9); every
@@ -52,6 +56,10 @@ from typing import Union
 
 import numpy as np
 from tqdm import tqdm
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from lime_megatron.data.arithmetic_task import prompt_of, response_of  # noqa: E402
 
 # A parse tree: an int (a number) or (operator, left, right) with operator in "+-*/".
 Node = Union[int, tuple[str, "Node", "Node"]]  # noqa: UP007 - a recursive alias needs the string form
@@ -290,7 +298,7 @@ def _pick(rng: random.Random, cumulative: np.ndarray) -> int:
 
 def generate(num_samples: int, seed: int, spec: ArithmeticSpec = ArithmeticSpec(),
              exclude: frozenset[str] = frozenset()) -> Iterator[dict]:
-    """Yield `num_samples` records (text, expression, answer, num_operands); same seed, same
+    """Yield `num_samples` records (text, expression, answer, num_operands, prompt, response); same seed, same
     records. The operand count of each is uniform in [min_operands, max_operands]. A drawn
     expression in `exclude` (a held-out test set) is skipped and another one drawn."""
     if num_samples < 1:
@@ -303,8 +311,9 @@ def generate(num_samples: int, seed: int, spec: ArithmeticSpec = ArithmeticSpec(
         if steps[0] in exclude:
             continue
         produced += 1
-        yield {"text": " = ".join(steps), "expression": steps[0], "answer": int(steps[-1]),
-               "num_operands": num_operands}
+        record = {"text": " = ".join(steps), "expression": steps[0], "answer": int(steps[-1]),
+                  "num_operands": num_operands}
+        yield {**record, "prompt": prompt_of(record), "response": response_of(record)}
 
 
 def test_split(num_samples: int, seed: int, spec: ArithmeticSpec) -> list[dict]:

@@ -5,7 +5,13 @@
         --tokenizer-type GPT2BPETokenizer --append-eod --workers 8
 
 writes ``{output-prefix}_{key}_document.bin/.idx`` for each ``--json-keys`` key (default
-``text``). Inputs: JSONL (also .gz/.zst), parquet, plain text files, directories or globs of
+``text``). With ``--prompt-key P`` (supervised fine-tuning data for ``pretrain_lime.py --sft``)
+each record becomes one document of two sequences, the prompt's tokens (field ``P`` tokenized
+alone, as generation sees it) and the response's: the tokens of ``prompt + response`` after the
+prompt's, then the end-of-document token, written to ``{output-prefix}_{key}_document`` for the one
+``--json-keys`` key (``lime_megatron.data.sft_dataset``). A record whose joint tokens do not begin
+with the prompt's (a token spanning the boundary) is reported and skipped.
+Inputs: JSONL (also .gz/.zst), parquet, plain text files, directories or globs of
 them, several at once. Flags follow Megatron-LM's tools/preprocess_data.py.
 
 The main process reads the inputs in chunks of about ``--chunk-mb`` and writes the results in
@@ -60,6 +66,8 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="vocabulary padding multiple (only the token dtype depends on it)")
     group.add_argument("--append-eod", action="store_true",
                        help="append the end-of-document token to every document")
+    group.add_argument("--prompt-key", help="SFT data: the field holding each record's prompt; the "
+                       "single --json-keys field is its response (end-of-document token appended)")
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True)
     group = parser.add_argument_group("runtime")
@@ -74,6 +82,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
+    if args.prompt_key and len(args.json_keys) != 1:
+        parser.error("--prompt-key takes exactly one --json-keys key: the response")
     return args
 
 
@@ -99,14 +109,16 @@ def _tokenizer(build_kwargs: dict):
     return _WORKER["tokenizer"]
 
 
-def _init_worker(build_kwargs: dict, keys: Sequence[str], dtype: type, append_eod: bool) -> None:
+def _init_worker(build_kwargs: dict, keys: Sequence[str], dtype: type, append_eod: bool,
+                 prompt_response: bool) -> None:
     """Get this worker's tokenizer (one encoding thread) and remember the job settings.
 
     Ctrl-C is left to the main process, which stops the workers and removes partial output.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tokenizer = _tokenizer(build_kwargs)
-    _WORKER.update(keys=list(keys), dtype=dtype, eod=tokenizer.eod if append_eod else None)
+    _WORKER.update(keys=list(keys), dtype=dtype, eod=tokenizer.eod if append_eod else None,
+                   prompt_response=prompt_response)
 
 
 def _drop_tokenless(records: list[Record], per_key: list[list], chunk: Chunk,
@@ -131,15 +143,44 @@ def _pack(seqs: list, eod, dtype: type):
     return tokens, lengths
 
 
+def _prompt_response_tokens(records: list[Record], tokenizer, prompts: Sequence[str],
+                            responses: Sequence[str], chunk: Chunk, report: InputReport) -> list[list]:
+    """``[prompt tokens, response tokens]`` of the records: the prompt tokenized alone, the
+    response as the tokens of ``prompt + response`` after the prompt's. A record whose joint
+    tokens do not start with the prompt's, or with an empty prompt or response, is reported and
+    dropped."""
+    kept, columns = [], ([], [])
+    joint = tokenizer.tokenize_batch([p + r for p, r in zip(prompts, responses)])
+    for record, prompt, tokens in zip(records, tokenizer.tokenize_batch(prompts), joint):
+        if list(tokens[:len(prompt)]) != list(prompt):
+            report.add("prompt_boundary", location(chunk, record[0]), "a token spans the prompt's end")
+            continue
+        kept.append(record)
+        columns[0].append(prompt)
+        columns[1].append(tokens[len(prompt):])
+    return _drop_tokenless(kept, list(columns), chunk, report)
+
+
+def _pack_prompt_response(prompts: list, responses: list, eod: int, dtype: type):
+    """Concatenate each prompt with its response and an end-of-document token; lengths
+    ``[documents, 2]`` (the two sequences of each document)."""
+    parts = [part for p, r in zip(prompts, responses) for part in (p, r, [eod])]
+    lengths = np.array([[len(p), len(r) + 1] for p, r in zip(prompts, responses)], dtype=np.int64)
+    return np.concatenate([[], *parts]).astype(dtype), lengths.reshape(-1, 2)
+
+
 def encode_chunk(chunk: Chunk) -> Encoded:
     """Parse and tokenize one chunk (runs in a worker process)."""
     report = InputReport()
     keys, tokenizer = _WORKER["keys"], _WORKER["tokenizer"]
     records = parse_chunk(chunk, keys, report)
     columns = list(zip(*(texts for _, texts in records))) or [()] * len(keys)
-    per_key = [tokenizer.tokenize_batch(texts) for texts in columns]
-    per_key = _drop_tokenless(records, per_key, chunk, report)
-    packed = [_pack(seqs, _WORKER["eod"], _WORKER["dtype"]) for seqs in per_key]
+    if _WORKER["prompt_response"]:
+        per_key = _prompt_response_tokens(records, tokenizer, *columns, chunk, report)
+        packed = [_pack_prompt_response(*per_key, tokenizer.eod, _WORKER["dtype"])]
+    else:
+        per_key = _drop_tokenless(records, [tokenizer.tokenize_batch(texts) for texts in columns], chunk, report)
+        packed = [_pack(seqs, _WORKER["eod"], _WORKER["dtype"]) for seqs in per_key]
     return Encoded([t for t, _ in packed], [n for _, n in packed], len(per_key[0]),
                    chunk.nbytes, chunk.disk_bytes, report)
 
@@ -193,11 +234,12 @@ def run(args: argparse.Namespace) -> dict:
     tokenizer = _tokenizer(build_kwargs)
     sources, ignored = sources_from_args(args)
     prefixes = [f"{args.output_prefix}_{key}_document" for key in args.json_keys]
+    keys = [args.prompt_key, *args.json_keys] if args.prompt_key else args.json_keys
     dtype = token_dtype(tokenizer.vocab_size)
     # Problems found while parsing (in workers, merged in input order) and while reading files.
     report, reading, totals = InputReport(), InputReport(), Throughput()
-    initargs = (build_kwargs, args.json_keys, dtype, args.append_eod)
-    chunks = iter_chunks(sources, args.json_keys, int(args.chunk_mb * 1e6), reading)
+    initargs = (build_kwargs, keys, dtype, args.append_eod, bool(args.prompt_key))
+    chunks = iter_chunks(sources, keys, int(args.chunk_mb * 1e6), reading)
     with DatasetWriter(prefixes, dtype) as writer, tqdm(
             total=total_disk_bytes(sources), unit="B", unit_scale=True, desc="tokenizing",
             disable=args.no_progress) as bar:

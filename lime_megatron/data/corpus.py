@@ -46,6 +46,7 @@ PROBLEMS = {
     "not_a_string": "records whose value is not a string",
     "invalid_utf8": "records or files that are not valid UTF-8",
     "empty_document": "documents without text (empty, blank or no tokens)",
+    "prompt_boundary": "prompt/response records whose joint tokens do not start with the prompt's",
     "unreadable_file": "files that could not be opened or read to the end",
 }
 MAX_EXAMPLES = 5
@@ -549,11 +550,13 @@ class DatasetWriter:
         self.abort()
 
     def add_documents(self, index: int, tokens: np.ndarray, lengths: np.ndarray) -> None:
-        """Append documents (concatenated `tokens`, one length each) to dataset `index`."""
+        """Append documents (concatenated `tokens`) to dataset `index`; `lengths` ``[documents]``
+        (one sequence each) or ``[documents, sequences]`` (the sequence lengths of each)."""
         builder = self._builders[index]
-        ends = np.cumsum(lengths).tolist()
-        for start, end in zip([0] + ends[:-1], ends):
-            builder.add_document(tokens[start:end], [end - start])
+        per_document = lengths[:, None] if lengths.ndim == 1 else lengths
+        ends = np.cumsum(per_document.sum(axis=1)).tolist()
+        for start, end, sequences in zip([0] + ends[:-1], ends, per_document.tolist()):
+            builder.add_document(tokens[start:end], sequences)
 
     def add_dataset(self, index: int, prefix: str) -> None:
         """Append every document of the existing dataset `prefix` to dataset `index`."""

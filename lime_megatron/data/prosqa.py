@@ -162,9 +162,14 @@ def prompt_of(record: dict) -> str:
     return record["question"] + "\n"
 
 
+def response_of(record: dict) -> str:
+    """The steps and the answer after the prompt: ``"\\n".join(steps) + "\\n### " + answer``."""
+    return "\n".join(record["steps"]) + "\n### " + record["answer"]
+
+
 def text_of(record: dict) -> str:
     """Coconut's training text of a record."""
-    return prompt_of(record) + "\n".join(record["steps"]) + "\n### " + record["answer"]
+    return prompt_of(record) + response_of(record)
 
 
 def final_answer(generated: str) -> str:

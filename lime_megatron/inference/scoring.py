@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass
 from tqdm import tqdm
 
 from lime_megatron.data import prosqa
+from lime_megatron.data.arithmetic_task import prompt_of
 from lime_megatron.inference.generation import Generator, SamplingOptions
 
 Z_95 = 1.959963984540054
@@ -96,11 +97,6 @@ def greedy_completer(generator: Generator, max_new_tokens: int, batch_size: int 
         return texts
 
     return complete
-
-
-def prompt_of(record: dict) -> str:
-    """The prompt of one task record (``make_arithmetic_data.py``'s ``expression``)."""
-    return f"{record['expression']} ="
 
 
 def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list[Accuracy], list[dict]]:

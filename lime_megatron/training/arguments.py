@@ -335,6 +335,9 @@ def _check_data(args, world_size) -> None:
             "--valid-data-path/--test-data-path) or --mock-data")
     if args.train_data_path is None and any(p is not None for p in per_split):
         raise ArgumentsError("--valid-data-path/--test-data-path need --train-data-path")
+    if args.sft and args.mock_data:
+        raise ArgumentsError("--sft reads prompt/response data (tools/preprocess_data.py --prompt-key): "
+                             "not --mock-data")
     if args.vocab_size is not None and not (args.mock_data or null_tokenizer):
         raise ArgumentsError(f"--vocab-size sets the --mock-data vocabulary; with real data the "
                              f"tokenizer decides it (pre-tokenized ids: --tokenizer-type {NULL_TOKENIZER})")
@@ -451,6 +454,9 @@ def transformer_config(run: RunConfig):
         hyper_connections_sinkhorn_iterations=model.hyper_connections_sinkhorn_iterations,
         init_style=model.init_style,
         init_seed=run.training.seed,
+        # --sft: gradients of the loss reported, the mean over the global batch's response tokens
+        # (megatron's default averages the per-microbatch means, which differ when masks do).
+        calculate_per_token_loss=run.data.sft,
         **_fp8_options(precision),
     )
     kwargs.update(cpu_config_overrides())

@@ -1,5 +1,6 @@
 """Training data: megatron-core's ``BlendedMegatronDatasetBuilder`` with ``GPTDataset`` (or
-``MockGPTDataset`` for ``--mock-data``), and the microbatches of each iteration.
+``MockGPTDataset`` for ``--mock-data``, :class:`~lime_megatron.data.sft_dataset.SFTDataset` for
+``--sft``), and the microbatches of each iteration.
 
 Datasets are indexed datasets written by ``tools/preprocess_data.py`` (``docs/data.md``), given
 as Megatron-LM blends: ``--data-path [w1] prefix1 [w2] prefix2 ...`` split by ``--split``, or
@@ -22,6 +23,7 @@ from megatron.core import parallel_state
 from megatron.core.datasets.blended_megatron_dataset_builder import BlendedMegatronDatasetBuilder
 from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, MockGPTDataset
 
+from lime_megatron.data.sft_dataset import SFTDataError, SFTDataset
 from lime_megatron.data.tokenizer import NO_PAD, build_tokenizer, padded_vocab_size, tokenizer_kwargs
 from lime_megatron.parallel.compat import default_device
 from lime_megatron.training.arguments import UsageError, parse_blend
@@ -110,9 +112,15 @@ def dataset_config(options: DataOptions, seq_length: int, seed: int, tokenizer) 
 class Datasets:
     """The train, validation and test datasets (None where the split is empty)."""
 
-    train: GPTDataset
-    valid: GPTDataset | None
-    test: GPTDataset | None
+    train: GPTDataset | SFTDataset
+    valid: GPTDataset | SFTDataset | None
+    test: GPTDataset | SFTDataset | None
+
+    def epochs(self, consumed_samples: int) -> float | None:
+        """Epochs of the training split consumed (``--sft``; None for pretraining data)."""
+        if isinstance(self.train, SFTDataset):
+            return self.train.epoch_of(consumed_samples)
+        return None
 
 
 def build_datasets(run: RunConfig, tokenizer) -> Datasets:
@@ -123,8 +131,11 @@ def build_datasets(run: RunConfig, tokenizer) -> Datasets:
     config = dataset_config(run.data, run.model.seq_length, training.seed, tokenizer)
     eval_samples = run.logging.eval_iters * training.global_batch_size
     sizes = [training.train_iters * training.global_batch_size, eval_samples, eval_samples]
-    dataset_class = MockGPTDataset if config.mock else GPTDataset
-    train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    dataset_class = SFTDataset if run.data.sft else MockGPTDataset if config.mock else GPTDataset
+    try:
+        train, valid, test = BlendedMegatronDatasetBuilder(dataset_class, sizes, lambda: True, config).build()
+    except SFTDataError as error:
+        raise DataError(f"--sft: {error}") from None
     if train is None:
         raise DataError("the training split is empty: check --split or --train-data-path")
     return Datasets(train, valid, test)

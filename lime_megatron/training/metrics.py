@@ -9,7 +9,8 @@ already averaged over data-parallel ranks). Destinations:
   and every validation result;
 - ``--metrics-file PATH``: one JSON object per iteration, appended (a resumed run continues the
   file): ``iteration``, ``lm_loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``, plus
-  ``router_lr``, ``tflops_per_gpu``, ``mfu``, ``validation_loss``/``validation_ppl`` when known;
+  ``router_lr``, ``tflops_per_gpu``, ``mfu``, ``validation_loss``/``validation_ppl`` when known,
+  ``epoch`` (training examples consumed over the split's, with ``--sft``);
 - TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``; ``--wandb-mode`` or
   ``$WANDB_MODE``: online, offline or disabled): every iteration's scalars.
 
@@ -49,6 +50,7 @@ class IterationMetrics:
     skipped: bool = False
     validation_loss: float | None = None
     validation_ppl: float | None = None
+    epoch: float | None = None
 
     def as_dict(self) -> dict:
         """Non-None fields (``skipped`` only when True)."""
@@ -139,6 +141,8 @@ def console_line(metrics: IterationMetrics, train_iters: int, throughput: bool =
             parts.append(f"TFLOP/s/GPU {metrics.tflops_per_gpu:.1f}")
         if metrics.mfu is not None:
             parts.append(f"MFU {100 * metrics.mfu:.1f}%")
+    if metrics.epoch is not None:
+        parts.append(f"epoch {metrics.epoch:.2f}")
     if metrics.loss_scale is not None:
         parts.append(f"loss scale {metrics.loss_scale:.1f}")
     if metrics.skipped:

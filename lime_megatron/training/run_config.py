@@ -231,6 +231,8 @@ class DataOptions:
     mock_data: bool = option(type=bool, help="random tokens from megatron's MockGPTDataset")
     data_cache_path: str | None = option(help="where GPTDataset index files are cached")
     eod_mask_loss: bool = option(type=bool, help="no loss on end-of-document tokens")
+    sft: bool = option(type=bool, help="supervised fine-tuning on prompt/response data (preprocess_data.py "
+                       "--prompt-key): one example per sample, the loss on the response only")
 
 
 @dataclass(frozen=True)

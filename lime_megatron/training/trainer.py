@@ -525,7 +525,8 @@ def _step(trainer: Trainer) -> IterationMetrics:
     record = IterationMetrics(
         iteration=progress.iteration, lm_loss=loss, lr=rates["lr"], grad_norm=grad_norm,
         tokens_per_sec=training.global_batch_size * trainer.run.model.seq_length / seconds,
-        router_lr=rates.get("router_lr"), skipped=skipped)
+        router_lr=rates.get("router_lr"), skipped=skipped,
+        epoch=trainer.datasets.epochs(progress.consumed_samples))
     if torch.cuda.is_available():
         record.tflops_per_gpu = trainer.flops_per_iteration / seconds / torch.distributed.get_world_size() / 1e12
         record.mfu = record.tflops_per_gpu / trainer.peak_tflops if trainer.peak_tflops else None

@@ -168,7 +168,7 @@ def test_documents_without_tokens_are_dropped(monkeypatch):
             return [np.array([], dtype=np.int64) if t == "x" else np.array([1, 2]) for t in texts]
 
     monkeypatch.setattr(preprocess_data, "_WORKER", dict(tokenizer=NoTokensForX(), eod=9,
-                                                         keys=["text"], dtype=np.uint16))
+                                                         keys=["text"], dtype=np.uint16, prompt_response=False))
     chunk = corpus.Chunk(corpus.Source("mem.jsonl", corpus.JSONL), jsonl(["a", "x", "b"]), 1, 0)
     result = preprocess_data.encode_chunk(chunk)
     assert result.tokens[0].tolist() == [1, 2, 9, 1, 2, 9] and result.documents == 2

@@ -4,6 +4,7 @@ App. D, §5.5), and the launch scripts pass the launch environment on to torchru
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -196,3 +197,26 @@ def test_run_paper_launches_every_config_once(stub_torchrun):
 def test_readme_lists_every_config():
     readme = (EXAMPLES / "README.md").read_text()
     assert all(f"`{path.name}`" in readme for path in CONFIGS)
+
+
+def test_prosqa_finetune_launches_the_papers_schedule_and_scores(stub_torchrun, tmp_path):
+    """examples/prosqa_finetune.sh on a small published-format set: the launch is the 150M config
+    with --sft on the prompt/response data, EPOCHS epochs at batch 128 with one epoch of warm-up
+    (a valid command line: it passes the trainer's parsing), then scoring, which here finds no
+    checkpoint (the stub torchrun trains nothing) and says so."""
+    env, log = stub_torchrun
+    published = tmp_path / "published"
+    assert subprocess.run([sys.executable, str(ROOT / "tools" / "make_prosqa_data.py"), "--output-dir", str(published),
+                           "--train-samples", "300", "--test-samples", "5"], capture_output=True).returncode == 0
+    out = tmp_path / "out"
+    script = ["bash", str(EXAMPLES / "prosqa_finetune.sh"), "lime", str(tmp_path / "base"), "3", str(out)]
+    result = subprocess.run(script, env=dict(env, PUBLISHED=str(published), EPOCHS="2"), capture_output=True,
+                            text=True, timeout=300)
+    examples = len(json.loads((published / "prosqa_train.json").read_text()))
+    argv = log.read_text().split(f"{ROOT / 'pretrain_lime.py'} ")[1].split()
+    run = arguments.parse_run([*argv, "--dry-run"])
+    assert run.data.sft and run.lime.lime and run.training.global_batch_size == 128
+    assert run.training.train_iters == -(-2 * examples // 128) and run.training.lr_warmup_iters == -(-examples // 128)
+    assert (run.training.lr, run.training.lr_decay_style, run.training.seed) == (1e-4, "linear", 3)
+    assert run.checkpointing.pretrained_checkpoint == str(tmp_path / "base")
+    assert result.returncode != 0 and "no checkpoint" in result.stderr + result.stdout

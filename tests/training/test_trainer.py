@@ -474,7 +474,7 @@ def test_main_job_end_to_end(tmp_path):
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "LIMe - LLaMA validation loss" in completed.stdout
     assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "accuracy.png").stat().st_size > 0
-    assert "generation accuracy on held-out expressions" in completed.stdout
+    assert "generation accuracy on held-out expressions" in completed.stdout and "constant" in completed.stdout
     for name in ("lime", "llama"):
         scores = json.loads((tmp_path / f"{name}_scores.json").read_text())
         assert sum(tier["total"] for tier in scores["tiers"]) == 40 and scores["iteration"] == 8
@@ -483,6 +483,13 @@ def test_main_job_end_to_end(tmp_path):
     trained = {json.loads(line)["expression"] for line in (tmp_path / "arith.jsonl").read_text().splitlines()}
     assert len(held_out) == 40 and not held_out & trained
     assert len(metrics(tmp_path / "lime.jsonl")) == 8 and len(metrics(tmp_path / "llama.jsonl")) == 8
+
+
+def test_constant_answer_baseline_of_the_main_jobs_table():
+    train = [{"num_operands": 2, "answer": 1}] * 3 + [{"num_operands": 2, "answer": 5}, {"num_operands": 3, "answer": 7}]
+    test = [{"num_operands": 2, "answer": 1}, {"num_operands": 2, "answer": 4}, {"num_operands": 2, "answer": 5},
+            {"num_operands": 3, "answer": 7}, {"num_operands": 3, "answer": 8}]
+    assert main_job.constant_answer_accuracy(train, test) == {2: (1, 1 / 3), 3: (7, 0.5)}
 
 
 def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figures():

@@ -1,0 +1,157 @@
+"""LIMe against LLaMA on a reasoning task, trained from scratch with the loss on the solutions
+(``pretrain_lime.py --sft``) and scored by greedy generation (``tools/score_generation.py``):
+accuracy per operand count (AET, LIMe paper §5.3.2) or answer and step accuracy (ProsQA-style,
+§5.3.1), per seed, with the mean and the spread over seeds.
+
+    python bench/bench_reasoning.py --task aet --seeds 1 2 --train-iters 1500      # the paper's shape
+    python bench/bench_reasoning.py --task prosqa --seeds 1 2 --train-iters 600
+
+The data are made once under ``--output-dir`` by the project's tools (AET: App. B's tiers of 4, 5
+and 6 operands; ProsQA: ``make_prosqa_data.py`` with ``--num-concepts``/``--min-hops``), with a
+SentencePiece tokenizer trained on the training file; every run is one process on this machine.
+Models: AET at the paper's shape (4 layers, width 32, 4 heads, FFN 128, lr 1e-3 with linear
+decay); ProsQA at a small one (4 layers, width 64, 4 heads, FFN 256, lr 1e-3 linear). The
+sequence is the longest example rounded up to a multiple of 8. Each run's log, metrics, checkpoint
+and generations stay under ``--output-dir``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[1]
+MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
+SHAPES = {"aet": "--num-layers 4 --hidden-size 32 --ffn-hidden-size 128 --num-attention-heads 4",
+          "prosqa": "--num-layers 4 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4"}
+SCHEDULE = ("--lr 1e-3 --min-lr 0 --lr-decay-style linear --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 "
+            "--clip-grad 1.0 --split 100,0,0 --eval-iters 0 --log-interval 100")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--task", choices=sorted(SHAPES), required=True)
+    parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
+    parser.add_argument("--train-iters", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=64)
+    parser.add_argument("--train-samples", type=int, help="default: AET 150,000 (50,000 per tier), ProsQA 4,000")
+    parser.add_argument("--test-samples", type=int, default=300)
+    parser.add_argument("--num-concepts", type=int, default=10, help="ProsQA graph size")
+    parser.add_argument("--min-hops", type=int, default=2, help="ProsQA question depth")
+    parser.add_argument("--output-dir", default="runs/bench_reasoning")
+    return parser.parse_args(argv)
+
+
+def run_tool(command: list[str], log: Path) -> None:
+    """Run one stage with its output to ``log``; stop with the log's tail if it fails."""
+    with open(log, "a") as out:
+        code = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+    if code:
+        tail = "".join(log.read_text().splitlines(True)[-15:])
+        sys.exit(f"{' '.join(command[:2])} failed (exit {code}); see {log}:\n{tail}")
+
+
+def make_data(args: argparse.Namespace, out: Path) -> tuple[Path, list[str]]:
+    """Write the task's data once; (test file, the trainer's data flags)."""
+    log, prefix = out / "data.log", out / "train"
+    if args.task == "aet":
+        train, test = out / "train.jsonl", out / "test.jsonl"
+        steps = [["tools/make_arithmetic_data.py", "--output", str(train), "--num-samples",
+                  str(args.train_samples or 150000), "--min-operands", "4", "--max-operands", "6", "--no-progress",
+                  "--test-output", str(test), "--test-samples", str(args.test_samples)]]
+    else:
+        train, test = out / "prosqa_train.jsonl", out / "prosqa_test.json"
+        steps = [["tools/make_prosqa_data.py", "--output-dir", str(out), "--train-samples",
+                  str(args.train_samples or 4000), "--test-samples", str(args.test_samples),
+                  "--num-concepts", str(args.num_concepts), "--min-hops", str(args.min_hops)]]
+    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
+                 str(out / "tokenizer" / "tokenizer.model"), "--make-vocab-size-divisible-by", "64"]
+    steps += [["tools/train_tokenizer.py", "--input", str(train), "--kind", "sentencepiece", "--vocab-size",
+               "48" if args.task == "aet" else "256", "--character-coverage", "1.0", "--no-byte-fallback",
+               "--output-dir", str(out / "tokenizer"), "--no-progress"],
+              ["tools/preprocess_data.py", "--input", str(train), "--output-prefix", str(prefix), "--prompt-key",
+               "prompt", "--json-keys", "response", "--no-progress", *tokenizer]]
+    if not Path(f"{prefix}_response_document.idx").exists():
+        for step in steps:
+            run_tool(step, log)
+    return test, ["--sft", "--data-path", f"{prefix}_response_document", "--data-cache-path", str(out / "cache"),
+                  *tokenizer]
+
+
+def sequence_length(prefix: str) -> tuple[int, int]:
+    """(the longest example with its leading end-of-document token, rounded up to 8; examples)."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)
+    longest = int(dataset.sequence_lengths.reshape(-1, 2).sum(axis=1).max()) + 1
+    return -(-longest // 8) * 8, len(dataset.document_indices) - 1
+
+
+def train_and_score(args, out: Path, name: str, seed: int, data_flags: list[str], test: Path, seq: int) -> dict:
+    """Train one model from scratch, score it; its accuracies and the training time."""
+    run = out / f"{name.lower()}-{seed}"
+    log = out / f"{name.lower()}-{seed}.log"
+    start = time.perf_counter()
+    run_tool(["pretrain_lime.py", *SHAPES[args.task].split(), *SCHEDULE.split(), *MODELS[name], *data_flags,
+              "--seq-length", str(seq), "--micro-batch-size", str(args.batch_size), "--global-batch-size",
+              str(args.batch_size), "--train-iters", str(args.train_iters), "--lr-warmup-iters",
+              str(max(1, args.train_iters // 20)), "--seed", str(seed), "--save", str(run),
+              "--metrics-file", str(run) + ".jsonl"], log)
+    seconds = time.perf_counter() - start
+    scores = out / f"scores-{name.lower()}-{seed}.json"
+    task = ["--task", "prosqa", "--max-new-tokens", "96"] if args.task == "prosqa" else ["--max-new-tokens", "64"]
+    run_tool(["tools/score_generation.py", str(run), "--test-file", str(test), "--output", str(scores),
+              "--no-progress", *task], log)
+    last = json.loads((Path(str(run) + ".jsonl")).read_text().splitlines()[-1])
+    return {"tiers": {str(t["group"]): t["accuracy"] for t in json.loads(scores.read_text())["tiers"]},
+            "seconds": seconds, "loss": last["lm_loss"], "epoch": last.get("epoch")}
+
+
+def spread(values: list[float]) -> str:
+    mean = statistics.mean(values)
+    return f"{100 * mean:5.1f} ± {100 * statistics.stdev(values):4.1f}" if len(values) > 1 else f"{100 * mean:5.1f}"
+
+
+def report(results: dict, seeds: list[int]) -> None:
+    """Per group (tier, or answer/steps): each model's accuracy per seed, mean ± sample standard
+    deviation over seeds, and the LIMe - LLaMA gap of the means."""
+    groups = list(next(iter(results.values()))["tiers"])
+    print(f"\n{'group':>8} {'model':>6} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds)
+          + f" {'mean ± sd (%)':>14}")
+    for group in groups:
+        means = {}
+        for name in MODELS:
+            values = [results[(name, seed)]["tiers"][group] for seed in seeds]
+            means[name] = statistics.mean(values)
+            print(f"{group:>8} {name:>6} " + " ".join(f"{100 * v:7.1f}%" for v in values) + f" {spread(values):>14}")
+        print(f"{group:>8} {'gap':>6} {'':>{9 * len(seeds)}}{100 * (means['LIMe'] - means['LLaMA']):+6.1f} points")
+    for name in MODELS:
+        runs = [results[(name, seed)] for seed in seeds]
+        print(f"{name:>6}: final train loss " + ", ".join(f"{r['loss']:.3f}" for r in runs)
+              + f"; epochs {runs[0]['epoch']:.2f}; training " + ", ".join(f"{r['seconds']:.0f} s" for r in runs))
+
+
+def main(argv=None) -> None:
+    args = parse_args(argv)
+    out = Path(args.output_dir) / args.task
+    out.mkdir(parents=True, exist_ok=True)
+    test, data_flags = make_data(args, out)
+    seq, examples = sequence_length(data_flags[2])
+    print(f"{args.task}: {examples:,} training examples, sequence {seq}, {args.train_iters} iterations of "
+          f"{args.batch_size} ({args.train_iters * args.batch_size / examples:.2f} epochs) per run")
+    runs = [(name, seed) for seed in args.seeds for name in MODELS]
+    results = {}
+    for name, seed in tqdm(runs, desc="runs", unit="run"):
+        results[(name, seed)] = train_and_score(args, out, name, seed, data_flags, test, seq)
+    report(results, args.seeds)
+
+
+if __name__ == "__main__":
+    main()
