@@ -16,13 +16,15 @@ for notice in ("Transformer Engine and Apex are not installed", "Apex is not ins
                "full scope is deprecated"):
     warnings.filterwarnings("ignore", message=notice)
 
+from lime_megatron.inference.scoring import generation_evaluator  # noqa: E402
 from lime_megatron.training.trainer import main as _main  # noqa: E402
 from lime_megatron.training.trainer import train  # noqa: E402
 
 
 def main(argv=None) -> int:
-    """Run the trainer on ``argv`` (default: the command line); returns the exit status."""
-    return _main(argv)
+    """Run the trainer on ``argv`` (default: the command line), with the accuracy by generation of
+    ``--eval-generation-file`` at evaluations; returns the exit status."""
+    return _main(argv, evaluators=[generation_evaluator])
 
 
 __all__ = ["main", "train"]

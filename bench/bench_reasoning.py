@@ -4,7 +4,7 @@ accuracy per operand count (AET, LIMe paper §5.3.2) or answer and step accuracy
 §5.3.1), per seed, with the mean and the spread over seeds.
 
     python bench/bench_reasoning.py --task aet --seeds 1 2 --train-iters 1500      # the paper's shape
-    python bench/bench_reasoning.py --task prosqa --seeds 1 2 --train-iters 600
+    python bench/bench_reasoning.py --task prosqa --seeds 1 2 --train-iters 1200 --batch-size 32
 
 The data are made once under ``--output-dir`` by the project's tools (AET: App. B's tiers of 4, 5
 and 6 operands; ProsQA: ``make_prosqa_data.py`` with ``--num-concepts``/``--min-hops``), with a
@@ -41,9 +41,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--train-iters", type=int, required=True)
     parser.add_argument("--batch-size", type=int, default=64)
-    parser.add_argument("--train-samples", type=int, help="default: AET 150,000 (50,000 per tier), ProsQA 4,000")
+    parser.add_argument("--train-samples", type=int, help="default: AET 150,000 (50,000 per tier), ProsQA 6,000")
     parser.add_argument("--test-samples", type=int, default=300)
-    parser.add_argument("--num-concepts", type=int, default=10, help="ProsQA graph size")
+    parser.add_argument("--num-concepts", type=int, default=8, help="ProsQA graph size")
     parser.add_argument("--min-hops", type=int, default=2, help="ProsQA question depth")
     parser.add_argument("--output-dir", default="runs/bench_reasoning")
     return parser.parse_args(argv)
@@ -69,13 +69,14 @@ def make_data(args: argparse.Namespace, out: Path) -> tuple[Path, list[str]]:
     else:
         train, test = out / "prosqa_train.jsonl", out / "prosqa_test.json"
         steps = [["tools/make_prosqa_data.py", "--output-dir", str(out), "--train-samples",
-                  str(args.train_samples or 4000), "--test-samples", str(args.test_samples),
+                  str(args.train_samples or 6000), "--test-samples", str(args.test_samples),
                   "--num-concepts", str(args.num_concepts), "--min-hops", str(args.min_hops)]]
     tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                  str(out / "tokenizer" / "tokenizer.model"), "--make-vocab-size-divisible-by", "64"]
+    # AET: the task's 18 characters and merges; ProsQA: byte fallback keeps the newlines between steps.
+    vocabulary = ["48", "--no-byte-fallback"] if args.task == "aet" else ["512"]
     steps += [["tools/train_tokenizer.py", "--input", str(train), "--kind", "sentencepiece", "--vocab-size",
-               "48" if args.task == "aet" else "256", "--character-coverage", "1.0", "--no-byte-fallback",
-               "--output-dir", str(out / "tokenizer"), "--no-progress"],
+               *vocabulary, "--character-coverage", "1.0", "--output-dir", str(out / "tokenizer"), "--no-progress"],
               ["tools/preprocess_data.py", "--input", str(train), "--output-prefix", str(prefix), "--prompt-key",
                "prompt", "--json-keys", "response", "--no-progress", *tokenizer]]
     if not Path(f"{prefix}_response_document.idx").exists():

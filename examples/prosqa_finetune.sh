@@ -1,7 +1,7 @@
 #!/bin/bash
 # ProsQA fine-tuning from a pretrained 150M checkpoint (LIMe paper §5.3.1) in one command:
 #   bash examples/prosqa_finetune.sh lime checkpoints/lime_150m_full     # or: llama checkpoints/llama_150m
-#   MODEL CHECKPOINT [SEED (1)] [OUT (runs/prosqa)]; env: EPOCHS (10), SEQ (512), PUBLISHED (Coconut's
+#   MODEL CHECKPOINT [SEED (1)] [OUT (runs/prosqa)]; env: EPOCHS (10), SEQ (1024), PUBLISHED (Coconut's
 #   prosqa_train.json and prosqa_test.json directory, instead of generated questions)
 # About 18,000 training questions (17,886 as Coconut publishes), 500 held out; the paper's schedule:
 # EPOCHS epochs at batch 128, lr 1e-4 with linear decay and warm-up over the first epoch, loss on
@@ -10,7 +10,7 @@
 # the run launches on this node's GPUs with examples/launch.sh and resumes from OUT if interrupted.
 set -euo pipefail
 MODEL=${1:?lime or llama}; CHECKPOINT=${2:?pretrained checkpoint directory}; SEED=${3:-1}; OUT=${4:-runs/prosqa}
-EPOCHS=${EPOCHS:-10}; SEQ=${SEQ:-512}; BATCH=128
+EPOCHS=${EPOCHS:-10}; SEQ=${SEQ:-1024}; BATCH=128  # Coconut's longest question: 564 GPT-2 tokens
 cd "$(dirname "$0")/.."
 case "$MODEL" in lime) CONFIG=examples/lime_150m_full.yaml;; llama) CONFIG=examples/llama_150m.yaml;;
   *) echo "MODEL must be lime or llama (got $MODEL)" >&2; exit 2;; esac

@@ -20,9 +20,7 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from lime_megatron.data import prosqa  # noqa: E402
 from lime_megatron.inference import scoring  # noqa: E402
-from lime_megatron.inference.generation import Generator  # noqa: E402
 from lime_megatron.interop.checkpoint_model import load_model  # noqa: E402
 from lime_megatron.training.checkpointing import CheckpointError  # noqa: E402
 
@@ -30,7 +28,7 @@ from lime_megatron.training.checkpointing import CheckpointError  # noqa: E402
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a --save directory (newest checkpoint) or one iter_NNNNNNN directory")
-    parser.add_argument("--task", choices=TASKS, default="arithmetic")
+    parser.add_argument("--task", choices=scoring.TASKS, default="arithmetic")
     parser.add_argument("--test-file", required=True,
                         help="arithmetic: JSONL with expression, answer, num_operands per line; prosqa: ProsQA JSON")
     parser.add_argument("--max-new-tokens", type=int, default=160)
@@ -38,25 +36,6 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", help="write the accuracies and every generation here (JSON)")
     parser.add_argument("--no-progress", action="store_true")
     return parser.parse_args(argv)
-
-
-def read_arithmetic(path: str) -> list[dict]:
-    """The test records of an arithmetic JSONL file; one message naming the first unusable line."""
-    records = []
-    with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, 1):
-            record = json.loads(line)
-            missing = {"expression", "answer", "num_operands"} - set(record)
-            if missing:
-                raise ValueError(f"{path} line {number} lacks {sorted(missing)} (write it with "
-                                 "tools/make_arithmetic_data.py --test-output)")
-            records.append(record)
-    return records
-
-
-TASKS = {"arithmetic": (read_arithmetic, scoring.score_arithmetic, "operands"),
-         "prosqa": (prosqa.read, scoring.score_prosqa, "scored")}
-"""Task name: (reader, scorer, what a group is)."""
 
 
 def table(tiers: list[scoring.Accuracy], group: str = "operands") -> str:
@@ -72,15 +51,14 @@ def table(tiers: list[scoring.Accuracy], group: str = "operands") -> str:
 def main(argv=None) -> int:
     args = parse_args(argv)
     try:
-        read, score, group = TASKS[args.task]
+        read, _, group = scoring.TASKS[args.task]
         records = read(args.test_file)
         loaded = load_model(args.checkpoint)
     except (OSError, ValueError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    generator = Generator(loaded.model, loaded.tokenizer())
-    complete = scoring.greedy_completer(generator, args.max_new_tokens, args.batch_size, not args.no_progress)
-    tiers, rows = score(complete, records)
+    tiers, rows = scoring.score_model(loaded.model, loaded.tokenizer(), args.task, records, args.max_new_tokens,
+                                      args.batch_size, not args.no_progress)
     print(f"{loaded.directory} (iteration {loaded.iteration}) on {args.test_file}:\n{table(tiers, group)}")
     if args.output:
         with open(args.output, "w", encoding="utf-8") as out:

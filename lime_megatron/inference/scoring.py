@@ -21,10 +21,12 @@ exact match), the steps when the generated lines before ``###`` equal the record
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass
 
+from megatron.core.utils import unwrap_model
 from tqdm import tqdm
 
 from lime_megatron.data import prosqa
@@ -117,6 +119,20 @@ def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list
     return [Accuracy(tier, *tiers[tier]) for tier in sorted(tiers)], rows
 
 
+def read_arithmetic(path: str) -> list[dict]:
+    """The test records of an arithmetic JSONL file; one message naming the first unusable line."""
+    records = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, 1):
+            record = json.loads(line)
+            missing = {"expression", "answer", "num_operands"} - set(record)
+            if missing:
+                raise ValueError(f"{path} line {number} lacks {sorted(missing)} (write it with "
+                                 "tools/make_arithmetic_data.py --test-output)")
+            records.append(record)
+    return records
+
+
 def score_prosqa(complete: Completer, records: Sequence[dict]) -> tuple[list[Accuracy], list[dict]]:
     """Answer and step accuracy of ``complete`` on ProsQA ``records``, and one row per record."""
     if not records:
@@ -130,3 +146,34 @@ def score_prosqa(complete: Completer, records: Sequence[dict]) -> tuple[list[Acc
                      "steps_correct": prosqa.generated_steps(continuation) == record["steps"]})
     return [Accuracy(group, sum(row[f"{group}_correct"] for row in rows), len(rows))
             for group in ("answer", "steps")], rows
+
+
+TASKS = {"arithmetic": (read_arithmetic, score_arithmetic, "operands"),
+         "prosqa": (prosqa.read, score_prosqa, "scored")}
+"""Task name: (reader of its test file, scorer, what a group is)."""
+
+
+def generation_evaluator(trainer) -> dict[str, float]:
+    """The trainer's :data:`~lime_megatron.training.trainer.Evaluator` for
+    ``--eval-generation-file``: accuracy by greedy generation of the training model (its first
+    chunk, unwrapped; one pipeline stage) on that test file, per group
+    (``generation_accuracy/<group>``); nothing without the flag. New tokens are capped at the
+    sequence length."""
+    logging = trainer.run.logging
+    if not logging.eval_generation_file:
+        return {}
+    read = TASKS[logging.eval_generation_task][0]
+    model = unwrap_model(trainer.model[0])
+    tiers, _ = score_model(model, trainer.tokenizer, logging.eval_generation_task,
+                           read(logging.eval_generation_file), trainer.run.model.seq_length)
+    model.train()
+    return {f"generation_accuracy/{tier.group}": tier.accuracy for tier in tiers}
+
+
+def score_model(model, tokenizer, task: str, records: Sequence[dict], max_new_tokens: int,
+                batch_size: int = 64, progress: bool = False) -> tuple[list[Accuracy], list[dict]]:
+    """Score ``model`` (a ``LimeGPTModel`` of this process, or of every rank of a tensor-parallel
+    group) on ``task``'s test ``records`` by greedy KV-cache generation; the model is left in eval
+    mode."""
+    complete = greedy_completer(Generator(model, tokenizer), max_new_tokens, batch_size, progress)
+    return TASKS[task][1](complete, records)

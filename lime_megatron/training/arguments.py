@@ -190,7 +190,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     if missing:
         raise ArgumentsError(f"missing required option(s): {', '.join(missing)}")
     for check in (_check_positive, _check_layout, _check_batch, _check_lime, _check_precision,
-                  _check_schedule, _check_data, _check_checkpointing, _check_profiling):
+                  _check_schedule, _check_data, _check_checkpointing, _check_profiling, _check_generation):
         check(args, world_size)
 
 
@@ -384,6 +384,20 @@ def _check_checkpointing(args, world_size) -> None:
             raise ArgumentsError("--ckpt-keep-last needs --save")
         if args.ckpt_keep_last < 1:
             raise ArgumentsError("--ckpt-keep-last must be >= 1")
+
+
+def _check_generation(args, world_size) -> None:
+    """--eval-generation-file: generation runs in the training model, on one pipeline stage."""
+    if args.eval_generation_file is None or args.dry_run:
+        return
+    if not os.path.isfile(args.eval_generation_file):
+        raise ArgumentsError(f"--eval-generation-file {args.eval_generation_file}: no such file")
+    if args.pipeline_model_parallel_size > 1 or args.sequence_parallel:
+        raise ArgumentsError("--eval-generation-file decodes with the KV cache, which needs "
+                             "--pipeline-model-parallel-size 1 and no --sequence-parallel; score the "
+                             "checkpoints with tools/score_generation.py instead")
+    if args.mock_data or args.tokenizer_type == NULL_TOKENIZER:
+        raise ArgumentsError("--eval-generation-file needs a text tokenizer (not --mock-data or NullTokenizer)")
 
 
 def _check_profiling(args, world_size) -> None:

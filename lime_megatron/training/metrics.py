@@ -10,7 +10,8 @@ already averaged over data-parallel ranks). Destinations:
 - ``--metrics-file PATH``: one JSON object per iteration, appended (a resumed run continues the
   file): ``iteration``, ``lm_loss``, ``lr``, ``grad_norm``, ``tokens_per_sec``, plus
   ``router_lr``, ``tflops_per_gpu``, ``mfu``, ``validation_loss``/``validation_ppl`` when known,
-  ``epoch`` (training examples consumed over the split's, with ``--sft``);
+  ``epoch`` (training examples consumed over the split's, with ``--sft``), ``evaluations`` (a dict
+  of the trainer's evaluators' metrics at evaluations; flattened for TensorBoard and wandb);
 - TensorBoard (``--tensorboard-dir``) and wandb (``--wandb-project``; ``--wandb-mode`` or
   ``$WANDB_MODE``: online, offline or disabled): every iteration's scalars.
 
@@ -51,6 +52,8 @@ class IterationMetrics:
     validation_loss: float | None = None
     validation_ppl: float | None = None
     epoch: float | None = None
+    evaluations: dict[str, float] | None = None
+    """Metrics of the trainer's evaluators (e.g. ``generation_accuracy/3``), at evaluations."""
 
     def as_dict(self) -> dict:
         """Non-None fields (``skipped`` only when True)."""
@@ -105,7 +108,8 @@ class MetricsLogger:
         if self._file is not None:
             self._file.write(json.dumps(record) + "\n")
             self._file.flush()
-        scalars = {key: value for key, value in record.items() if key != "iteration"}
+        scalars = {key: value for key, value in record.items() if key not in ("iteration", "evaluations")}
+        scalars.update(record.get("evaluations", {}))
         if self._tensorboard is not None:
             for key, value in scalars.items():
                 self._tensorboard.add_scalar(key, float(value), metrics.iteration)
@@ -113,6 +117,9 @@ class MetricsLogger:
             self._wandb.log(scalars, step=metrics.iteration)
         if metrics.iteration % self.options.log_interval == 0:
             print(console_line(metrics, self.train_iters, self.options.log_throughput), flush=True)
+        if metrics.evaluations:
+            print(f" evaluations at iteration {metrics.iteration}: "
+                  + " | ".join(f"{name} {value:.4f}" for name, value in metrics.evaluations.items()), flush=True)
         if metrics.validation_loss is not None:
             print(f" validation at iteration {metrics.iteration}: loss {metrics.validation_loss:.4f}"
                   f" | ppl {metrics.validation_ppl:.3f}", flush=True)

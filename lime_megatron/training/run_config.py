@@ -268,6 +268,10 @@ class LoggingOptions:
     log_interval: int = option(100, type=int)
     eval_interval: int = option(1000, type=int)
     eval_iters: int = option(100, type=int, help="validation batches per evaluation")
+    eval_generation_file: str | None = option(help="also score greedy generation on this test file at every "
+                                                   "evaluation (tools/score_generation.py's --test-file)")
+    eval_generation_task: str = option("arithmetic", choices=("arithmetic", "prosqa"),
+                                       help="the task of --eval-generation-file")
     tensorboard_dir: str | None = option()
     wandb_project: str | None = option()
     wandb_exp_name: str | None = option()

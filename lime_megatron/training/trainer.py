@@ -20,7 +20,10 @@ is that loop, kept short. ``train(argv)`` parses the flags into a typed
 take explicit parameters: the parallel-exactness tests build and train their models with them.
 
 ``main(argv)`` returns an exit status and prints one line per usage error; ``train(argv)`` raises
-instead and returns a :class:`TrainingResult` (tests call it in-process).
+instead and returns a :class:`TrainingResult` (tests call it in-process). Both take
+``evaluators``: further evaluations at every validation point (:data:`Evaluator`), such as
+``lime_megatron.inference.scoring.generation_evaluator``, which ``pretrain_lime.py`` passes for
+``--eval-generation-file`` (the trainer cannot import the inference package, which sits above it).
 """
 
 from __future__ import annotations
@@ -31,6 +34,7 @@ import os
 import signal
 import sys
 import time
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
 from typing import Any
@@ -99,26 +103,35 @@ class TrainingResult:
 # --------------------------------------------------------------------------- entry points
 
 
-def main(argv=None) -> int:
+Evaluator = Callable[["Trainer"], dict]
+"""An evaluation beside the validation loss: called on every rank at each evaluation with the
+:class:`Trainer` (model chunks in train mode, as it must leave them); returns metrics by name
+(the reporting rank's are logged)."""
+
+
+def main(argv=None, evaluators: Sequence[Evaluator] = ()) -> int:
     """Run the trainer; returns the process exit status (2 for a usage error)."""
     try:
-        train(argv)
+        train(argv, evaluators)
     except (UsageError, LimeConfigError) as error:
         print(f"pretrain_lime.py: error: {error}", file=sys.stderr, flush=True)
         return 2
     return 0
 
 
-def train(argv=None) -> TrainingResult:
-    """Parse ``argv`` and train; with ``--dry-run`` print the estimate report instead (it is
-    the result's ``dry_run_report``)."""
+def train(argv=None, evaluators: Sequence[Evaluator] = ()) -> TrainingResult:
+    """Parse ``argv`` and train, running ``evaluators`` at every evaluation; with ``--dry-run``
+    print the estimate report instead (it is the result's ``dry_run_report``)."""
     run = arguments.parse_run(argv)
     if run.dry_run:
         report = dry_run_report(run)
         print(report, flush=True)
         return TrainingResult(dry_run_report=report)
+    if run.logging.eval_generation_file and not evaluators:
+        raise UsageError("--eval-generation-file needs the generation evaluator: run pretrain_lime.py, or pass "
+                         "lime_megatron.inference.scoring.generation_evaluator to train()")
     with distributed(run):
-        return pretrain(run)
+        return pretrain(run, evaluators)
 
 
 def dry_run_report(run: RunConfig) -> str:
@@ -365,6 +378,8 @@ class Trainer:
     result: TrainingResult
     flops_per_iteration: float
     peak_tflops: float | None
+    evaluators: tuple = ()
+    """:data:`Evaluator` s run at every evaluation."""
 
 
 def _print0(*parts) -> None:
@@ -401,7 +416,7 @@ def lr_schedule(run: RunConfig) -> LRSchedule:
                       weight_decay=training.weight_decay)
 
 
-def build_trainer(run: RunConfig) -> Trainer:
+def build_trainer(run: RunConfig, evaluators: Sequence[Evaluator] = ()) -> Trainer:
     """Tokenizer, datasets, model, optimizer, scheduler and metrics of ``run``, resumed from
     ``--load`` when it holds a checkpoint (inside an initialised :func:`distributed`)."""
     config = arguments.transformer_config(run)
@@ -425,7 +440,7 @@ def build_trainer(run: RunConfig) -> Trainer:
         profiler=IterationProfiler(run.logging, torch.distributed.get_rank()),
         flops_per_iteration=flops.training_flops_per_iteration(
             config, run.model.seq_length, tokenizer.vocab_size, run.training.global_batch_size),
-        peak_tflops=gpu_peak_tflops(run.logging.gpu_peak_tflops))
+        peak_tflops=gpu_peak_tflops(run.logging.gpu_peak_tflops), evaluators=tuple(evaluators))
 
 
 def _resume(options: CheckpointOptions, model: list, optimizer, scheduler, description: dict,
@@ -470,9 +485,9 @@ def _no_checkpoint(flag: str, directory: str) -> checkpointing.CheckpointError:
     return checkpointing.CheckpointError(f"no checkpoint in {flag} {directory} (no {checkpointing.TRACKER} there)")
 
 
-def pretrain(run: RunConfig) -> TrainingResult:
+def pretrain(run: RunConfig, evaluators: Sequence[Evaluator] = ()) -> TrainingResult:
     """Train as ``run`` says, inside an initialised :func:`distributed` context."""
-    trainer = build_trainer(run)
+    trainer = build_trainer(run, evaluators)
     training, result = run.training, trainer.result
     _print0(f"{run.name}: {result.parameters:,} parameters ({result.router_parameters:,} router), "
             f"layout {trainer.description['layout']}, {training.num_microbatches} microbatches of "
@@ -537,9 +552,12 @@ def _step(trainer: Trainer) -> IterationMetrics:
 def _maybe_evaluate(trainer: Trainer, record: IterationMetrics, final: bool) -> None:
     """Validation every ``--eval-interval`` iterations and at the end of the run."""
     logging, iteration = trainer.run.logging, trainer.progress.iteration
-    if trainer.datasets.valid is None or not logging.eval_iters:
-        return
     if iteration % logging.eval_interval and not final:
+        return
+    if trainer.evaluators:
+        record.evaluations = {name: value for evaluator in trainer.evaluators
+                              for name, value in evaluator(trainer).items()}
+    if trainer.datasets.valid is None or not logging.eval_iters:
         return
     record.validation_loss = evaluate(trainer.model, trainer.datasets.valid, logging.eval_iters,
                                       trainer.run.training)

@@ -13,6 +13,7 @@ megatron's default normalisation (the mean of per-microbatch means) would give o
 """
 
 import importlib
+import json
 import sys
 from pathlib import Path
 
@@ -20,6 +21,8 @@ import pytest
 import torch
 from distributed import run_distributed
 
+from lime_megatron.inference import scoring
+from lime_megatron.inference.scoring import generation_evaluator, score_model
 from lime_megatron.training import arguments, data, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -40,7 +43,8 @@ def sft_data(tmp_path_factory) -> list[str]:
     tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                  str(out / "tok" / "tokenizer.model"), "--make-vocab-size-divisible-by", "64"]
     steps = [("make_arithmetic_data", ["--output", str(out / "a.jsonl"), "--num-samples", "400", "--min-operands",
-                                       "2", "--max-operands", "4", "--no-progress"]),
+                                       "2", "--max-operands", "4", "--no-progress", "--test-output",
+                                       str(out / "test.jsonl"), "--test-samples", "24"]),
              ("train_tokenizer", ["--input", str(out / "a.jsonl"), "--kind", "sentencepiece", "--vocab-size", "48",
                                   "--character-coverage", "1.0", "--no-byte-fallback", "--output-dir",
                                   str(out / "tok"), "--no-progress"]),
@@ -50,6 +54,10 @@ def sft_data(tmp_path_factory) -> list[str]:
         assert importlib.import_module(tool).main(tool_args) in (0, None)
     return ["--sft", "--data-path", str(out / "a_response_document"), "--data-cache-path", str(out / "cache"),
             *tokenizer]
+
+
+def held_out_file(data_flags: list[str]) -> Path:
+    return Path(data_flags[2]).parent / "test.jsonl"
 
 
 def hand_loss(model, dataset, samples: range) -> torch.Tensor:
@@ -104,3 +112,50 @@ def test_layouts_reproduce_the_single_process_losses(sft_data, tmp_path):
         assert sorted(losses) == list(range(first, 5)), name
         errors = [abs(losses[i] - reference[i]) for i in losses]
         assert max(errors) <= LAYOUT_TOLERANCE, (name, errors)
+
+
+def test_generation_accuracy_at_evaluations_equals_the_scoring_tool(sft_data, tmp_path, monkeypatch):
+    """``--eval-generation-file`` through ``pretrain_lime.py``'s evaluator: the generations and the
+    accuracy per tier the trainer logs at its last evaluation are what ``tools/score_generation.py``
+    finds on the checkpoint saved at that iteration (same weights, greedy, new tokens capped at the
+    sequence length)."""
+    import score_generation
+
+    generated = []
+
+    def recording(*args, **kwargs):
+        tiers, rows = score_model(*args, **kwargs)
+        generated.append([row["generated"] for row in rows])
+        return tiers, rows
+
+    monkeypatch.setattr(scoring, "score_model", recording)
+
+    flags = [*MODEL, *sft_data, "--micro-batch-size", "4", "--global-batch-size", "8", "--train-iters", "60",
+             "--lr", "1e-2", "--eval-interval", "30", "--eval-generation-file", str(held_out_file(sft_data)), "--save",
+             str(tmp_path / "ckpt"), "--metrics-file", str(tmp_path / "m.jsonl")]
+    with pytest.raises(arguments.UsageError, match="needs the generation evaluator"):
+        trainer.train(flags)
+    trainer.train(flags, evaluators=[generation_evaluator])
+    records = [json.loads(line) for line in (tmp_path / "m.jsonl").read_text().splitlines()]
+    logged = {r["iteration"]: r["evaluations"] for r in records if "evaluations" in r}
+    assert sorted(logged) == [30, 60] and set(logged[60]) == {f"generation_accuracy/{n}" for n in (2, 3, 4)}
+    assert score_generation.main([str(tmp_path / "ckpt"), "--test-file", str(held_out_file(sft_data)), "--output",
+                                  str(tmp_path / "s.json"), "--max-new-tokens", "48", "--no-progress"]) == 0
+    tiers = json.loads((tmp_path / "s.json").read_text())["tiers"]
+    assert logged[60] == {f"generation_accuracy/{t['group']}": t["accuracy"] for t in tiers}
+    trainer_last, tool = generated[1:]  # the trainer's two evaluations, then the tool
+    written = json.loads((tmp_path / "s.json").read_text())["generations"]
+    assert trainer_last == tool == [row["generated"] for row in written]
+    assert len(set(tool)) > 1, tool  # not one degenerate string for every prompt
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--pipeline-model-parallel-size", "2"], "needs --pipeline-model-parallel-size 1"),
+    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], "no --sequence-parallel"),
+    (["--eval-generation-file", "missing.jsonl"], "missing.jsonl: no such file"),
+])
+def test_generation_evaluation_refuses_what_decoding_cannot_do(sft_data, flags, message):
+    argv = [*MODEL, *sft_data, "--micro-batch-size", "4", "--train-iters", "2",
+            "--eval-generation-file", str(held_out_file(sft_data)), *flags]
+    with pytest.raises(arguments.ArgumentsError, match=message):
+        arguments.parse_run(argv, world_size=2)

@@ -486,7 +486,8 @@ def test_main_job_end_to_end(tmp_path):
 
 
 def test_constant_answer_baseline_of_the_main_jobs_table():
-    train = [{"num_operands": 2, "answer": 1}] * 3 + [{"num_operands": 2, "answer": 5}, {"num_operands": 3, "answer": 7}]
+    train = [{"num_operands": 2, "answer": 1}] * 3 + [{"num_operands": 2, "answer": 5},
+                                                        {"num_operands": 3, "answer": 7}]
     test = [{"num_operands": 2, "answer": 1}, {"num_operands": 2, "answer": 4}, {"num_operands": 2, "answer": 5},
             {"num_operands": 3, "answer": 7}, {"num_operands": 3, "answer": 8}]
     assert main_job.constant_answer_accuracy(train, test) == {2: (1, 1 / 3), 3: (7, 0.5)}
