@@ -11,8 +11,9 @@ and 6 operands; ProsQA: ``make_prosqa_data.py`` with ``--num-concepts``/``--min-
 SentencePiece tokenizer trained on the training file; every run is one process on this machine.
 Models: AET at the paper's shape (4 layers, width 32, 4 heads, FFN 128, lr 1e-3 with linear
 decay); ProsQA at a small one (4 layers, width 64, 4 heads, FFN 256, lr 1e-3 linear). The
-sequence is the longest example rounded up to a multiple of 8. Each run's log, metrics, checkpoint
-and generations stay under ``--output-dir``.
+sequence is the longest example rounded up to a multiple of 8. Each run's log, metrics, checkpoint,
+generations and result stay under ``--output-dir``; a run whose result is there is read back, so
+seeds can run in separate processes and one more call prints them together.
 """
 
 from __future__ import annotations
@@ -96,8 +97,12 @@ def sequence_length(prefix: str) -> tuple[int, int]:
 
 
 def train_and_score(args, out: Path, name: str, seed: int, data_flags: list[str], test: Path, seq: int) -> dict:
-    """Train one model from scratch, score it; its accuracies and the training time."""
+    """Train one model from scratch, score it; its accuracies and the training time (a run whose
+    result is already in ``--output-dir`` is read back, not repeated)."""
     run = out / f"{name.lower()}-{seed}"
+    result_file = out / f"result-{name.lower()}-{seed}.json"
+    if result_file.exists():
+        return json.loads(result_file.read_text())
     log = out / f"{name.lower()}-{seed}.log"
     start = time.perf_counter()
     run_tool(["pretrain_lime.py", *SHAPES[args.task].split(), *SCHEDULE.split(), *MODELS[name], *data_flags,
@@ -111,8 +116,10 @@ def train_and_score(args, out: Path, name: str, seed: int, data_flags: list[str]
     run_tool(["tools/score_generation.py", str(run), "--test-file", str(test), "--output", str(scores),
               "--no-progress", *task], log)
     last = json.loads((Path(str(run) + ".jsonl")).read_text().splitlines()[-1])
-    return {"tiers": {str(t["group"]): t["accuracy"] for t in json.loads(scores.read_text())["tiers"]},
-            "seconds": seconds, "loss": last["lm_loss"], "epoch": last.get("epoch")}
+    result = {"tiers": {str(t["group"]): t["accuracy"] for t in json.loads(scores.read_text())["tiers"]},
+              "seconds": seconds, "loss": last["lm_loss"], "epoch": last.get("epoch")}
+    result_file.write_text(json.dumps(result))
+    return result
 
 
 def spread(values: list[float]) -> str:
