@@ -62,9 +62,11 @@ LAYERS, SEQ, BATCH, HEAD_DIM = 4, 2048, 4, 64  # N = 2 * SEQ * BATCH * HEAD_DIM 
 
 @pytest.mark.usefixtures("megatron")
 @pytest.mark.parametrize("block", [1, 2])
-def test_router_weight_gradients_of_a_bf16_memory_are_float32_accurate(block):
+def test_router_weight_gradients_of_a_bf16_memory_are_float32_accurate(block, monkeypatch):
     """The memory's backward (per layer, and blocked: one product per block of consumers) returns
-    float32 router gradients of bf16 keys/values within ``BOUND`` of the float64 products."""
+    float32 router gradients of bf16 keys/values within ``BOUND`` of the float64 products (chunks
+    of N as in the test above)."""
+    monkeypatch.setattr("lime_megatron.models.lime.routing_blocks.FLOAT32_CHUNK_BYTES", 2 ** 20)
     config = lime_config(num_layers=LAYERS, hidden_size=128, num_attention_heads=2, num_query_groups=KV_HEADS,
                          use_cpu_initialization=True)
     routers = {layer: LimeRouter(config, layer) for layer in range(LAYERS)}

@@ -348,10 +348,11 @@ class LayerIntegratedMemory:
 
     def _later_consumer_grad(self, layer: int, sources: range) -> torch.Tensor | None:
         """The share of layer ``layer``'s row gradient from this chunk's consumers after the
-        source block ``sources``, computed for the whole block at its first use."""
+        source block ``sources`` (an own block, or an external one: then every consumer in this
+        chunk), computed for the whole block at its first use."""
         if layer not in self._later_grads:
             stop = max(routing_consumers(source, self.num_layers, self.variant, self.window)[1] for source in sources)
-            consumers = range(sources.stop, min(stop, self.layers.stop))
+            consumers = range(max(sources.stop, self.layers.start), min(stop, self.layers.stop))
             if not consumers or not self._routers[consumers.start].sharding.primary:
                 return None
             stacked = self._mixed_grad(sources, consumers)
