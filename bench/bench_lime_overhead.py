@@ -11,7 +11,11 @@ interleaving the three models:
 - saved: bytes autograd keeps for backward (saved-tensor hooks, unique storages, parameters
   excluded), from one forward;
 - FLOP floor: 1 + router FLOPs / baseline FLOPs (``lime_megatron.planning.flops``; causal attention
-  counted at half), the time ratio an implementation costing exactly the router's FLOPs would get.
+  counted at half), the time ratio an implementation costing exactly the router's FLOPs would get;
+- copies: the time of ``aten::copy_`` (every copy, ``contiguous`` and ``clone`` included) in one
+  profiled forward+backward of blocked LIMe minus the baseline's, as a share of the baseline step:
+  the buffer rows rearranged to and from attention's ``[s, b, heads, d]`` layout and the rotated-key
+  copy (issue 26, item 3).
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py
@@ -91,6 +95,13 @@ def saved_bytes(model, batch) -> int:
     return saved.bytes
 
 
+def copy_seconds(model, batch) -> float:
+    """Self time of every ``aten::copy_`` in one profiled forward+backward, seconds."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        train_step(model, batch)
+    return sum(event.self_cpu_time_total for event in profile.key_averages() if event.key == "aten::copy_") / 1e6
+
+
 def measure(args, num_layers: int, kv_heads: int) -> dict:
     block = routing_block_size(num_layers, kv_heads, torch.empty(0).element_size())
     models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
@@ -118,13 +129,14 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         lime_saved=saved_bytes(models["blocked"], batch),
         reads_per_layer=reads[1],
         reads_blocked=reads[block],
+        extra_copy_s=copy_seconds(models["blocked"], batch) - copy_seconds(models["base"], batch),
     )
 
 
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'layers':>6} {'kv':>3} {'B':>3} {'base s':>8} {'B=1 x':>7} {'B x':>7} {'floor':>6} {'B=1/fl':>7} "
-        f"{'B/fl':>6} {'saved x':>8} {'read B=1 GiB':>13} {'read B GiB':>11}"
+        f"{'B/fl':>6} {'saved x':>8} {'read B=1 GiB':>13} {'read B GiB':>11} {'copies +':>9}"
     )
     print(header)
     print("-" * len(header))
@@ -134,7 +146,7 @@ def print_table(rows: list[dict]) -> None:
             f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['base_s']:>8.3f} {per_layer:>7.3f} "
             f"{blocked:>7.3f} {r['floor']:>6.3f} {per_layer / r['floor']:>7.3f} {blocked / r['floor']:>6.3f} "
             f"{r['lime_saved'] / r['base_saved']:>8.3f} {r['reads_per_layer'] / 2**30:>13.2f} "
-            f"{r['reads_blocked'] / 2**30:>11.2f}"
+            f"{r['reads_blocked'] / 2**30:>11.2f} {r['extra_copy_s'] / r['base_s']:>9.1%}"
         )
 
 
