@@ -1,13 +1,21 @@
 """LIMe overhead over the LLaMA baseline: forward+backward time and bytes saved for backward.
 
-For each depth and kv-head count it builds LIMe and the baseline with the same shape, then
-measures in the same process, interleaving the two models:
+For each depth and kv-head count it builds the baseline and LIMe with the same shape, LIMe twice:
+routing per layer (B = 1) and blocked with the block size the roofline picks
+(``models.lime.routing_blocks.routing_block_size``), then measures in the same process,
+interleaving the three models:
 
 - time: median forward+backward wall time over ``--repeats`` runs (after ``--warmup``);
+- routing reads: bytes the routing products read per step (``planning.routing_bytes``), B = 1
+  and blocked;
 - saved: bytes autograd keeps for backward (saved-tensor hooks, unique storages, parameters
   excluded), from one forward;
 - FLOP floor: 1 + router FLOPs / baseline FLOPs (``lime_megatron.planning.flops``; causal attention
-  counted at half), the time ratio an implementation costing exactly the router's FLOPs would get.
+  counted at half), the time ratio an implementation costing exactly the router's FLOPs would get;
+- copies: the time of ``aten::copy_`` (every copy, ``contiguous`` and ``clone`` included) in one
+  profiled forward+backward of blocked LIMe minus the baseline's, as a share of the baseline step:
+  the buffer rows rearranged to and from attention's ``[s, b, heads, d]`` layout and the rotated-key
+  copy (issue 26, item 3).
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py
@@ -24,8 +32,10 @@ from tqdm import tqdm
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
+from lime_megatron.models.lime.routing_blocks import routing_block_size
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
+from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
 
@@ -45,7 +55,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build(args, num_layers: int, kv_heads: int, lime: bool):
+def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None):
     torch.manual_seed(0)
     config = lime_config(
         num_layers=num_layers,
@@ -55,6 +65,7 @@ def build(args, num_layers: int, kv_heads: int, lime: bool):
         ffn_hidden_size=args.ffn_hidden_size,
         use_cpu_initialization=True,
         lime=lime,
+        lime_routing_block=block,
     )
     return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length)
 
@@ -84,41 +95,58 @@ def saved_bytes(model, batch) -> int:
     return saved.bytes
 
 
+def copy_seconds(model, batch) -> float:
+    """Self time of every ``aten::copy_`` in one profiled forward+backward, seconds."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CPU]) as profile:
+        train_step(model, batch)
+    return sum(event.self_cpu_time_total for event in profile.key_averages() if event.key == "aten::copy_") / 1e6
+
+
 def measure(args, num_layers: int, kv_heads: int) -> dict:
-    models = {lime: build(args, num_layers, kv_heads, lime) for lime in (False, True)}
+    block = routing_block_size(num_layers, kv_heads, torch.empty(0).element_size())
+    models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
+              "blocked": build(args, num_layers, kv_heads, True, block)}
     batch = make_batch(args)
-    times = {False: [], True: []}
+    times = {name: [] for name in models}
     for run in range(args.warmup + args.repeats):
-        for lime, model in models.items():
+        for name, model in models.items():
             elapsed = train_step(model, batch)
             if run >= args.warmup:
-                times[lime].append(elapsed)
-    config = models[True].config
+                times[name].append(elapsed)
+    config = models["blocked"].config
     baseline_flops = forward_flops_per_token(config, args.seq_length, args.vocab_size) - router_flops_per_token(config)
+    reads = {b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values())
+             for b in (1, block)}
     return dict(
         layers=num_layers,
         kv_heads=kv_heads,
-        base_s=statistics.median(times[False]),
-        lime_s=statistics.median(times[True]),
+        block=block,
+        base_s=statistics.median(times["base"]),
+        per_layer_s=statistics.median(times["per_layer"]),
+        lime_s=statistics.median(times["blocked"]),
         floor=1.0 + router_flops_per_token(config) / baseline_flops,
-        base_saved=saved_bytes(models[False], batch),
-        lime_saved=saved_bytes(models[True], batch),
+        base_saved=saved_bytes(models["base"], batch),
+        lime_saved=saved_bytes(models["blocked"], batch),
+        reads_per_layer=reads[1],
+        reads_blocked=reads[block],
+        extra_copy_s=copy_seconds(models["blocked"], batch) - copy_seconds(models["base"], batch),
     )
 
 
 def print_table(rows: list[dict]) -> None:
     header = (
-        f"{'layers':>6} {'kv':>3} {'base s':>8} {'LIMe s':>8} {'time x':>7} {'floor':>6} "
-        f"{'x/floor':>7} {'base MiB':>9} {'LIMe MiB':>9} {'saved x':>8}"
+        f"{'layers':>6} {'kv':>3} {'B':>3} {'base s':>8} {'B=1 x':>7} {'B x':>7} {'floor':>6} {'B=1/fl':>7} "
+        f"{'B/fl':>6} {'saved x':>8} {'read B=1 GiB':>13} {'read B GiB':>11} {'copies +':>9}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
-        ratio = r["lime_s"] / r["base_s"]
+        per_layer, blocked = r["per_layer_s"] / r["base_s"], r["lime_s"] / r["base_s"]
         print(
-            f"{r['layers']:>6} {r['kv_heads']:>3} {r['base_s']:>8.3f} {r['lime_s']:>8.3f} {ratio:>7.3f} "
-            f"{r['floor']:>6.3f} {ratio / r['floor']:>7.3f} {r['base_saved'] / 2**20:>9.1f} "
-            f"{r['lime_saved'] / 2**20:>9.1f} {r['lime_saved'] / r['base_saved']:>8.3f}"
+            f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['base_s']:>8.3f} {per_layer:>7.3f} "
+            f"{blocked:>7.3f} {r['floor']:>6.3f} {per_layer / r['floor']:>7.3f} {blocked / r['floor']:>6.3f} "
+            f"{r['lime_saved'] / r['base_saved']:>8.3f} {r['reads_per_layer'] / 2**30:>13.2f} "
+            f"{r['reads_blocked'] / 2**30:>11.2f} {r['extra_copy_s'] / r['base_s']:>9.1%}"
         )
 
 
@@ -131,8 +159,9 @@ def main(argv=None) -> list[dict]:
     print_table(rows)
     worst = max(rows, key=lambda r: r["lime_s"] / r["base_s"] / r["floor"])
     print(
-        f"\nsummary: {len(rows)} settings; worst time vs FLOP floor "
-        f"{worst['lime_s'] / worst['base_s'] / worst['floor']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}); "
+        f"\nsummary: {len(rows)} settings; worst blocked time vs FLOP floor "
+        f"{worst['lime_s'] / worst['base_s'] / worst['floor']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}, "
+        f"B {worst['block']}); "
         f"max saved-bytes ratio {max(r['lime_saved'] / r['base_saved'] for r in rows):.3f}"
     )
     return rows

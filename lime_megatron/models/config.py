@@ -50,6 +50,11 @@ class LimeTransformerConfig(TransformerConfig):
     Keeps LIMe's saved activations at the baseline's size (the raw K/V of every layer are stored
     once in the memory buffer); costs one extra router product per layer in backward."""
 
+    lime_routing_block: int | None = None
+    """Routing block size B: the routing products of B consecutive layers read each source row
+    once (``lime_megatron.models.lime.routing_blocks``); 1 runs every product per layer; None
+    picks B from the machine's roofline (``routing_blocks.routing_block_size``)."""
+
     # Initialisation (``lime_megatron.models.initialization``).
     init_style: str = "megatron"
     """Initial weight distributions: ``megatron`` (megatron's defaults) or ``official`` (the paper's
@@ -100,6 +105,9 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
             f"num_attention_heads = {heads}"
         )
     validate_router(config.lime_router, config.lime_router_window)
+    if config.lime_routing_block is not None and config.lime_routing_block < 1:
+        raise LimeConfigError(f"lime_routing_block must be >= 1 (or None for the cost model), "
+                              f"got {config.lime_routing_block}")
     validate_hyper_connections(config)
     if config.lime:
         reject_options_bypassing_lime(config)

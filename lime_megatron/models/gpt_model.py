@@ -22,6 +22,7 @@ from lime_megatron.models.initialization import initialize_weights
 from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
 from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.routing_blocks import chunk_routing_block
 from lime_megatron.parallel.pipeline import kept_rows
 
 
@@ -63,7 +64,8 @@ class LimeGPTModel(GPTModel):
         if not self.config.lime:
             return super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
         memory = LayerIntegratedMemory(
-            self.config.num_layers, self.config.lime_router, self.config.lime_router_window, self.own_layers
+            self.config.num_layers, self.config.lime_router, self.config.lime_router_window, self.own_layers,
+            block=self.routing_block, routers=self._routers_by_layer(),
         )
         pipelined = not (self.pre_process and self.post_process)
         kept = kept_rows(self.config) if pipelined else None
@@ -81,6 +83,17 @@ class LimeGPTModel(GPTModel):
         if pipelined:
             kept.end_forward(self.global_chunk, micro_batch)
         return output
+
+    def _routers_by_layer(self) -> dict[int, LimeRouter]:
+        """This chunk's routers by global layer index (found once)."""
+        if getattr(self, "_router_of_layer", None) is None:
+            self._router_of_layer = {router.layer: router for router in self.routers()}
+        return self._router_of_layer
+
+    @property
+    def routing_block(self) -> int:
+        """The routing block size B of this chunk (``routing_blocks.chunk_routing_block``)."""
+        return chunk_routing_block(self.config, len(self.own_layers))
 
     def routers(self) -> list[LimeRouter]:
         """The LIMe routers of this model (chunk), in layer order."""

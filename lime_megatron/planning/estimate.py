@@ -26,6 +26,7 @@ from lime_megatron.models.gpt_model import LimeGPTModel
 from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
 from lime_megatron.parallel.fusions import replace_config
 from lime_megatron.planning.activations import (
     TRANSFORMER_IMPLS,
@@ -35,6 +36,7 @@ from lime_megatron.planning.activations import (
     recompute_modules,
 )
 from lime_megatron.planning.flops import chunk_forward_flops_per_token, forward_flops_per_token
+from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.planning.schedule_model import (
     DEFAULT_COMPUTE_TFLOPS,
     INFINIBAND,
@@ -357,6 +359,23 @@ def _layout(result: DryRunEstimate) -> str:
             f"{result.seq_length}; recompute: {recompute}; {result.transformer_impl}")
 
 
+def _routing_lines(result: DryRunEstimate) -> list[str]:
+    """LIMe's routing block size per chunk (the H100 roofline, ``routing_blocks``) and the bytes its
+    products read per micro-batch (``routing_bytes``: each chunk's own products, no TP split)."""
+    config = result.config
+    if not config.lime:
+        return []
+    chunks = [chunk for stage in result.stages for chunk in stage.chunks]
+    blocks = [chunk_routing_block(config, len(chunk.layers), H100_SXM) for chunk in chunks]
+    reads = {name: sum(sum(routing_bytes_per_step(config, result.seq_length, result.micro_batch_size, block,
+                                                  chunk.layers, result.transformer_impl).values())
+                       for chunk, block in zip(chunks, blocks))
+             for name, blocks in (("per layer", [1] * len(chunks)), ("blocked", blocks))}
+    return ["", f"LIMe routing: block size B {sorted(set(blocks))} (H100 roofline; --lime-routing-block sets it); "
+                f"bytes its products read per microbatch: per layer (B=1) {_gib(reads['per layer'])}, "
+                f"blocked {_gib(reads['blocked'])}"]
+
+
 def report_lines(result: DryRunEstimate) -> list[str]:
     """The dry-run report, line by line."""
     lines = [f"dry run: {_describe(result.config)}, vocab {result.vocab_size}", _layout(result), "",
@@ -379,6 +398,7 @@ def report_lines(result: DryRunEstimate) -> list[str]:
                          f"{_gib(a.embedding + a.output)}, recompute working set "
                          f"{_gib(chunk.recompute_peak_bytes)}")
     flops = result.training_flops_per_token
+    lines += _routing_lines(result)
     lines += ["",
               f"parameters: {result.total_parameters:,} (LIMe routers {result.router_parameters:,}); "
               f"most on one GPU: {max(stage.parameters for stage in result.stages):,}",

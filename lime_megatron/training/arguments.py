@@ -466,6 +466,7 @@ def transformer_config(run: RunConfig):
         hyper_connections_static=model.hyper_connections_static,
         hyper_connections_manifold=model.hyper_connections_manifold,
         hyper_connections_sinkhorn_iterations=model.hyper_connections_sinkhorn_iterations,
+        lime_routing_block=lime.lime_routing_block,
         init_style=model.init_style,
         init_seed=run.training.seed,
         # --sft: gradients of the loss reported, the mean over the global batch's response tokens

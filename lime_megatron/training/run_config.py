@@ -118,6 +118,9 @@ class LimeOptions:
         type=float, help=f"router learning rate (default {PAPER_ROUTER_LR}, the paper's); the router schedule "
                          "is the main one scaled by lime-router-lr / lr")
     lime_router_weight_decay: float | None = option(type=float, help="router weight decay (default 0)")
+    lime_routing_block: int | None = option(type=int, help="routing block size B: the routing products of B "
+                                            "consecutive layers read each source row once (1: per layer; "
+                                            "default: from the machine's roofline)")
     lime_recompute_routed_kv: bool = option(True, type=bool,
                                             help="recompute the routed keys/values in backward instead of "
                                                  "saving them")

@@ -54,10 +54,11 @@ def run_both(model):
     return logits, ref_logits, leaves
 
 
+@pytest.mark.parametrize("block", [1, 2, 3], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
-def test_matches_reference_logits_and_gradients(kv_heads, variant):
-    model = tiny_model(num_query_groups=kv_heads, **variant)
+def test_matches_reference_logits_and_gradients(kv_heads, variant, block):
+    model = tiny_model(num_query_groups=kv_heads, lime_routing_block=block, **variant)
     logits, ref_logits, leaves = run_both(model)
     assert relative_error(logits, ref_logits) <= TOLERANCE
     named = dict(model.named_parameters())
@@ -99,10 +100,30 @@ def test_identity_routers_equal_baseline(kv_heads):
     )
 
 
+@pytest.mark.parametrize("block", [1, 2], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("recompute", list(RECOMPUTE.values()), ids=list(RECOMPUTE))
-def test_activation_recompute_gives_the_same_gradients(recompute):
-    errors = recompute_gradient_errors(partial(tiny_model, num_query_groups=2), recompute)
+def test_activation_recompute_gives_the_same_gradients(recompute, block):
+    """Against the plain model at B = 1 (full recompute of 3 layers with B = 2 runs blocks of 1)."""
+    build = partial(tiny_model, num_query_groups=2, lime_routing_block=1)
+    errors = recompute_gradient_errors(build, {**recompute, "lime_routing_block": block})
     assert all(error <= TOLERANCE for error in errors.values()), errors
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
+def test_blocked_routing_equals_per_layer_routing(kv_heads, variant):
+    """7 layers, B = 3 (blocks 0-2, 3-5, 6) against B = 1: loss and every gradient at the
+    level of float64 summation order."""
+    per_layer = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=1, **variant)
+    blocked = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=3, **variant)
+    blocked.load_state_dict(per_layer.state_dict())
+    tokens, positions, mask = batch()
+    losses = [loss_of(megatron_logits(model, tokens, positions, mask), tokens) for model in (per_layer, blocked)]
+    for loss in losses:
+        loss.backward()
+    assert abs(losses[1].item() - losses[0].item()) <= 1e-13 * abs(losses[0].item())
+    for (name, a), (_, b) in zip(per_layer.named_parameters(), blocked.named_parameters()):
+        assert relative_error(b.grad, a.grad) <= 1e-13, name
 
 
 def test_saving_routed_kv_gives_the_same_gradients():

@@ -71,7 +71,8 @@ def test_routers_run_their_formula_and_layer_zero_nothing(variant, products):
     """LIMe minus baseline, 5 layers, MHA (the routed K/V are dropped and rebuilt): in training
     ``products`` times the forward router FLOPs of the formula (which leaves layer 0 out), in
     decoding once per decoded token."""
-    lime = tiny_model(num_query_groups=4, **variant)
+    # B = 1: blocked windowed routers stack zero columns (docs/routing.md); full: test_routing_bytes
+    lime = tiny_model(num_query_groups=4, lime_routing_block=1, **variant)
     baseline = tiny_model(num_query_groups=4, lime=False)
     assert [router.identity for router in lime.routers()] == [True, False, False, False, False]
     router = flops.router_flops_per_token(lime.config)

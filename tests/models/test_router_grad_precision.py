@@ -1,5 +1,6 @@
 """The router weight gradient of bf16 activations is accumulated and returned in float32
-(``memory.float32_product``), and a bf16 run keeps its learned routers in float32.
+(``routing_blocks.float32_product``), per layer and blocked, and a bf16 run keeps its learned
+routers in float32.
 
 dL/dW_l = g_l @ rows^T reduces over N = 2*s*b*d elements (about 2M at the paper's 1B shape,
 micro-batch 8).  Here N = 2^20 (s 2048, b 4, d 64, keys and values), bf16 operands: the
@@ -15,7 +16,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lime_megatron.models.lime.memory import float32_product
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.lime.memory import LayerIntegratedMemory, route_keys_values
+from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.routing_blocks import float32_product
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -37,7 +41,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_router_weight_gradient_of_bf16_rows_is_float32_accurate(monkeypatch):
     grad_rows, rows = bf16_operands()
     reference = grad_rows.double() @ rows.double().t()
-    monkeypatch.setattr("lime_megatron.models.lime.memory.FLOAT32_CHUNK_BYTES", 2 ** 20)  # 32 chunks of N
+    monkeypatch.setattr("lime_megatron.models.lime.routing_blocks.FLOAT32_CHUNK_BYTES", 2 ** 20)  # 32 chunks of N
     product = float32_product(grad_rows, rows)
     assert product.dtype == torch.float32
     error = relative_error(product, reference)
@@ -51,3 +55,37 @@ def test_float32_and_float64_operands_multiply_as_they_are():
     for dtype in (torch.float32, torch.float64):
         grad_rows, rows = torch.randn(2, 64, generator=generator, dtype=dtype), torch.randn(6, 64, dtype=dtype)
         assert torch.equal(float32_product(grad_rows, rows), grad_rows @ rows.t())
+
+
+LAYERS, SEQ, BATCH, HEAD_DIM = 4, 2048, 4, 64  # N = 2 * SEQ * BATCH * HEAD_DIM = 2^20
+
+
+@pytest.mark.usefixtures("megatron")
+@pytest.mark.parametrize("block", [1, 2])
+def test_router_weight_gradients_of_a_bf16_memory_are_float32_accurate(block, monkeypatch):
+    """The memory's backward (per layer, and blocked: one product per block of consumers) returns
+    float32 router gradients of bf16 keys/values within ``BOUND`` of the float64 products (chunks
+    of N as in the test above)."""
+    monkeypatch.setattr("lime_megatron.models.lime.routing_blocks.FLOAT32_CHUNK_BYTES", 2 ** 20)
+    config = lime_config(num_layers=LAYERS, hidden_size=128, num_attention_heads=2, num_query_groups=KV_HEADS,
+                         use_cpu_initialization=True)
+    routers = {layer: LimeRouter(config, layer) for layer in range(LAYERS)}
+    memory = LayerIntegratedMemory(LAYERS, "full", None, block=block, routers=routers)
+    generator = torch.Generator().manual_seed(0)
+
+    def bf16(*shape):
+        return torch.randn(*shape, generator=generator).to(torch.bfloat16)
+
+    keys, values = ([bf16(SEQ, BATCH, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)] for _ in range(2))
+    upstream = [bf16(2, SEQ, BATCH, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
+    routed = [route_keys_values(memory, routers[layer], keys[layer], values[layer]) for layer in range(LAYERS)]
+    sum((out.float() * grad.float()).sum() for out, grad in zip(routed[1:], upstream[1:])).backward()
+
+    def rows(tensors):  # [kv, 2*s*b*d] in float64
+        return torch.stack(tensors).permute(3, 0, 1, 2, 4).reshape(KV_HEADS, -1).double()
+
+    for layer in range(1, LAYERS):
+        reference = rows(list(upstream[layer])) @ torch.cat([rows([keys[s], values[s]]) for s in range(layer + 1)]).t()
+        grad = routers[layer].weight.grad
+        assert grad.dtype == torch.float32
+        assert relative_error(grad, reference) <= BOUND, layer

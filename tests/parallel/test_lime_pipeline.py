@@ -46,7 +46,7 @@ def make_config(layout: Layout, **model):
     from lime_megatron.models.config import lime_config
 
     settings = dict(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
-                    deallocate_pipeline_outputs=layout.pp > 1)
+                    deallocate_pipeline_outputs=layout.pp > 1, lime_routing_block=1)
     return lime_config(use_cpu_initialization=True, **{**layout_config_kwargs(layout), **settings, **model})
 
 
@@ -57,7 +57,7 @@ def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: in
     from lime_megatron.training.trainer import train_step
 
     initialize_layout(layout)
-    config = make_config(layout, **model, **(stages or {}))
+    config = make_config(layout, **{**model, **(stages or {})})
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
     optimizer, scheduler = sgd(chunks, LR, steps)
@@ -85,6 +85,7 @@ def compare(layout: Layout, model: dict, reference, **train_kwargs) -> dict:
 UNEVEN = dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_stage=1)
 UNEVEN_VIRTUAL = dict(num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2)  # of 12 layers
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
+FULL_RECOMPUTE_2 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
 OVERLAP = dict(overlap_p2p_comm=True)  # megatron's default with virtual stages (and the trainer's)
 BATCHED = dict(batch_p2p_comm=True)  # megatron's default without overlap: one batch_isend_irecv per exchange
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
@@ -98,6 +99,12 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("gqa-full-recompute-overlap", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)], OVERLAP),
     ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)]),
     ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4, vpp=2)]),
+    # blocked routing (B > 1, external blocks read once per block) against the B = 1 single stage
+    ("mha-16-blocked", dict(num_layers=16), [Layout(pp=2, vpp=2), Layout(tp=2, pp=2, sp=True)],
+     dict(lime_routing_block=3)),
+    ("gqa-full-recompute-blocked", dict(num_query_groups=2, **FULL_RECOMPUTE_2), [Layout(pp=2)],
+     dict(lime_routing_block=2)),
+    ("last-3-blocked", dict(lime_router="last", lime_router_window=3), [Layout(pp=2)], dict(lime_routing_block=2)),
 ]
 SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
     ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)]),

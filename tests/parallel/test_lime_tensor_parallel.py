@@ -72,15 +72,16 @@ def sgd(chunks, lr: float, steps: int):
     return optimizer, build_scheduler(optimizer, LRSchedule(max_lr=lr, decay_iters=steps, decay_style="constant"))
 
 
-def train(layout: Layout, kv_heads: int, weights=None):
-    """3 SGD steps; returns (losses, [full grads per step], initial full weights, [router gradient
-    norm per step as megatron's clipping sees it])."""
+def train(layout: Layout, kv_heads: int, weights=None, block: int = 1):
+    """3 SGD steps with routing blocks of ``block`` layers; returns (losses, [full grads per step],
+    initial full weights, [router gradient norm per step as megatron's clipping sees it])."""
     from lime_megatron.models.config import lime_config
     from lime_megatron.training.trainer import train_step
 
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                         num_query_groups=kv_heads, use_cpu_initialization=True, **layout_config_kwargs(layout))
+                         num_query_groups=kv_heads, use_cpu_initialization=True, lime_routing_block=block,
+                         **layout_config_kwargs(layout))
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
     optimizer, scheduler = sgd(chunks, LR, STEPS)
@@ -105,30 +106,33 @@ def router_grad_norm(chunks) -> float:
     return float(get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group()))
 
 
-LAYOUTS = [  # (layout, kv_heads)
-    (Layout(tp=2), 4),
-    (Layout(tp=2, sp=True), 4),
-    (Layout(tp=4), 4),
-    (Layout(tp=4, sp=True), 2),  # fewer kv heads than ranks: heads shared by rank pairs
-    (Layout(tp=2), 2),
+LAYOUTS = [  # (layout, kv_heads, routing block; the TP=1 reference runs B = 1)
+    (Layout(tp=2), 4, 1),
+    (Layout(tp=2, sp=True), 4, 1),
+    (Layout(tp=4), 4, 1),
+    (Layout(tp=4, sp=True), 2, 1),  # fewer kv heads than ranks: heads shared by rank pairs
+    (Layout(tp=2), 2, 1),
+    (Layout(tp=2, sp=True), 4, 2),  # blocked routing: blocks 0-1, 2-3
+    (Layout(tp=4, sp=True), 2, 3),  # blocked, heads shared by rank pairs: blocks 0-2, 3
 ]
 
 
 def compare_layouts():
     """On every rank: each layout against TP=1 from the same initial weights."""
     report = []
-    for kv_heads in sorted({kv for _, kv in LAYOUTS}):
+    for kv_heads in sorted({kv for _, kv, _ in LAYOUTS}):
         ref_losses, ref_grads, weights, ref_norms = train(Layout(), kv_heads)
-        for layout, kv in LAYOUTS:
+        for layout, kv, block in LAYOUTS:
             if kv != kv_heads:
                 continue
-            losses, grads, _, norms = train(layout, kv_heads, weights)
+            losses, grads, _, norms = train(layout, kv_heads, weights, block)
             worst = max(
                 ((g[name] - ref[name]).norm() / ref[name].norm()).item()
                 for g, ref in zip(grads, ref_grads) for name in ref
             )
             norm_error = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
-            report.append((layout.name, kv_heads, max(abs(a - b) for a, b in zip(losses, ref_losses)),
+            name = layout.name + (f"-B{block}" if block > 1 else "")
+            report.append((name, kv_heads, max(abs(a - b) for a, b in zip(losses, ref_losses)),
                            max(worst, norm_error), sorted(name for name in ref_grads[0] if "router" in name)))
     return report
 
@@ -185,4 +189,5 @@ def test_tensor_and_sequence_parallel_equal_single_rank(tmp_path):
         assert len(routers) == 3
         assert loss_diff <= 1e-5, name
         assert grad_err <= 1e-5, name
-    assert {name for name, *_ in report} == {"tp2-pp1", "tp2-pp1-sp", "tp4-pp1", "tp4-pp1-sp"}
+    assert {name for name, *_ in report} == {"tp2-pp1", "tp2-pp1-sp", "tp4-pp1", "tp4-pp1-sp", "tp2-pp1-sp-B2",
+                                             "tp4-pp1-sp-B3"}

@@ -138,7 +138,10 @@ class LimeSelfAttention(SelfAttention):
         if not (self.config.lime_recompute_routed_kv and torch.is_grad_enabled()):
             return nullcontext()
         memory, router, log, layer = self.memory, self.router, routed_kv_log, self.router.layer
-        routed_again = Rebuilt(lambda: memory.mix(router, router.weight.detach()), log.rebuilt(layer, "routed"))
+        def rebuild():
+            return memory.mix(router, router.weight.detach(), memory.rebuilt_earlier_partial(router), "rebuild")
+
+        routed_again = Rebuilt(rebuild, log.rebuilt(layer, "routed"))
         rebuilds = {routed: routed_again}
         if k_freqs is not None:
             rebuilds[key] = Rebuilt(lambda: self._rotate(routed_again.value()[0], k_freqs),

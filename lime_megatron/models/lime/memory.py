@@ -14,7 +14,7 @@ routed keys/values or decoding, and under tensor parallelism no collective eithe
 routed heads are its own heads).
 
 Backward.  ``RouteKeysValues`` gives the router weight gradient ``g_l @ buffer[sources]^T``
-(accumulated and returned in float32 for bf16/fp16 rows, ``float32_product``; a bf16 run keeps
+(accumulated and returned in float32 for bf16/fp16 rows, ``routing_blocks.float32_product``; a bf16 run keeps
 its routers in float32 and the products cast them to the rows' dtype) and
 the gradient of layer l's own keys/values, which collects the contributions of every *consumer*
 m >= l of layer l:  grad(kv_l) = sum_m W_m[:, block l]^T g_m.  Autograd runs layer l's backward
@@ -49,6 +49,14 @@ import torch
 
 from lime_megatron.models.lime.head_parallel import gather_heads, scatter_heads
 from lime_megatron.models.lime.router import LimeRouter, routing_consumers
+from lime_megatron.models.lime.routing_blocks import (
+    MixEarlierSources,
+    mix_earlier,
+    routing_product,
+    stacked_columns,
+    weight_grad_dtype,
+    weight_grad_product,
+)
 
 _MEMORIES: weakref.WeakValueDictionary[int, LayerIntegratedMemory] = weakref.WeakValueDictionary()
 _NEXT_ID = itertools.count()
@@ -61,6 +69,9 @@ class LayerIntegratedMemory:
         num_layers: layers of the whole model (fixes which layers read each layer).
         variant, window: router variant (App. D).
         layers: this chunk's own layers (global 0-based indices; all layers without pipelining).
+        block: routing block size B (``routing_blocks``; 1: every product per layer).
+        routers: the chunk's routers by layer (needed with ``block > 1``: a block's first layer
+            mixes the earlier sources of all its layers).
 
     Own rows: allocated by the first ``store`` (its keys fix shape, dtype and device) as
     ``[len(layers) * kv_heads, 2 * s * b * d]``.  Under pipeline parallelism the rows of earlier
@@ -71,7 +82,8 @@ class LayerIntegratedMemory:
     ``lime_megatron.parallel.pipeline``.
     """
 
-    def __init__(self, num_layers: int, variant: str, window: int | None, layers: range | None = None):
+    def __init__(self, num_layers: int, variant: str, window: int | None, layers: range | None = None,
+                 block: int = 1, routers: dict[int, LimeRouter] | None = None):
         self.num_layers = num_layers
         self.variant, self.window = variant, window
         self.layers = range(num_layers) if layers is None else layers
@@ -84,6 +96,10 @@ class LayerIntegratedMemory:
         self._routers: dict[int, LimeRouter] = {}
         self._grad_rows: torch.Tensor | None = None
         self._grad_rows_written = [False] * len(self.layers)
+        self.block, self._chunk_routers = block, routers or {}
+        self._partials: dict[int, torch.Tensor] = {}  # forward: earlier-source sums of the block
+        self._rebuild_partials: dict[int, torch.Tensor] = {}  # the same, rebuilt in backward
+        self._later_grads: dict[int, torch.Tensor] = {}  # backward: row gradients from later blocks
         self.id = next(_NEXT_ID)
         _MEMORIES[self.id] = self
 
@@ -192,14 +208,64 @@ class LayerIntegratedMemory:
         self._downstream_grad, self.downstream_layers = grad_rows, layers
 
     # ----------------------------------------------------------------------------- routing
-    def _source_blocks(self, router: LimeRouter) -> Iterator[tuple[slice, torch.Tensor]]:
-        """(columns of the router weight, buffered rows) per contiguous block of its sources."""
-        for run in router.source_runs:
-            for start, stop in self.row_blocks(*run):
-                yield router.columns(start, stop), self.rows(start, stop)
+    def _source_blocks(self, router: LimeRouter, since: int = 0) -> Iterator[tuple[slice, torch.Tensor]]:
+        """(columns of the router weight, buffered rows) per contiguous block of its sources
+        from layer ``since`` on."""
+        for run_start, run_stop in router.source_runs:
+            if run_stop > since:
+                for start, stop in self.row_blocks(max(run_start, since), run_stop):
+                    yield router.columns(start, stop), self.rows(start, stop)
 
-    def mix(self, router: LimeRouter, weight: torch.Tensor) -> torch.Tensor:
-        """Eq. 2: ``weight @ rows(sources)``, one product per contiguous block of sources.
+    # ----------------------------------------------------------------------------- blocks
+    def block_of(self, layer: int) -> range:
+        """The routing block of own layer ``layer``: B consecutive layers from the chunk's first."""
+        first = self.layers.start
+        start = first + (layer - first) // self.block * self.block
+        return range(start, min(start + self.block, self.layers.stop))
+
+    def blocked(self, router: LimeRouter) -> bool:
+        """Whether ``router``'s earlier sources are mixed once for its block (B > 1, a learned or
+        fixed product, this rank the heads' primary, some source before the block)."""
+        return (self.block > 1 and not router.identity and router.sharding.primary
+                and router.sources[0] < self.block_of(router.layer).start)
+
+    def _earlier_readers(self, block: range) -> list[LimeRouter]:
+        """The routers of ``block`` that read sources before it."""
+        return [self._chunk_routers[m] for m in block if self.blocked(self._chunk_routers[m])]
+
+    def earlier_partial(self, router: LimeRouter) -> torch.Tensor | None:
+        """Forward: ``router``'s sum over the sources before its block, ``[kv_heads, 2*s*b*d]``
+        (this rank's columns), from one product for the whole block run at its first layer
+        (``routing_blocks.MixEarlierSources``, which carries the router-weight gradient of those
+        columns); None when ``router`` is not blocked."""
+        if not self.blocked(router):
+            return None
+        if router.layer not in self._partials:  # the block's first reader (or first after a recompute boundary)
+            block = self.block_of(router.layer)
+            readers = [reader for reader in self._earlier_readers(block) if reader.layer >= router.layer]
+            sums = MixEarlierSources.apply(self, block, readers, *(reader.weight for reader in readers))
+            self._partials = dict(zip((reader.layer for reader in readers), sums))
+        return self._partials.pop(router.layer)
+
+    def rebuilt_earlier_partial(self, router: LimeRouter) -> torch.Tensor | None:
+        """Backward rebuild of the dropped routed K/V: ``earlier_partial`` again, its block's
+        product run once when the block's first rebuild needs it (rows before the block are
+        intact until the block's backward ends)."""
+        if not self.blocked(router):
+            return None
+        if router.layer not in self._rebuild_partials:  # backward reaches the block's last reader first
+            block = self.block_of(router.layer)
+            readers = [reader for reader in self._earlier_readers(block) if reader.layer <= router.layer]
+            with torch.no_grad():
+                self._rebuild_partials = dict(zip((reader.layer for reader in readers),
+                                                  mix_earlier(self, block, readers, "rebuild")))
+        return self._rebuild_partials.pop(router.layer)
+
+    def mix(self, router: LimeRouter, weight: torch.Tensor, earlier: torch.Tensor | None = None,
+            kind: str = "forward") -> torch.Tensor:
+        """Eq. 2: ``weight @ rows(sources)``, one product per contiguous block of sources; with
+        ``earlier`` (the block's sums over the sources before the block) only the in-block ones.
+        ``kind`` names the products for ``routing_blocks.routing_reads`` (``rebuild`` in backward).
 
         Under tensor parallelism each rank multiplies its own heads' rows, giving partial sums
         for all kv_heads output heads, and a reduce-scatter leaves each rank its heads' sums.
@@ -210,9 +276,12 @@ class LayerIntegratedMemory:
             return self.from_rows(self.rows(router.layer, router.layer + 1))
         partial = None
         if router.sharding.primary:
-            for columns, rows in self._source_blocks(router):
-                part = weight[:, columns].to(rows.dtype) @ rows  # a float32 router on bf16 rows
+            since = 0 if earlier is None else self.block_of(router.layer).start
+            for columns, rows in self._source_blocks(router, since):
+                part = routing_product(kind, weight[:, columns], rows)
                 partial = part if partial is None else partial.add_(part)
+            if earlier is not None:
+                partial = partial.add_(earlier)
         else:  # a replica of another rank's heads: those terms are added once, by the primary
             partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
         return self.from_rows(scatter_heads(partial, router.sharding))
@@ -222,12 +291,15 @@ class LayerIntegratedMemory:
         the backward of every source layer)."""
         self._routers[router.layer] = router
 
-    def weight_grad(self, router: LimeRouter, grad_rows: torch.Tensor) -> torch.Tensor:
-        """dL/dW_l = g_l @ rows(sources)^T for this rank's columns, accumulated and returned in at
-        least float32 (``float32_product``); ``grad_rows`` holds all kv_heads rows of g_l.  Replica
-        ranks compute the same value (their weight columns are one shared parameter)."""
-        parts = [float32_product(grad_rows, rows) for _, rows in self._source_blocks(router)]
-        return parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)
+    def weight_grad(self, router: LimeRouter, grad_rows: torch.Tensor, since: int = 0) -> torch.Tensor:
+        """dL/dW_l = g_l @ rows(sources)^T for this rank's columns of the sources from layer
+        ``since`` on (the others zero), accumulated in float32 (``weight_grad_product``);
+        ``grad_rows`` holds all kv_heads rows of g_l.  Replica ranks compute the same value
+        (their weight columns are one shared parameter)."""
+        grad = torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight))
+        for columns, rows in self._source_blocks(router, since):
+            grad[:, columns] = weight_grad_product(grad_rows, rows)
+        return grad
 
     def _grad_buffer(self, kv_heads: int) -> torch.Tensor:
         """Where g_l (all kv_heads rows) of the own layers is kept until every source of layer l
@@ -250,12 +322,12 @@ class LayerIntegratedMemory:
             raise RuntimeError(f"LIMe backward reached layer {layer} before that of its consumer layers {missing}")
         mixing = local if own_grad is None else local[1:]
         grad = None
+        if self.block > 1 and layer >= self.layers.start:
+            grad = self._later_consumer_grad(layer, self.block_of(layer))
+            mixing = range(mixing.start, min(mixing.stop, self.block_of(layer).stop))
         if mixing and self._routers[mixing.start].sharding.primary:
-            kv_heads = self._routers[mixing.start].weight.shape[0]
-            grads = self._grad_buffer(kv_heads)[(mixing.start - self.layers.start) * kv_heads :
-                                                (mixing.stop - self.layers.start) * kv_heads]
-            blocks = torch.cat([self._routers[m].block(layer) for m in mixing], dim=0)
-            grad = blocks.to(grads.dtype).t() @ grads
+            part = self._mixed_grad(range(layer, layer + 1), mixing)
+            grad = part if grad is None else grad.add_(part)
         downstream = self._downstream_rows(layer) if stop > self.layers.stop and layer >= self.layers.start else None
         for term in (own_grad, downstream):
             if term is not None:
@@ -264,6 +336,34 @@ class LayerIntegratedMemory:
             some_rows = self.buffer if self.buffer is not None else self.external[0][1]
             grad = some_rows.new_zeros(self.kv_heads, some_rows.shape[1])
         return grad
+
+    def _mixed_grad(self, sources: range, consumers: range) -> torch.Tensor:
+        """sum_{m in consumers} W_m[:, block l]^T g_m for each l in ``sources``, stacked:
+        ``[len(sources) * local heads, 2*s*b*d]``, one product reading each kept g_m once."""
+        routers = [self._routers[m] for m in consumers]
+        kv_heads = routers[0].weight.shape[0]
+        grads = self._grad_buffer(kv_heads)[(consumers.start - self.layers.start) * kv_heads :
+                                            (consumers.stop - self.layers.start) * kv_heads]
+        return routing_product("row_grad", stacked_columns(routers, sources.start, sources.stop).t(), grads)
+
+    def _later_consumer_grad(self, layer: int, sources: range) -> torch.Tensor | None:
+        """The share of layer ``layer``'s row gradient from this chunk's consumers after the
+        source block ``sources`` (an own block, or an external one: then every consumer in this
+        chunk), computed for the whole block at its first use."""
+        if layer not in self._later_grads:
+            stop = max(routing_consumers(source, self.num_layers, self.variant, self.window)[1] for source in sources)
+            consumers = range(max(sources.stop, self.layers.start), min(stop, self.layers.stop))
+            if not consumers or not self._routers[consumers.start].sharding.primary:
+                return None
+            stacked = self._mixed_grad(sources, consumers)
+            self._later_grads.update(zip(sources, stacked.chunk(len(sources))))
+        return self._later_grads.pop(layer)
+
+    def _external_grad(self, layer: int, layers: range) -> torch.Tensor:
+        """This chunk's share of the gradient of external layer ``layer`` (of the block
+        ``layers``): with blocked routing from one product for the whole external block."""
+        grad = self._later_consumer_grad(layer, layers) if self.block > 1 else None
+        return grad if grad is not None else self._consumer_grad(layer)
 
     def _downstream_rows(self, layer: int) -> torch.Tensor:
         """Rows of the downstream gradient for sent layer ``layer``."""
@@ -296,45 +396,29 @@ class LayerIntegratedMemory:
         external block, ``[len(layers) * kv_heads, 2*s*b*d]``."""
         shares = []
         for layers, _ in self.external:
-            shares.append((layers, torch.cat([self._consumer_grad(layer) for layer in layers])))
+            shares.append((layers, torch.cat([self._external_grad(layer, layers) for layer in layers])))
         self.external = []
         return shares
-
-
-FLOAT32_CHUNK_BYTES = 64 * 2**20
-"""Bytes of the float32 copies of one chunk of the reduced dimension in ``float32_product``."""
-
-
-def float32_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """``grad_rows @ rows^T`` (``[m, N] x [n, N] -> [m, n]``), accumulated in float32 for
-    bf16/fp16 operands: the router weight gradient reduces over N = 2*s*b*d elements (about 2M at
-    the paper's 1B shape), where bf16 partial sums (split-K) lose about 1e-2 relative.  The
-    operands are upcast a chunk of N at a time (``FLOAT32_CHUNK_BYTES``), never whole.  Float32 and
-    float64 operands multiply as they are."""
-    if grad_rows.dtype in (torch.float32, torch.float64) and rows.dtype == grad_rows.dtype:
-        return grad_rows @ rows.t()
-    step = max(1, FLOAT32_CHUNK_BYTES // (4 * (grad_rows.shape[0] + rows.shape[0])))
-    product = grad_rows.new_zeros(grad_rows.shape[0], rows.shape[0], dtype=torch.float32)
-    for start in range(0, rows.shape[1], step):
-        product.addmm_(grad_rows[:, start : start + step].float(), rows[:, start : start + step].float().t())
-    return product
 
 
 class RouteKeysValues(torch.autograd.Function):
     """Store a layer's keys/values in the memory and return the routed ones (Eqs. 1-2).
 
-    forward(weight [h, n_src*h], key [s,b,h,d], value [s,b,h,d], memory, router)
-        -> routed [2, s, b, h, d]
+    forward(weight [h, n_src*h], key [s,b,h,d], value [s,b,h,d], earlier [h, 2*s*b*d] or None,
+            memory, router) -> routed [2, s, b, h, d]
+
+    ``earlier``: the block's sum over the sources before the block (blocked routing); the
+    product then covers the in-block sources and the weight gradient their columns.
     """
 
     @staticmethod
-    def forward(ctx, weight, key, value, memory: LayerIntegratedMemory, router: LimeRouter):
+    def forward(ctx, weight, key, value, earlier, memory: LayerIntegratedMemory, router: LimeRouter):
         own_rows = memory.store(router.layer, key, value)
         memory.register(router)
         # Saved so that saved-tensor accounting (and offloading hooks) see the buffer.
         ctx.save_for_backward(own_rows)
-        ctx.memory, ctx.router = memory, router
-        return memory.mix(router, weight)
+        ctx.memory, ctx.router, ctx.blocked = memory, router, earlier is not None
+        return memory.mix(router, weight, earlier)
 
     @staticmethod
     def backward(ctx, grad_routed):
@@ -343,16 +427,17 @@ class RouteKeysValues(torch.autograd.Function):
         grad_rows = memory.to_rows(grad_routed)
         if not router.identity:  # the identity routes each rank's own heads: nothing to gather
             grad_rows = gather_heads(grad_rows, router.sharding)
-        grad_weight = memory.weight_grad(router, grad_rows) if ctx.needs_input_grad[0] else None
+        since = memory.block_of(router.layer).start if ctx.blocked else 0
+        grad_weight = memory.weight_grad(router, grad_rows, since) if ctx.needs_input_grad[0] else None
         grad_key, grad_value = memory.kv_grad(router, grad_rows)
-        return grad_weight, grad_key, grad_value, None, None
+        return grad_weight, grad_key, grad_value, grad_rows if ctx.blocked else None, None, None
 
 
 def route_keys_values(
     memory: LayerIntegratedMemory, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
 ) -> torch.Tensor:
     """Routed keys and values of ``router``'s layer, ``[2, s, b, kv_heads, d]``."""
-    return RouteKeysValues.apply(router.weight, key, value, memory, router)
+    return RouteKeysValues.apply(router.weight, key, value, memory.earlier_partial(router), memory, router)
 
 
 # --------------------------------------------------------------------------------- decoding

@@ -1,0 +1,58 @@
+"""Projected LIMe routing overhead on an H100-class GPU (a roofline projection, not a measurement).
+
+For the paper's 1B shapes (16 layers, hidden 2048, 32 heads of 64, FFN 8192, vocabulary 50k,
+seq 2048; MHA and GQA with 8 kv heads) and a deep 128-layer variant, bf16: the routing products'
+time per step is the roofline max(bytes read / bandwidth, FLOPs / peak) of each kind of product
+(``planning.routing_bytes``: forward, rebuild, router-weight gradient, row gradient), the baseline
+time the model's training FLOPs at ``--mfu`` of the peak.  Printed per layer (B = 1) and blocked
+(B from the same roofline, ``routing_blocks.routing_block_size``), beside the paper's Table 9.
+
+Run (the table in docs/routing.md):
+    python bench/roofline_routing.py
+"""
+
+from __future__ import annotations
+
+import argparse
+
+import torch
+
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.lime.routing_blocks import H100_SXM, routing_block_size
+from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
+from lime_megatron.planning.routing_bytes import routing_bytes_per_step
+
+PAPER_TABLE_9 = {(16, 32): "+10.5%", (16, 8): "+1.2-1.6%"}  # LIMe step-time overhead over LLaMA, H100
+
+
+def projected_overhead(num_layers: int, kv_heads: int, block: int, seq: int, mfu: float) -> float:
+    config = lime_config(num_layers=num_layers, hidden_size=2048, num_attention_heads=32, num_query_groups=kv_heads,
+                         ffn_hidden_size=8192, params_dtype=torch.bfloat16, use_cpu_initialization=True)
+    vocab = 50304
+    routing_flops = router_flops_per_token(config)
+    base_flops = forward_flops_per_token(config, seq, vocab) - routing_flops
+    seconds = 0.0
+    for read in routing_bytes_per_step(config, seq, 1, block).values():  # one sequence
+        if read:
+            seconds += max(read / H100_SXM.bytes_per_s, routing_flops * seq / H100_SXM.flops_per_s)
+    base_seconds = 3 * base_flops * seq / (mfu * H100_SXM.flops_per_s)
+    return seconds / base_seconds
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--seq-length", type=int, default=2048)
+    parser.add_argument("--mfu", type=float, default=0.4, help="baseline model FLOP utilisation assumed")
+    args = parser.parse_args(argv)
+    print(f"machine: {H100_SXM.name}; baseline at {args.mfu:.0%} MFU; seq {args.seq_length}")
+    print(f"{'layers':>6} {'kv':>3} {'B':>3} {'B=1 overhead':>13} {'blocked':>8} {'paper Table 9':>14}")
+    for layers in (16, 128):
+        for kv in (32, 8):
+            block = routing_block_size(layers, kv, 2, H100_SXM)
+            per_layer, blocked = (projected_overhead(layers, kv, b, args.seq_length, args.mfu) for b in (1, block))
+            print(f"{layers:>6} {kv:>3} {block:>3} {per_layer:>12.1%} {blocked:>8.1%} "
+                  f"{PAPER_TABLE_9.get((layers, kv), '-'):>14}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,221 @@
+"""Blocked routing: the routing products of B consecutive layers read each source row once.
+
+Layer m's routed keys/values are ``W_m @ buffer[sources(m)]`` (Eq. 2): a skinny product that
+reads every source row to do 2 * kv_heads FLOPs per element, so it runs at memory bandwidth.
+For a block of B consecutive consumer layers ``[m0, m0 + B)`` the sources before the block are
+mixed for all B layers at the block's first layer in one product
+
+    partial_block = W_block[:, earlier] @ buffer[earlier]      [B * kv_heads, 2 * s * b * d]
+
+(``W_block`` stacks the B routers' columns of the earlier sources, zero where a windowed router
+does not read a source), and each layer adds its in-block sources when it runs.  The three
+backward products block the same way: the router-weight gradient of the earlier columns is
+``G_block @ buffer[earlier]^T`` once per block (``MixEarlierSources.backward``), the gradient of a
+block of B source rows from the consumers after it is ``W_later^T @ G_later`` once per source
+block (``LayerIntegratedMemory._consumer_grad``), and the rebuild of dropped routed K/V reuses the
+forward's stacked product.  Reads of the N-wide rows fall from about L^2/2 to
+L^2/(2B) + L*B/2 row blocks per product for the same FLOPs; what stays per layer (the in-block
+sources) must, because a layer's own rows exist only once the layer has run.
+
+``routing_block_size`` picks B from a roofline of the machine; ``routing_reads`` counts the bytes
+the products actually read (tests check it against ``planning.flops.routing_bytes_per_step``).
+"""
+
+from __future__ import annotations
+
+import math
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+
+from lime_megatron.models.lime.router import LimeRouter, contiguous_runs
+
+
+@dataclass(frozen=True)
+class MachineBalance:
+    """A machine's matrix rate and memory bandwidth (the roofline the block size is chosen on)."""
+
+    name: str
+    flops_per_s: float
+    bytes_per_s: float
+
+
+CPU_2_CORE = MachineBalance("2-core AVX2 CPU VM (fp32 peak 160 GFLOP/s, ~4 GB/s shared)", 160e9, 4e9)
+H100_SXM = MachineBalance("H100 SXM (bf16 dense 989 TFLOP/s, HBM3 3.35 TB/s)", 989e12, 3.35e12)
+
+
+def block_product_seconds(num_layers: int, kv_heads: int, block: int, element_size: int,
+                          machine: MachineBalance, row_length: int = 1) -> float:
+    """Roofline time of one forward pass of the ``full`` routing with blocks of ``block`` layers:
+    per block one product over the earlier rows (B * kv_heads outputs), per layer one over its
+    in-block rows, each costing max(bytes / bandwidth, FLOPs / peak), partial sums written and
+    read once.  Rows of ``row_length`` elements (it scales every term alike)."""
+    seconds = 0.0
+    for start in range(0, num_layers, block):
+        consumers = min(block, num_layers - start)
+        for rows, outputs in ((start * kv_heads, consumers * kv_heads),
+                              *(((m - start + 1) * kv_heads, kv_heads) for m in range(start, start + consumers))):
+            read = (rows + 2 * outputs) * row_length * element_size
+            flops = 2.0 * rows * outputs * row_length
+            seconds += max(read / machine.bytes_per_s, flops / machine.flops_per_s)
+    return seconds
+
+
+def routing_block_size(num_layers: int, kv_heads: int, element_size: int,
+                       machine: MachineBalance = CPU_2_CORE) -> int:
+    """The block size of least roofline time (``block_product_seconds``), the smallest within 1%
+    of it (a larger block only lengthens the in-block products and the partial sums' life)."""
+    limit = max(1, math.isqrt(num_layers) * 2)
+    times = {block: block_product_seconds(num_layers, kv_heads, block, element_size, machine)
+             for block in range(1, limit + 1)}
+    best = min(times.values())
+    return min(block for block, seconds in times.items() if seconds <= 1.01 * best)
+
+
+def chunk_routing_block(config, num_layers: int, machine: MachineBalance | None = None) -> int:
+    """The block size a model chunk of ``num_layers`` layers runs with: ``config.lime_routing_block``
+    or the roofline's choice on ``machine`` (default: ``H100_SXM`` where CUDA is available, else
+    ``CPU_2_CORE``); under full activation recompute it divides the recompute chunk
+    (``recompute_num_layers``) so that no block spans two recomputed chunks."""
+    machine = machine or (H100_SXM if torch.cuda.is_available() else CPU_2_CORE)
+    element_size = torch.empty(0, dtype=config.params_dtype).element_size()
+    block = config.lime_routing_block or routing_block_size(num_layers, config.kv_heads, element_size, machine)
+    if config.recompute_granularity == "full" and config.recompute_num_layers:
+        block = math.gcd(block, config.recompute_num_layers)
+    return block
+
+
+# ----------------------------------------------------------------------------- byte counting
+class RoutingReads:
+    """Bytes of N-wide operands (buffer rows, gradient rows, partial sums) read by the routing
+    products while counting is on; ``by_kind`` splits them by product."""
+
+    def __init__(self):
+        self.by_kind: dict[str, int] = {}
+
+    @property
+    def total(self) -> int:
+        return sum(self.by_kind.values())
+
+    def add(self, kind: str, wide: torch.Tensor) -> None:
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + wide.numel() * wide.element_size()
+
+
+_COUNTER: list[RoutingReads] = []
+
+
+@contextmanager
+def routing_reads():
+    """Count the bytes the routing products read inside the ``with`` block."""
+    counter = RoutingReads()
+    _COUNTER.append(counter)
+    try:
+        yield counter
+    finally:
+        _COUNTER.remove(counter)
+
+
+def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+    """``narrow @ wide`` ([r, k] @ [k, N]) in ``wide``'s dtype (router weights may be kept in float32
+    beside bf16 activations), with the read of ``wide`` counted as ``kind``."""
+    for counter in _COUNTER:
+        counter.add(kind, wide)
+    return narrow.to(wide.dtype) @ wide
+
+
+def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
+    """The dtype router-weight gradients are accumulated and returned in: float32 at least."""
+    return torch.promote_types(weight.dtype, torch.float32)
+
+
+def weight_grad_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """:func:`float32_product` with the read of ``rows`` counted as the weight gradient's."""
+    for counter in _COUNTER:
+        counter.add("weight_grad", rows)
+    return float32_product(grad_rows, rows)
+
+
+FLOAT32_CHUNK_BYTES = 64 * 2**20
+"""Bytes of the float32 copies of one chunk of the reduced dimension in ``float32_product``."""
+
+
+def float32_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``grad_rows @ rows^T`` (``[m, N] x [n, N] -> [m, n]``), accumulated in float32 for
+    bf16/fp16 operands: the router weight gradient reduces over N = 2*s*b*d elements (about 2M at
+    the paper's 1B shape), where bf16 partial sums (split-K) lose about 1e-2 relative.  The
+    operands are upcast a chunk of N at a time (``FLOAT32_CHUNK_BYTES``), never whole.  Float32 and
+    float64 operands multiply as they are."""
+    if grad_rows.dtype in (torch.float32, torch.float64) and rows.dtype == grad_rows.dtype:
+        return grad_rows @ rows.t()
+    step = max(1, FLOAT32_CHUNK_BYTES // (4 * (grad_rows.shape[0] + rows.shape[0])))
+    product = grad_rows.new_zeros(grad_rows.shape[0], rows.shape[0], dtype=torch.float32)
+    for start in range(0, rows.shape[1], step):
+        product.addmm_(grad_rows[:, start : start + step].float(), rows[:, start : start + step].float().t())
+    return product
+
+
+# ----------------------------------------------------------------------------- stacked routers
+def stacked_columns(routers: list[LimeRouter], start: int, stop: int) -> torch.Tensor:
+    """``[len(routers) * kv_heads, (stop - start) * local heads]``: the columns of each router that
+    read source layers ``start..stop-1``, zero where a router does not read a source."""
+    first = routers[0]
+    local = first.local_heads
+    stacked = first.weight.new_zeros(len(routers) * first.weight.shape[0], (stop - start) * local)
+    rows = first.weight.shape[0]
+    for i, router in enumerate(routers):
+        for source in router.sources:
+            if start <= source < stop:
+                column = (source - start) * local
+                stacked[i * rows : (i + 1) * rows, column : column + local] = router.block(source)
+    return stacked
+
+
+def earlier_runs(memory, block: range, routers: list[LimeRouter]) -> list[tuple[int, int]]:
+    """Row blocks ``(start, stop)`` of the sources before ``block`` that ``routers`` read (their
+    union, split where the memory's external blocks begin and end)."""
+    sources = sorted({source for router in routers for source in router.sources if source < block.start})
+    return [piece for run in contiguous_runs(sources) for piece in memory.row_blocks(*run)]
+
+
+def mix_earlier(memory, block: range, routers: list[LimeRouter], kind: str = "forward") -> tuple[torch.Tensor, ...]:
+    """Each router's sum over the sources before ``block``, ``[kv_heads, 2*s*b*d]`` (this rank's
+    columns), from one product per row block for all ``routers`` together (counted as ``kind``)."""
+    partial = None
+    for start, stop in earlier_runs(memory, block, routers):
+        part = routing_product(kind, stacked_columns(routers, start, stop), memory.rows(start, stop))
+        partial = part if partial is None else partial.add_(part)
+    return tuple(partial.chunk(len(routers)))
+
+
+class MixEarlierSources(torch.autograd.Function):
+    """``mix_earlier`` with the router-weight gradient of those columns.
+
+    forward(memory, block, routers (those of the block that read earlier rows), *their weights)
+        -> one partial sum ``[kv_heads, 2*s*b*d]`` per router
+    backward: dL/dW_m[:, earlier] = g_m @ buffer[earlier]^T for the whole block in one product per
+    row block (the gradient of each partial sum is g_m, all kv_heads rows); float32.  It runs
+    before the backward of any earlier layer overwrites that layer's rows (autograd runs the
+    later-created node first among those ready).
+    """
+
+    @staticmethod
+    def forward(ctx, memory, block: range, routers: list[LimeRouter], *weights):
+        ctx.memory, ctx.block, ctx.routers = memory, block, routers
+        return mix_earlier(memory, block, routers)
+
+    @staticmethod
+    def backward(ctx, *grad_partials):
+        memory, block, routers = ctx.memory, ctx.block, ctx.routers
+        grads = [torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight)) for router in routers]
+        kept = torch.cat(grad_partials)
+        rows = routers[0].weight.shape[0]
+        for start, stop in earlier_runs(memory, block, routers):
+            block_grad = weight_grad_product(kept, memory.rows(start, stop))
+            for i, router in enumerate(routers):
+                for source in router.sources:
+                    if start <= source < stop:
+                        local = (source - start) * router.local_heads
+                        grads[i][:, router.columns(source, source + 1)] = \
+                            block_grad[i * rows : (i + 1) * rows, local : local + router.local_heads]
+        return None, None, None, *grads

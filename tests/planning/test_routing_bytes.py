@@ -1,0 +1,65 @@
+"""The bytes the routing products read, counted on the products themselves, against the plan of
+``planning.routing_bytes`` at B = 1 and blocked; blocking reads fewer at the same FLOPs."""
+
+from __future__ import annotations
+
+import pytest
+from lime_fixtures import BATCH, SEQ, batch, loss_of, megatron_logits, tiny_model
+from torch.utils.flop_counter import FlopCounterMode
+
+from lime_megatron.models.lime.routing_blocks import routing_block_size, routing_reads
+from lime_megatron.planning.routing_bytes import routing_bytes_per_step
+
+pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+
+VARIANTS = {
+    "full": dict(lime_router="full"),
+    "average": dict(lime_router="average"),
+    "last-2": dict(lime_router="last", lime_router_window=2),
+    "first-2": dict(lime_router="first", lime_router_window=2),
+}
+
+
+def counted_step(model) -> tuple[dict[str, int], int]:
+    """Bytes read by kind and the FLOPs of one forward+backward on ``lime_fixtures.batch()``."""
+    tokens, positions, mask = batch()
+    with routing_reads() as reads, FlopCounterMode(display=False) as flops:
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    return reads.by_kind, flops.get_total_flops()
+
+
+@pytest.mark.parametrize("variant", list(VARIANTS.values()), ids=list(VARIANTS))
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])  # MHA: routed K/V dropped and rebuilt
+@pytest.mark.parametrize("num_layers,block", [(7, 1), (7, 3), (9, 4)])
+def test_counted_reads_match_the_plan(variant, num_layers, block, kv_heads):
+    model = tiny_model(num_layers=num_layers, num_query_groups=kv_heads, lime_routing_block=block, **variant)
+    counted, _ = counted_step(model)
+    planned = {kind: read for kind, read in routing_bytes_per_step(model.config, SEQ, BATCH, block).items() if read}
+    assert counted == planned
+
+
+def test_blocking_reads_less_for_the_same_flops():
+    """16 layers, full router: the plan's B reads about L/(2B) + B/2 of L/2 rows per product."""
+    block = routing_block_size(16, 2, 8)
+    assert block > 1
+    per_layer = counted_step(tiny_model(num_layers=16, num_query_groups=2, lime_routing_block=1))
+    blocked = counted_step(tiny_model(num_layers=16, num_query_groups=2, lime_routing_block=block))
+    assert sum(blocked[0].values()) < 0.6 * sum(per_layer[0].values())
+    # zero-padded stacked routers would add FLOPs; the full router pads nothing
+    assert blocked[1] == per_layer[1]
+
+
+def test_dry_run_reports_the_block_and_the_bytes_read():
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
+    from lime_megatron.planning.estimate import estimate, report_lines
+
+    config = lime_config(num_layers=32, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
+                         num_query_groups=4, use_cpu_initialization=True)
+    result = estimate(config, vocab_size=128, seq_length=64, micro_batch_size=2, num_microbatches=1)
+    block = chunk_routing_block(config, 32, H100_SXM)
+    per_layer, blocked = (sum(routing_bytes_per_step(config, 64, 2, b).values()) / 2**30 for b in (1, block))
+    line = next(line for line in report_lines(result) if line.startswith("LIMe routing"))
+    assert f"block size B [{block}]" in line and block > 1
+    assert f"per layer (B=1) {per_layer:.2f} GiB, blocked {blocked:.2f} GiB" in line
