@@ -11,12 +11,13 @@ from __future__ import annotations
 import pytest
 import torch
 from decoding_fixtures import incremental_logits
-from lime_fixtures import VOCAB, batch, loss_of, megatron_logits, tiny_model
+from lime_fixtures import BATCH, SEQ, VOCAB, batch, loss_of, megatron_logits, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from lime_megatron.inference.decoding import full_logits
 from lime_megatron.models.lime.recompute import routed_kv_log
 from lime_megatron.planning import flops
+from lime_megatron.planning.copied_bytes import CopiedBytes
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -79,3 +80,19 @@ def test_routers_run_their_formula_and_layer_zero_nothing(variant, products):
     assert training_flops(lime) - training_flops(baseline) == products * router * TRAINING_TOKENS
     decoded_tokens = 2 * (PREFILL + DECODED)
     assert decoding_flops(lime.eval()) - decoding_flops(baseline.eval()) == router * decoded_tokens
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_routed_products_write_attention_layout_without_a_copy(block):
+    """Without tensor parallelism the routing products write attention's ``[2, s, b, h, d]``
+    themselves (issue 26, item 3): in a forward+backward (the routed K/V rebuilt in backward) the
+    only copies of that shape are layer 0's, whose identity routing rearranges its own rows."""
+    model = tiny_model(num_layers=4, lime_routing_block=block)  # MHA: the routed K/V are dropped
+    kv_heads, head_dim = model.config.num_query_groups, model.config.kv_channels
+    tokens, positions, mask = batch()
+    routed_kv_log.take()
+    with CopiedBytes() as copies:
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    assert routed_kv_log.take()[1].rebuilt["routed"] == 1
+    attention_layout = (2, SEQ, BATCH, kv_heads, head_dim)
+    assert copies.by_shape[attention_layout] == 2 * torch.Size(attention_layout).numel() * 8

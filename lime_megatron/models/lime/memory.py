@@ -53,6 +53,7 @@ from lime_megatron.models.lime.routing_blocks import (
     MixEarlierSources,
     mix_earlier,
     routing_product,
+    routing_product_attention_layout,
     stacked_columns,
     weight_grad_dtype,
     weight_grad_product,
@@ -269,11 +270,15 @@ class LayerIntegratedMemory:
 
         Under tensor parallelism each rank multiplies its own heads' rows, giving partial sums
         for all kv_heads output heads, and a reduce-scatter leaves each rank its heads' sums.
-        The identity routing (layer 0) is no product: its own rows, rearranged.
+        Without tensor parallelism the products write attention's layout directly
+        (``_mix_in_attention_layout``).  The identity routing (layer 0) is no product: its own
+        rows, rearranged.
         Returns the routed keys and values, ``[2, s, b, local kv heads, d]`` (a new tensor).
         """
         if router.identity:
             return self.from_rows(self.rows(router.layer, router.layer + 1))
+        if router.sharding.size == 1:
+            return self._mix_in_attention_layout(router, weight, earlier, kind)
         partial = None
         if router.sharding.primary:
             since = 0 if earlier is None else self.block_of(router.layer).start
@@ -285,6 +290,21 @@ class LayerIntegratedMemory:
         else:  # a replica of another rank's heads: those terms are added once, by the primary
             partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
         return self.from_rows(scatter_heads(partial, router.sharding))
+
+    def _mix_in_attention_layout(self, router: LimeRouter, weight: torch.Tensor, earlier: torch.Tensor | None,
+                                 kind: str) -> torch.Tensor:
+        """``mix`` without tensor parallelism: the products write ``[2, s, b, kv_heads, d]``
+        directly (``routing_product_attention_layout``), and ``earlier`` ``[kv_heads, 2*s*b*d]``
+        is added through a strided view, so no rows-to-attention copy follows (issue 26, item 3)."""
+        s, b, h, d = self.kv_shape
+        since = 0 if earlier is None else self.block_of(router.layer).start
+        routed = None
+        for columns, rows in self._source_blocks(router, since):
+            part = routing_product_attention_layout(kind, weight[:, columns], rows, d)
+            routed = part if routed is None else routed.add_(part)
+        if earlier is not None:
+            routed.add_(earlier.view(h, -1, d).transpose(0, 1))
+        return routed.view(2, s, b, h, d)
 
     def register(self, router: LimeRouter) -> None:
         """Record that ``router``'s layer read the memory in this pass (its weight is needed by

@@ -124,6 +124,17 @@ def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor) -> torc
     return narrow.to(wide.dtype) @ wide
 
 
+def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int) -> torch.Tensor:
+    """``narrow @ wide`` written straight into attention's layout: ``[r, k] @ [k, M * inner]`` ->
+    ``[M, r, inner]`` contiguous (with ``M * inner = 2*s*b*d``, ``inner = d``: ``[2, s, b, r, d]``),
+    one strided-batched product instead of the ``[r, N]`` product and its rearranging copy; the read
+    of ``wide`` counted as ``kind``."""
+    for counter in _COUNTER:
+        counter.add(kind, wide)
+    batched = wide.view(wide.shape[0], -1, inner).transpose(0, 1)
+    return torch.bmm(narrow.to(wide.dtype).expand(batched.shape[0], -1, -1), batched)
+
+
 def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype router-weight gradients are accumulated and returned in: float32 at least."""
     return torch.promote_types(weight.dtype, torch.float32)
