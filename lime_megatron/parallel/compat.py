@@ -139,6 +139,8 @@ parses the package and fails on a private name it reaches into that is not regis
   (``training.arguments`` translates YAML configs to flags).
 - torch's ``torch._C._autograd._top_saved_tensors_default_hooks(False)``: the innermost
   ``saved_tensors_hooks`` pair ``(pack, unpack)``, or None outside any (``recompute``).
+- torch's ``torch.utils._python_dispatch.TorchDispatchMode`` seeing clones and dtype changes as
+  ``aten.clone`` and ``aten._to_copy`` (``planning.copied_bytes``).
 - torch's ``distributed_c10d._world.pg_map`` (every live process group) and
   ``distributed_c10d._get_default_group()`` (``parallel.destroy_parallel``).
 - The targets of the patches above: ``tensor_parallel.random._get_cuda_rng_state`` /
@@ -679,6 +681,20 @@ def _probe_argparse() -> list[str | None]:
 # Every private (``_``-prefixed) name of torch, megatron-core or the standard library that the
 # project's code spells, with the probe that checks it (``tests/parallel/test_compat_apis.py``
 # scans the package's source and fails on one missing here, and on an entry no code uses).
+def _probe_copy_counting() -> list[str | None]:
+    """Behaviour: under a ``torch.utils._python_dispatch.TorchDispatchMode`` a clone and a dtype
+    change reach the mode as ``aten.clone`` and ``aten._to_copy`` (``planning.copied_bytes``)."""
+    from lime_megatron.planning.copied_bytes import CopiedBytes
+
+    with CopiedBytes() as copies:
+        torch.ones(4).clone()
+        torch.ones(2).to(torch.float64)
+    if dict(copies.by_shape) != {(4,): 16, (2,): 16}:
+        return ["torch.ops.aten.clone/_to_copy under TorchDispatchMode: expected 16 bytes copied for shapes "
+                f"(4,) and (2,), got {dict(copies.by_shape)}"]
+    return [None]
+
+
 PRIVATE_APIS: dict[str, Callable[[], list[str | None]]] = {
     "_C": _probe_saved_tensor_hooks,
     "_autograd": _probe_saved_tensor_hooks,
@@ -697,6 +713,7 @@ PRIVATE_APIS: dict[str, Callable[[], list[str | None]]] = {
     "_actions": _probe_argparse,
     "_group_actions": _probe_argparse,
     "_StoreTrueAction": _probe_argparse,
+    "_to_copy": _probe_copy_counting,
 }
 
 # Probes of internal APIs without an underscore name (behaviour and signatures), then those of
