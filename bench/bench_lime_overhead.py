@@ -57,7 +57,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None):
+def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full"):
     torch.manual_seed(0)
     config = lime_config(
         num_layers=num_layers,
@@ -67,6 +67,7 @@ def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = 
         ffn_hidden_size=args.ffn_hidden_size,
         use_cpu_initialization=True,
         lime=lime,
+        lime_router=router,
         lime_routing_block=block,
     )
     return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length)

@@ -37,6 +37,8 @@ def tiny_model(dtype=torch.float64, seed: int = 1234, **overrides) -> LimeGPTMod
         for name, param in model.named_parameters():
             if "layernorm" in name:
                 param.uniform_(0.5, 1.5)
+            if "router.logits" in name:  # the dynamic router's W_l start at zero: make the weights per token
+                param.uniform_(-0.5, 0.5)
     return model
 
 
@@ -88,6 +90,9 @@ def reference_params(model: LimeGPTModel) -> tuple[dict, dict[str, torch.Tensor]
         router = leaves.get(prefix + "self_attention.router.weight")
         if router is not None:
             layer["router"] = router
+        dynamic_router = leaves.get(prefix + "self_attention.router.logits.weight")
+        if dynamic_router is not None:
+            layer["dynamic_router"] = dynamic_router
         layers.append(layer)
     params = dict(
         embedding=leaves["embedding.word_embeddings.weight"],

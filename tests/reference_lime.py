@@ -21,7 +21,7 @@ import torch.nn.functional as F
 
 def sources_of(layer: int, variant: str, window: int | None) -> list[int]:
     """Layers mixed by ``layer`` (App. D), written out from the paper's definitions."""
-    if variant in ("full", "average"):
+    if variant in ("full", "average", "dynamic"):
         return [j for j in range(layer + 1)]
     if variant == "last":  # the most recent min(l+1, j) buffered layers, own one included
         return [j for j in range(layer + 1) if j > layer - window]
@@ -74,6 +74,27 @@ def route(router: torch.Tensor | None, buffer: list[torch.Tensor], srcs: list[in
     return torch.stack(out_heads, dim=1)
 
 
+def dynamic_route(router: torch.Tensor, h: torch.Tensor, buffer: list[torch.Tensor], layer: int) -> torch.Tensor:
+    """Dynamic LIMe (v1): per token t and head c, weights p = softmax over sources j of
+    (router @ h_t)[c * (layer+1) + j], plus the fixed offset ln(0.9 * layer / 0.1) on the own layer;
+    head c of the result = sum over j of p[t, c, j] * buffer[j][:, c] at token t.
+
+    router [kvH * (layer+1), hidden] (rows head-major), h [b, s, hidden] the normalised layer input,
+    buffer[j] [b, kvH, s, d]."""
+    kv_heads, sources = buffer[0].shape[1], layer + 1
+    logits = (h @ router.t()).view(h.shape[0], h.shape[1], kv_heads, sources)
+    offset = torch.zeros(sources, dtype=logits.dtype)
+    offset[layer] = math.log(0.9 * layer / 0.1)
+    weights = torch.softmax(logits + offset, dim=-1)  # [b, s, kvH, sources]
+    out_heads = []
+    for c in range(kv_heads):
+        total = 0
+        for j in range(sources):
+            total = total + weights[:, :, c, j, None] * buffer[j][:, c]
+        out_heads.append(total)
+    return torch.stack(out_heads, dim=1)
+
+
 def attention(q, k, v):
     """Causal softmax attention; q [b, H, s, d], k/v [b, kvH, s, d] shared by H/kvH query heads."""
     group = q.shape[1] // k.shape[1]
@@ -91,7 +112,7 @@ def forward(params: dict, tokens: torch.Tensor, spec: dict) -> torch.Tensor:
 
     ``params``: ``embedding`` [V, hidden], ``final_norm`` [hidden], and ``layers``: a list of
     dicts with ``attn_norm``, ``wq``, ``wk``, ``wv``, ``wo``, ``mlp_norm``, ``w_gate``, ``w_up``,
-    ``w_down`` and (LIMe, layers >= 1) ``router``.
+    ``w_down`` and (LIMe, layers >= 1) ``router`` (``dynamic_router`` for the dynamic variant).
     ``spec``: heads, kv_heads, eps, rope_base, lime, variant, window.
     """
     x = params["embedding"][tokens]
@@ -107,8 +128,12 @@ def forward(params: dict, tokens: torch.Tensor, spec: dict) -> torch.Tensor:
             kv_buffer.append((k, v))
             srcs = sources_of(index, spec["variant"], spec["window"])
             router = layer.get("router")
-            k = route(router, [kk for kk, _ in kv_buffer], srcs)
-            v = route(router, [vv for _, vv in kv_buffer], srcs)
+            if spec["variant"] == "dynamic" and index > 0:
+                k = dynamic_route(layer["dynamic_router"], h, [kk for kk, _ in kv_buffer], index)
+                v = dynamic_route(layer["dynamic_router"], h, [vv for _, vv in kv_buffer], index)
+            else:
+                k = route(router, [kk for kk, _ in kv_buffer], srcs)
+                v = route(router, [vv for _, vv in kv_buffer], srcs)
         out = attention(rotate(q, cos, sin), rotate(k, cos, sin), v)
         x = x + out.transpose(1, 2).reshape(b, s, -1) @ layer["wo"].t()
         h = rms_norm(x, layer["mlp_norm"], spec["eps"])

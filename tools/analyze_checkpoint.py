@@ -97,6 +97,10 @@ def main(argv=None) -> None:
         print(f"    value entropy first/last layer {entropy[0]:.3f} / {entropy[-1]:.3f}")
         if "probe_values" in numbers:
             print(f"    value probe accuracy last layer {numbers['probe_values']['mean'][-1]:.3f}")
+        for circuit in numbers.get("circuits", [])[:5]:  # dynamic LIMe: v1 Table 2's L, R, H (1-based)
+            print(f"    circuit: token {circuit['token']} (sequence {circuit['sequence']}, position "
+                  f"{circuit['position']}): layer {circuit['layer'] + 1} reads layer {circuit['source'] + 1} "
+                  f"with head {circuit['head'] + 1} at weight {circuit['weight']:.3f}")
     print(f"  written to {args.output_dir} (total {time.perf_counter() - start:.1f} s)")
 
 

@@ -11,6 +11,8 @@ reads one from a checkpoint of any layout; ``tools/analyze_checkpoint.py`` is th
 - ``router_weights`` / ``retrieval_shares``: each layer's R^(l) as ``[kv heads, sources, kv heads]``
   and Fig. 5's normalised mean |weight| of every buffered layer j in layer l, from which the mean
   self-retrieval weight (j = l) and the expected retrieved depth sum_j j * share(l, j) follow;
+  for dynamic LIMe ``dynamic_routing``'s prior (the mean per-token weights, v1 Fig. 13) stands for
+  R^(l), and it lists the tokens whose weights skip layers most (v1 Table 2's circuits);
 - ``renyi_entropy``: matrix-based Rényi entropy (§5.2) of t representations Z [t, d]:
   S_alpha = log(sum_i (lambda_i(K) / tr K)^alpha) / (1 - alpha), K = Z Z^T, Shannon at alpha = 1;
   ``layer_entropies`` averages it over sequences after standardising each feature over the corpus
@@ -120,6 +122,54 @@ def router_weights(model) -> dict[int, tuple[list[int], torch.Tensor]]:
         weights[router.layer] = (list(router.sources),
                                  router.weight.detach().float().cpu().view(kv, len(router.sources), kv))
     return weights
+
+
+def dynamic_routing(model, tokens: torch.Tensor, batch_size: int = 8, examples: int = 20, min_gap: int = 2,
+                    progress: bool = True) -> tuple[dict[int, tuple[list[int], torch.Tensor]], list[dict]]:
+    """Dynamic LIMe's routing over ``tokens`` [n, t] (v1 §5.2): ``(prior, circuits)``.
+
+    ``prior``: v1 Fig. 13's dynamic prior, the mean over tokens of p_l(t)[h, j], written as the
+    mean routing matrix ``[kv out, sources, kv in]`` (head h reads head h only: diagonal in the
+    heads), so ``retrieval_shares`` and the plots read it like a static router; layer 0's identity
+    included.  ``circuits``: v1 Table 2's examples, the ``examples`` largest weights a layer l puts
+    on a source j <= l - ``min_gap`` (a representation skipping layers), each ``{"sequence",
+    "position", "token", "layer" (L, the querying layer), "source" (R), "head" (H), "weight"}``."""
+    routers = {module.layer: module for module in model.modules() if getattr(module, "dynamic", False)}
+    kv = model.config.kv_heads
+    sums = {layer: torch.zeros(kv, layer + 1, dtype=torch.float64) for layer in routers}
+    found: list[tuple[float, int, int, int, int, int]] = []
+    offset = [0]
+
+    def record(router, _inputs, probs):
+        weights = probs.detach().double().cpu()  # [s, b, kv, l + 1]
+        sums[router.layer] += weights.sum(dim=(0, 1))
+        reach = router.layer - min_gap + 1
+        if reach > 0:
+            best, source = weights[..., :reach].max(dim=-1)
+            top = best.flatten().topk(min(examples, best.numel()))
+            for value, flat in zip(top.values.tolist(), top.indices.tolist()):
+                position, row, head = np.unravel_index(flat, best.shape)
+                found.append((value, offset[0] + int(row), int(position), router.layer,
+                              int(source[position, row, head]), int(head)))
+
+    handles = [router.register_forward_hook(record) for router in routers.values()]
+    try:
+        positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
+        for start in tqdm(range(0, tokens.shape[0], batch_size), desc="dynamic routing", disable=not progress):
+            offset[0] = start
+            model(tokens[start:start + batch_size], positions[start:start + batch_size], None)
+    finally:
+        for handle in handles:
+            handle.remove()
+    count = tokens.numel()
+    prior = {0: ([0], torch.eye(kv).view(kv, 1, kv))}
+    for layer, total in sums.items():
+        mean = (total / count).float()  # [kv, l + 1]
+        prior[layer] = (list(range(layer + 1)), torch.diag_embed(mean.t()).permute(1, 0, 2))
+    circuits = [dict(weight=value, sequence=row, position=position, token=int(tokens[row, position]),
+                     layer=layer, source=source, head=head)
+                for value, row, position, layer, source, head in sorted(found, reverse=True)[:examples]]
+    return dict(sorted(prior.items())), circuits
 
 
 def retrieval_shares(weights: dict[int, tuple[list[int], torch.Tensor]], num_layers: int) -> np.ndarray:
@@ -283,7 +333,11 @@ def _analyze_model(model, tokens, occurrences, options: AnalysisOptions) -> tupl
     seconds: dict[str, float] = {}
     numbers: dict = {"num_layers": num_layers, "seconds": seconds}
     with _timed(seconds, "router"):
-        weights = router_weights(model)
+        dynamic = model.config.lime and model.config.lime_router == "dynamic"
+        if dynamic:  # the dynamic prior stands for the weights (v1 Fig. 13)
+            weights, numbers["circuits"] = dynamic_routing(model, tokens)
+        else:
+            weights = router_weights(model)
         if weights:
             shares = retrieval_shares(weights, num_layers)
             numbers["router"] = {

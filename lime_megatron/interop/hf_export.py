@@ -402,6 +402,9 @@ def export_checkpoint(checkpoint: str, directory: str, *, dtype: torch.dtype | N
     if loaded.model.config.hyper_connections_manifold:
         raise ConversionError("mHC (--hyper-connections-manifold) has no Hugging Face layout to write: the paper's "
                               "code (the layouts here) has only Hyper-Connections; the checkpoint is left as it is")
+    if loaded.model.config.lime and loaded.model.config.lime_router == "dynamic":
+        raise ConversionError("the dynamic LIMe router has no Hugging Face layout yet (the paper's released code has "
+                              "only the static router); the checkpoint is left as it is")
     description = Description.of_run(loaded.run, ModelShape.of_model(loaded.model), tokenizer)
     tensors, files = write_hf(loaded.model, description, directory, dtype=dtype, shard_bytes=shard_bytes,
                               progress=progress)

@@ -16,10 +16,11 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-ROUTER_VARIANTS = ("full", "average", "last", "first")
+ROUTER_VARIANTS = ("full", "average", "last", "first", "dynamic")
 """Router variants of App. D: ``full`` (learned, all earlier layers), ``average`` (fixed uniform
 average, no parameters), ``last`` (learned, the last ``window`` layers up to and including the
-current one) and ``first`` (learned, the first ``window`` layers plus the current one)."""
+current one) and ``first`` (learned, the first ``window`` layers plus the current one); and v1's
+``dynamic`` (per-token softmax weights over all earlier layers, ``models.lime.dynamic_router``)."""
 
 WINDOWED_VARIANTS = ("last", "first")
 
@@ -111,6 +112,20 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
     validate_hyper_connections(config)
     if config.lime:
         reject_options_bypassing_lime(config)
+        if config.lime_router == "dynamic":
+            validate_dynamic_router(config, kv_heads)
+
+
+def validate_dynamic_router(config: LimeTransformerConfig, kv_heads: int) -> None:
+    """What the dynamic router does not support yet: blocked routing (its products are per
+    token; B must be 1 or the cost model's choice, which is 1) and tensor parallelism beyond the
+    key/value heads (each rank's logits are its own heads')."""
+    if config.lime_routing_block not in (None, 1):
+        raise LimeConfigError(f"lime_routing_block {config.lime_routing_block} is not supported with the dynamic "
+                              "router: its routing is per token, read once per layer (use 1 or leave it unset)")
+    if kv_heads % config.tensor_model_parallel_size:
+        raise LimeConfigError(f"the dynamic router needs key/value heads ({kv_heads}) divisible by the "
+                              f"tensor-parallel size ({config.tensor_model_parallel_size})")
 
 
 def validate_hyper_connections(config: LimeTransformerConfig) -> None:

@@ -22,7 +22,8 @@ Distributions (``INIT_STYLES``):
 
 - ``megatron`` (default): megatron's defaults, N(0, init_method_std) for every matrix, the scaled
   N(0, init_method_std / sqrt(2 L)) for the output projections ``linear_proj`` and ``linear_fc2``,
-  norm scales 1, biases 0, the routers as paper App. A/E (``router.init_router_weight``).
+  norm scales 1, biases 0, the routers as paper App. A/E (``router.init_router_weight``), the
+  dynamic router's W_l zero (``dynamic_router``).
 - ``official``: the paper's released code (corl-team/lime, a Hugging Face LLaMA): unscaled
   N(0, 0.02)-style normal (init_method_std) for every linear layer including the output
   projections, and, for LIMe, Kaiming-uniform with a = sqrt(5) (bound 1 / sqrt(hidden)) for the
@@ -54,6 +55,8 @@ HYPER_CONNECTIONS = (HyperConnection, ManifoldHyperConnection)
 OUTPUT_PROJECTIONS = ("self_attention.linear_proj.weight", "mlp.linear_fc2.weight")
 QKV = "self_attention.linear_qkv.weight"
 GATED_FC1 = "mlp.linear_fc1.weight"
+DYNAMIC_ROUTER = "self_attention.router.logits.weight"
+"""W_l of the dynamic router: zero in both styles (``dynamic_router``: the own layer's weight 0.9)."""
 
 
 def parameter_seed(seed: int, layer: int | str, name: str) -> int:
@@ -120,6 +123,8 @@ def draw_full(config, layer: int | str, name: str, shape: tuple[int, ...], route
     tensor = torch.empty(shape, dtype=torch.float32, device=device)
     if router is not None:
         return init_router_weight(tensor, router.sharding.kv_heads)
+    if name.endswith(DYNAMIC_ROUTER):
+        return tensor.zero_()
     if tensor.dim() == 1:
         return tensor.zero_() if name.endswith("bias") else tensor.fill_(1.0)
     if layer == "model" and name.startswith("embedding."):

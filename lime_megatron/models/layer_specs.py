@@ -6,7 +6,10 @@
 replaces two module classes, so both get identical LIMe wiring:
 
 - the layer: ``LimeTransformerLayer`` (binds the pass's memory to its attention),
-- self-attention: ``LimeSelfAttention`` (routes K/V through the memory).
+- self-attention: ``LimeSelfAttention`` (routes K/V through the memory);
+
+and, for the dynamic router on TransformerEngine, takes the input norm out of ``linear_qkv``
+(its logits read the normalised input).
 
 With ``config.lime`` False the untouched megatron spec is returned (the LLaMA baseline);
 with ``config.hyper_connections`` the Hyper-Connections layer built from it
@@ -23,7 +26,7 @@ from megatron.core.transformer.transformer_block import TransformerBlockSubmodul
 from megatron.core.transformer.transformer_layer import TransformerLayer
 
 from lime_megatron.models.config import LimeTransformerConfig
-from lime_megatron.models.hyper_connections.spec import hyper_connection_layer_spec
+from lime_megatron.models.hyper_connections.spec import hyper_connection_layer_spec, without_fused_norm
 from lime_megatron.models.lime.attention import LimeSelfAttention
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
 from lime_megatron.models.norm import TorchNorm
@@ -77,9 +80,22 @@ def lime_layer_spec(config: LimeTransformerConfig, transformer_impl: str = "loca
     spec = megatron_layer_spec(config, transformer_impl)
     if not config.lime:
         return spec
-    attention = dataclasses.replace(spec.submodules.self_attention, module=LimeSelfAttention)
-    submodules = dataclasses.replace(spec.submodules, self_attention=attention)
+    submodules = spec.submodules
+    if config.lime_router == "dynamic" and transformer_impl == "transformer_engine":
+        submodules = _unfused_input_norm(submodules)
+    attention = dataclasses.replace(submodules.self_attention, module=LimeSelfAttention)
+    submodules = dataclasses.replace(submodules, self_attention=attention)
     return dataclasses.replace(spec, module=LimeTransformerLayer, submodules=submodules)
+
+
+def _unfused_input_norm(submodules):
+    """TransformerEngine's layer ``submodules`` with the input RMSNorm taken out of ``linear_qkv``
+    (``TENorm`` as the layer's ``input_layernorm``): the dynamic router's logits read the
+    normalised input the attention receives (``dynamic_router``)."""
+    from megatron.core.extensions.transformer_engine import TENorm  # GPU machines only
+
+    attention = without_fused_norm(submodules.self_attention, "linear_qkv", "the dynamic LIMe router")
+    return dataclasses.replace(submodules, input_layernorm=TENorm, self_attention=attention)
 
 
 def lime_block_spec(

@@ -36,11 +36,14 @@ class ActivationBytes:
     """Token ids (first chunk)."""
     output: int = 0
     """Final norm, output layer input and the loss's softmax (last chunk)."""
+    routing_weights: int = 0
+    """The dynamic router's per-token weights p_l of the kept layers (v1 Table 6's
+    B T H (L(L+1)/2 - 1) term)."""
 
     @property
     def total(self) -> int:
         return (self.layers + self.lime_memory + self.received_stage + self.sent_stage
-                + self.embedding + self.output)
+                + self.embedding + self.output + self.routing_weights)
 
 
 @dataclass(frozen=True)
@@ -207,6 +210,17 @@ def layer_activation_bytes(config: LimeTransformerConfig, geometry: Geometry, im
     return norms + linear_inputs + rope + _attention_bytes(config, g, impl) + _mlp_bytes(config, g)
 
 
+def routing_weight_bytes(config: LimeTransformerConfig, geometry: Geometry, layers: range) -> int:
+    """What the dynamic router of ``layers`` keeps: p_l ``[s, b, g_t, l + 1]`` per layer l >= 1,
+    the softmax's output in float32 (at least) and, when the activations are narrower, the
+    routing's copy in their dtype (0 for the static routers)."""
+    if not (config.lime and config.lime_router == "dynamic"):
+        return 0
+    element = max(geometry.element, FP32) + (geometry.element if geometry.element < FP32 else 0)
+    weights = sum(layer + 1 for layer in layers if layer > 0)
+    return geometry.seq * geometry.batch * geometry.kv_heads * weights * element
+
+
 def _recompute_groups(config: LimeTransformerConfig, layers: int) -> tuple[int, int, int]:
     """Full recompute of a chunk of ``layers`` layers: ``(kept, checkpoints, group)``, the
     layers keeping all activations, the recomputed groups (each keeps its input) and the
@@ -266,7 +280,9 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
     if post_process:
         loss = geometry.seq * geometry.batch * (geometry.vocab * FP32 + 1 + INT64)
         output = _norm_bytes(geometry, impl) + geometry.hidden_state + loss
+    recomputed = len(layers) - kept  # block recompute: the chunk's first layers
     activations = ActivationBytes(
+        routing_weights=routing_weight_bytes(config, geometry, layers[recomputed:]),
         layers=layer_bytes,
         lime_memory=len(layers) * geometry.kv_rows if config.lime else 0,
         received_stage=received,
@@ -274,4 +290,5 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
         embedding=_embedding_bytes(config, geometry) if pre_process else 0,
         output=output,
     )
-    return activations, group * per_layer
+    last_group = layers[max(0, recomputed - group):recomputed]
+    return activations, group * per_layer + routing_weight_bytes(config, geometry, last_group)

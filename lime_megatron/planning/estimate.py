@@ -25,7 +25,7 @@ from lime_megatron.models.config import LimeTransformerConfig, pipeline_layer_sp
 from lime_megatron.models.gpt_model import LimeGPTModel
 from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.head_parallel import HeadSharding
-from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.router import LimeRouter, router_source_count, router_weights_per_source
 from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
 from lime_megatron.parallel.fusions import replace_config
 from lime_megatron.planning.activations import (
@@ -227,6 +227,8 @@ def router_parameters(config: LimeTransformerConfig, layers: range, tp: int = 1)
     """Learned router weights of ``layers`` on one of ``tp`` tensor-parallel ranks."""
     if not config.lime:
         return 0
+    if config.lime_router == "dynamic":  # W_l split by head (dynamic_router)
+        return router_weights_per_source(config) * router_source_count(config, layers) // tp
     sharding = HeadSharding(config.kv_heads, 0, tp)
     with torch.device("meta"):
         routers = [LimeRouter(config, layer, sharding) for layer in layers]
@@ -361,10 +363,15 @@ def _layout(result: DryRunEstimate) -> str:
 
 def _routing_lines(result: DryRunEstimate) -> list[str]:
     """LIMe's routing block size per chunk (the H100 roofline, ``routing_blocks``) and the bytes its
-    products read per micro-batch (``routing_bytes``: each chunk's own products, no TP split)."""
+    products read per micro-batch (``routing_bytes``: each chunk's own products, no TP split); for
+    the dynamic router the bytes its per-token weights keep."""
     config = result.config
     if not config.lime:
         return []
+    if config.lime_router == "dynamic":
+        weights = sum(chunk.activations.routing_weights for stage in result.stages for chunk in stage.chunks)
+        return ["", f"LIMe routing: dynamic router, per token and not blocked (B = 1); its weights p_l keep "
+                    f"{_gib(weights)} per microbatch (in the activations above)"]
     chunks = [chunk for stage in result.stages for chunk in stage.chunks]
     blocks = [chunk_routing_block(config, len(chunk.layers), H100_SXM) for chunk in chunks]
     reads = {name: sum(sum(routing_bytes_per_step(config, result.seq_length, result.micro_batch_size, block,

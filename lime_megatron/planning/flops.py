@@ -11,7 +11,7 @@ sequence, one token costs in forward:
 - per layer: QKV 2h(a + 2g)d, output projection 2adh, MLP 2*3hf (SwiGLU; 2*2hf without gate),
   causal attention 2 * 2sad / 2;
 - LIMe router of layer l >= 1 (paper Eq. 2, keys and values): 2 * 2 g^2 d * |sources(l)|
-  (``router.router_source_count``);
+  (``router.router_source_count``); the dynamic router 2 * 2gd + 2hg per source (mixing and logits);
 - logits: 2hV;
 - Hyper-Connections with n streams, per sublayer (two per layer): the mixing ``alpha^T H``
   2(n+1)nh and, dynamic, the projections of the normed streams onto alpha and beta 2nh(n+2)
@@ -32,8 +32,12 @@ from lime_megatron.models.lime.router import router_source_count
 
 def router_flops_per_token(config: LimeTransformerConfig, layers: range | None = None) -> float:
     """Forward FLOPs per token of the routers of ``layers`` (default all): Eq. 2 mixes, for keys
-    and values, g source heads into g heads per source layer, per head-dim element."""
-    return 2.0 * 2.0 * config.kv_heads**2 * config.kv_channels * router_source_count(config, layers)
+    and values, g source heads into g heads per source layer, per head-dim element.  The dynamic
+    router mixes one head per head (2 * 2gd per source) and computes its logits (2hg per source)."""
+    sources = router_source_count(config, layers)
+    if config.lime_router == "dynamic":
+        return (2.0 * 2.0 * config.kv_heads * config.kv_channels + 2.0 * config.hidden_size * config.kv_heads) * sources
+    return 2.0 * 2.0 * config.kv_heads**2 * config.kv_channels * sources
 
 
 def layer_flops_per_token(config: LimeTransformerConfig, seq_len: int) -> float:

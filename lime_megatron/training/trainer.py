@@ -52,6 +52,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 from lime_megatron.models.config import LimeConfigError, LimeTransformerConfig
 from lime_megatron.models.gpt_model import build_model
 from lime_megatron.models.lime import recompute
+from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR
 from lime_megatron.parallel import fusions
 from lime_megatron.parallel.compat import default_device
 from lime_megatron.parallel.pipeline import finish_schedule, schedule_arguments
@@ -232,8 +233,9 @@ def count_parameters(model: list) -> tuple[int, int]:
             else:
                 counted = not getattr(param, "shared", False) and (
                     tensor_parallel.param_is_not_tensor_parallel_duplicate(param))
+            is_router = getattr(param, ROUTER_PARAM_ATTR, False)  # the dynamic router's W_l too
             if counted:
-                counts += torch.tensor([param.numel(), param.numel() if router else 0], dtype=counts.dtype,
+                counts += torch.tensor([param.numel(), param.numel() if is_router else 0], dtype=counts.dtype,
                                        device=counts.device)
     torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
     return int(counts[0]), int(counts[1])

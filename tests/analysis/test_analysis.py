@@ -1,7 +1,7 @@
 """lime_megatron.analysis.measures: entropy against closed forms, router numbers against the model's
 routers, the probe on separable and on random data, hooked values against the model's own value
-projections, Hyper-Connections' hidden states as their streams' sums, and the plots of a
-LIMe/LLaMA/HC comparison."""
+projections, Hyper-Connections' hidden states as their streams' sums, dynamic LIMe's prior and
+circuits against its routers' weights, and the plots of a LIMe/LLaMA/HC/dynamic-LIMe comparison."""
 
 from __future__ import annotations
 
@@ -43,7 +43,8 @@ def models():
     initialize_parallel()
     return {"LIMe": tiny_model(torch.float32, num_query_groups=2).eval(),
             "LLaMA": tiny_model(torch.float32, num_query_groups=2, lime=False).eval(),
-            "HC": tiny_model(torch.float32, num_query_groups=2, lime=False, hyper_connections=2).eval()}
+            "HC": tiny_model(torch.float32, num_query_groups=2, lime=False, hyper_connections=2).eval(),
+            "Dynamic": tiny_model(torch.float32, num_query_groups=2, lime_router="dynamic").eval()}
 
 
 @pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0])
@@ -127,11 +128,14 @@ def test_analysis_of_lime_llama_and_hc_writes_numbers_and_plots(models, tmp_path
         assert torch.equal(torch.tensor(stored["weight"]).reshape(router.weight.shape), router.weight.detach())
     np.testing.assert_allclose(np.array(lime["router"]["shares"]).sum(1), 1.0)
     assert "router" not in saved["models"]["LLaMA"] and "router" not in saved["models"]["HC"]
+    dynamic = saved["models"]["Dynamic"]  # its prior stands for the router weights
+    np.testing.assert_allclose(np.array(dynamic["router"]["shares"]).sum(1), 1.0, rtol=1e-6)
+    assert len(dynamic["circuits"]) == 20 and all(c["source"] <= c["layer"] - 2 for c in dynamic["circuits"])
     for name in models:
         for key in ("entropy_values", "entropy_hidden", "probe_values", "probe_hidden"):
             assert len(results["models"][name][key]["mean"]) == 5
     for plot in ("entropy_values", "entropy_hidden", "probe_values", "probe_hidden", "tsne_values",
-                 "tsne_hidden", "retrieval_LIMe", "routers_LIMe"):
+                 "tsne_hidden", "retrieval_LIMe", "routers_LIMe", "retrieval_Dynamic", "routers_Dynamic"):
         data = (tmp_path / f"{plot}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, plot
 
@@ -140,3 +144,40 @@ def test_a_word_without_a_single_token_is_named():
     assert measures.word_token_ids(WordTokenizer(), ["is", "were"]) == {"is": [7], "were": [10]}
     with pytest.raises(ValueError, match="no single token for 'been'"):
         measures.word_token_ids(WordTokenizer(), ["is", "been"])
+
+
+def test_dynamic_prior_and_circuits_are_the_routers_own_weights():
+    """v1 Fig. 13 and Table 2: the prior is the mean over tokens of each router's p_l (computed
+    here again from the attention inputs), as a matrix diagonal in the heads; every circuit is one
+    weight p_l(t)[h, j] of a source j <= l - 2, largest first."""
+    initialize_parallel()
+    model = tiny_model(torch.float32, num_query_groups=2, lime_router="dynamic").eval()
+    tokens = _tokens(8)
+    inputs = {}
+    handles = [layer.self_attention.register_forward_pre_hook(
+        lambda _m, args, i=index: inputs.setdefault(i, []).append(args[0].detach()))
+        for index, layer in enumerate(model.decoder.layers)]
+    with torch.no_grad():
+        prior, circuits = measures.dynamic_routing(model, tokens, batch_size=3, examples=6, progress=False)
+    for handle in handles:
+        handle.remove()
+    assert sorted(prior) == [0, 1, 2, 3, 4]
+    weights = {}
+    for index, layer in enumerate(model.decoder.layers[1:], start=1):
+        with torch.no_grad():
+            # [s, n, kv, l + 1]
+            weights[index] = torch.cat([layer.self_attention.router(x) for x in inputs[index]], dim=1)
+        sources, matrix = prior[index]
+        assert sources == list(range(index + 1))
+        mean = weights[index].double().mean(dim=(0, 1))  # [kv, l + 1]
+        torch.testing.assert_close(matrix, torch.diag_embed(mean.t()).permute(1, 0, 2).float())
+    found = [c["weight"] for c in circuits]
+    assert len(circuits) == 6 and found == sorted(found, reverse=True)
+    for circuit in circuits:
+        assert circuit["source"] <= circuit["layer"] - 2
+        p = weights[circuit["layer"]][circuit["position"], circuit["sequence"], circuit["head"], circuit["source"]]
+        assert abs(p.item() - circuit["weight"]) <= 1e-6
+        assert circuit["token"] == tokens[circuit["sequence"], circuit["position"]]
+    shares = measures.retrieval_shares(prior, 5)
+    np.testing.assert_allclose(shares[1:].sum(1), 1.0, rtol=1e-6)
+    np.testing.assert_allclose(shares[4], weights[4].double().mean(dim=(0, 1, 2)).numpy(), rtol=1e-5)

@@ -1,7 +1,7 @@
 """KV-cache decoding (lime_megatron.inference.decoding) against the full forward, float64.
 
 Prefill plus one token at a time gives the logits of one full causal forward (every router
-variant, MHA and GQA, LIMe, the baseline and Hyper-Connections); a batch of different prompt
+variant, dynamic included, MHA and GQA, LIMe, the baseline and Hyper-Connections); a batch of different prompt
 lengths decoded at one shared position gives each sequence's own unpadded forward; LIMe's cache is the baseline's size
 and a decoding step's layer-integrated memory holds only the new tokens.
 """
@@ -27,6 +27,7 @@ MODELS = [
     dict(lime_router="average"),
     dict(lime_router="last", lime_router_window=2),
     dict(lime_router="first", lime_router_window=2),
+    dict(lime_router="dynamic"),  # per-token weights of the new tokens only
     dict(lime=False),
     dict(lime=False, hyper_connections=4),  # Hyper-Connections: the streams are per position
     dict(lime=False, hyper_connections=4, hyper_connections_manifold=True),  # mHC: so are its mappings
@@ -52,7 +53,8 @@ def test_incremental_logits_equal_the_full_forward(kv_heads, options):
     assert relative_error(alone[:, 0], full[:, -1]) > 1e-3
 
 
-@pytest.mark.parametrize("options", [MODELS[0], MODELS[2], MODELS[4]], ids=["full", "last-2", "baseline"])
+@pytest.mark.parametrize("options", [MODELS[0], MODELS[2], MODELS[4], MODELS[5]],
+                         ids=["full", "last-2", "dynamic", "baseline"])
 def test_prompts_of_different_lengths_decode_like_each_alone(options):
     """Shared-position decoding (megatron's static engine): prefill to the shortest prompt, then
     one position per step; each sequence's logits equal its own unpadded forward's."""

@@ -448,3 +448,13 @@ def test_an_mhc_checkpoint_is_not_exported(tmp_path):
     with pytest.raises(ConversionError, match="mHC .* has no Hugging Face layout"):
         export_checkpoint(source, str(tmp_path / "hf"), progress=False)
     assert not os.path.exists(tmp_path / "hf")
+
+
+def test_a_dynamic_lime_checkpoint_is_not_exported(tmp_path):
+    """It loads (the model and its W_l), then the export stops before writing anything."""
+    source = _checkpoint(tmp_path / "ckpt", "--lime --lime-router dynamic --num-layers 2 --hidden-size 32 "
+                                            "--num-attention-heads 4".split())
+    assert load_model(source).model.config.lime_router == "dynamic"
+    with pytest.raises(ConversionError, match="dynamic LIMe router has no Hugging Face layout"):
+        export_checkpoint(source, str(tmp_path / "hf"), progress=False)
+    assert not os.path.exists(tmp_path / "hf")

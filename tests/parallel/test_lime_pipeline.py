@@ -105,6 +105,10 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("gqa-full-recompute-blocked", dict(num_query_groups=2, **FULL_RECOMPUTE_2), [Layout(pp=2)],
      dict(lime_routing_block=2)),
     ("last-3-blocked", dict(lime_router="last", lime_router_window=3), [Layout(pp=2)], dict(lime_routing_block=2)),
+    # the dynamic router: its rows cross stages like the static ones', its p_m weight the row gradients
+    ("dynamic", dict(lime_router="dynamic"), [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)]),
+    ("dynamic-gqa-full-recompute", dict(lime_router="dynamic", num_query_groups=2, **FULL_RECOMPUTE),
+     [Layout(pp=2, vpp=2)]),
 ]
 SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
     ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
@@ -387,15 +391,17 @@ def live_side_channel_objects() -> tuple[int, int, int, int]:
 
 def side_channel_residue(steps: int = 3) -> dict:
     """With Python's cyclic collector off, what the side channel leaves alive after each of
-    ``steps`` training steps and each evaluation call, at PP=2 x VPP=2 and PP=4."""
+    ``steps`` training steps and each evaluation call, at PP=2 x VPP=2 and PP=4 (static router)
+    and PP=2 x VPP=2 (dynamic router: its memory also keeps the weights p_m in backward)."""
     import gc
 
     from lime_megatron.training.trainer import run_schedule, train_step
 
     residue = {}
-    for layout in (Layout(pp=2, vpp=2), Layout(pp=4)):
+    for layout, model in ((Layout(pp=2, vpp=2), {}), (Layout(pp=4), {}),
+                          (Layout(pp=2, vpp=2), dict(lime_router="dynamic"))):
         initialize_layout(layout)
-        chunks = build_chunks(make_config(layout))
+        chunks = build_chunks(make_config(layout, **model))
         optimizer, scheduler = sgd(chunks, LR, steps)
         batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
         gc.collect()
@@ -410,7 +416,7 @@ def side_channel_residue(steps: int = 3) -> dict:
                 counts.append(live_side_channel_objects())
         finally:
             gc.enable()
-        residue[layout.name] = counts
+        residue[" ".join([layout.name, *model.values()])] = counts
     return residue
 
 

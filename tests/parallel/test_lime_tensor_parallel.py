@@ -72,16 +72,17 @@ def sgd(chunks, lr: float, steps: int):
     return optimizer, build_scheduler(optimizer, LRSchedule(max_lr=lr, decay_iters=steps, decay_style="constant"))
 
 
-def train(layout: Layout, kv_heads: int, weights=None, block: int = 1):
-    """3 SGD steps with routing blocks of ``block`` layers; returns (losses, [full grads per step],
-    initial full weights, [router gradient norm per step as megatron's clipping sees it])."""
+def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: str = "full"):
+    """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers; returns
+    (losses, [full grads per step], initial full weights, [router gradient norm per step as
+    megatron's clipping sees it])."""
     from lime_megatron.models.config import lime_config
     from lime_megatron.training.trainer import train_step
 
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=kv_heads, use_cpu_initialization=True, lime_routing_block=block,
-                         **layout_config_kwargs(layout))
+                         lime_router=router, **layout_config_kwargs(layout))
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
     optimizer, scheduler = sgd(chunks, LR, STEPS)
@@ -117,15 +118,19 @@ LAYOUTS = [  # (layout, kv_heads, routing block; the TP=1 reference runs B = 1)
 ]
 
 
-def compare_layouts():
+DYNAMIC_LAYOUTS = [(Layout(tp=2, sp=True), 4, 1), (Layout(tp=4), 4, 1), (Layout(tp=2), 2, 1)]
+"""The dynamic router (each rank's logits are its own heads'; no replicated heads)."""
+
+
+def compare_layouts(layouts=tuple(LAYOUTS), router: str = "full"):
     """On every rank: each layout against TP=1 from the same initial weights."""
     report = []
-    for kv_heads in sorted({kv for _, kv, _ in LAYOUTS}):
-        ref_losses, ref_grads, weights, ref_norms = train(Layout(), kv_heads)
-        for layout, kv, block in LAYOUTS:
+    for kv_heads in sorted({kv for _, kv, _ in layouts}):
+        ref_losses, ref_grads, weights, ref_norms = train(Layout(), kv_heads, router=router)
+        for layout, kv, block in layouts:
             if kv != kv_heads:
                 continue
-            losses, grads, _, norms = train(layout, kv_heads, weights, block)
+            losses, grads, _, norms = train(layout, kv_heads, weights, block, router)
             worst = max(
                 ((g[name] - ref[name]).norm() / ref[name].norm()).item()
                 for g, ref in zip(grads, ref_grads) for name in ref
@@ -137,7 +142,7 @@ def compare_layouts():
     return report
 
 
-def loss_after_loading(layout: Layout, checkpoint: str) -> float:
+def loss_after_loading(layout: Layout, checkpoint: str, router: str = "full") -> float:
     """Loss of a fresh model at ``layout`` (other random weights) after loading ``checkpoint``."""
     from megatron.core import dist_checkpointing
 
@@ -147,7 +152,7 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=4, use_cpu_initialization=True, init_seed=100 + layout.tp,
-                         **layout_config_kwargs(layout))  # initial weights other than the saved ones
+                         lime_router=router, **layout_config_kwargs(layout))  # other initial weights
     chunks = build_chunks(config)
     model = chunks[0].module
     if checkpoint:
@@ -155,8 +160,9 @@ def loss_after_loading(layout: Layout, checkpoint: str) -> float:
     return forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
 
 
-def reshard_checkpoint(directory: str):
-    """Save at TP=2, load at TP=1 and TP=4: (saved loss, [loaded losses], fresh-model loss)."""
+def reshard_checkpoint(directory: str, router: str = "full"):
+    """Save at TP=2, load at TP=1 and TP=4: (saved loss, [loaded losses], fresh-model loss).
+    The saved model's routers are drawn at random (a dynamic one starts at zero)."""
     from megatron.core import dist_checkpointing
 
     from lime_megatron.models.config import lime_config
@@ -165,21 +171,40 @@ def reshard_checkpoint(directory: str):
     initialize_layout(Layout(tp=2))
 
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                         num_query_groups=4, use_cpu_initialization=True, **layout_config_kwargs(Layout(tp=2)))
+                         num_query_groups=4, use_cpu_initialization=True, lime_router=router,
+                         **layout_config_kwargs(Layout(tp=2)))
     chunks = build_chunks(config)
+    with torch.no_grad():
+        for name, param in chunks[0].module.named_parameters():
+            if "router" in name:
+                param.uniform_(-0.5, 0.5)
     saved_loss = forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
     dist_checkpointing.save(chunks[0].module.sharded_state_dict(), directory)
     torch.distributed.barrier()
-    loaded = [loss_after_loading(Layout(tp=tp), directory) for tp in (1, 4)]
-    return saved_loss, loaded, loss_after_loading(Layout(tp=1), "")
+    loaded = [loss_after_loading(Layout(tp=tp), directory, router) for tp in (1, 4)]
+    return saved_loss, loaded, loss_after_loading(Layout(tp=1), "", router)
 
 
-def tensor_parallel_checks(directory: str):
-    return compare_layouts(), reshard_checkpoint(directory)
+def tensor_parallel_checks(directory: str, router: str = "full"):
+    layouts = DYNAMIC_LAYOUTS if router == "dynamic" else LAYOUTS
+    return compare_layouts(layouts, router), reshard_checkpoint(directory, router)
 
 
 def test_tensor_and_sequence_parallel_equal_single_rank(tmp_path):
-    report, (saved_loss, loaded, fresh) = run_distributed(tensor_parallel_checks, 4, str(tmp_path))[0]
+    report = check_layouts(run_distributed(tensor_parallel_checks, 4, str(tmp_path))[0])
+    assert report == {"tp2-pp1", "tp2-pp1-sp", "tp4-pp1", "tp4-pp1-sp", "tp2-pp1-sp-B2", "tp4-pp1-sp-B3"}
+
+
+def test_dynamic_router_under_tensor_and_sequence_parallelism(tmp_path):
+    """Dynamic LIMe: TP2+SP, TP4 (MHA) and TP2 (GQA) against TP=1 over 3 SGD steps (the routers
+    start at zero and are trained by the first step), and a TP=2 checkpoint loaded at TP=1 and 4."""
+    report = check_layouts(run_distributed(tensor_parallel_checks, 4, str(tmp_path), "dynamic")[0])
+    assert report == {"tp2-pp1-sp", "tp4-pp1", "tp2-pp1"}
+
+
+def check_layouts(result) -> set[str]:
+    """Assert the report of ``tensor_parallel_checks``; returns the layouts it compared."""
+    report, (saved_loss, loaded, fresh) = result
     print(f"checkpoint saved at TP=2 with loss {saved_loss:.6f}; loaded at TP=1, TP=4: {loaded}")
     assert all(abs(loss - saved_loss) <= 1e-5 for loss in loaded)
     assert abs(fresh - saved_loss) > 1e-3  # a model that loaded nothing differs
@@ -189,5 +214,4 @@ def test_tensor_and_sequence_parallel_equal_single_rank(tmp_path):
         assert len(routers) == 3
         assert loss_diff <= 1e-5, name
         assert grad_err <= 1e-5, name
-    assert {name for name, *_ in report} == {"tp2-pp1", "tp2-pp1-sp", "tp4-pp1", "tp4-pp1-sp", "tp2-pp1-sp-B2",
-                                             "tp4-pp1-sp-B3"}
+    return {name for name, *_ in report}

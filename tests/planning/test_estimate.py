@@ -71,6 +71,10 @@ SAVED_CASES = {
                             recompute_num_layers=2),
     "llama-bf16": dict(lime=False, bf16=True, params_dtype=torch.bfloat16),
     "lime-gqa-bf16": dict(num_query_groups=2, bf16=True, params_dtype=torch.bfloat16),
+    "dynamic": dict(lime_router="dynamic"),
+    "dynamic-gqa-bf16": dict(lime_router="dynamic", num_query_groups=2, bf16=True, params_dtype=torch.bfloat16),
+    "dynamic-full-block": dict(lime_router="dynamic", recompute_granularity="full", recompute_method="block",
+                               recompute_num_layers=2),
 }
 
 
@@ -101,6 +105,7 @@ ROUTER_CASES = {
     "lime-last2-gqa": dict(num_query_groups=2, lime_router="last", lime_router_window=2),
     "lime-first1": dict(lime_router="first", lime_router_window=1),
     "lime-average": dict(lime_router="average"),
+    "lime-dynamic-gqa": dict(num_query_groups=2, lime_router="dynamic"),
     "llama": dict(lime=False),
 }
 

@@ -46,7 +46,7 @@ def configs() -> dict:
 
 
 def test_every_config_has_the_paper_hyperparameters(configs):
-    assert len(configs) == 21
+    assert len(configs) == 22
     for name, args in configs.items():
         expected = {**TABLE_2, "train_iters": 5000} if "_deep" in name else TABLE_2  # official deep config
         assert {key: getattr(args, key) for key in TABLE_2} == expected, name
@@ -74,6 +74,19 @@ def test_1b_configs_are_table_3_and_count_table_8(configs):
                                    num_microbatches=args.num_microbatches,
                                    transformer_impl=args.transformer_impl)
         assert result.total_parameters == exact + (vocab - GPT2_VOCAB) * 2048, stem
+
+
+def test_v1_dynamic_config_counts_v1_table_6(configs):
+    """The first version's dynamic LIMe 1.2B: the static 1B MHA shape and router, v1 Table 6's
+    1.1856B (1,185,583,104 with the unpadded vocabulary)."""
+    args, static = configs["lime_1b_dynamic"], configs["lime_1b_mha"]
+    assert shape(args) == shape(static) and args.lime_router == "dynamic" and static.lime_router == "full"
+    run = RunConfig.from_namespace(args)
+    vocab = tokenizer_of(run.data, run.model.vocab_size).vocab_size
+    result = estimate.estimate(arguments.transformer_config(run), vocab_size=vocab, seq_length=2048,
+                               micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
+                               transformer_impl=args.transformer_impl)
+    assert result.total_parameters == 1_185_583_104 + (vocab - GPT2_VOCAB) * 2048
 
 
 # Paper Table 8's HC rows (1B, n = 4 dynamic): kv heads -> exact count of the unpadded vocabulary.
@@ -122,7 +135,7 @@ def dry_run(path: Path, capsys) -> str:
     return report
 
 
-REPRESENTATIVE = ["lime_1b_gqa8", "lime_150m_first2", "lime_deep128", "hc_1b_gqa8"]
+REPRESENTATIVE = ["lime_1b_gqa8", "lime_1b_dynamic", "lime_150m_first2", "lime_deep128", "hc_1b_gqa8"]
 
 
 @pytest.mark.parametrize("stem", REPRESENTATIVE)
@@ -192,6 +205,10 @@ def test_run_paper_launches_every_config_once(stub_torchrun):
     assert sorted(launched) == [str(path) for path in CONFIGS]
     assert all(line.endswith("--dry-run") for line in log.read_text().splitlines())
     assert run_script("run_paper.sh", "tables", env=env).returncode == 2
+    log.unlink()
+    assert run_script("run_paper.sh", "v1", env=env).returncode == 0
+    assert [line.split("--config ")[1].split()[0].rsplit("/", 1)[1] for line in log.read_text().splitlines()] == [
+        "llama_1b_mha.yaml", "lime_1b_mha.yaml", "lime_1b_dynamic.yaml", "hc_1b_mha.yaml"]
 
 
 def test_readme_lists_every_config():

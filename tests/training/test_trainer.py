@@ -205,6 +205,11 @@ def test_router_group_is_distinct_or_merged():
 
 def _decayed(*flags) -> dict[str, bool]:
     """Whether the trainer's optimizer decays each parameter (by name) of a tiny LIMe run."""
+    return {name: group["weight_decay"] > 0 for name, group in _param_groups(*flags).items()}
+
+
+def _param_groups(*flags) -> dict[str, dict]:
+    """The trainer's optimizer group of each parameter (by name) of a tiny LIMe run."""
     from megatron.core.utils import unwrap_model
 
     run = arguments.parse_run(TINY + ["--lime", "--weight-decay", "0.1", "--train-iters", "1", *flags],
@@ -213,8 +218,7 @@ def _decayed(*flags) -> dict[str, bool]:
         built = trainer.build_trainer(run)
         built.metrics.close()
         names = {id(param): name for chunk in built.model for name, param in unwrap_model(chunk).named_parameters()}
-        return {names[id(param)]: group["weight_decay"] > 0
-                for group in built.optimizer.param_groups for param in group["params"]}
+        return {names[id(param)]: group for group in built.optimizer.param_groups for param in group["params"]}
 
 
 def test_weight_decay_groupings():
@@ -231,6 +235,15 @@ def test_weight_decay_groupings():
     copy.shared_embedding = True
     assert EMBEDDING.matches(copy, "module.output_layer.weight")
     assert not EMBEDDING.matches(untied, "module.output_layer.weight")
+
+
+def test_dynamic_router_weights_train_in_the_router_group():
+    """W_l of the dynamic router: the router's learning rate (1e-2, App. A) and no weight decay."""
+    groups = _param_groups("--lime-router", "dynamic", "--lr", "1e-3")
+    routers = [name for name in groups if name.endswith("router.logits.weight")]
+    assert routers and all(groups[name]["weight_decay"] == 0 for name in routers)
+    assert all(groups[name]["max_lr"] == pytest.approx(1e-2) for name in routers)
+    assert all(groups[name]["max_lr"] == pytest.approx(1e-3) for name in groups if "linear_qkv" in name)
 
 
 # --------------------------------------------------------------------------- training

@@ -45,8 +45,8 @@ def hyper_connection_layer_spec(transformer_impl: str, baseline: Callable[[], Mo
     if manifold:
         return _hyper_connection_layer(kept, ManifoldHyperConnection)
     if transformer_impl == "transformer_engine":
-        kept["self_attention"] = _without_fused_norm(kept["self_attention"], "linear_qkv")
-        kept["mlp"] = _without_fused_norm(kept["mlp"], "linear_fc1")
+        kept["self_attention"] = without_fused_norm(kept["self_attention"], "linear_qkv", "Hyper-Connections")
+        kept["mlp"] = without_fused_norm(kept["mlp"], "linear_fc1", "Hyper-Connections")
     kept.update(input_layernorm=LayerNormWithoutAffine, pre_mlp_layernorm=LayerNormWithoutAffine)
     return _hyper_connection_layer(kept, HyperConnection)
 
@@ -57,10 +57,12 @@ def _hyper_connection_layer(submodules: dict, connection: type) -> ModuleSpec:
                       submodules=HyperConnectionLayerSubmodules(**submodules, hc_attn=connection, hc_mlp=connection))
 
 
-def _without_fused_norm(spec: ModuleSpec | partial, linear: str) -> ModuleSpec | partial:
+def without_fused_norm(spec: ModuleSpec | partial, linear: str, model: str) -> ModuleSpec | partial:
     """``spec`` with its submodule ``linear`` (TransformerEngine's norm-fused column-parallel
-    layer) replaced by TransformerEngine's column-parallel layer without a norm.  ``spec`` is a
-    ``ModuleSpec``, or (megatron 0.19's MLP) a ``partial`` of a builder taking ``submodules=``."""
+    layer) replaced by TransformerEngine's column-parallel layer without a norm; ``model`` names
+    who needs it in the error (Hyper-Connections here; ``layer_specs`` for the dynamic LIMe router,
+    whose logits read the normalised input).  ``spec`` is a ``ModuleSpec``, or (megatron 0.19's MLP) a
+    ``partial`` of a builder taking ``submodules=``."""
     from megatron.core.extensions.transformer_engine import (  # GPU machines only
         TEColumnParallelLinear,
         TELayerNormColumnParallelLinear,
@@ -69,7 +71,7 @@ def _without_fused_norm(spec: ModuleSpec | partial, linear: str) -> ModuleSpec |
     submodules = spec.keywords["submodules"] if isinstance(spec, partial) else spec.submodules
     fused = getattr(submodules, linear)
     if fused is not TELayerNormColumnParallelLinear:
-        raise LimeConfigError(f"Hyper-Connections expect TransformerEngine's norm-fused {linear} in megatron's "
+        raise LimeConfigError(f"{model} needs TransformerEngine's norm-fused {linear} in megatron's "
                               f"spec, found {getattr(fused, '__name__', fused)!r}")
     submodules = dataclasses.replace(submodules, **{linear: TEColumnParallelLinear})
     if isinstance(spec, partial):

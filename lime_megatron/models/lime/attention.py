@@ -32,6 +32,11 @@ from megatron.core.transformer.attention import SelfAttention
 from megatron.core.transformer.enums import AttnMaskType
 
 from lime_megatron.models.config import reject_options_bypassing_lime
+from lime_megatron.models.lime.dynamic_router import (
+    DynamicLimeRouter,
+    route_keys_values_by_token,
+    route_new_tokens_by_token,
+)
 from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.models.lime.memory import LayerIntegratedMemory, route_keys_values, route_new_tokens
 from lime_megatron.models.lime.recompute import Rebuilt, recompute_in_backward, routed_kv_log
@@ -48,7 +53,10 @@ class LimeSelfAttention(SelfAttention):
         sharding = HeadSharding(
             config.kv_heads, self.tp_group.rank() if self.world_size > 1 else 0, self.world_size, self.tp_group
         )
-        self.router = LimeRouter(config, layer_number - 1, sharding)
+        layer = layer_number - 1
+        dynamic = config.lime_router == "dynamic" and layer > 0
+        self.router = DynamicLimeRouter(config, layer, sharding, self.tp_group) if dynamic else \
+            LimeRouter(config, layer, sharding)
         self.memory: LayerIntegratedMemory | None = None
 
     def forward(
@@ -80,7 +88,10 @@ class LimeSelfAttention(SelfAttention):
         if inference_context is not None:
             return self._decoding_forward(hidden_states, attention_mask, inference_context, rotary_pos_emb)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        routed = route_keys_values(self.memory, self.router, key, value)
+        if self.router.dynamic:
+            routed, probs = route_keys_values_by_token(self.memory, self.router, hidden_states, key, value)
+        else:
+            routed, probs = route_keys_values(self.memory, self.router, key, value), None
         key, value = routed[0], routed[1]
         if rotary_pos_emb is not None:
             q_freqs, k_freqs = (
@@ -90,7 +101,7 @@ class LimeSelfAttention(SelfAttention):
             key = self._rotate(key, k_freqs)
         else:
             k_freqs = None
-        with self._recompute_routed(routed, key, k_freqs):
+        with self._recompute_routed(routed, key, k_freqs, probs):
             context = self._attend(query, key, value, attention_mask)
         return self.linear_proj(context)
 
@@ -103,7 +114,10 @@ class LimeSelfAttention(SelfAttention):
         if self.config.flash_decode:
             raise NotImplementedError("LIMe decoding does not support flash_decode")
         query, key, value = self.get_query_key_value_tensors(hidden_states)
-        key, value = route_new_tokens(self.memory, self.router, key, value)
+        if self.router.dynamic:
+            key, value = route_new_tokens_by_token(self.memory, self.router, hidden_states, key, value)
+        else:
+            key, value = route_new_tokens(self.memory, self.router, key, value)
         if rotary_pos_emb is not None and not isinstance(rotary_pos_emb, tuple):
             rotary_pos_emb = (rotary_pos_emb,) * 2
         query, key, value, rotary_pos_emb, attn_mask_type, _ = self._adjust_key_value_for_inference(
@@ -131,14 +145,18 @@ class LimeSelfAttention(SelfAttention):
             )
         return self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type)
 
-    def _recompute_routed(self, routed: torch.Tensor, key: torch.Tensor, k_freqs):
+    def _recompute_routed(self, routed: torch.Tensor, key: torch.Tensor, k_freqs, probs: torch.Tensor | None):
         """Drop the routed keys/values (and the rotated keys) from attention's saved tensors;
-        backward rebuilds them from the memory buffer.  What was dropped and rebuilt is counted
+        backward rebuilds them from the memory buffer (a dynamic router's from its weights
+        ``probs``, which its backward keeps anyway).  What was dropped and rebuilt is counted
         in ``recompute.routed_kv_log`` (which warns once if the core attention kept copies)."""
         if not (self.config.lime_recompute_routed_kv and torch.is_grad_enabled()):
             return nullcontext()
         memory, router, log, layer = self.memory, self.router, routed_kv_log, self.router.layer
+        kept_probs = None if probs is None else probs.detach()
         def rebuild():
+            if router.dynamic:
+                return memory.mix_by_token(router, kept_probs)
             return memory.mix(router, router.weight.detach(), memory.rebuilt_earlier_partial(router), "rebuild")
 
         routed_again = Rebuilt(rebuild, log.rebuilt(layer, "routed"))

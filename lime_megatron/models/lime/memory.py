@@ -101,6 +101,7 @@ class LayerIntegratedMemory:
         self._partials: dict[int, torch.Tensor] = {}  # forward: earlier-source sums of the block
         self._rebuild_partials: dict[int, torch.Tensor] = {}  # the same, rebuilt in backward
         self._later_grads: dict[int, torch.Tensor] = {}  # backward: row gradients from later blocks
+        self._token_weights: dict[int, torch.Tensor] = {}  # backward: p_m of dynamic consumers m
         self.id = next(_NEXT_ID)
         _MEMORIES[self.id] = self
 
@@ -361,10 +362,61 @@ class LayerIntegratedMemory:
         """sum_{m in consumers} W_m[:, block l]^T g_m for each l in ``sources``, stacked:
         ``[len(sources) * local heads, 2*s*b*d]``, one product reading each kept g_m once."""
         routers = [self._routers[m] for m in consumers]
+        if routers[0].dynamic:
+            return self._token_mixed_grad(sources, consumers)
         kv_heads = routers[0].weight.shape[0]
         grads = self._grad_buffer(kv_heads)[(consumers.start - self.layers.start) * kv_heads :
                                             (consumers.stop - self.layers.start) * kv_heads]
         return routing_product("row_grad", stacked_columns(routers, sources.start, sources.stop).t(), grads)
+
+    # ----------------------------------------------------------------------------- by token
+    def _heads_first(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows of one layer ``[kv_heads, 2*s*b*d]`` viewed as ``[kv_heads, 2, s, b, d]``."""
+        s, b, h, d = self.kv_shape
+        return rows.view(h, 2, s, b, d)
+
+    @staticmethod
+    def _per_row(weights: torch.Tensor) -> torch.Tensor:
+        """One source's token weights ``[s, b, h]`` broadcast over rows ``[h, 2, s, b, d]``."""
+        return weights.permute(2, 0, 1)[:, None, :, :, None]
+
+    def mix_by_token(self, router, probs: torch.Tensor) -> torch.Tensor:
+        """Dynamic LIMe's Eq. 2 (``dynamic_router``): routed[x, s, b, h, d] =
+        sum_j probs[s, b, h, j] * rows_j[h, x, s, b, d], written in attention's layout
+        ``[2, s, b, local kv heads, d]`` (a new tensor); one multiply-add per source layer."""
+        s, b, h, d = self.kv_shape
+        routed = probs.new_zeros(2, s, b, h, d)
+        heads_first = routed.permute(3, 0, 1, 2, 4)
+        for source in router.sources:
+            heads_first.addcmul_(self._per_row(probs[..., source]), self._heads_first(self.rows(source, source + 1)))
+        return routed
+
+    def token_weight_grad(self, router, grad_rows: torch.Tensor) -> torch.Tensor:
+        """dL/dp_l[s, b, h, j] = sum_{x, d} g_l[h, x, s, b, d] * rows_j[h, x, s, b, d]:
+        ``[s, b, local kv heads, l + 1]``.  Run before g_l overwrites layer l's own rows."""
+        grad = self._heads_first(grad_rows)
+        per_source = [(grad * self._heads_first(self.rows(source, source + 1))).sum(dim=(1, 4))
+                      for source in router.sources]
+        return torch.stack(per_source, dim=-1).permute(1, 2, 0, 3)
+
+    def keep_token_weights(self, layer: int, probs: torch.Tensor) -> None:
+        """Backward of dynamic layer ``layer``: keep its p ``[s, b, h, l+1]`` until its sources
+        took their share ``p[..., source] * g_layer`` (freed with the memory)."""
+        self._token_weights[layer] = probs.detach()
+
+    def _token_mixed_grad(self, sources: range, consumers: range) -> torch.Tensor:
+        """``_mixed_grad`` for dynamic consumers: sum_m p_m[..., l] * g_m for each l in
+        ``sources`` (column l of p_m is source layer l), ``[len(sources) * local heads, 2*s*b*d]``."""
+        h, first = self.kv_heads, self.layers.start
+        grads = self._grad_buffer(h)
+        mixed = grads.new_zeros(len(sources) * h, grads.shape[1])
+        for consumer in consumers:
+            grad = self._heads_first(grads[(consumer - first) * h : (consumer - first + 1) * h])
+            weights = self._token_weights[consumer]
+            for index, source in enumerate(sources):
+                target = self._heads_first(mixed[index * h : (index + 1) * h])
+                target.addcmul_(self._per_row(weights[..., source]), grad)
+        return mixed
 
     def _later_consumer_grad(self, layer: int, sources: range) -> torch.Tensor | None:
         """The share of layer ``layer``'s row gradient from this chunk's consumers after the

@@ -9,6 +9,7 @@ values; weights are signed and not normalised (no softmax).
 Sources per variant (layer l, window j, 0-based layers):
 
 - ``full``    : 0..l (learned)
+- ``dynamic`` : 0..l (per-token weights, ``dynamic_router``; layer 0 has this static identity)
 - ``average`` : 0..l, fixed weights 1/(l+1) on the same head (no parameters)
 - ``last``    : max(0, l-j+1)..l (learned)
 - ``first``   : 0..min(l, j)-1 and l (learned)
@@ -39,7 +40,7 @@ ROUTER_PARAM_ATTR = "is_lime_router"
 
 def routing_sources(layer: int, variant: str, window: int | None) -> list[int]:
     """Source layers (0-based, ascending, ending with ``layer``) that layer ``layer`` mixes."""
-    if variant in ("full", "average"):
+    if variant in ("full", "average", "dynamic"):
         return list(range(layer + 1))
     if variant == "last":
         return list(range(max(0, layer - window + 1), layer + 1))
@@ -90,11 +91,20 @@ def router_source_count(config: LimeTransformerConfig, layers: Iterable[int] | N
 def router_parameter_count(config: LimeTransformerConfig) -> int:
     """Number of learned router weights of the whole model (0 for ``average`` and the baseline).
 
-    kv_heads^2 per source of every routed layer: for ``full`` kv_heads^2 * (L(L+1)/2 - 1).
+    kv_heads^2 per source of every routed layer: for ``full`` kv_heads^2 * (L(L+1)/2 - 1); for
+    ``dynamic`` hidden * kv_heads per source (W_l maps the input to one logit per head and source).
     """
     if config.lime_router == "average":
         return 0
-    return config.kv_heads**2 * router_source_count(config)
+    return router_weights_per_source(config) * router_source_count(config)
+
+
+def router_weights_per_source(config: LimeTransformerConfig) -> int:
+    """Learned router weights per (routed layer, source layer): kv_heads^2 (static) or
+    hidden * kv_heads (dynamic)."""
+    if config.lime_router == "dynamic":
+        return config.hidden_size * config.kv_heads
+    return config.kv_heads**2
 
 
 def init_router_weight(weight: torch.Tensor, kv_heads: int) -> torch.Tensor:
@@ -127,6 +137,9 @@ class LimeRouter(nn.Module):
     A learned ``nn.Parameter`` (tagged ``is_lime_router``) for layers >= 1 of the learned
     variants; a fixed, non-persistent buffer for layer 0 (identity) and for ``average``.
     """
+
+    dynamic = False
+    """Static weights (``dynamic_router.DynamicLimeRouter`` has per-token ones)."""
 
     def __init__(self, config: LimeTransformerConfig, layer: int, sharding: HeadSharding | None = None):
         super().__init__()

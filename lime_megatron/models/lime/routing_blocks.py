@@ -77,7 +77,10 @@ def chunk_routing_block(config, num_layers: int, machine: MachineBalance | None 
     """The block size a model chunk of ``num_layers`` layers runs with: ``config.lime_routing_block``
     or the roofline's choice on ``machine`` (default: ``H100_SXM`` where CUDA is available, else
     ``CPU_2_CORE``); under full activation recompute it divides the recompute chunk
-    (``recompute_num_layers``) so that no block spans two recomputed chunks."""
+    (``recompute_num_layers``) so that no block spans two recomputed chunks.  The dynamic router's
+    per-token products are not blocked: 1."""
+    if config.lime_router == "dynamic":
+        return 1
     machine = machine or (H100_SXM if torch.cuda.is_available() else CPU_2_CORE)
     element_size = torch.empty(0, dtype=config.params_dtype).element_size()
     block = config.lime_routing_block or routing_block_size(num_layers, config.kv_heads, element_size, machine)

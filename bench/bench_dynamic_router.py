@@ -1,0 +1,93 @@
+"""Dynamic LIMe (v1, issue 24) against static LIMe and LLaMA: forward+backward time, saved bytes
+and FLOP floors, the three models of one shape built and timed interleaved in one process.
+
+- time: median forward+backward wall time over ``--repeats`` runs (after ``--warmup``), as
+  ``bench_lime_overhead.py`` measures it (static LIMe with the roofline's routing block);
+- floor: 1 + router FLOPs / baseline FLOPs (``planning.flops``) for each router;
+- saved: bytes autograd keeps for backward, from one forward (the dynamic router's per-token
+  weights p_l included).
+
+Run (the figures in BENCHMARKS.md):
+    python bench/bench_dynamic_router.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+
+from bench_lime_overhead import build, make_batch, saved_bytes, train_step
+from tqdm import tqdm
+
+from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
+
+MODELS = ("base", "static", "dynamic")
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64])
+    parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
+    parser.add_argument("--hidden-size", type=int, default=256)
+    parser.add_argument("--num-attention-heads", type=int, default=8)
+    parser.add_argument("--ffn-hidden-size", type=int, default=1024)
+    parser.add_argument("--seq-length", type=int, default=256)
+    parser.add_argument("--micro-batch-size", type=int, default=2)
+    parser.add_argument("--vocab-size", type=int, default=256)
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--warmup", type=int, default=1)
+    return parser.parse_args(argv)
+
+
+def floor(config, args) -> float:
+    """1 + router FLOPs / baseline FLOPs for ``config``'s router."""
+    baseline = forward_flops_per_token(config, args.seq_length, args.vocab_size) - router_flops_per_token(config)
+    return 1.0 + router_flops_per_token(config) / baseline
+
+
+def measure(args, num_layers: int, kv_heads: int) -> dict:
+    models = {"base": build(args, num_layers, kv_heads, False), "static": build(args, num_layers, kv_heads, True),
+              "dynamic": build(args, num_layers, kv_heads, True, router="dynamic")}
+    batch = make_batch(args)
+    times = {name: [] for name in models}
+    for run in range(args.warmup + args.repeats):
+        for name, model in models.items():
+            elapsed = train_step(model, batch)
+            if run >= args.warmup:
+                times[name].append(elapsed)
+    row = dict(layers=num_layers, kv_heads=kv_heads)
+    for name, model in models.items():
+        row[f"{name}_s"] = statistics.median(times[name])
+        row[f"{name}_saved"] = saved_bytes(model, batch)
+        row[f"{name}_floor"] = floor(model.config, args) if name != "base" else 1.0
+    return row
+
+
+def print_table(rows: list[dict]) -> None:
+    header = (f"{'layers':>6} {'kv':>3} {'base s':>8} {'static x':>9} {'dynamic x':>10} {'dyn/static':>10} "
+              f"{'floor st':>9} {'floor dyn':>10} {'saved st x':>10} {'saved dyn x':>11}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        static, dynamic = r["static_s"] / r["base_s"], r["dynamic_s"] / r["base_s"]
+        print(f"{r['layers']:>6} {r['kv_heads']:>3} {r['base_s']:>8.3f} {static:>9.3f} {dynamic:>10.3f} "
+              f"{dynamic / static:>10.3f} {r['static_floor']:>9.3f} {r['dynamic_floor']:>10.3f} "
+              f"{r['static_saved'] / r['base_saved']:>10.3f} {r['dynamic_saved'] / r['base_saved']:>11.3f}")
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    initialize_parallel()
+    cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
+    rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
+    print_table(rows)
+    worst = max(rows, key=lambda r: r["dynamic_s"] / r["static_s"])
+    print(f"\nsummary: {len(rows)} settings; dynamic over static LIMe time at most "
+          f"{worst['dynamic_s'] / worst['static_s']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}); dynamic saved "
+          f"bytes at most {max(r['dynamic_saved'] / r['base_saved'] for r in rows):.3f}x the baseline's")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
