@@ -74,17 +74,21 @@ def route(router: torch.Tensor | None, buffer: list[torch.Tensor], srcs: list[in
     return torch.stack(out_heads, dim=1)
 
 
-def dynamic_route(router: torch.Tensor, h: torch.Tensor, buffer: list[torch.Tensor], layer: int) -> torch.Tensor:
+def dynamic_route(router: torch.Tensor, h: torch.Tensor, buffer: list[torch.Tensor], layer: int,
+                  mask: torch.Tensor | None = None) -> torch.Tensor:
     """Dynamic LIMe (v1): per token t and head c, weights p = softmax over sources j of
     (router @ h_t)[c * (layer+1) + j], plus the fixed offset ln(0.9 * layer / 0.1) on the own layer;
     head c of the result = sum over j of p[t, c, j] * buffer[j][:, c] at token t.
 
     router [kvH * (layer+1), hidden] (rows head-major), h [b, s, hidden] the normalised layer input,
-    buffer[j] [b, kvH, s, d]."""
+    buffer[j] [b, kvH, s, d]; ``mask`` [kvH, sources] (route pruning): a False route has weight 0
+    (its logit -inf)."""
     kv_heads, sources = buffer[0].shape[1], layer + 1
     logits = (h @ router.t()).view(h.shape[0], h.shape[1], kv_heads, sources)
     offset = torch.zeros(sources, dtype=logits.dtype)
     offset[layer] = math.log(0.9 * layer / 0.1)
+    if mask is not None:
+        logits = logits.masked_fill(~mask, float("-inf"))
     weights = torch.softmax(logits + offset, dim=-1)  # [b, s, kvH, sources]
     out_heads = []
     for c in range(kv_heads):
@@ -129,8 +133,9 @@ def forward(params: dict, tokens: torch.Tensor, spec: dict) -> torch.Tensor:
             srcs = sources_of(index, spec["variant"], spec["window"])
             router = layer.get("router")
             if spec["variant"] == "dynamic" and index > 0:
-                k = dynamic_route(layer["dynamic_router"], h, [kk for kk, _ in kv_buffer], index)
-                v = dynamic_route(layer["dynamic_router"], h, [vv for _, vv in kv_buffer], index)
+                mask = layer.get("dynamic_mask")
+                k = dynamic_route(layer["dynamic_router"], h, [kk for kk, _ in kv_buffer], index, mask)
+                v = dynamic_route(layer["dynamic_router"], h, [vv for _, vv in kv_buffer], index, mask)
             else:
                 k = route(router, [kk for kk, _ in kv_buffer], srcs)
                 v = route(router, [vv for _, vv in kv_buffer], srcs)

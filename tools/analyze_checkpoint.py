@@ -97,6 +97,10 @@ def main(argv=None) -> None:
         print(f"    value entropy first/last layer {entropy[0]:.3f} / {entropy[-1]:.3f}")
         if "probe_values" in numbers:
             print(f"    value probe accuracy last layer {numbers['probe_values']['mean'][-1]:.3f}")
+        if "pruning" in numbers:  # v1 Table 5's columns
+            pruned = numbers["pruning"]
+            print(f"    route pruning (top-p {pruned['top_p']}): {pruned['masked']:,} of {pruned['routes']:,} routes "
+                  f"masked ({100 * pruned['share']:.1f}%)")
         for circuit in numbers.get("circuits", [])[:5]:  # dynamic LIMe: v1 Table 2's L, R, H (1-based)
             print(f"    circuit: token {circuit['token']} (sequence {circuit['sequence']}, position "
                   f"{circuit['position']}): layer {circuit['layer'] + 1} reads layer {circuit['source'] + 1} "

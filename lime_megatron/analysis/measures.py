@@ -12,7 +12,8 @@ reads one from a checkpoint of any layout; ``tools/analyze_checkpoint.py`` is th
   and Fig. 5's normalised mean |weight| of every buffered layer j in layer l, from which the mean
   self-retrieval weight (j = l) and the expected retrieved depth sum_j j * share(l, j) follow;
   for dynamic LIMe ``dynamic_routing``'s prior (the mean per-token weights, v1 Fig. 13) stands for
-  R^(l), and it lists the tokens whose weights skip layers most (v1 Table 2's circuits);
+  R^(l), and it lists the tokens whose weights skip layers most (v1 Table 2's circuits); a run
+  with route pruning reports its masked routes (v1 Table 5);
 - ``renyi_entropy``: matrix-based Rényi entropy (§5.2) of t representations Z [t, d]:
   S_alpha = log(sum_i (lambda_i(K) / tr K)^alpha) / (1 - alpha), K = Z Z^T, Shannon at alpha = 1;
   ``layer_entropies`` averages it over sequences after standardising each feature over the corpus
@@ -36,6 +37,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from tqdm import tqdm
+
+from lime_megatron.models.lime.pruning import pruned_counts
 
 DEFAULT_ALPHA = 0.5
 DEFAULT_WORDS = ("is", "are", "was", "were")
@@ -347,6 +350,10 @@ def _analyze_model(model, tokens, occurrences, options: AnalysisOptions) -> tupl
                 "self_retrieval": self_retrieval(shares).tolist(),
                 "expected_depth": expected_depth(shares).tolist(),
             }
+        if model.config.lime and model.config.lime_prune_top_p is not None:  # v1 Table 5's columns
+            routes, masked = pruned_counts([model])
+            numbers["pruning"] = {"top_p": model.config.lime_prune_top_p, "routes": routes, "masked": masked,
+                                  "share": masked / routes}
     with _timed(seconds, "forward"):
         reps = collect_representations(model, tokens)
     embeddings = {}

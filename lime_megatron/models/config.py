@@ -56,6 +56,10 @@ class LimeTransformerConfig(TransformerConfig):
     once (``lime_megatron.models.lime.routing_blocks``); 1 runs every product per layer; None
     picks B from the machine's roofline (``routing_blocks.routing_block_size``)."""
 
+    lime_prune_top_p: float | None = None
+    """Route pruning (v1 §5.4, ``models.lime.pruning``): the kept share of each head's routes once
+    the trainer sets the masks; None: the run does not prune (no mask in its checkpoints)."""
+
     # Initialisation (``lime_megatron.models.initialization``).
     init_style: str = "megatron"
     """Initial weight distributions: ``megatron`` (megatron's defaults) or ``official`` (the paper's
@@ -114,6 +118,16 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
         reject_options_bypassing_lime(config)
         if config.lime_router == "dynamic":
             validate_dynamic_router(config, kv_heads)
+        if config.lime_prune_top_p is not None:
+            validate_pruning(config)
+
+
+def validate_pruning(config: LimeTransformerConfig) -> None:
+    """Route pruning needs learned routers and a kept share in (0, 1]."""
+    if not 0.0 < config.lime_prune_top_p <= 1.0:
+        raise LimeConfigError(f"lime_prune_top_p must be in (0, 1], got {config.lime_prune_top_p}")
+    if config.lime_router == "average":
+        raise LimeConfigError("route pruning needs learned routers; the average router has none")
 
 
 def validate_dynamic_router(config: LimeTransformerConfig, kv_heads: int) -> None:

@@ -361,6 +361,18 @@ def _layout(result: DryRunEstimate) -> str:
             f"{result.seq_length}; recompute: {recompute}; {result.transformer_impl}")
 
 
+def _pruning_lines(config: LimeTransformerConfig) -> list[str]:
+    """The routes route pruning chooses among (v1 Table 5's total; which are masked depends on the
+    trained weights: the trainer prints the count, the analyses report it)."""
+    if not (config.lime and config.lime_prune_top_p is not None):
+        return []
+    per_source = config.kv_heads if config.lime_router == "dynamic" else config.kv_heads**2
+    routes = per_source * router_source_count(config)
+    unit = "(head, source) routes" if config.lime_router == "dynamic" else "router weights"
+    return [f"route pruning: top-p {config.lime_prune_top_p} at --lime-prune-iters over {routes:,} {unit}; "
+            f"the masked count depends on the trained weights (printed by the trainer, reported by the analyses)"]
+
+
 def _routing_lines(result: DryRunEstimate) -> list[str]:
     """LIMe's routing block size per chunk (the H100 roofline, ``routing_blocks``) and the bytes its
     products read per micro-batch (``routing_bytes``: each chunk's own products, no TP split); for
@@ -405,7 +417,7 @@ def report_lines(result: DryRunEstimate) -> list[str]:
                          f"{_gib(a.embedding + a.output)}, recompute working set "
                          f"{_gib(chunk.recompute_peak_bytes)}")
     flops = result.training_flops_per_token
-    lines += _routing_lines(result)
+    lines += _routing_lines(result) + _pruning_lines(result.config)
     lines += ["",
               f"parameters: {result.total_parameters:,} (LIMe routers {result.router_parameters:,}); "
               f"most on one GPU: {max(stage.parameters for stage in result.stages):,}",

@@ -267,7 +267,8 @@ def _check_batch(args, world_size) -> None:
 
 def _check_lime(args, world_size) -> None:
     given = [name for name in ("lime_router", "lime_router_window", "lime_router_lr",
-                               "lime_router_weight_decay") if getattr(args, name) is not None]
+                               "lime_router_weight_decay", "lime_prune_top_p", "lime_prune_iters")
+             if getattr(args, name) is not None]
     if not args.lime:
         if given:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
@@ -286,6 +287,18 @@ def _check_lime(args, world_size) -> None:
         raise ArgumentsError(
             "--lime-router-weight-decay > 0 needs --weight-decay > 0 (megatron scales the decay "
             "of a parameter group relative to --weight-decay)")
+    _check_pruning(args)
+
+
+def _check_pruning(args) -> None:
+    """--lime-prune-top-p and --lime-prune-iters come together; iterations within the run."""
+    if (args.lime_prune_top_p is None) != (args.lime_prune_iters is None):
+        raise ArgumentsError("route pruning needs both --lime-prune-top-p and --lime-prune-iters")
+    if args.lime_prune_iters is not None and args.train_iters is not None:
+        outside = [i for i in args.lime_prune_iters if not 1 <= i <= args.train_iters]
+        if outside:
+            raise ArgumentsError(f"--lime-prune-iters {outside} are outside the run's iterations "
+                                 f"1..{args.train_iters}")
 
 
 def _check_precision(args, world_size) -> None:
@@ -462,6 +475,7 @@ def transformer_config(run: RunConfig):
         lime_router=lime.lime_router or "full",
         lime_router_window=lime.lime_router_window,
         lime_recompute_routed_kv=lime.lime_recompute_routed_kv,
+        lime_prune_top_p=lime.lime_prune_top_p,
         hyper_connections=model.hyper_connections,
         hyper_connections_static=model.hyper_connections_static,
         hyper_connections_manifold=model.hyper_connections_manifold,

@@ -43,11 +43,13 @@ FORMAT_VERSION = 1
 MODEL_SHAPE_KEYS = ("num_layers", "hidden_size", "ffn_hidden_size", "num_attention_heads",
                     "num_query_groups", "kv_channels", "lime", "lime_router", "lime_router_window",
                     "untie_embeddings_and_output_weights", "hyper_connections", "hyper_connections_static",
-                    "hyper_connections_manifold", "hyper_connections_sinkhorn_iterations")
+                    "hyper_connections_manifold", "hyper_connections_sinkhorn_iterations", "lime_prune_top_p")
 """Options that fix the shapes of the model's weights or the function they compute (mHC's Sinkhorn
-iterations); a checkpoint must agree on all of them."""
+iterations), or what the checkpoint holds (a pruning run's route masks); a checkpoint must agree on
+all of them."""
 SHAPE_KEYS_ADDED_LATER = {"hyper_connections": 0, "hyper_connections_static": False,
-                          "hyper_connections_manifold": False, "hyper_connections_sinkhorn_iterations": 20}
+                          "hyper_connections_manifold": False, "hyper_connections_sinkhorn_iterations": 20,
+                          "lime_prune_top_p": None}
 """Shape options that checkpoints written before them lack, with the value those checkpoints had."""
 
 
@@ -80,6 +82,7 @@ def run_description(run: RunConfig, config, tokenizer) -> dict:
         hyper_connections=config.hyper_connections, hyper_connections_static=config.hyper_connections_static,
         hyper_connections_manifold=config.hyper_connections_manifold,
         hyper_connections_sinkhorn_iterations=config.hyper_connections_sinkhorn_iterations,
+        lime_prune_top_p=config.lime_prune_top_p if config.lime else None,  # whether masks are saved
     )
     assert set(shape) == set(MODEL_SHAPE_KEYS)
     return dict(

@@ -124,6 +124,11 @@ class LimeOptions:
     lime_recompute_routed_kv: bool = option(True, type=bool,
                                             help="recompute the routed keys/values in backward instead of "
                                                  "saving them")
+    lime_prune_top_p: float | None = option(type=float, help="route pruning (v1 §5.4): per consumer layer and "
+                                            "head keep the largest routes up to this share (|weight|, or the "
+                                            "dynamic prior) and mask the rest, at --lime-prune-iters")
+    lime_prune_iters: Sequence[int] | None = option(type=int, nargs="+", help="iterations after whose update "
+                                                    "the route masks are set (with --lime-prune-top-p)")
 
 
 @dataclass(frozen=True)

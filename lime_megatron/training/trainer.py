@@ -51,7 +51,7 @@ from megatron.core.utils import get_model_config, unwrap_model
 
 from lime_megatron.models.config import LimeConfigError, LimeTransformerConfig
 from lime_megatron.models.gpt_model import build_model
-from lime_megatron.models.lime import recompute
+from lime_megatron.models.lime import pruning, recompute
 from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR
 from lime_megatron.parallel import fusions
 from lime_megatron.parallel.compat import default_device
@@ -99,6 +99,8 @@ class TrainingResult:
     router_parameters: int = 0
     dry_run_report: str | None = None
     """The estimate report of a ``--dry-run`` (which trains nothing)."""
+    pruned_routes: tuple[int, int] | None = None
+    """(routes, masked routes) of the model after the last route pruning (``--lime-prune-iters``)."""
 
 
 # --------------------------------------------------------------------------- entry points
@@ -304,10 +306,25 @@ def optimizer_step(optimizer, scheduler) -> tuple[float, bool]:
 
 
 def train_step(model: list, optimizer, scheduler, batches: list) -> tuple[float, float, bool]:
-    """One iteration: (loss, gradient norm, skipped)."""
+    """One iteration: (loss, gradient norm, skipped); masked router weights stay zero
+    (``pruning.enforce_route_masks``: Adam's moments would move them)."""
     optimizer.zero_grad()
     loss = forward_backward(model, batches)
-    return (loss, *optimizer_step(optimizer, scheduler))
+    result = (loss, *optimizer_step(optimizer, scheduler))
+    pruning.enforce_route_masks(model)
+    return result
+
+
+def prune_routes(model: list, top_p: float, iteration: int) -> tuple[int, int]:
+    """Set the route masks (``pruning.set_route_masks``) and report the masked share of the whole
+    model's routes (summed over the model-parallel ranks): (routes, masked)."""
+    pruning.set_route_masks(model, top_p)
+    counts = torch.tensor(pruning.pruned_counts(model), dtype=torch.float64, device=default_device())
+    torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
+    total, masked = (int(count) for count in counts)
+    _print0(f"route pruning at iteration {iteration} (top-p {top_p}): masked {masked:,} of {total:,} routes "
+            f"({100 * masked / max(total, 1):.1f}%)")
+    return total, masked
 
 
 def evaluate(model: list, dataset, eval_iters: int, training: TrainingOptions) -> float:
@@ -528,8 +545,14 @@ def _step(trainer: Trainer) -> IterationMetrics:
     training, progress = trainer.run.training, trainer.progress
     start = time.perf_counter()
     batches = data.microbatches(trainer.datasets.train, progress.consumed_samples, training)
+    lime = trainer.run.lime
+    prune = progress.iteration + 1 in (lime.lime_prune_iters or ())
+    if prune:
+        pruning.collect_dynamic_prior(trainer.model, True)  # the dynamic prior of this global batch
     with trainer.profiler.iteration(progress.iteration + 1):
         loss, grad_norm, skipped = train_step(trainer.model, trainer.optimizer, trainer.scheduler, batches)
+    if prune:
+        trainer.result.pruned_routes = prune_routes(trainer.model, lime.lime_prune_top_p, progress.iteration + 1)
     if torch.cuda.is_available():
         torch.cuda.synchronize()
     seconds = time.perf_counter() - start

@@ -67,8 +67,9 @@ def test_prompts_of_different_lengths_decode_like_each_alone(options):
         assert relative_error(incremental[row, min(lengths) - 1 : length], alone[min(lengths) - 1 :]) <= TOLERANCE
 
 
-def test_lime_cache_is_the_baselines_and_a_step_buffers_only_new_tokens():
-    lime, baseline = (tiny_model(num_query_groups=2, lime=flag).eval() for flag in (True, False))
+@pytest.mark.parametrize("router", ["full", "dynamic"])
+def test_lime_cache_is_the_baselines_and_a_step_buffers_only_new_tokens(router):
+    lime, baseline = (tiny_model(num_query_groups=2, lime=flag, lime_router=router).eval() for flag in (True, False))
     shapes = {name: [[tuple(t.shape) for t in pair] for pair in caches.values()]
               for name, caches in (("lime", kv_cache_context(lime, 3, LENGTH).key_value_memory_dict),
                                    ("baseline", kv_cache_context(baseline, 3, LENGTH).key_value_memory_dict))}

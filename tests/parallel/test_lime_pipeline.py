@@ -54,7 +54,8 @@ def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: in
           stages: dict | None = None, micro_batches: int = MICRO_BATCHES):
     """``steps`` SGD steps; returns (losses, [full grads per step], initial full weights).
     ``stages``: config options of the pipeline split (left out of the single-stage reference)."""
-    from lime_megatron.training.trainer import train_step
+    from lime_megatron.models.lime.pruning import collect_dynamic_prior
+    from lime_megatron.training.trainer import prune_routes, train_step
 
     initialize_layout(layout)
     config = make_config(layout, **{**model, **(stages or {})})
@@ -64,9 +65,14 @@ def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: in
     initial = gather_full(chunks, extra_shard_rules=rules)
     batches = data_parallel_share(make_batches(micro_batches, 2, seq, VOCAB))
     losses, grads = [], []
-    for _ in range(steps):
+    for step in range(steps):
+        prune = config.lime_prune_top_p is not None and step == 0  # routes pruned after the first step
+        collect_dynamic_prior(chunks, prune)
         losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
         grads.append(gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules))
+        if prune:
+            routes, masked = prune_routes(chunks, config.lime_prune_top_p, 1)
+            assert 0 < masked < routes, (routes, masked)
     return losses, grads, initial
 
 
@@ -109,6 +115,9 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("dynamic", dict(lime_router="dynamic"), [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)]),
     ("dynamic-gqa-full-recompute", dict(lime_router="dynamic", num_query_groups=2, **FULL_RECOMPUTE),
      [Layout(pp=2, vpp=2)]),
+    # route pruning after the first step (dynamic: top-p away from the start's shares 0.9 + k 0.1 / l)
+    ("pruned-blocked", dict(lime_prune_top_p=0.7), [Layout(pp=2, vpp=2)], dict(lime_routing_block=2)),
+    ("dynamic-pruned", dict(lime_router="dynamic", lime_prune_top_p=0.915), [Layout(pp=4)]),
 ]
 SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
     ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)]),

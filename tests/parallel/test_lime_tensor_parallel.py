@@ -72,25 +72,33 @@ def sgd(chunks, lr: float, steps: int):
     return optimizer, build_scheduler(optimizer, LRSchedule(max_lr=lr, decay_iters=steps, decay_style="constant"))
 
 
-def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: str = "full"):
-    """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers; returns
+def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: str = "full",
+          prune: float | None = None):
+    """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers (with
+    ``prune``: routes pruned at that top-p after the second step, as the trainer does); returns
     (losses, [full grads per step], initial full weights, [router gradient norm per step as
     megatron's clipping sees it])."""
     from lime_megatron.models.config import lime_config
-    from lime_megatron.training.trainer import train_step
+    from lime_megatron.models.lime.pruning import collect_dynamic_prior
+    from lime_megatron.training.trainer import prune_routes, train_step
 
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=kv_heads, use_cpu_initialization=True, lime_routing_block=block,
-                         lime_router=router, **layout_config_kwargs(layout))
+                         lime_router=router, lime_prune_top_p=prune, **layout_config_kwargs(layout))
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
     optimizer, scheduler = sgd(chunks, LR, STEPS)
     initial = gather_full(chunks, extra_shard_rules=rules)
     batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
     losses, grads, norms = [], [], []
-    for _ in range(STEPS):
+    for step in range(STEPS):
+        if prune is not None:
+            collect_dynamic_prior(chunks, step == 1)
         losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
+        if prune is not None and step == 1:
+            routes, masked = prune_routes(chunks, prune, 2)
+            assert 0 < masked < routes, (routes, masked)
         grads.append(gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules))
         norms.append(router_grad_norm(chunks))
     return losses, grads, initial, norms
@@ -122,15 +130,15 @@ DYNAMIC_LAYOUTS = [(Layout(tp=2, sp=True), 4, 1), (Layout(tp=4), 4, 1), (Layout(
 """The dynamic router (each rank's logits are its own heads'; no replicated heads)."""
 
 
-def compare_layouts(layouts=tuple(LAYOUTS), router: str = "full"):
+def compare_layouts(layouts=tuple(LAYOUTS), router: str = "full", prune: float | None = None):
     """On every rank: each layout against TP=1 from the same initial weights."""
     report = []
     for kv_heads in sorted({kv for _, kv, _ in layouts}):
-        ref_losses, ref_grads, weights, ref_norms = train(Layout(), kv_heads, router=router)
+        ref_losses, ref_grads, weights, ref_norms = train(Layout(), kv_heads, router=router, prune=prune)
         for layout, kv, block in layouts:
             if kv != kv_heads:
                 continue
-            losses, grads, _, norms = train(layout, kv_heads, weights, block, router)
+            losses, grads, _, norms = train(layout, kv_heads, weights, block, router, prune)
             worst = max(
                 ((g[name] - ref[name]).norm() / ref[name].norm()).item()
                 for g, ref in zip(grads, ref_grads) for name in ref
@@ -215,3 +223,27 @@ def check_layouts(result) -> set[str]:
         assert loss_diff <= 1e-5, name
         assert grad_err <= 1e-5, name
     return {name for name, *_ in report}
+
+
+PRUNED_LAYOUTS = [(Layout(tp=2), 4, 1), (Layout(tp=4, sp=True), 2, 3)]
+"""Route pruning: the static masks from the gathered router (heads shared by rank pairs at TP4, kv 2;
+blocked routing), the dynamic ones from each rank's own heads' prior."""
+
+
+def pruning_checks():
+    # dynamic: top-p 0.92, as the prior of the second step is still near the start's (the own layer
+    # 0.9, the others 0.1 / l; 0.7 would keep the own layer only, where W_l gets no gradient), away
+    # from the shares' partial sums (0.9, 0.933, 0.95)
+    return {"full": compare_layouts(PRUNED_LAYOUTS, "full", 0.7),
+            "dynamic": compare_layouts(PRUNED_LAYOUTS[:1], "dynamic", 0.92)}
+
+
+def test_route_pruning_under_tensor_parallelism():
+    """Routes pruned after the second of three SGD steps: the same masks (losses and every gradient
+    of the last step) at TP2 and TP4+SP as at TP=1, static and dynamic."""
+    for router, report in run_distributed(pruning_checks, 4)[0].items():
+        for name, kv_heads, loss_diff, grad_err, _ in report:
+            print(f"{router} {name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, max relative gradient error "
+                  f"{grad_err:.2e}")
+            assert loss_diff <= 1e-5 and grad_err <= 1e-5, (router, name)
+        assert len(report) == (2 if router == "full" else 1)

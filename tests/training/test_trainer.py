@@ -103,6 +103,10 @@ INVALID = [
     (BASE + ["--lime", "--lime-router-window", "2"], 1, "applies to the last/first routers, not to full"),
     (BASE + ["--lime", "--lime-router-weight-decay", "0.1", "--weight-decay", "0"], 1,
      "needs --weight-decay > 0"),
+    (BASE + ["--lime", "--lime-prune-top-p", "0.9"], 1, "needs both --lime-prune-top-p and --lime-prune-iters"),
+    (BASE + ["--lime", "--lime-prune-top-p", "0.9", "--lime-prune-iters", "11"], 1,
+     r"--lime-prune-iters \[11\] are outside the run's iterations 1..10"),
+    (BASE + ["--lime-prune-top-p", "0.9", "--lime-prune-iters", "2"], 1, "only apply to LIMe"),
     (BASE + ["--bf16", "--fp16"], 1, "choose one of --bf16 and --fp16"),
     (BASE + ["--fp8-format", "e4m3"], 1, "--fp8-format needs --transformer-impl transformer_engine"),
     (BASE + ["--attention-backend", "flash"], 1, "--attention-backend flash needs --transformer-impl"),
@@ -305,6 +309,36 @@ def test_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
     (save / TRACKER).write_text("4\n")
     without_rng = run(RESUMABLE, "--load", save, "--no-load-rng")
     assert without_rng.losses[5] != reference.losses[5]
+
+
+@pytest.mark.parametrize("router", ["full", "dynamic"])
+def test_route_pruning_resumes_exactly_with_its_masks(router, tmp_path):
+    """Routes pruned after iteration 2 of 6 (v1 §5.4): the run reports the masked share, masked
+    static weights end at zero, and a run resumed from iteration 3 (the masks come from the
+    checkpoint) reproduces the uninterrupted losses bit for bit."""
+    from megatron.core.utils import unwrap_model
+
+    from lime_megatron.models.lime.pruning import routers_of
+
+    flags = [RESUMABLE, "--lime-router", router, "--lime-prune-top-p", "0.9", "--lime-prune-iters", "2"]
+    reference = run(flags)
+    routes, masked = reference.pruned_routes
+    assert 0 < masked < routes
+    save = tmp_path / "ckpt"
+    first = run(flags, "--save", save, "--save-interval", "3", "--exit-interval", "3")
+    second = run(flags, "--load", save)
+    assert second.resumed_from == str(save / "iter_0000003") and second.pruned_routes is None
+    assert {**first.losses, **second.losses} == reference.losses
+    run_flags = arguments.parse_run(flatten([flags, "--load", save]), world_size=1)
+    with trainer.distributed(run_flags):
+        built = trainer.build_trainer(run_flags)
+        built.metrics.close()
+        routers = routers_of(unwrap_model(chunk) for chunk in built.model)
+        assert sum(int((~r.route_mask).sum()) for r in routers) == masked  # the checkpoint's masks
+        if router == "full":
+            assert all(torch.all(r.weight[~r.route_mask] == 0) for r in routers)
+    with pytest.raises(CheckpointError, match="model shape mismatch.*lime_prune_top_p 0.9 vs None"):
+        run(RESUMABLE, "--lime-router", router, "--load", save)  # a run that does not prune
 
 
 def test_signal_stops_with_a_checkpoint_and_resume_continues(uninterrupted, tmp_path):

@@ -156,7 +156,7 @@ class LimeSelfAttention(SelfAttention):
         kept_probs = None if probs is None else probs.detach()
         def rebuild():
             if router.dynamic:
-                return memory.mix_by_token(router, kept_probs)
+                return memory.mix_by_token(router, kept_probs, "rebuild")
             return memory.mix(router, router.weight.detach(), memory.rebuilt_earlier_partial(router), "rebuild")
 
         routed_again = Rebuilt(rebuild, log.rebuilt(layer, "routed"))

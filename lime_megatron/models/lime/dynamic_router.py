@@ -32,7 +32,8 @@ from torch import nn
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
-from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR, contiguous_runs
+from lime_megatron.models.lime.pruning import add_route_mask
+from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR
 
 OWN_WEIGHT_AT_INIT = 0.9
 """The own layer's routing weight with ``W_l = 0`` (fixes ``tau_l``)."""
@@ -61,12 +62,34 @@ class DynamicLimeRouter(nn.Module):
             raise ValueError("layer 0 has no router (its routing is the identity)")
         self.layer, self.sharding = layer, sharding
         self.sources = list(range(layer + 1))
-        self.source_runs = contiguous_runs(self.sources)
         self.logits = ColumnParallelLinear(
             config.hidden_size, config.kv_heads * len(self.sources), config=config,
             init_method=nn.init.zeros_, bias=False, gather_output=False, tp_group=tp_group)
         setattr(self.logits.weight, ROUTER_PARAM_ATTR, True)
         self.own_offset = own_logit_offset(layer)
+        self.read_sources, self.pruned, self._prior = self.sources, False, None
+        add_route_mask(self, config, (len(sharding.local_heads), len(self.sources)))
+
+    def _refresh_read_sources(self) -> None:
+        """``read_sources``: the sources some head keeps a route to (``pruning``)."""
+        self.pruned = not bool(self.route_mask.all())
+        self.read_sources = [source for source in self.sources if self.route_mask[:, source].any()]
+
+    def set_route_mask(self, mask: torch.Tensor) -> None:
+        """Mask the routes (local head, source) where ``mask`` ``[local heads, l + 1]`` is False."""
+        self.route_mask.copy_(mask)
+        self._refresh_read_sources()
+
+    def collect_prior(self, collecting: bool) -> None:
+        """Start (or stop) summing p_l over the tokens of training forward passes (``take_prior``)."""
+        self._prior = self.route_mask.new_zeros(self.route_mask.shape, dtype=torch.float64) if collecting else None
+
+    def take_prior(self) -> torch.Tensor:
+        """The summed p_l ``[local heads, l + 1]`` since ``collect_prior(True)``; stops collecting."""
+        if self._prior is None:
+            raise RuntimeError(f"the dynamic router of layer {self.layer} collected no prior (collect_prior)")
+        prior, self._prior = self._prior, None
+        return prior
 
     @property
     def weight(self) -> torch.Tensor:
@@ -81,16 +104,25 @@ class DynamicLimeRouter(nn.Module):
         logits = logits.view(*logits.shape[:2], len(self.sharding.local_heads), len(self.sources))
         logits = logits.to(torch.promote_types(logits.dtype, torch.float32))
         logits[..., -1] += self.own_offset
-        return torch.softmax(logits, dim=-1).to(hidden_states.dtype)
+        if self.pruned:  # masked routes: weight 0, no gradient to their rows of W_l
+            logits = logits.masked_fill(~self.route_mask, float("-inf"))
+        probs = torch.softmax(logits, dim=-1).to(hidden_states.dtype)
+        if self._prior is not None and torch.is_grad_enabled():  # a training pass (once under recompute)
+            self._prior += probs.detach().sum(dim=(0, 1)).double()
+        return probs
 
     def sharded_state_dict(self, prefix: str = "", sharded_offsets: tuple = (), metadata: dict | None = None) -> dict:
-        """megatron distributed-checkpoint entry of W_l: one tensor per layer (shapes differ by
-        layer, so not stacked on megatron's layer axis), split by rows = by head across TP sizes."""
+        """megatron distributed-checkpoint entries of W_l (and a pruning run's route mask): one
+        tensor per layer (shapes differ by layer, so not stacked on megatron's layer axis), split by
+        rows = by head across TP sizes."""
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         tp_rank, tp_size = self.sharding.rank, self.sharding.size
-        key = f"{prefix}logits_weight_of_layer_{self.layer}"
-        tensor = ShardedTensor.from_rank_offsets(key, self.weight, (0, tp_rank, tp_size), replica_id=(0, 0, dp_rank))
-        return {f"{prefix}logits.weight": tensor}
+        entries = {"logits.weight": self.weight, "route_mask": self.route_mask} if self.prunable else \
+            {"logits.weight": self.weight}
+        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(
+                    f"{prefix}{name.replace('.', '_')}_of_layer_{self.layer}", tensor, (0, tp_rank, tp_size),
+                    replica_id=(0, 0, dp_rank))
+                for name, tensor in entries.items()}
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, sources=0..{self.layer}, dynamic"

@@ -51,6 +51,7 @@ from lime_megatron.models.lime.head_parallel import gather_heads, scatter_heads
 from lime_megatron.models.lime.router import LimeRouter, routing_consumers
 from lime_megatron.models.lime.routing_blocks import (
     MixEarlierSources,
+    count_read,
     mix_earlier,
     routing_product,
     routing_product_attention_layout,
@@ -229,7 +230,7 @@ class LayerIntegratedMemory:
         """Whether ``router``'s earlier sources are mixed once for its block (B > 1, a learned or
         fixed product, this rank the heads' primary, some source before the block)."""
         return (self.block > 1 and not router.identity and router.sharding.primary
-                and router.sources[0] < self.block_of(router.layer).start)
+                and router.read_sources[0] < self.block_of(router.layer).start)
 
     def _earlier_readers(self, block: range) -> list[LimeRouter]:
         """The routers of ``block`` that read sources before it."""
@@ -380,24 +381,29 @@ class LayerIntegratedMemory:
         """One source's token weights ``[s, b, h]`` broadcast over rows ``[h, 2, s, b, d]``."""
         return weights.permute(2, 0, 1)[:, None, :, :, None]
 
-    def mix_by_token(self, router, probs: torch.Tensor) -> torch.Tensor:
+    def mix_by_token(self, router, probs: torch.Tensor, kind: str = "forward") -> torch.Tensor:
         """Dynamic LIMe's Eq. 2 (``dynamic_router``): routed[x, s, b, h, d] =
         sum_j probs[s, b, h, j] * rows_j[h, x, s, b, d], written in attention's layout
-        ``[2, s, b, local kv heads, d]`` (a new tensor); one multiply-add per source layer."""
+        ``[2, s, b, local kv heads, d]`` (a new tensor); one multiply-add per source layer read
+        (a pruned source's weights are 0), its rows counted as ``kind`` (``routing_reads``)."""
         s, b, h, d = self.kv_shape
         routed = probs.new_zeros(2, s, b, h, d)
         heads_first = routed.permute(3, 0, 1, 2, 4)
-        for source in router.sources:
-            heads_first.addcmul_(self._per_row(probs[..., source]), self._heads_first(self.rows(source, source + 1)))
+        for source in router.read_sources:
+            rows = count_read(kind, self.rows(source, source + 1))
+            heads_first.addcmul_(self._per_row(probs[..., source]), self._heads_first(rows))
         return routed
 
     def token_weight_grad(self, router, grad_rows: torch.Tensor) -> torch.Tensor:
         """dL/dp_l[s, b, h, j] = sum_{x, d} g_l[h, x, s, b, d] * rows_j[h, x, s, b, d]:
         ``[s, b, local kv heads, l + 1]``.  Run before g_l overwrites layer l's own rows."""
         grad = self._heads_first(grad_rows)
-        per_source = [(grad * self._heads_first(self.rows(source, source + 1))).sum(dim=(1, 4))
-                      for source in router.sources]
-        return torch.stack(per_source, dim=-1).permute(1, 2, 0, 3)
+        s, b, h, _ = self.kv_shape
+        grads = grad_rows.new_zeros(h, s, b, len(router.sources))
+        for source in router.read_sources:  # a pruned route's weight is a constant 0
+            rows = count_read("weight_grad", self.rows(source, source + 1))
+            grads[..., source] = (grad * self._heads_first(rows)).sum(dim=(1, 4))
+        return grads.permute(1, 2, 0, 3)
 
     def keep_token_weights(self, layer: int, probs: torch.Tensor) -> None:
         """Backward of dynamic layer ``layer``: keep its p ``[s, b, h, l+1]`` until its sources
@@ -411,11 +417,13 @@ class LayerIntegratedMemory:
         grads = self._grad_buffer(h)
         mixed = grads.new_zeros(len(sources) * h, grads.shape[1])
         for consumer in consumers:
-            grad = self._heads_first(grads[(consumer - first) * h : (consumer - first + 1) * h])
-            weights = self._token_weights[consumer]
+            grad = grads[(consumer - first) * h : (consumer - first + 1) * h]
+            weights, read = self._token_weights[consumer], self._routers[consumer].read_sources
             for index, source in enumerate(sources):
-                target = self._heads_first(mixed[index * h : (index + 1) * h])
-                target.addcmul_(self._per_row(weights[..., source]), grad)
+                if source in read:  # g_consumer read once per source it reads
+                    target = self._heads_first(mixed[index * h : (index + 1) * h])
+                    kept = self._heads_first(count_read("row_grad", grad))
+                    target.addcmul_(self._per_row(weights[..., source]), kept)
         return mixed
 
     def _later_consumer_grad(self, layer: int, sources: range) -> torch.Tensor | None:

@@ -32,6 +32,7 @@ from torch import nn
 
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.lime.head_parallel import HeadSharding
+from lime_megatron.models.lime.pruning import add_route_mask
 
 ROUTER_PARAM_ATTR = "is_lime_router"
 """Attribute set to True on every router weight; optimizer overrides select it (see
@@ -146,7 +147,9 @@ class LimeRouter(nn.Module):
         self.layer = layer
         self.sharding = sharding or HeadSharding(config.kv_heads)
         self.sources = routing_sources(layer, config.lime_router, config.lime_router_window)
+        self.read_sources = self.sources  # those a kept route reads (``pruning``)
         self.source_runs = contiguous_runs(self.sources)
+        self.prunable = self.pruned = False
         local = len(self.sharding.local_heads)
         self._column_of = {source: j * local for j, source in enumerate(self.sources)}
         if layer == 0 or config.lime_router == "average":
@@ -161,6 +164,37 @@ class LimeRouter(nn.Module):
         # Split by input head: megatron's gradient norm counts a tensor-parallel parameter on
         # every rank, others on rank 0 only; a replica of another rank's heads is not counted.
         set_tensor_model_parallel_attributes(self.weight, is_parallel=self.sharding.primary, dim=1, stride=1)
+        add_route_mask(self, config, self.weight.shape)
+        if self.prunable:  # a masked weight receives no gradient (``pruning``)
+            self.weight.register_hook(lambda grad: grad * self.route_mask)
+
+    def _refresh_read_sources(self) -> None:
+        """``read_sources`` and ``source_runs`` from the mask: the sources some kept route reads."""
+        self.pruned = not bool(self.route_mask.all())
+        kept = self.route_mask
+        self.read_sources = [source for source in self.sources if kept[:, self.columns(source, source + 1)].any()]
+        self.source_runs = contiguous_runs(self.read_sources)
+
+    def full_weight(self) -> torch.Tensor:
+        """R^(l) of all heads ``[kv_heads, n_sources * kv_heads]`` (gathered over tensor-parallel ranks)."""
+        weight = self.weight.detach()
+        if self.sharding.size == 1:
+            return weight
+        parts = [torch.empty_like(weight) for _ in range(self.sharding.size)]
+        torch.distributed.all_gather(parts, weight.contiguous(), group=self.sharding.group)
+        kv_heads = self.sharding.kv_heads
+        full = weight.new_empty(weight.shape[0], len(self.sources), kv_heads)
+        for rank, part in enumerate(parts):
+            full[:, :, self.sharding.heads_of(rank)] = part.view(weight.shape[0], len(self.sources), -1)
+        return full.view(weight.shape[0], -1)
+
+    def set_route_mask(self, full_mask: torch.Tensor) -> None:
+        """Mask the routes where ``full_mask`` (``[kv_heads, n_sources * kv_heads]``, all heads) is
+        False: this rank's columns of it become ``route_mask`` and the masked weights zero."""
+        with torch.no_grad():
+            self.route_mask.copy_(self._local_columns(full_mask))
+            self.weight.mul_(self.route_mask)
+        self._refresh_read_sources()
 
     def _local_columns(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a full router matrix ``[kv_heads, n_sources * kv_heads]``."""
@@ -202,8 +236,8 @@ class LimeRouter(nn.Module):
         Saved per layer (routers differ in shape, so unlike megatron's other layer parameters they
         are not stacked along a layer axis: ``sharded_offsets`` is not used) as the global
         ``[kv_heads, n_sources, kv_heads]`` tensor split along its last axis (input heads), so a
-        checkpoint written at one TP size loads at any other.  Fixed routers (layer 0,
-        ``average``) have nothing to save.
+        checkpoint written at one TP size loads at any other; a pruning run's route mask likewise.
+        Fixed routers (layer 0, ``average``) have nothing to save.
         """
         if not self.learned:
             return {}
@@ -221,8 +255,10 @@ class LimeRouter(nn.Module):
 
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         replica_id = (0, sharding.rank % sharding.replicas, dp_rank)
-        key = f"{prefix}weight_of_layer_{self.layer}"
-        return {f"{prefix}weight": ShardedTensorFactory(key, self.weight, build, merge, replica_id)}
+        entries = {"weight": self.weight, "route_mask": self.route_mask} if self.prunable else {"weight": self.weight}
+        return {f"{prefix}{name}": ShardedTensorFactory(f"{prefix}{name}_of_layer_{self.layer}", tensor, build,
+                                                        merge, replica_id)
+                for name, tensor in entries.items()}
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, sources={self.source_runs}, learned={self.learned}"

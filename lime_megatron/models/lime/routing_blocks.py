@@ -119,12 +119,18 @@ def routing_reads():
         _COUNTER.remove(counter)
 
 
+def count_read(kind: str, wide: torch.Tensor) -> torch.Tensor:
+    """Count the read of ``wide`` as ``kind`` in the open ``routing_reads`` counters; returns it
+    (the dynamic router's per-token products count their operands this way)."""
+    for counter in _COUNTER:
+        counter.add(kind, wide)
+    return wide
+
+
 def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
     """``narrow @ wide`` ([r, k] @ [k, N]) in ``wide``'s dtype (router weights may be kept in float32
     beside bf16 activations), with the read of ``wide`` counted as ``kind``."""
-    for counter in _COUNTER:
-        counter.add(kind, wide)
-    return narrow.to(wide.dtype) @ wide
+    return narrow.to(wide.dtype) @ count_read(kind, wide)
 
 
 def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int) -> torch.Tensor:
@@ -132,9 +138,7 @@ def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torc
     ``[M, r, inner]`` contiguous (with ``M * inner = 2*s*b*d``, ``inner = d``: ``[2, s, b, r, d]``),
     one strided-batched product instead of the ``[r, N]`` product and its rearranging copy; the read
     of ``wide`` counted as ``kind``."""
-    for counter in _COUNTER:
-        counter.add(kind, wide)
-    batched = wide.view(wide.shape[0], -1, inner).transpose(0, 1)
+    batched = count_read(kind, wide).view(wide.shape[0], -1, inner).transpose(0, 1)
     return torch.bmm(narrow.to(wide.dtype).expand(batched.shape[0], -1, -1), batched)
 
 
@@ -145,9 +149,7 @@ def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
 
 def weight_grad_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
     """:func:`float32_product` with the read of ``rows`` counted as the weight gradient's."""
-    for counter in _COUNTER:
-        counter.add("weight_grad", rows)
-    return float32_product(grad_rows, rows)
+    return float32_product(grad_rows, count_read("weight_grad", rows))
 
 
 FLOAT32_CHUNK_BYTES = 64 * 2**20
@@ -178,7 +180,7 @@ def stacked_columns(routers: list[LimeRouter], start: int, stop: int) -> torch.T
     stacked = first.weight.new_zeros(len(routers) * first.weight.shape[0], (stop - start) * local)
     rows = first.weight.shape[0]
     for i, router in enumerate(routers):
-        for source in router.sources:
+        for source in router.read_sources:
             if start <= source < stop:
                 column = (source - start) * local
                 stacked[i * rows : (i + 1) * rows, column : column + local] = router.block(source)
@@ -188,7 +190,7 @@ def stacked_columns(routers: list[LimeRouter], start: int, stop: int) -> torch.T
 def earlier_runs(memory, block: range, routers: list[LimeRouter]) -> list[tuple[int, int]]:
     """Row blocks ``(start, stop)`` of the sources before ``block`` that ``routers`` read (their
     union, split where the memory's external blocks begin and end)."""
-    sources = sorted({source for router in routers for source in router.sources if source < block.start})
+    sources = sorted({source for router in routers for source in router.read_sources if source < block.start})
     return [piece for run in contiguous_runs(sources) for piece in memory.row_blocks(*run)]
 
 
@@ -227,7 +229,7 @@ class MixEarlierSources(torch.autograd.Function):
         for start, stop in earlier_runs(memory, block, routers):
             block_grad = weight_grad_product(kept, memory.rows(start, stop))
             for i, router in enumerate(routers):
-                for source in router.sources:
+                for source in router.read_sources:
                     if start <= source < stop:
                         local = (source - start) * router.local_heads
                         grads[i][:, router.columns(source, source + 1)] = \

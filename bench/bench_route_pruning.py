@@ -1,0 +1,110 @@
+"""Route pruning on a trained deep CPU model (issue 24, v1 §5.4 and Table 5): the share of routes
+top-p masks, the validation loss before and after, and the routing reads per step saved.
+
+The main job's arithmetic-expression data (``python -m lime_megatron``'s data stages) trains a
+``--num-layers``-deep LIMe twice in this process with the same seed: once without pruning, once
+with ``--lime-prune-top-p`` set after iteration ``--prune-iter``.  Both runs evaluate at that
+iteration (the pruned run just after its masks are set) and at the end, so the table shows:
+
+- the masked share of the routes (static: router weights; dynamic: (head, source) pairs);
+- validation loss at the pruning iteration, unpruned ("before") and pruned ("after"), and at the
+  end of both runs (pruned routes stay masked while training goes on);
+- the bytes the routing products read in one forward+backward of the final models
+  (``routing_blocks.routing_reads``), unpruned and pruned;
+- pipeline bytes: 0 saved (rows still cross stages whatever the masks; see docs/dynamic.md).
+
+Run (the figures in BENCHMARKS.md):
+    python bench/bench_route_pruning.py
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+from lime_megatron import __main__ as main_job
+from lime_megatron.interop.checkpoint_model import load_model
+from lime_megatron.models.lime.routing_blocks import routing_reads
+from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.training import trainer
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--num-layers", type=int, default=32)
+    parser.add_argument("--routers", nargs="+", default=["full", "dynamic"])
+    parser.add_argument("--top-p", type=float, default=0.9)
+    parser.add_argument("--train-iters", type=int, default=200)
+    parser.add_argument("--prune-iter", type=int, default=100)
+    parser.add_argument("--num-samples", type=int, default=20000)
+    parser.add_argument("--output-dir", default=None)
+    return parser.parse_args(argv)
+
+
+def trainer_flags(args, data_flags: list[str], router: str, save: Path) -> list[str]:
+    options = list(main_job.TRAINER_OPTIONS)
+    options[options.index("--num-layers") + 1] = str(args.num_layers)
+    options[options.index("--eval-interval") + 1] = str(args.prune_iter)
+    return [*options, *data_flags, "--lime", "--lime-router", router, "--train-iters", str(args.train_iters),
+            "--lr-warmup-iters", str(main_job.warmup_iters(args.train_iters)), "--lime-routing-block", "1",
+            "--save", str(save), "--save-interval", str(args.train_iters)]
+
+
+def routing_bytes(checkpoint: Path) -> int:
+    """Bytes the routing products read in one forward+backward of the checkpoint's model on two
+    sequences of the main job's length."""
+    initialize_parallel()
+    model = load_model(str(checkpoint)).model
+    seq_length = int(main_job.TRAINER_OPTIONS[main_job.TRAINER_OPTIONS.index("--seq-length") + 1])
+    tokens = torch.randint(0, model.vocab_size, (2, seq_length), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(seq_length).expand_as(tokens)
+    with routing_reads() as reads:
+        model(tokens, positions, None, labels=tokens).mean().backward()
+    return reads.total
+
+
+def measure(args, data_flags: list[str], out: Path, router: str) -> dict:
+    runs = {}
+    for pruned in (False, True):
+        save = out / f"{router}-{'pruned' if pruned else 'unpruned'}"
+        prune = ["--lime-prune-top-p", str(args.top_p), "--lime-prune-iters", str(args.prune_iter)] if pruned else []
+        runs[pruned] = (trainer.train(trainer_flags(args, data_flags, router, save) + prune), save)
+    (plain, plain_dir), (pruned, pruned_dir) = runs[False], runs[True]
+    routes, masked = pruned.pruned_routes
+    return dict(router=router, share=masked / routes, routes=routes,
+                before=plain.validation[args.prune_iter], after=pruned.validation[args.prune_iter],
+                end_plain=plain.validation[args.train_iters], end_pruned=pruned.validation[args.train_iters],
+                reads_plain=routing_bytes(plain_dir), reads_pruned=routing_bytes(pruned_dir))
+
+
+def print_table(rows: list[dict], args) -> None:
+    header = (f"{'router':>8} {'routes':>8} {'masked':>7} {'val before':>11} {'val after':>10} "
+              f"{'end unpruned':>13} {'end pruned':>11} {'reads MiB':>10} {'pruned MiB':>11} {'pipeline saved':>15}")
+    print(f"\n{args.num_layers} layers, top-p {args.top_p} after iteration {args.prune_iter} of {args.train_iters}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['router']:>8} {r['routes']:>8,} {100 * r['share']:>6.1f}% {r['before']:>11.4f} {r['after']:>10.4f} "
+              f"{r['end_plain']:>13.4f} {r['end_pruned']:>11.4f} {r['reads_plain'] / 2**20:>10.1f} "
+              f"{r['reads_pruned'] / 2**20:>11.1f} {'0 (not built)':>15}")
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    out = Path(args.output_dir or tempfile.mkdtemp(prefix="route-pruning-"))
+    data_flags = main_job.prepare_data(out, args.num_samples, 100)
+    rows = [measure(args, data_flags, out, router) for router in tqdm(args.routers, desc="routers")]
+    print_table(rows, args)
+    masked = ", ".join(f"{r['router']} {100 * r['share']:.1f}%" for r in rows)
+    change = ", ".join(f"{r['router']} {r['after'] - r['before']:+.4f}" for r in rows)
+    print(f"\nsummary: masked {masked} of the routes; validation loss change at pruning {change}; "
+          f"written under {out}")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
