@@ -169,3 +169,17 @@ def test_the_paper_sweep_resolves_at_its_layouts(tmp_path):
         for key in ("pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
                     "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank"):
             assert run.options.get(key) == example.get(key), (run.name, key)
+
+
+def test_the_pruned_sweep_adds_pruned_lime_at_every_depth(tmp_path):
+    """examples/sweeps/depth_pruned.yaml: the paper sweep's runs plus LIMe pruned at top-p 0.9 after
+    iteration 2,500, which the trainer accepts at each depth's layout (dry run)."""
+    from lime_megatron.training import arguments
+
+    sweep = depth_sweep.load_sweep(str(ROOT / "examples" / "sweeps" / "depth_pruned.yaml"), str(tmp_path))
+    assert [run.name for run in sweep.runs if run.depth == 32] == ["LIMe-L32", "LIMe-pruned-L32", "LLaMA-L32"]
+    for run in sweep.runs:
+        args = arguments.parse_args([*depth_sweep.trainer_argv(sweep, run, []), "--dry-run", "--dry-run-world-size",
+                                     str(run.nproc)])
+        pruned = run.family == "LIMe-pruned"
+        assert (args.lime_prune_top_p, args.lime_prune_iters) == ((0.9, [2500]) if pruned else (None, None))
