@@ -32,7 +32,7 @@ def examples() -> dict:
 
 
 def test_every_example_on_a_te_gpu_fuses_rope_swiglu_and_bias_dropout(examples):
-    assert len(examples) == 21
+    assert len(examples) == 22
     for name, run in examples.items():
         impl, pp = run.model.transformer_impl, run.parallel.pipeline_model_parallel_size
         assert impl == "transformer_engine", name  # Hyper-Connections too (their TE spec unfuses the norms)

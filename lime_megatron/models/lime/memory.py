@@ -23,6 +23,13 @@ when layer m's backward finishes its raw rows are dead: they are overwritten wit
 grad(kv_l) is one matrix product over the rows l..stop of consumers.  No second buffer is
 allocated for gradients.
 
+Dynamic routers (``dynamic_router``).  Their weights are per token, so ``mix_by_token`` is one
+multiply-add per source row (same head only) instead of a product, ``token_weight_grad`` gives
+dL/dp_l, and a source's row gradient is sum_m p_m[..., l] * g_m over the kept g_m
+(``_token_mixed_grad``), with each consumer's p_m kept from its backward (``keep_token_weights``).
+Route pruning (``pruning``) leaves a source none of a router's kept routes reads out of its
+``read_sources``: no product reads its rows.
+
 Recomputed routed K/V.  Attention keeps its K and V for backward; for LIMe those are the routed
 (and RoPE-rotated) tensors, which would double the saved K/V on top of the buffer.
 ``recompute.recompute_in_backward`` drops them from autograd's saved tensors and rebuilds them from the
