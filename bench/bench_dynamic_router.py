@@ -14,53 +14,27 @@ Run (the figures in BENCHMARKS.md):
 from __future__ import annotations
 
 import argparse
-import statistics
 
-from bench_lime_overhead import build, make_batch, saved_bytes, train_step
+from bench_lime_overhead import build, flop_floor, make_batch, median_times, saved_bytes, shape_parser
 from tqdm import tqdm
 
 from lime_megatron.parallel.process_groups import initialize_parallel
-from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
-
-MODELS = ("base", "static", "dynamic")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64])
-    parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--ffn-hidden-size", type=int, default=1024)
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    return parser.parse_args(argv)
-
-
-def floor(config, args) -> float:
-    """1 + router FLOPs / baseline FLOPs for ``config``'s router."""
-    baseline = forward_flops_per_token(config, args.seq_length, args.vocab_size) - router_flops_per_token(config)
-    return 1.0 + router_flops_per_token(config) / baseline
+    return shape_parser(__doc__, [8, 16, 32, 64]).parse_args(argv)
 
 
 def measure(args, num_layers: int, kv_heads: int) -> dict:
     models = {"base": build(args, num_layers, kv_heads, False), "static": build(args, num_layers, kv_heads, True),
               "dynamic": build(args, num_layers, kv_heads, True, router="dynamic")}
     batch = make_batch(args)
-    times = {name: [] for name in models}
-    for run in range(args.warmup + args.repeats):
-        for name, model in models.items():
-            elapsed = train_step(model, batch)
-            if run >= args.warmup:
-                times[name].append(elapsed)
+    times = median_times(args, models, batch)
     row = dict(layers=num_layers, kv_heads=kv_heads)
     for name, model in models.items():
-        row[f"{name}_s"] = statistics.median(times[name])
+        row[f"{name}_s"] = times[name]
         row[f"{name}_saved"] = saved_bytes(model, batch)
-        row[f"{name}_floor"] = floor(model.config, args) if name != "base" else 1.0
+        row[f"{name}_floor"] = flop_floor(args, model.config) if name != "base" else 1.0
     return row
 
 

@@ -41,9 +41,10 @@ from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depths", type=int, nargs="+", default=[8, 16, 32, 64, 128])
+def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser:
+    """The model-shape and timing options of the overhead benches (``--depths`` default ``depths``)."""
+    parser = argparse.ArgumentParser(description=description, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--depths", type=int, nargs="+", default=depths)
     parser.add_argument("--kv-heads", type=int, nargs="+", default=[8, 2])
     parser.add_argument("--hidden-size", type=int, default=256)
     parser.add_argument("--num-attention-heads", type=int, default=8)
@@ -54,7 +55,11 @@ def parse_args(argv=None) -> argparse.Namespace:
                         help="small so that the transformer layers, not the logits, dominate")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return shape_parser(__doc__, [8, 16, 32, 64, 128]).parse_args(argv)
 
 
 def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full"):
@@ -105,29 +110,42 @@ def copied_bytes(model, batch) -> int:
     return counter.bytes
 
 
-def measure(args, num_layers: int, kv_heads: int) -> dict:
-    block = routing_block_size(num_layers, kv_heads, torch.empty(0).element_size())
-    models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
-              "blocked": build(args, num_layers, kv_heads, True, block)}
-    batch = make_batch(args)
+def median_times(args, models: dict, batch) -> dict[str, float]:
+    """Median forward+backward seconds of each model over ``args.repeats`` runs after
+    ``args.warmup``, the models interleaved."""
     times = {name: [] for name in models}
     for run in range(args.warmup + args.repeats):
         for name, model in models.items():
             elapsed = train_step(model, batch)
             if run >= args.warmup:
                 times[name].append(elapsed)
+    return {name: statistics.median(seconds) for name, seconds in times.items()}
+
+
+def flop_floor(args, config) -> float:
+    """1 + router FLOPs / baseline FLOPs of ``config``: the time ratio of an implementation that
+    costs exactly the router's FLOPs."""
+    baseline = forward_flops_per_token(config, args.seq_length, args.vocab_size) - router_flops_per_token(config)
+    return 1.0 + router_flops_per_token(config) / baseline
+
+
+def measure(args, num_layers: int, kv_heads: int) -> dict:
+    block = routing_block_size(num_layers, kv_heads, torch.empty(0).element_size())
+    models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
+              "blocked": build(args, num_layers, kv_heads, True, block)}
+    batch = make_batch(args)
+    times = median_times(args, models, batch)
     config = models["blocked"].config
-    baseline_flops = forward_flops_per_token(config, args.seq_length, args.vocab_size) - router_flops_per_token(config)
     reads = {b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values())
              for b in (1, block)}
     return dict(
         layers=num_layers,
         kv_heads=kv_heads,
         block=block,
-        base_s=statistics.median(times["base"]),
-        per_layer_s=statistics.median(times["per_layer"]),
-        lime_s=statistics.median(times["blocked"]),
-        floor=1.0 + router_flops_per_token(config) / baseline_flops,
+        base_s=times["base"],
+        per_layer_s=times["per_layer"],
+        lime_s=times["blocked"],
+        floor=flop_floor(args, config),
         base_saved=saved_bytes(models["base"], batch),
         lime_saved=saved_bytes(models["blocked"], batch),
         reads_per_layer=reads[1],

@@ -311,7 +311,8 @@ def train_step(model: list, optimizer, scheduler, batches: list) -> tuple[float,
     optimizer.zero_grad()
     loss = forward_backward(model, batches)
     result = (loss, *optimizer_step(optimizer, scheduler))
-    pruning.enforce_route_masks(model)
+    if getattr(model[0].config, "lime_prune_top_p", None) is not None:  # a pruning run
+        pruning.enforce_route_masks(model)
     return result
 
 

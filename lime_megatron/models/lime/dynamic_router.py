@@ -32,8 +32,7 @@ from torch import nn
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
-from lime_megatron.models.lime.pruning import add_route_mask
-from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR
+from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR, add_route_mask, refresh_read_sources
 
 OWN_WEIGHT_AT_INIT = 0.9
 """The own layer's routing weight with ``W_l = 0`` (fixes ``tau_l``)."""
@@ -67,18 +66,13 @@ class DynamicLimeRouter(nn.Module):
             init_method=nn.init.zeros_, bias=False, gather_output=False, tp_group=tp_group)
         setattr(self.logits.weight, ROUTER_PARAM_ATTR, True)
         self.own_offset = own_logit_offset(layer)
-        self.read_sources, self.pruned, self._prior = self.sources, False, None
+        self._prior = None
         add_route_mask(self, config, (len(sharding.local_heads), len(self.sources)))
-
-    def _refresh_read_sources(self) -> None:
-        """``read_sources``: the sources some head keeps a route to (``pruning``)."""
-        self.pruned = not bool(self.route_mask.all())
-        self.read_sources = [source for source in self.sources if self.route_mask[:, source].any()]
 
     def set_route_mask(self, mask: torch.Tensor) -> None:
         """Mask the routes (local head, source) where ``mask`` ``[local heads, l + 1]`` is False."""
         self.route_mask.copy_(mask)
-        self._refresh_read_sources()
+        refresh_read_sources(self)
 
     def collect_prior(self, collecting: bool) -> None:
         """Start (or stop) summing p_l over the tokens of training forward passes (``take_prior``)."""

@@ -26,15 +26,6 @@ from megatron.core import parallel_state
 from torch import nn
 
 
-def add_route_mask(router: nn.Module, config, shape: tuple[int, ...]) -> None:
-    """Give ``router`` its ``route_mask`` of ``shape`` (every route kept), kept in the checkpoint
-    when the run prunes (``config.lime_prune_top_p``), and refresh its read sources whenever a
-    state dict is loaded into it (``router._refresh_read_sources``)."""
-    router.prunable = config.lime_prune_top_p is not None
-    router.register_buffer("route_mask", torch.ones(shape, dtype=torch.bool), persistent=router.prunable)
-    router.register_load_state_dict_post_hook(lambda module, _keys: module._refresh_read_sources())
-
-
 def top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
     """Boolean mask ``[rows, n]`` keeping, per row, the largest ``scores`` (non-negative) until
     their share of the row's sum reaches ``top_p``: entry k (descending) is kept when the share of

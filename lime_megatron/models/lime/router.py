@@ -32,7 +32,6 @@ from torch import nn
 
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.lime.head_parallel import HeadSharding
-from lime_megatron.models.lime.pruning import add_route_mask
 
 ROUTER_PARAM_ATTR = "is_lime_router"
 """Attribute set to True on every router weight; optimizer overrides select it (see
@@ -108,6 +107,28 @@ def router_weights_per_source(config: LimeTransformerConfig) -> int:
     return config.kv_heads**2
 
 
+def add_route_mask(router: nn.Module, config, shape: tuple[int, ...]) -> None:
+    """Give ``router`` (static or dynamic) its ``route_mask`` of ``shape`` for route pruning
+    (``pruning``; every route kept, all sources read), kept in the checkpoint when the run prunes
+    (``config.lime_prune_top_p``), and refresh its read sources whenever a state dict is loaded
+    into it (``refresh_read_sources``)."""
+    router.prunable = config.lime_prune_top_p is not None
+    router.register_buffer("route_mask", torch.ones(shape, dtype=torch.bool), persistent=router.prunable)
+    router.register_load_state_dict_post_hook(lambda module, _keys: refresh_read_sources(module))
+    router.read_sources, router.source_runs, router.pruned = router.sources, contiguous_runs(router.sources), False
+
+
+def refresh_read_sources(router: nn.Module) -> None:
+    """``router.read_sources`` (and their contiguous ``source_runs``) and ``router.pruned`` from
+    its mask: the sources some kept route reads.  The mask's columns group by source (static
+    ``[kv, sources * local heads]``, dynamic ``[local heads, sources]``)."""
+    mask = router.route_mask
+    read = mask.view(mask.shape[0], len(router.sources), -1).any(dim=2).any(dim=0).tolist()
+    router.pruned = not bool(mask.all())
+    router.read_sources = [source for source, kept in zip(router.sources, read) if kept]
+    router.source_runs = contiguous_runs(router.read_sources)
+
+
 def init_router_weight(weight: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """Paper App. A/E initialisation, in place: identity on the own-layer slice (the last
     ``kv_heads`` columns), Kaiming-uniform with bound sqrt(3 / fan_in) elsewhere, where
@@ -168,13 +189,6 @@ class LimeRouter(nn.Module):
         if self.prunable:  # a masked weight receives no gradient (``pruning``)
             self.weight.register_hook(lambda grad: grad * self.route_mask)
 
-    def _refresh_read_sources(self) -> None:
-        """``read_sources`` and ``source_runs`` from the mask: the sources some kept route reads."""
-        self.pruned = not bool(self.route_mask.all())
-        kept = self.route_mask
-        self.read_sources = [source for source in self.sources if kept[:, self.columns(source, source + 1)].any()]
-        self.source_runs = contiguous_runs(self.read_sources)
-
     def full_weight(self) -> torch.Tensor:
         """R^(l) of all heads ``[kv_heads, n_sources * kv_heads]`` (gathered over tensor-parallel ranks)."""
         weight = self.weight.detach()
@@ -194,7 +208,7 @@ class LimeRouter(nn.Module):
         with torch.no_grad():
             self.route_mask.copy_(self._local_columns(full_mask))
             self.weight.mul_(self.route_mask)
-        self._refresh_read_sources()
+        refresh_read_sources(self)
 
     def _local_columns(self, full: torch.Tensor) -> torch.Tensor:
         """This rank's columns of a full router matrix ``[kv_heads, n_sources * kv_heads]``."""
