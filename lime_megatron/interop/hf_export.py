@@ -39,6 +39,7 @@ from tqdm import tqdm
 
 from lime_megatron.interop.checkpoint_model import load_model, new_model, save_model
 from lime_megatron.interop.hf_layout import (
+    DYNAMIC_LIME_ARCHITECTURE,
     HC_ARCHITECTURE,
     HYPER_CONNECTION_TENSORS,
     LIME_ARCHITECTURE,
@@ -48,6 +49,7 @@ from lime_megatron.interop.hf_layout import (
     from_hf_tensors,
     to_hf_tensors,
 )
+from lime_megatron.models.lime.dynamic_router import OWN_WEIGHT_AT_INIT
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.training import arguments, checkpointing, data
 
@@ -115,7 +117,10 @@ class Description:
             config["hc_config"] = dict(rate=shape.hyper_connections, dynamic=not shape.hyper_connections_static)
         config[EXTRA] = dict(format_version=FORMAT_VERSION, unpadded_vocab_size=self.unpadded_vocab_size,
                              make_vocab_size_divisible_by=self.divisible_by, tokenizer_type=self.tokenizer_type,
-                             lime_router=shape.router, lime_router_window=shape.router_window)
+                             lime_router=shape.router, lime_router_window=shape.router_window,
+                             lime_prune_top_p=shape.prune_top_p)
+        if shape.dynamic_router:
+            config[EXTRA]["lime_dynamic_own_weight"] = OWN_WEIGHT_AT_INIT
         return config
 
     @classmethod
@@ -125,7 +130,7 @@ class Description:
         ``architectures`` is absent (the official code saves a bare LlamaConfig), and give n and
         the variant when ``hc_config`` is."""
         architecture = _architecture(config, set(tensor_shapes))
-        lime = architecture == LIME_ARCHITECTURE
+        lime = architecture in (LIME_ARCHITECTURE, DYNAMIC_LIME_ARCHITECTURE)
         streams, static = (_hyper_connections(config, tensor_shapes) if architecture == HC_ARCHITECTURE
                            else (0, False))
         extra = config.get(EXTRA) or {}
@@ -134,12 +139,17 @@ class Description:
                 raise ConversionError(
                     f"config.json: {name}={config[name]!r} is not supported (LLaMA uses {allowed[0]})")
         heads, hidden = _required(config, "num_attention_heads"), _required(config, "hidden_size")
-        router = extra.get("lime_router") or "full" if lime else None
+        router = ("dynamic" if architecture == DYNAMIC_LIME_ARCHITECTURE else extra.get("lime_router") or "full"
+                  if lime else None)
+        if router == "dynamic" and extra.get("lime_dynamic_own_weight", OWN_WEIGHT_AT_INIT) != OWN_WEIGHT_AT_INIT:
+            raise ConversionError(f"config.json: lime_dynamic_own_weight={extra['lime_dynamic_own_weight']} is not "
+                                  f"supported (the dynamic router's own-layer offset is fixed at {OWN_WEIGHT_AT_INIT})")
         shape = ModelShape(
             _required(config, "num_hidden_layers"), hidden, _required(config, "intermediate_size"), heads,
             config.get("num_key_value_heads") or heads, config.get("head_dim") or hidden // heads,
             _required(config, "vocab_size"), config.get("tie_word_embeddings", True), lime, router,
-            extra.get("lime_router_window") if lime else None, streams, static)
+            extra.get("lime_router_window") if lime else None, streams, static,
+            extra.get("lime_prune_top_p") if lime else None)
         return cls(shape, _rope_base(config), config.get("rms_norm_eps", 1e-6),
                    _required(config, "max_position_embeddings"),
                    extra.get("unpadded_vocab_size") or shape.vocab_size, extra.get("make_vocab_size_divisible_by"),
@@ -156,7 +166,7 @@ def _required(config: dict, name: str):
 
 def _architecture(config: dict, tensor_names: set[str]) -> str:
     """config.json's ``architectures``, else the architecture the tensors' names show."""
-    known = (LLAMA_ARCHITECTURE, LIME_ARCHITECTURE, HC_ARCHITECTURE)
+    known = (LLAMA_ARCHITECTURE, LIME_ARCHITECTURE, DYNAMIC_LIME_ARCHITECTURE, HC_ARCHITECTURE)
     architectures = config.get("architectures")
     if architectures:
         if architectures[0] not in known:
@@ -166,6 +176,8 @@ def _architecture(config: dict, tensor_names: set[str]) -> str:
     if config.get("model_type") != "llama":
         raise ConversionError(f"unknown model type {config.get('model_type')!r} in config.json: expected "
                               "'llama' (LLaMA, LIMe or Hyper-Connections)")
+    if any(name.endswith("lime_router.dynamic_weights") for name in tensor_names):
+        return DYNAMIC_LIME_ARCHITECTURE
     if any(name.endswith("self_attn.kv_proj_weight") for name in tensor_names):
         return LIME_ARCHITECTURE
     if any(".hc_attn." in name for name in tensor_names):
@@ -402,9 +414,6 @@ def export_checkpoint(checkpoint: str, directory: str, *, dtype: torch.dtype | N
     if loaded.model.config.hyper_connections_manifold:
         raise ConversionError("mHC (--hyper-connections-manifold) has no Hugging Face layout to write: the paper's "
                               "code (the layouts here) has only Hyper-Connections; the checkpoint is left as it is")
-    if loaded.model.config.lime and loaded.model.config.lime_router == "dynamic":
-        raise ConversionError("the dynamic LIMe router has no Hugging Face layout yet (the paper's released code has "
-                              "only the static router); the checkpoint is left as it is")
     description = Description.of_run(loaded.run, ModelShape.of_model(loaded.model), tokenizer)
     tensors, files = write_hf(loaded.model, description, directory, dtype=dtype, shard_bytes=shard_bytes,
                               progress=progress)
@@ -435,6 +444,8 @@ def import_run(directory: str, description: Description, dtype: torch.dtype) -> 
         flags += ["--lime", f"--lime-router={shape.router}"]
         flags += [f"--lime-router-window={shape.router_window}"] * (shape.router_window is not None)
         flags += [f"--lime-router-lr={description.router_lr}"] * (description.router_lr is not None)
+        if shape.prune_top_p is not None:  # the masks come with the weights (the parser wants both flags)
+            flags += [f"--lime-prune-top-p={shape.prune_top_p}", "--lime-prune-iters=1"]
     flags += _tokenizer_flags(directory, description)
     run = arguments.parse_run(flags, world_size=1)
     divisible_by = _divisible_by(description, data.tokenizer_of(run.data, run.model.vocab_size).unpadded_vocab_size)

@@ -1,12 +1,16 @@
 """Tensor names and layouts of the Hugging Face models, and the map to and from megatron's.
 
-Three Hugging Face layouts are written and read:
+Four Hugging Face layouts are written and read:
 
 - the LLaMA baseline as transformers' ``LlamaForCausalLM`` (``model.layers.{i}.self_attn.q_proj``
   ... ``lm_head``);
 - LIMe as the paper's official implementation (github.com/corl-team/lime, ``src/lm/lime.py``,
   ``LIMeForCausalLM``): ``LlamaForCausalLM`` with ``k_proj``/``v_proj`` replaced by one
   ``self_attn.kv_proj_weight`` and a router ``self_attn.lime_router.static_weights`` per layer >= 1;
+- dynamic LIMe (v1's router, ``models.lime.dynamic_router``; the official code has none) as
+  ``DynamicLIMeForCausalLM``: the LIMe layout with ``self_attn.lime_router.dynamic_weights`` per
+  layer >= 1 instead of ``static_weights`` (a name the official class does not load, so it cannot
+  be mistaken for the static router);
 - Hyper-Connections as the official ``LlamaHCForCausalLM`` (``src/lm/hc.py``): ``LlamaForCausalLM``
   without the layers' two RMSNorms (its ``attn_norm``/``mlp_norm`` are LayerNorms without
   parameters) and with ``hc_attn.*``/``hc_mlp.*`` per layer, the same names and shapes as
@@ -32,6 +36,11 @@ layers.i.mlp.linear_fc1.weight [2 f, h]     gate_proj [f, h] (first half) + up_p
 layers.i.mlp.linear_fc2.weight              layers.i.mlp.down_proj.weight
 layers.i.self_attention.router.weight       layers.i.self_attn.lime_router.static_weights
   [G, n_sources G]                            [G, (i + 1) G]
+layers.i.self_attention.router.logits.weight  layers.i.self_attn.lime_router.dynamic_weights
+  [G (i + 1), h], row g (i + 1) + j           [(i + 1) G, h], row j G + g (dynamic LIMe)
+layers.i.self_attention.router.route_mask   layers.i.self_attn.lime_router.route_mask (pruning
+  (bool, runs with --lime-prune-top-p)        runs only): static full-width [G, (i + 1) G] like
+                                              static_weights; dynamic [G, i + 1]
 layers.i.hc_attn.*, layers.i.hc_mlp.*       the same names (Hyper-Connections; no layer norms)
 ==========================================  ====================================================
 
@@ -48,6 +57,13 @@ with the own layer last: megatron's column order for the ``full`` router (source
 router variants (App. D) are written in the same full shape with exact zeros on the layers they do
 not read (``last``/``first``) or as the fixed per-head average (``average``), so the official code
 computes the same forward for every variant; reading back checks those entries.
+
+The dynamic router.  Row ``j G + g`` of ``dynamic_weights`` gives head g's logit for source
+layer j (the static router's column order), so for a token's normalised attention input x (the
+input RMSNorm's output) the weights are p[g, :] = softmax_j(dynamic_weights[j G + g] . x +
+tau_i [j = i]) with the fixed own-layer offset tau_i = ln(w i / (1 - w)), w =
+``config.json["lime_megatron"]["lime_dynamic_own_weight"]`` (0.9); a masked route (``route_mask``
+False) has logit -inf.  Head g of layer i attends with sum_j p[g, j] (K, V of head g of layer j).
 """
 
 from __future__ import annotations
@@ -63,6 +79,7 @@ Tensors = tuple[torch.Tensor, ...]
 
 LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 LIME_ARCHITECTURE = "LIMeForCausalLM"
+DYNAMIC_LIME_ARCHITECTURE = "DynamicLIMeForCausalLM"
 HC_ARCHITECTURE = "LlamaHCForCausalLM"
 HYPER_CONNECTION_TENSORS = {"static": ("static_alpha", "static_beta"),
                             "dynamic": ("dynamic_alpha_fn", "dynamic_alpha_scale", "dynamic_beta_fn",
@@ -93,6 +110,8 @@ class ModelShape:
     hyper_connections: int = 0
     """Residual streams n of Hyper-Connections (0: not a Hyper-Connections model)."""
     hyper_connections_static: bool = False
+    prune_top_p: float | None = None
+    """A route-pruning run's top-p (``--lime-prune-top-p``): its route masks are written too."""
 
     @classmethod
     def of_model(cls, model) -> ModelShape:
@@ -102,12 +121,19 @@ class ModelShape:
                    config.kv_heads, config.kv_channels, model.vocab_size,
                    model.share_embeddings_and_output_weights, config.lime,
                    config.lime_router if config.lime else None, config.lime_router_window if config.lime else None,
-                   config.hyper_connections, config.hyper_connections_static)
+                   config.hyper_connections, config.hyper_connections_static,
+                   config.lime_prune_top_p if config.lime else None)
 
     @property
     def architecture(self) -> str:
         """The Hugging Face class of the layout (config.json's ``architectures``)."""
-        return LIME_ARCHITECTURE if self.lime else HC_ARCHITECTURE if self.hyper_connections else LLAMA_ARCHITECTURE
+        if self.lime:
+            return DYNAMIC_LIME_ARCHITECTURE if self.dynamic_router else LIME_ARCHITECTURE
+        return HC_ARCHITECTURE if self.hyper_connections else LLAMA_ARCHITECTURE
+
+    @property
+    def dynamic_router(self) -> bool:
+        return self.lime and self.router == "dynamic"
 
     def sources(self, layer: int) -> list[int]:
         """Layers the router of ``layer`` reads (megatron's column blocks, ascending)."""
@@ -196,15 +222,16 @@ def _fc1_map(layer: int) -> TensorMap:
                      lambda weight: tuple(weight.chunk(2, dim=0)), lambda tensors: torch.cat(tensors, dim=0))
 
 
-def router_name(layer: int) -> str:
-    """The official name of layer ``layer``'s router weights."""
-    return f"model.layers.{layer}.self_attn.lime_router.static_weights"
+def router_name(layer: int, tensor: str = "static_weights") -> str:
+    """The official name of layer ``layer``'s router weights (or ``tensor`` of its router)."""
+    return f"model.layers.{layer}.self_attn.lime_router.{tensor}"
 
 
-def _router_map(shape: ModelShape, layer: int) -> TensorMap:
-    """megatron's router ``[G, n_sources G]`` <-> the official full-width ``[G, (layer + 1) G]``."""
+def _router_map(shape: ModelShape, layer: int, tensor: str = "weight") -> TensorMap:
+    """megatron's static router ``tensor`` (``weight`` or ``route_mask``) ``[G, n_sources G]``
+    <-> the official full-width ``[G, (layer + 1) G]`` (zeros, or False, on unread layers)."""
     groups, sources = shape.kv_heads, shape.sources(layer)
-    name = router_name(layer)
+    name = router_name(layer, "static_weights" if tensor == "weight" else tensor)
 
     def to_hf(weight: torch.Tensor) -> Tensors:
         full = weight.new_zeros(groups, (layer + 1) * groups)
@@ -221,7 +248,32 @@ def _router_map(shape: ModelShape, layer: int) -> TensorMap:
                 f"(window {shape.router_window}) of layer {layer} does not read")
         return full[:, sources].reshape(groups, -1)
 
-    return TensorMap(f"decoder.layers.{layer}.self_attention.router.weight", (name,), to_hf, from_hf)
+    return TensorMap(f"decoder.layers.{layer}.self_attention.router.{tensor}", (name,), to_hf, from_hf)
+
+
+def _dynamic_router_map(layer: int, kv_heads: int) -> TensorMap:
+    """megatron's W_l ``[G (l+1), h]`` (row g (l+1) + j) <-> ``dynamic_weights`` ``[(l+1) G, h]``
+    (row j G + g)."""
+
+    def regroup(weight: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
+        return weight.view(rows, columns, -1).transpose(0, 1).reshape(rows * columns, -1)
+
+    return TensorMap(f"decoder.layers.{layer}.self_attention.router.logits.weight",
+                     (router_name(layer, "dynamic_weights"),),
+                     lambda weight: (regroup(weight, kv_heads, layer + 1),),
+                     lambda tensors: regroup(tensors[0], layer + 1, kv_heads))
+
+
+def _router_maps(shape: ModelShape, layer: int) -> list[TensorMap]:
+    """Layer ``layer``'s learned router weights and, in a pruning run, its route mask."""
+    if not shape.learned_router or layer == 0:
+        return []
+    if shape.dynamic_router:
+        maps = [_dynamic_router_map(layer, shape.kv_heads)]
+        mask = _one_to_one(f"decoder.layers.{layer}.self_attention.router.route_mask", router_name(layer, "route_mask"))
+    else:
+        maps, mask = [_router_map(shape, layer)], _router_map(shape, layer, "route_mask")
+    return maps + [mask] * (shape.prune_top_p is not None)
 
 
 def _layer_norm_maps(shape: ModelShape, layer: int) -> list[TensorMap]:
@@ -254,9 +306,7 @@ def tensor_maps(shape: ModelShape) -> list[TensorMap]:
             _one_to_one(megatron + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight"),
             _fc1_map(layer),
             _one_to_one(megatron + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight"),
-        ]
-        if shape.learned_router and layer > 0:
-            maps.append(_router_map(shape, layer))
+        ] + _router_maps(shape, layer)
     maps.append(_one_to_one("decoder.final_layernorm.weight", "model.norm.weight"))
     if not shape.tied:
         maps.append(_one_to_one("output_layer.weight", "lm_head.weight"))

@@ -60,6 +60,11 @@ class LimeTransformerConfig(TransformerConfig):
     """Route pruning (v1 §5.4, ``models.lime.pruning``): the kept share of each head's routes once
     the trainer sets the masks; None: the run does not prune (no mask in its checkpoints)."""
 
+    lime_route_reads: tuple[tuple[int, ...], ...] | None = None
+    """Not an option: after route pruning, the source layers each layer reads with some kept
+    route of any head, the same on every rank (``pruning.share_route_reads`` sets it when masks are
+    set or loaded; the pipeline carries only those rows).  None: every source of the variant."""
+
     # Initialisation (``lime_megatron.models.initialization``).
     init_style: str = "megatron"
     """Initial weight distributions: ``megatron`` (megatron's defaults) or ``official`` (the paper's

@@ -6,6 +6,10 @@ stages, ``v = 1`` without interleaving); global chunk ``k = vp_stage * p + rank`
 reads the keys/values (K/V rows, ``memory``) of earlier layers; the rows a chunk reads or must pass
 on are those of ``carried_layers`` at its first layer.
 
+After route pruning (``models.lime.pruning``) the layers read are those of
+``config.lime_route_reads``, the same on every rank: a row that no later layer reads crosses no
+stage, and a chunk's carried layers need not be consecutive (blocks are stacked runs).
+
 Every row crosses to a rank at most once per micro-batch.  Each rank keeps, per micro-batch in
 flight, the rows it produced or already received (``KeptRows``, shared by its chunks).  The hop
 into chunk ``k`` (from the rank of chunk ``k - 1``) therefore carries only the rows the receiving
@@ -72,24 +76,22 @@ from megatron.core.process_groups_config import ProcessGroupCollection
 
 from lime_megatron.models.config import pipeline_layer_split
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
-from lime_megatron.models.lime.router import routing_consumers
+from lime_megatron.models.lime.router import contiguous_runs, layer_reads
 from lime_megatron.parallel.compat import default_device
 
 
-def carried_layers(config, boundary: int) -> range:
+def carried_layers(config, boundary: int) -> tuple[int, ...]:
     """Layers before ``boundary`` read by some layer at or after it (of the model ``config``
-    describes).  A contiguous range for every router variant: ``[0, b)`` for
-    ``full``/``average``, ``[b - j + 1, b)`` for ``last``-j, ``[0, min(j, b))`` for ``first``-j
-    (empty at 0 and at ``num_layers``)."""
-    carried = [
-        layer for layer in range(boundary)
-        if routing_consumers(layer, config.num_layers, config.lime_router, config.lime_router_window)[1] > boundary
-    ]
-    if not carried:
-        return range(boundary, boundary)
-    if carried != list(range(carried[0], carried[-1] + 1)):
-        raise AssertionError(f"carried layers {carried} at boundary {boundary} are not contiguous")
-    return range(carried[0], carried[-1] + 1)
+    describes; ``router.layer_reads``), ascending.  Without pruning a contiguous run for every
+    router variant: ``[0, b)`` for ``full``/``average``/``dynamic``, ``[b - j + 1, b)`` for
+    ``last``-j, ``[0, min(j, b))`` for ``first``-j; after route pruning any subset."""
+    read = {source for layer in range(boundary, config.num_layers) for source in layer_reads(config, layer)}
+    return tuple(layer for layer in range(boundary) if layer in read)
+
+
+def layer_runs(layers: tuple[int, ...]) -> list[range]:
+    """Ascending ``layers`` as runs of consecutive layers."""
+    return [range(start, stop) for start, stop in contiguous_runs(list(layers))]
 
 
 def chunk_layers(config) -> list[range]:
@@ -105,8 +107,8 @@ class HopBlock:
 
     source: int
     """Global chunk that produced the rows."""
-    layers: range
-    """Their layers (a contiguous part of the source chunk's)."""
+    layers: tuple[int, ...]
+    """Their layers (some of the source chunk's, ascending; rows stacked in this order)."""
 
 
 def hop_blocks(config, chunk: int) -> list[HopBlock]:
@@ -120,9 +122,8 @@ def hop_blocks(config, chunk: int) -> list[HopBlock]:
     read_later = carried_layers(config, chunks[chunk].start)
     blocks = []
     for source in range(max(0, chunk - config.pipeline_model_parallel_size + 1), chunk):
-        own = chunks[source]
-        layers = range(max(own.start, read_later.start), min(own.stop, read_later.stop))
-        if len(layers):
+        layers = tuple(layer for layer in read_later if layer in chunks[source])
+        if layers:
             blocks.append(HopBlock(source, layers))
     return blocks
 
@@ -203,28 +204,49 @@ def make_ready(group) -> None:
     torch.distributed.barrier(group=group)
 
 
-@dataclass
 class _KeptBlock:
-    """Rows a rank holds for one micro-batch and source chunk, and their gradient so far."""
+    """Rows a rank holds for one micro-batch and source chunk, and their gradient so far.
 
-    layers: range
-    rows: torch.Tensor
-    grad: torch.Tensor | None = None
+    ``layers`` ascending, not necessarily consecutive (route pruning); ``runs`` the rows of each
+    run of consecutive layers (``layer_runs``), ``[len(run) * kv_heads, 2*s*b*d]``: views of a
+    received block or of the producing chunk's memory."""
 
-    def view(self, layers: range, kv_heads: int) -> torch.Tensor:
-        """Rows of ``layers`` (inside ``self.layers``)."""
-        return self.rows[(layers.start - self.layers.start) * kv_heads : (layers.stop - self.layers.start) * kv_heads]
+    def __init__(self, layers: tuple[int, ...], runs: list[torch.Tensor], kv_heads: int):
+        self.layers, self.runs, self.kv_heads = layers, runs, kv_heads
+        self.position = {layer: index for index, layer in enumerate(layers)}
+        self.grad: torch.Tensor | None = None
 
-    def add_grad(self, layers: range, grad: torch.Tensor, kv_heads: int) -> None:
-        """Add ``grad`` to the gradient of the rows of ``layers``."""
-        if self.grad is None:
-            self.grad = torch.zeros_like(self.rows)
-        start = (layers.start - self.layers.start) * kv_heads
-        self.grad[start : start + grad.shape[0]].add_(grad)
+    @classmethod
+    def received(cls, layers: tuple[int, ...], rows: torch.Tensor, kv_heads: int) -> _KeptBlock:
+        """A block of ``layers`` received as one stacked tensor ``rows``."""
+        sizes = [len(run) * kv_heads for run in layer_runs(layers)]
+        return cls(layers, list(rows.split(sizes)), kv_heads)
+
+    def view(self, run: range) -> torch.Tensor:
+        """Rows of the consecutive layers ``run`` (all kept here): a view."""
+        for layers, rows in zip(layer_runs(self.layers), self.runs):
+            if layers.start <= run.start and run.stop <= layers.stop:
+                return rows[(run.start - layers.start) * self.kv_heads : (run.stop - layers.start) * self.kv_heads]
+        raise IndexError(f"rows of layers {run} are not in one kept run of {self.layers}")
+
+    def stacked(self, layers: tuple[int, ...]) -> torch.Tensor:
+        """Rows of ``layers`` (some of the kept ones, ascending), stacked (a copy unless one run)."""
+        views = [self.view(run) for run in layer_runs(layers)]
+        return views[0] if len(views) == 1 else torch.cat(views)
+
+    def add_grad(self, layers: tuple[int, ...], grad: torch.Tensor) -> None:
+        """Add ``grad`` (stacked like ``stacked(layers)``) to the gradient of the rows of ``layers``."""
+        offset, accumulated = 0, self.gradient()
+        for run in layer_runs(layers):
+            start, rows = self.position[run.start] * self.kv_heads, len(run) * self.kv_heads
+            accumulated[start : start + rows].add_(grad[offset : offset + rows])
+            offset += rows
 
     def gradient(self) -> torch.Tensor:
-        """The rows' gradient summed so far (zeros if nothing was added)."""
-        return self.grad if self.grad is not None else torch.zeros_like(self.rows)
+        """The gradient of all kept rows summed so far, stacked like ``layers`` (zeros at first)."""
+        if self.grad is None:
+            self.grad = self.runs[0].new_zeros(len(self.layers) * self.kv_heads, self.runs[0].shape[1])
+        return self.grad
 
 
 @dataclass(frozen=True)
@@ -366,16 +388,15 @@ class KeptRows:
         once every layer of the chunk ran) the chunk's shares are added and the hop's gradient
         is queued for the hidden state's gradient."""
         kv_shape = stage_kv_shape(hidden.shape, self.config)
-        heads = kv_shape[2]
         received = hop_blocks(self.config, chunk)
         for block, rows in zip(received, self._take("recv_prev", chunk, micro_batch)):
-            self.blocks[micro_batch, block.source] = _KeptBlock(block.layers, rows)
-        read = carried_layers(self.config, self.chunks[chunk].start)
+            self.blocks[micro_batch, block.source] = _KeptBlock.received(block.layers, rows, kv_shape[2])
+        read = set(carried_layers(self.config, self.chunks[chunk].start))
         external = []
         for (batch, _), kept in sorted(self.blocks.items(), key=lambda item: item[0]):
-            layers = range(max(kept.layers.start, read.start), min(kept.layers.stop, read.stop))
-            if batch == micro_batch and len(layers):
-                external.append((layers, kept.view(layers, heads)))
+            if batch == micro_batch:
+                runs = layer_runs(tuple(layer for layer in kept.layers if layer in read))
+                external += [(run, kept.view(run)) for run in runs]
         memory.receive(external, kv_shape)
         self._on_backward(hidden, self._end_backward, chunk, micro_batch, memory, received)
 
@@ -384,16 +405,14 @@ class KeptRows:
         and the kept blocks it passes on) for the hidden state's send, keep its rows for this
         rank's later chunks; in backward (a hook on ``output``, before the chunk's layers) take
         the hop's returned gradient."""
-        own = carried_layers(self.config, self.chunks[chunk].stop)
-        own = range(max(own.start, self.chunks[chunk].start), own.stop)
-        if len(own):
-            self.blocks[micro_batch, chunk] = _KeptBlock(own, memory.rows(own.start, own.stop))
-        tensors = []
-        for block in hop_blocks(self.config, chunk + 1):
-            if block.source == chunk:
-                tensors.append(memory.rows(block.layers.start, block.layers.stop))
-            else:
-                tensors.append(self.blocks[micro_batch, block.source].view(block.layers, memory.kv_heads))
+        own = tuple(layer for layer in carried_layers(self.config, self.chunks[chunk].stop)
+                    if layer in self.chunks[chunk])
+        memory.read_later = own
+        if own:
+            runs = [memory.rows(run.start, run.stop) for run in layer_runs(own)]
+            self.blocks[micro_batch, chunk] = _KeptBlock(own, runs, memory.kv_heads)
+        tensors = [self.blocks[micro_batch, block.source].stacked(block.layers)
+                   for block in hop_blocks(self.config, chunk + 1)]
         self.outgoing["send_next"].append(((micro_batch, chunk), tensors))
         self._on_backward(output, self._start_backward, chunk, micro_batch, memory, own)
 
@@ -405,28 +424,27 @@ class KeptRows:
                 del self.blocks[key]
 
     # ------------------------------------------------------------------ backward
-    def _start_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, own: range) -> None:
+    def _start_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
+                        own: tuple[int, ...]) -> None:
         """Before chunk ``chunk``'s layers run backward: the returned gradient of the hop into
         ``chunk + 1`` goes to the kept blocks it carried; the own rows' gradient from later
         chunks goes to ``memory``."""
         for work in self.sends.pop((micro_batch, chunk), []):  # matched: the next rank ran its backward
             work.wait()  # the own rows sent are about to be overwritten by gradients
-        heads = memory.kv_heads
         for block, grad in zip(hop_blocks(self.config, chunk + 1), self._take("recv_next", chunk + 1, micro_batch)):
-            self.blocks[micro_batch, block.source].add_grad(block.layers, grad, heads)
+            self.blocks[micro_batch, block.source].add_grad(block.layers, grad)
         kept = self.blocks.pop((micro_batch, chunk), None)
         if kept is not None:
-            memory.receive_downstream_grad(kept.gradient(), kept.layers)
+            memory.receive_downstream_grad(kept.gradient())
 
     def _end_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
                       received: list[HopBlock]) -> None:
         """After chunk ``chunk``'s layers ran backward: add its shares of the kept rows'
         gradients, queue the gradient of the rows the hop into it carried for the hidden state's
         gradient, free them."""
-        heads = memory.kv_heads
         for layers, share in memory.external_shares():
-            source = next(index for index, own in enumerate(self.chunks) if own.start <= layers.start < own.stop)
-            self.blocks[micro_batch, source].add_grad(layers, share, heads)
+            source = next(index for index, own in enumerate(self.chunks) if layers.start in own)
+            self.blocks[micro_batch, source].add_grad(tuple(layers), share)
         grads = [self.blocks.pop((micro_batch, block.source)).gradient() for block in received]
         self.outgoing["send_prev"].append(((micro_batch, chunk), grads))
         self.grad_sends = [work for work in self.grad_sends if not work.is_completed()]

@@ -317,9 +317,11 @@ def train_step(model: list, optimizer, scheduler, batches: list) -> tuple[float,
 
 
 def prune_routes(model: list, top_p: float, iteration: int) -> tuple[int, int]:
-    """Set the route masks (``pruning.set_route_masks``) and report the masked share of the whole
-    model's routes (summed over the model-parallel ranks): (routes, masked)."""
+    """Set the route masks (``pruning.set_route_masks``) and the source layers every rank sees
+    read (``pruning.share_route_reads``), and report the masked share of the whole model's routes
+    (summed over the model-parallel ranks): (routes, masked)."""
     pruning.set_route_masks(model, top_p)
+    pruning.share_route_reads(model)
     counts = torch.tensor(pruning.pruned_counts(model), dtype=torch.float64, device=default_device())
     torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
     total, masked = (int(count) for count in counts)
@@ -452,6 +454,8 @@ def build_trainer(run: RunConfig, evaluators: Sequence[Evaluator] = ()) -> Train
     result.parameters, result.router_parameters = count_parameters(model)
     description = checkpointing.run_description(run, config, tokenizer)
     progress = _resume(run.checkpointing, model, optimizer, scheduler, description, result)
+    if getattr(config, "lime_prune_top_p", None) is not None:  # masks may have come with the checkpoint
+        pruning.share_route_reads(model)
     reporting = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     return Trainer(
         run=run, config=config, tokenizer=tokenizer, datasets=datasets, model=model, optimizer=optimizer,

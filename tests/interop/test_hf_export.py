@@ -11,10 +11,13 @@
 - Hyper-Connections likewise in the official ``LlamaHCForCausalLM`` layout (src/lm/hc.py), read
   into the float64 reference of the official HC code (``reference_hc``): dynamic and static,
   n = 2 and 4, MHA and GQA.
-- checkpoint -> HF -> checkpoint is bit-exact (LLaMA, LIMe, HC) and keeps epsilon, RoPE base,
-  tying, padding and the model family's options; a bare LlamaConfig as the official trainer
-  saves it imports as LIMe or HC by its tensors;
-  bad directories fail with one message naming the tensor or field.
+- Dynamic LIMe (no official layout) in ``DynamicLIMeForCausalLM``: the names and shapes
+  ``hf_layout`` specifies, read by a reader written here from that specification into the
+  reference's ``dynamic_route``, MHA, GQA and with pruned routes (the masks written too).
+- checkpoint -> HF -> checkpoint is bit-exact (LLaMA, LIMe static and dynamic, pruning runs with
+  their masks, HC) and keeps epsilon, RoPE base, tying, padding and the model family's options;
+  a bare LlamaConfig as the official trainer saves it imports as LIMe (static or dynamic) or HC
+  by its tensors; bad directories fail with one message naming the tensor or field.
 """
 
 import json
@@ -156,7 +159,7 @@ def read_official(directory: str) -> tuple[dict, dict]:
                      mlp_norm=tensors[p + "post_attention_layernorm.weight"],
                      w_gate=tensors[p + "mlp.gate_proj.weight"], w_up=tensors[p + "mlp.up_proj.weight"],
                      w_down=tensors[p + "mlp.down_proj.weight"])
-        if i > 0:
+        if p + "self_attn.lime_router.static_weights" in tensors:  # absent at layer 0 and in dynamic runs
             layer["router"] = tensors[p + "self_attn.lime_router.static_weights"]
         layers.append(layer)
     params = dict(embedding=tensors["model.embed_tokens.weight"], final_norm=tensors["model.norm.weight"],
@@ -192,6 +195,75 @@ def test_lime_official_layout_reproduces_our_logits(tmp_path, case):
     directory, config = _write_in_official_shapes(model, tmp_path / "hf", official_shapes)
     assert config["architectures"] == ["LIMeForCausalLM"] and config["rope_theta"] == ROPE_BASE
     params, spec = read_official(directory)
+    tokens, positions, mask = batch()
+    with torch.no_grad():
+        ours = model(tokens, positions, mask)
+    assert relative_error(reference_lime.forward(params, tokens, spec), ours) <= TOLERANCE
+
+
+# --------------------------------------------------------------------------- dynamic LIMe
+
+
+def dynamic_shapes(config: dict) -> dict[str, list[int]]:
+    """The LIMe layout with ``lime_router.dynamic_weights`` [(i + 1) kv_heads, hidden] instead of
+    ``static_weights`` (and ``route_mask`` [kv_heads, i + 1] in a pruning run), as
+    ``hf_layout``'s docstring specifies."""
+    shapes = official_shapes(config)
+    kv, hidden = config["num_key_value_heads"], config["hidden_size"]
+    for i in range(1, config["num_hidden_layers"]):
+        p = f"model.layers.{i}.self_attn.lime_router."
+        del shapes[p + "static_weights"]
+        shapes[p + "dynamic_weights"] = [(i + 1) * kv, hidden]
+        if config["lime_megatron"]["lime_prune_top_p"] is not None:
+            shapes[p + "route_mask"] = [kv, i + 1]
+    return shapes
+
+
+def read_dynamic(directory: str) -> tuple[dict, dict]:
+    """``read_official`` for the dynamic layout: row j kv + g of ``dynamic_weights`` is head g's
+    logit for source j (``reference_lime.dynamic_route`` takes rows head-major), the own offset
+    from ``lime_dynamic_own_weight``, masks from ``route_mask``."""
+    params, spec = read_official(directory)
+    config = json.load(open(os.path.join(directory, "config.json")))
+    assert config["lime_megatron"]["lime_dynamic_own_weight"] == 0.9  # the reference's offset ln(0.9 l / 0.1)
+    kv = config["num_key_value_heads"]
+    with safe_open(os.path.join(directory, "model.safetensors"), "pt") as handle:
+        for i, layer in enumerate(params["layers"][1:], start=1):
+            p = f"model.layers.{i}.self_attn.lime_router."
+            weights = handle.get_tensor(p + "dynamic_weights")
+            layer["dynamic_router"] = weights.view(i + 1, kv, -1).transpose(0, 1).reshape(kv * (i + 1), -1)
+            if p + "route_mask" in handle.keys():
+                layer["dynamic_mask"] = handle.get_tensor(p + "route_mask")
+    return params, {**spec, "variant": "dynamic"}
+
+
+def _perturbed_dynamic(pruned: bool, **overrides):
+    """A dynamic LIMe model with its W_l off zero (a misplaced row would show) and, ``pruned``,
+    random route masks that keep the own layer."""
+    model = _model(lime=True, lime_router="dynamic", lime_prune_top_p=0.9 if pruned else None, **overrides)
+    generator = torch.Generator().manual_seed(5)
+    with torch.no_grad():
+        for router in (module for module in model.modules() if getattr(module, "dynamic", False)):
+            router.weight.add_(0.5 * torch.randn(router.weight.shape, generator=generator, dtype=router.weight.dtype))
+            if pruned:
+                mask = torch.rand(router.route_mask.shape, generator=generator) < 0.5
+                mask[:, -1] = True
+                router.set_route_mask(mask)
+    return model
+
+
+DYNAMIC_CASES = {"mha": (False, dict(num_query_groups=4)), "gqa": (False, dict(num_query_groups=2)),
+                 "gqa-pruned": (True, dict(num_query_groups=2))}
+
+
+@pytest.mark.parametrize("case", DYNAMIC_CASES)
+def test_dynamic_lime_layout_reproduces_our_logits(tmp_path, case):
+    pruned, overrides = DYNAMIC_CASES[case]
+    model = _perturbed_dynamic(pruned, **overrides)
+    directory, config = _write_in_official_shapes(model, tmp_path / "hf", dynamic_shapes)
+    assert config["architectures"] == ["DynamicLIMeForCausalLM"]
+    params, spec = read_dynamic(directory)
+    assert pruned == any("dynamic_mask" in layer for layer in params["layers"])
     tokens, positions, mask = batch()
     with torch.no_grad():
         ours = model(tokens, positions, mask)
@@ -296,6 +368,9 @@ def _checkpoint(root, flags: list[str]) -> str:
     with torch.no_grad():
         for param in model.parameters():
             param.copy_(torch.randn(param.shape, generator=generator))
+        for name, mask in model.named_buffers():  # a pruning run's masks: some routes masked
+            if name.endswith("route_mask"):
+                mask.copy_(torch.rand(mask.shape, generator=generator) < 0.6)
     return save_model(model, run, str(root), iteration=3)
 
 
@@ -309,6 +384,13 @@ ROUND_TRIPS = {
                       "--hyper-connections 4 --mock-data --vocab-size 100",
     "hc-static-untied": "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --hyper-connections 2 "
                         "--hyper-connections-static --untie-embeddings-and-output-weights --mock-data --vocab-size 90",
+    "lime-dynamic-gqa": "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --lime "
+                        "--lime-router dynamic --mock-data --vocab-size 100",
+    "lime-dynamic-pruned": "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --lime --lime-router dynamic "
+                           "--lime-prune-top-p 0.9 --lime-prune-iters 1 --mock-data --vocab-size 100",
+    "lime-last2-pruned": "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --lime --lime-router last "
+                         "--lime-router-window 2 --lime-prune-top-p 0.8 --lime-prune-iters 1 --mock-data "
+                         "--vocab-size 70",
 }
 
 
@@ -325,8 +407,8 @@ def test_round_trip_is_bit_exact(tmp_path, case):
     for name in names:
         assert torch.equal(before.model.state_dict()[name], after.model.state_dict()[name]), name
     assert after.run["vocab"] == before.run["vocab"] and after.run["shape"] == before.run["shape"]
-    for option in ("norm_epsilon", "rotary_base", "make_vocab_size_divisible_by", "lime_router_window",
-                   "hyper_connections", "hyper_connections_static"):
+    for option in ("norm_epsilon", "rotary_base", "make_vocab_size_divisible_by", "lime_router", "lime_router_window",
+                   "lime_prune_top_p", "hyper_connections", "hyper_connections_static"):
         assert after.run["args"][option] == before.run["args"][option], option
     config = json.load(open(tmp_path / "hf" / "config.json"))
     assert config["vocab_size"] == before.run["vocab"]["padded"] > before.run["vocab"]["size"]
@@ -336,6 +418,7 @@ OFFICIAL_STYLE = {  # run -> what the import must recognise from the tensors alo
     "lime-gqa-untied-mock": dict(lime=True, lime_router="full", hyper_connections=0),
     "hc-dynamic-gqa": dict(lime=False, hyper_connections=4, hyper_connections_static=False),
     "hc-static-untied": dict(lime=False, hyper_connections=2, hyper_connections_static=True),
+    "lime-dynamic-gqa": dict(lime=True, lime_router="dynamic", hyper_connections=0),
 }
 
 
@@ -431,6 +514,9 @@ BAD = {
     "router zeros": (None, lambda t: t[ROUTER][:, :2].fill_(1.0),
                      rf"{ROUTER}: non-zero weights on layers \[0, 1\], which the 'last' router"),
     "no config field": (lambda c: c.pop("hidden_size"), None, "config.json has no hidden_size"),
+    "dynamic own weight": (lambda c: c.update(architectures=["DynamicLIMeForCausalLM"])
+                           or c["lime_megatron"].update(lime_dynamic_own_weight=0.8), None,
+                           "lime_dynamic_own_weight=0.8 is not supported"),
 }
 
 
@@ -446,15 +532,5 @@ def test_an_mhc_checkpoint_is_not_exported(tmp_path):
     source = _checkpoint(tmp_path / "ckpt", "--no-lime --hyper-connections 2 --hyper-connections-manifold "
                                             "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split())
     with pytest.raises(ConversionError, match="mHC .* has no Hugging Face layout"):
-        export_checkpoint(source, str(tmp_path / "hf"), progress=False)
-    assert not os.path.exists(tmp_path / "hf")
-
-
-def test_a_dynamic_lime_checkpoint_is_not_exported(tmp_path):
-    """It loads (the model and its W_l), then the export stops before writing anything."""
-    source = _checkpoint(tmp_path / "ckpt", "--lime --lime-router dynamic --num-layers 2 --hidden-size 32 "
-                                            "--num-attention-heads 4".split())
-    assert load_model(source).model.config.lime_router == "dynamic"
-    with pytest.raises(ConversionError, match="dynamic LIMe router has no Hugging Face layout"):
         export_checkpoint(source, str(tmp_path / "hf"), progress=False)
     assert not os.path.exists(tmp_path / "hf")

@@ -50,10 +50,32 @@ def make_config(layout: Layout, **model):
     return lime_config(use_cpu_initialization=True, **{**layout_config_kwargs(layout), **settings, **model})
 
 
+def keep_every_third(layer: int, source: int) -> bool:
+    """A hand-set pruning: layer ``layer`` reads only itself and the layers 0, 3, 6, ..., so the
+    rows carried across a boundary are not consecutive (at 4: layers 0 and 3)."""
+    return source == layer or source % 3 == 0
+
+
+def prune_by_hand(chunks: list, keep: Callable[[int, int], bool]) -> None:
+    """Mask, for every head, the routes of each learned router from the sources ``keep`` rejects,
+    then share the reads as the trainer's pruning does (``pruning.share_route_reads``)."""
+    from lime_megatron.models.lime.pruning import routers_of, share_route_reads
+
+    for router in routers_of(chunks):
+        kept = torch.tensor([keep(router.layer, source) for source in router.sources])
+        if router.dynamic:  # [local heads, l + 1]
+            router.set_route_mask(kept.expand(router.route_mask.shape))
+        else:  # all heads: [kv, n_sources * kv], column j * kv + h reads head h of source j
+            kv = router.weight.shape[0]
+            router.set_route_mask(kept.repeat_interleave(kv).expand(kv, -1))
+    share_route_reads(chunks)
+
+
 def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ,
-          stages: dict | None = None, micro_batches: int = MICRO_BATCHES):
+          stages: dict | None = None, micro_batches: int = MICRO_BATCHES, keep: Callable | None = None):
     """``steps`` SGD steps; returns (losses, [full grads per step], initial full weights).
-    ``stages``: config options of the pipeline split (left out of the single-stage reference)."""
+    ``stages``: config options of the pipeline split (left out of the single-stage reference);
+    ``keep``: routes pruned by hand before the first step (``prune_by_hand``) instead of by top-p."""
     from lime_megatron.models.lime.pruning import collect_dynamic_prior
     from lime_megatron.training.trainer import prune_routes, train_step
 
@@ -61,12 +83,14 @@ def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: in
     config = make_config(layout, **{**model, **(stages or {})})
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
+    if keep is not None:
+        prune_by_hand(chunks, keep)
     optimizer, scheduler = sgd(chunks, LR, steps)
     initial = gather_full(chunks, extra_shard_rules=rules)
     batches = data_parallel_share(make_batches(micro_batches, 2, seq, VOCAB))
     losses, grads = [], []
     for step in range(steps):
-        prune = config.lime_prune_top_p is not None and step == 0  # routes pruned after the first step
+        prune = config.lime_prune_top_p is not None and step == 0 and keep is None  # pruned after step 1
         collect_dynamic_prior(chunks, prune)
         losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
         grads.append(gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules))
@@ -176,20 +200,27 @@ def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
         setattr(KeptRows, name, original)
 
 
-def side_channel_accounting() -> dict:
-    """PP=4 x VPP=2, one training and one evaluation schedule call: the K/V bytes handed to
-    ``torch.distributed.isend`` per hop (this rank's sends, keyed by receiving chunk) and what
-    ``pipeline.hop_elements`` says; the rows still kept after each call; both losses."""
+def side_channel_accounting(layout: Layout | None = None, model: dict | None = None,
+                            keep: Callable | None = None) -> dict:
+    """One training and one evaluation schedule call: the K/V bytes handed to
+    ``torch.distributed.isend`` per hop (this rank's sends, keyed by receiving chunk), what
+    ``pipeline.hop_elements`` says, and what it says without pruning; the rows still kept after
+    each call; both losses.  ``keep``: routes pruned by hand first (``prune_by_hand``)."""
     from megatron.core import parallel_state
 
     from lime_megatron.parallel import pipeline
     from lime_megatron.training.trainer import forward_backward, run_schedule
 
-    layout = Layout(pp=4, vpp=2)
+    layout = layout or Layout(pp=4, vpp=2)
     initialize_layout(layout)
-    config = make_config(layout)
-    chunks = build_chunks(config)
+    config = make_config(layout, **(model or {}))
+    rank, chunk_count = parallel_state.get_pipeline_model_parallel_rank(), layout.pp * (layout.vpp or 1)
     batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
+    hops = range(rank + 1, chunk_count, layout.pp)
+    unpruned = {chunk: len(batches) * pipeline.hop_elements(config, chunk, SEQ, 2)[1] for chunk in hops}
+    chunks = build_chunks(config)
+    if keep is not None:
+        prune_by_hand(chunks, keep)
     sent, isend, attached = defaultdict(int), torch.distributed.isend, pipeline.KeptRows.attached_ops
     handed = defaultdict(int)  # elements handed to isend on the rows' group, whatever the hop
 
@@ -213,12 +244,9 @@ def side_channel_accounting() -> dict:
     kept_after_training = len(pipeline._KEPT.blocks)
     with torch.no_grad():
         evaluated = run_schedule(chunks, batches, forward_only=True)
-    rank = parallel_state.get_pipeline_model_parallel_rank()
-    expected = {chunk: MICRO_BATCHES * pipeline.hop_elements(config, chunk, SEQ, 2)[1]
-                for chunk in range(rank + 1, 8, 4)}
-    return dict(sent={chunk: sent[chunk] for chunk in expected}, expected=expected, handed=handed["all"],
-                loss=(loss, evaluated),
-                kept=(kept_after_training, len(pipeline._KEPT.blocks)))
+    expected = {chunk: len(batches) * pipeline.hop_elements(config, chunk, SEQ, 2)[1] for chunk in hops}
+    return dict(sent={chunk: sent[chunk] for chunk in expected}, expected=expected, unpruned=unpruned,
+                handed=handed["all"], loss=(loss, evaluated), kept=(kept_after_training, len(pipeline._KEPT.blocks)))
 
 
 def model_key(model: dict) -> tuple:
@@ -240,13 +268,31 @@ def run_cases(cases: list) -> tuple[dict, dict]:
     return report, references
 
 
+HAND_PRUNED = {  # prunable runs whose routes keep_every_third masks by hand: 16 layers, 4 per chunk at PP=2 x VPP=2
+    "static": dict(num_layers=16, lime_prune_top_p=0.5),
+    "dynamic": dict(num_layers=16, lime_prune_top_p=0.5, lime_router="dynamic", num_query_groups=2),
+}
+
+
+def hand_pruned_cases() -> dict:
+    """The hand-pruned models (whose hops carry non-consecutive layers) against the single stage."""
+    report = {}
+    for name, model in HAND_PRUNED.items():
+        reference = train(Layout(), model, keep=keep_every_third)
+        for layout in (Layout(pp=2, vpp=2), Layout(tp=2, pp=2, sp=True)):
+            report[f"hand-pruned {name} {layout.name}"] = compare(layout, model, reference, keep=keep_every_third)
+    return report
+
+
 def pipeline_checks(directory: str) -> dict:
-    """On every rank of 4: every case of ``CASES``, the mutations, the side channel's bytes and
-    freeing, resharding across virtual layouts."""
+    """On every rank of 4: every case of ``CASES`` and the hand-pruned ones, the mutations, the
+    side channel's bytes and freeing (with and without pruning), resharding across virtual layouts."""
     report, references = run_cases(CASES)
+    report.update(hand_pruned_cases())
     mutations = {mutation.__name__: mutated(Layout(pp=4, vpp=2), {}, references[model_key({})], mutation)
                  for mutation in (drop_returned_gradients, send_stale_rows)}
-    return dict(cases=report, mutations=mutations, accounting=side_channel_accounting(),
+    pruned = side_channel_accounting(Layout(pp=2, vpp=2), HAND_PRUNED["static"], keep_every_third)
+    return dict(cases=report, mutations=mutations, accounting=side_channel_accounting(), pruned_accounting=pruned,
                 checkpoint=reshard_checkpoint(directory))
 
 
@@ -323,6 +369,13 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
         assert accounting["handed"] == sum(accounting["expected"].values()), rank  # nothing else on the rows' group
         assert accounting["kept"] == (0, 0), rank
         assert abs(accounting["loss"][0] - accounting["loss"][1]) <= TOLERANCE, rank
+        assert accounting["sent"] == accounting["unpruned"], rank
+    for rank, accounting in enumerate(result["pruned_accounting"] for result in results):
+        print(f"rank {rank}, pruned by hand: K/V elements sent per hop {accounting['sent']}, "
+              f"without pruning {accounting['unpruned']}")
+        assert accounting["sent"] == accounting["expected"] and accounting["handed"] == sum(accounting["sent"].values())
+        assert all(0 < sent < accounting["unpruned"][chunk] for chunk, sent in accounting["sent"].items()), rank
+        assert accounting["kept"] == (0, 0), rank
     saved, loaded, fresh = result["checkpoint"]
     print(f"checkpoint saved at tp2-pp2-vpp2 with loss {saved:.6f}; loaded at pp1, pp4-vpp2: {loaded}")
     assert all(abs(loss - saved) <= 1e-5 for loss in loaded)
@@ -350,26 +403,43 @@ def test_deep_model_over_eight_stages():
     check_report(run_distributed(deep_eight_stages, 8, timeout=1800, nccl_rules=True)[0])
 
 
-@pytest.mark.parametrize("router", [dict(), dict(lime_router="last", lime_router_window=3),
-                                    dict(lime_router="first", lime_router_window=2)])
+def random_reads(layers: int, seed: int) -> tuple[tuple[int, ...], ...]:
+    """Reads after a random pruning: layer l reads itself and each earlier layer with chance 1/4."""
+    generator = torch.Generator().manual_seed(seed)
+    return tuple(tuple(source for source in range(layer) if torch.rand(1, generator=generator) < 0.25) + (layer,)
+                 for layer in range(layers))
+
+
+@pytest.mark.parametrize("router", ["full", "last-3", "first-2", "pruned"])
 @pytest.mark.parametrize("pp, vpp, layers", [(2, None, 8), (4, 2, 16), (4, 4, 32), (8, 2, 32), (4, 4, 128)])
 def test_every_row_reaches_a_rank_once(router, pp, vpp, layers):
     """Over all hops into a rank's chunks, one micro-batch brings each layer's rows at most once,
-    and exactly the layers its chunks read (``router.routing_sources``) that it does not produce."""
-    from lime_megatron.models.lime.router import routing_sources
+    every layer its chunks read (``router.layer_reads``: the variant's sources, or after pruning
+    ``config.lime_route_reads``) that it does not produce, and no row that no layer at or after
+    the hop's chunk reads.  Unpruned, exactly the layers it reads; pruned, also rows it passes on
+    to a later rank (the hops form a ring)."""
+    from lime_megatron.models.lime.router import layer_reads
     from lime_megatron.parallel.pipeline import chunk_layers, hop_blocks
 
-    config = make_config(Layout(pp=pp, vpp=vpp), num_layers=layers, **router)
+    options = {"full": {}, "last-3": dict(lime_router="last", lime_router_window=3),
+               "first-2": dict(lime_router="first", lime_router_window=2),
+               "pruned": dict(lime_route_reads=random_reads(layers, seed=layers + pp))}[router]
+    config = make_config(Layout(pp=pp, vpp=vpp), num_layers=layers, **options)
     chunks = chunk_layers(config)
     for rank in range(pp):
         mine = range(rank, len(chunks), pp)
         received = [layer for chunk in mine for block in hop_blocks(config, chunk) for layer in block.layers]
         produced = {layer for chunk in mine for layer in chunks[chunk]}
-        read = {source for chunk in mine for layer in chunks[chunk]
-                for source in routing_sources(layer, config.lime_router, config.lime_router_window)}
+        read = {source for chunk in mine for layer in chunks[chunk] for source in layer_reads(config, layer)}
         assert len(received) == len(set(received)), (rank, received)
-        assert set(received) == read - produced, rank
-        assert all(block.source % pp != rank for chunk in mine for block in hop_blocks(config, chunk))
+        assert set(received) >= read - produced, rank
+        if router != "pruned":
+            assert set(received) == read - produced, rank
+        for chunk in mine:
+            later = range(chunks[chunk].start, layers)
+            read_later = {source for layer in later for source in layer_reads(config, layer)}
+            assert all(set(block.layers) <= read_later and block.source % pp != rank
+                       for block in hop_blocks(config, chunk)), (rank, chunk)
 
 
 def test_layouts_that_cannot_split_fail_clearly():

@@ -315,7 +315,8 @@ def test_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
 def test_route_pruning_resumes_exactly_with_its_masks(router, tmp_path):
     """Routes pruned after iteration 2 of 6 (v1 §5.4): the run reports the masked share, masked
     static weights end at zero, and a run resumed from iteration 3 (the masks come from the
-    checkpoint) reproduces the uninterrupted losses bit for bit."""
+    checkpoint, and the layers read, ``config.lime_route_reads``, from them) reproduces the
+    uninterrupted losses bit for bit."""
     from megatron.core.utils import unwrap_model
 
     from lime_megatron.models.lime.pruning import routers_of
@@ -335,6 +336,8 @@ def test_route_pruning_resumes_exactly_with_its_masks(router, tmp_path):
         built.metrics.close()
         routers = routers_of(unwrap_model(chunk) for chunk in built.model)
         assert sum(int((~r.route_mask).sum()) for r in routers) == masked  # the checkpoint's masks
+        reads = unwrap_model(built.model[0]).config.lime_route_reads  # the pipeline's plan follows them
+        assert all(reads[r.layer] == tuple(r.read_sources) for r in routers) and reads[0] == (0,)
         if router == "full":
             assert all(torch.all(r.weight[~r.route_mask] == 0) for r in routers)
     with pytest.raises(CheckpointError, match="model shape mismatch.*lime_prune_top_p 0.9 vs None"):

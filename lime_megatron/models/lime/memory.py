@@ -100,7 +100,7 @@ class LayerIntegratedMemory:
         self._writer: torch.Tensor | None = None
         self.kv_shape: tuple[int, int, int, int] | None = None
         self.external: list[tuple[range, torch.Tensor]] = []
-        self.downstream_layers = range(self.layers.stop, self.layers.stop)
+        self.read_later: tuple[int, ...] = ()  # own layers read by later chunks (set by the pipeline)
         self._downstream_grad: torch.Tensor | None = None
         self._routers: dict[int, LimeRouter] = {}
         self._grad_rows: torch.Tensor | None = None
@@ -212,10 +212,10 @@ class LayerIntegratedMemory:
                 raise ValueError(f"external layers {layers} must come before this chunk's {self.layers}")
         self.external, self.kv_shape = blocks, kv_shape
 
-    def receive_downstream_grad(self, grad_rows: torch.Tensor, layers: range) -> None:
-        """Gradient of the own rows of ``layers`` from later chunks: the share
-        sum_{m later} W_m[:, block l]^T g_m of each own layer l read after this chunk."""
-        self._downstream_grad, self.downstream_layers = grad_rows, layers
+    def receive_downstream_grad(self, grad_rows: torch.Tensor) -> None:
+        """Gradient of the own rows of ``read_later`` from later chunks, stacked in that order:
+        the share sum_{m later} W_m[:, block l]^T g_m of each own layer l read after this chunk."""
+        self._downstream_grad = grad_rows
 
     # ----------------------------------------------------------------------------- routing
     def _source_blocks(self, router: LimeRouter, since: int = 0) -> Iterator[tuple[slice, torch.Tensor]]:
@@ -357,7 +357,7 @@ class LayerIntegratedMemory:
         if mixing and self._routers[mixing.start].sharding.primary:
             part = self._mixed_grad(range(layer, layer + 1), mixing)
             grad = part if grad is None else grad.add_(part)
-        downstream = self._downstream_rows(layer) if stop > self.layers.stop and layer >= self.layers.start else None
+        downstream = self._downstream_rows(layer) if layer in self.read_later else None
         for term in (own_grad, downstream):
             if term is not None:
                 grad = term.clone() if grad is None else grad.add_(term)
@@ -454,9 +454,9 @@ class LayerIntegratedMemory:
 
     def _downstream_rows(self, layer: int) -> torch.Tensor:
         """Rows of the downstream gradient for sent layer ``layer``."""
-        if self._downstream_grad is None or layer not in self.downstream_layers:
+        if self._downstream_grad is None:
             raise RuntimeError(f"the gradient of layer {layer}'s keys/values from later pipeline stages is missing")
-        offset = (layer - self.downstream_layers.start) * self.kv_heads
+        offset = self.read_later.index(layer) * self.kv_heads
         return self._downstream_grad[offset : offset + self.kv_heads]
 
     def kv_grad(self, router: LimeRouter, grad_rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -14,7 +14,8 @@ the rest (at least one route per head stays).  A masked static weight is zero in
 Adam's moments would move them) and receives no gradient (a gradient hook on the weight); a masked
 dynamic route gets logit -inf, so weight 0, and W_l's row for it no gradient.  A source none of a
 router's heads reads leaves its ``read_sources``: the routing products skip its rows.  Masks are
-part of the checkpoint.
+part of the checkpoint.  ``share_route_reads`` (when masks are set or loaded) gives every rank the
+source layers each layer still reads, so the pipeline carries no row that no later layer reads.
 """
 
 from __future__ import annotations
@@ -24,6 +25,9 @@ from collections.abc import Iterable
 import torch
 from megatron.core import parallel_state
 from torch import nn
+
+from lime_megatron.models.lime.router import routing_sources
+from lime_megatron.parallel.compat import default_device
 
 
 def top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -84,3 +88,23 @@ def pruned_counts(chunks: Iterable[nn.Module]) -> tuple[int, int]:
             total += router.route_mask.numel()
             masked += int((~router.route_mask).sum())
     return total, masked
+
+
+def share_route_reads(chunks: list[nn.Module]) -> None:
+    """Set ``config.lime_route_reads`` of the model chunks' config: per layer, the source layers
+    some kept route of any head reads (``read_sources``), the same on every rank.  The union over
+    the tensor-parallel ranks' heads, then each layer's row from the pipeline stage that holds it
+    (the other stages hold the variant's full row there, the superset)."""
+    config = chunks[0].config
+    reads = torch.zeros(config.num_layers, config.num_layers, dtype=torch.int32, device=default_device())
+    for layer in range(config.num_layers):
+        reads[layer, routing_sources(layer, config.lime_router, config.lime_router_window)] = 1
+    for router in routers_of(chunks):
+        reads[router.layer] = 0
+        reads[router.layer, router.read_sources] = 1
+    if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
+        torch.distributed.all_reduce(reads, torch.distributed.ReduceOp.MAX,
+                                     group=parallel_state.get_tensor_model_parallel_group())
+        torch.distributed.all_reduce(reads, torch.distributed.ReduceOp.MIN,
+                                     group=parallel_state.get_pipeline_model_parallel_group())
+    config.lime_route_reads = tuple(tuple(row.nonzero().flatten().tolist()) for row in reads.cpu())

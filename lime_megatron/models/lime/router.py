@@ -74,6 +74,16 @@ def routing_consumers(
     return layer, num_layers
 
 
+def layer_reads(config, layer: int) -> list[int]:
+    """Source layers that layer ``layer`` of the model ``config`` describes reads: the variant's
+    (``routing_sources``), or after route pruning those some kept route reads
+    (``config.lime_route_reads``)."""
+    reads = getattr(config, "lime_route_reads", None)
+    if reads is not None:
+        return list(reads[layer])
+    return routing_sources(layer, config.lime_router, config.lime_router_window)
+
+
 def router_source_count(config: LimeTransformerConfig, layers: Iterable[int] | None = None) -> int:
     """Routing sources summed over the routed layers among ``layers`` (default: the whole model).
 
