@@ -11,7 +11,9 @@ iteration (the pruned run just after its masks are set) and at the end, so the t
   end of both runs (pruned routes stay masked while training goes on);
 - the bytes the routing products read in one forward+backward of the final models
   (``routing_blocks.routing_reads``), unpruned and pruned;
-- pipeline bytes: 0 saved (rows still cross stages whatever the masks; see docs/dynamic.md).
+- the K/V bytes the pipeline's hops would carry per sequence (float32, forward; the backward
+  returns as many) if the final models were split over ``--pipeline`` P x V stages
+  (``pipeline.hop_elements`` with the layers the masks leave read, ``pruning.share_route_reads``).
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_route_pruning.py
@@ -20,6 +22,7 @@ Run (the figures in BENCHMARKS.md):
 from __future__ import annotations
 
 import argparse
+import copy
 import tempfile
 from pathlib import Path
 
@@ -28,7 +31,9 @@ from tqdm import tqdm
 
 from lime_megatron import __main__ as main_job
 from lime_megatron.interop.checkpoint_model import load_model
+from lime_megatron.models.lime.pruning import share_route_reads
 from lime_megatron.models.lime.routing_blocks import routing_reads
+from lime_megatron.parallel import pipeline
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.training import trainer
 
@@ -41,6 +46,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-iters", type=int, default=200)
     parser.add_argument("--prune-iter", type=int, default=100)
     parser.add_argument("--num-samples", type=int, default=20000)
+    parser.add_argument("--pipeline", type=int, nargs=2, default=[4, 2], metavar=("P", "V"),
+                        help="pipeline and virtual stages of the split whose hop bytes are reported")
     parser.add_argument("--output-dir", default=None)
     return parser.parse_args(argv)
 
@@ -54,9 +61,10 @@ def trainer_flags(args, data_flags: list[str], router: str, save: Path) -> list[
             "--save", str(save), "--save-interval", str(args.train_iters)]
 
 
-def routing_bytes(checkpoint: Path) -> int:
-    """Bytes the routing products read in one forward+backward of the checkpoint's model on two
-    sequences of the main job's length."""
+def final_model_bytes(checkpoint: Path, pipeline_split: tuple[int, int]) -> tuple[int, int]:
+    """(bytes the routing products read in one forward+backward of the checkpoint's model on two
+    sequences of the main job's length, K/V bytes all hops of a ``pipeline_split`` (P, V) split of
+    it carry per sequence in forward)."""
     initialize_parallel()
     model = load_model(str(checkpoint)).model
     seq_length = int(main_job.TRAINER_OPTIONS[main_job.TRAINER_OPTIONS.index("--seq-length") + 1])
@@ -64,7 +72,12 @@ def routing_bytes(checkpoint: Path) -> int:
     positions = torch.arange(seq_length).expand_as(tokens)
     with routing_reads() as reads:
         model(tokens, positions, None, labels=tokens).mean().backward()
-    return reads.total
+    share_route_reads([model])  # the layers still read (the variant's without masks)
+    split = copy.copy(model.config)
+    split.pipeline_model_parallel_size, split.virtual_pipeline_model_parallel_size = pipeline_split
+    chunks = range(1, pipeline_split[0] * pipeline_split[1])
+    hops = sum(pipeline.hop_elements(split, chunk, seq_length, 1)[1] for chunk in chunks)
+    return reads.total, hops * model.config.params_dtype.itemsize
 
 
 def measure(args, data_flags: list[str], out: Path, router: str) -> dict:
@@ -75,22 +88,26 @@ def measure(args, data_flags: list[str], out: Path, router: str) -> dict:
         runs[pruned] = (trainer.train(trainer_flags(args, data_flags, router, save) + prune), save)
     (plain, plain_dir), (pruned, pruned_dir) = runs[False], runs[True]
     routes, masked = pruned.pruned_routes
+    (reads_plain, hops_plain), (reads_pruned, hops_pruned) = (final_model_bytes(save, tuple(args.pipeline))
+                                                              for save in (plain_dir, pruned_dir))
     return dict(router=router, share=masked / routes, routes=routes,
                 before=plain.validation[args.prune_iter], after=pruned.validation[args.prune_iter],
                 end_plain=plain.validation[args.train_iters], end_pruned=pruned.validation[args.train_iters],
-                reads_plain=routing_bytes(plain_dir), reads_pruned=routing_bytes(pruned_dir))
+                reads_plain=reads_plain, reads_pruned=reads_pruned, hops_plain=hops_plain, hops_pruned=hops_pruned)
 
 
 def print_table(rows: list[dict], args) -> None:
     header = (f"{'router':>8} {'routes':>8} {'masked':>7} {'val before':>11} {'val after':>10} "
-              f"{'end unpruned':>13} {'end pruned':>11} {'reads MiB':>10} {'pruned MiB':>11} {'pipeline saved':>15}")
-    print(f"\n{args.num_layers} layers, top-p {args.top_p} after iteration {args.prune_iter} of {args.train_iters}")
+              f"{'end unpruned':>13} {'end pruned':>11} {'reads MiB':>10} {'pruned MiB':>11} {'hops KiB':>9} "
+              f"{'pruned KiB':>10}")
+    print(f"\n{args.num_layers} layers, top-p {args.top_p} after iteration {args.prune_iter} of {args.train_iters}; "
+          f"hops: K/V per sequence over PP{args.pipeline[0]} x VPP{args.pipeline[1]}, forward")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['router']:>8} {r['routes']:>8,} {100 * r['share']:>6.1f}% {r['before']:>11.4f} {r['after']:>10.4f} "
               f"{r['end_plain']:>13.4f} {r['end_pruned']:>11.4f} {r['reads_plain'] / 2**20:>10.1f} "
-              f"{r['reads_pruned'] / 2**20:>11.1f} {'0 (not built)':>15}")
+              f"{r['reads_pruned'] / 2**20:>11.1f} {r['hops_plain'] / 2**10:>9.1f} {r['hops_pruned'] / 2**10:>10.1f}")
 
 
 def main(argv=None) -> list[dict]:
@@ -101,8 +118,9 @@ def main(argv=None) -> list[dict]:
     print_table(rows, args)
     masked = ", ".join(f"{r['router']} {100 * r['share']:.1f}%" for r in rows)
     change = ", ".join(f"{r['router']} {r['after'] - r['before']:+.4f}" for r in rows)
-    print(f"\nsummary: masked {masked} of the routes; validation loss change at pruning {change}; "
-          f"written under {out}")
+    saved = ", ".join(f"{r['router']} {100 * (1 - r['hops_pruned'] / r['hops_plain']):.1f}%" for r in rows)
+    print(f"\nsummary: masked {masked} of the routes; validation loss change at pruning {change}; pipeline "
+          f"K/V bytes saved {saved}; written under {out}")
     return rows
 
 

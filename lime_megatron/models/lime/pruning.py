@@ -27,7 +27,6 @@ from megatron.core import parallel_state
 from torch import nn
 
 from lime_megatron.models.lime.router import routing_sources
-from lime_megatron.parallel.compat import default_device
 
 
 def top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -96,7 +95,8 @@ def share_route_reads(chunks: list[nn.Module]) -> None:
     the tensor-parallel ranks' heads, then each layer's row from the pipeline stage that holds it
     (the other stages hold the variant's full row there, the superset)."""
     config = chunks[0].config
-    reads = torch.zeros(config.num_layers, config.num_layers, dtype=torch.int32, device=default_device())
+    device = next(chunks[0].parameters()).device  # the collectives' device (the model's)
+    reads = torch.zeros(config.num_layers, config.num_layers, dtype=torch.int32, device=device)
     for layer in range(config.num_layers):
         reads[layer, routing_sources(layer, config.lime_router, config.lime_router_window)] = 1
     for router in routers_of(chunks):
