@@ -172,18 +172,23 @@ def float32_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor
 
 
 # ----------------------------------------------------------------------------- stacked routers
+def runs_within(router: LimeRouter, start: int, stop: int) -> list[tuple[int, int]]:
+    """The router's runs of consecutive read sources (``source_runs``) cut to ``start..stop-1``."""
+    return [(max(a, start), min(b, stop)) for a, b in router.source_runs if a < stop and b > start]
+
+
 def stacked_columns(routers: list[LimeRouter], start: int, stop: int) -> torch.Tensor:
     """``[len(routers) * kv_heads, (stop - start) * local heads]``: the columns of each router that
-    read source layers ``start..stop-1``, zero where a router does not read a source."""
+    read source layers ``start..stop-1``, zero where a router does not read a source (one copy
+    per run of consecutive sources, not per source)."""
     first = routers[0]
     local = first.local_heads
     stacked = first.weight.new_zeros(len(routers) * first.weight.shape[0], (stop - start) * local)
     rows = first.weight.shape[0]
     for i, router in enumerate(routers):
-        for source in router.read_sources:
-            if start <= source < stop:
-                column = (source - start) * local
-                stacked[i * rows : (i + 1) * rows, column : column + local] = router.block(source)
+        for a, b in runs_within(router, start, stop):
+            stacked[i * rows : (i + 1) * rows, (a - start) * local : (b - start) * local] = \
+                router.weight[:, router.columns(a, b)]
     return stacked
 
 
@@ -229,9 +234,8 @@ class MixEarlierSources(torch.autograd.Function):
         for start, stop in earlier_runs(memory, block, routers):
             block_grad = weight_grad_product(kept, memory.rows(start, stop))
             for i, router in enumerate(routers):
-                for source in router.read_sources:
-                    if start <= source < stop:
-                        local = (source - start) * router.local_heads
-                        grads[i][:, router.columns(source, source + 1)] = \
-                            block_grad[i * rows : (i + 1) * rows, local : local + router.local_heads]
+                local = router.local_heads
+                for a, b in runs_within(router, start, stop):
+                    grads[i][:, router.columns(a, b)] = \
+                        block_grad[i * rows : (i + 1) * rows, (a - start) * local : (b - start) * local]
         return None, None, None, *grads
