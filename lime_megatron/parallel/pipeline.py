@@ -213,6 +213,7 @@ class _KeptBlock:
 
     def __init__(self, layers: tuple[int, ...], runs: list[torch.Tensor], kv_heads: int):
         self.layers, self.runs, self.kv_heads = layers, runs, kv_heads
+        self.layer_runs = layer_runs(layers)  # the layers of each of ``runs``
         self.position = {layer: index for index, layer in enumerate(layers)}
         self.grad: torch.Tensor | None = None
 
@@ -224,7 +225,7 @@ class _KeptBlock:
 
     def view(self, run: range) -> torch.Tensor:
         """Rows of the consecutive layers ``run`` (all kept here): a view."""
-        for layers, rows in zip(layer_runs(self.layers), self.runs):
+        for layers, rows in zip(self.layer_runs, self.runs):
             if layers.start <= run.start and run.stop <= layers.stop:
                 return rows[(run.start - layers.start) * self.kv_heads : (run.stop - layers.start) * self.kv_heads]
         raise IndexError(f"rows of layers {run} are not in one kept run of {self.layers}")
