@@ -1,9 +1,11 @@
 """LIMe overhead over the LLaMA baseline: forward+backward time and bytes saved for backward.
 
-For each depth and kv-head count it builds the baseline and LIMe with the same shape, LIMe twice:
-routing per layer (B = 1) and blocked with the block size the roofline picks
-(``models.lime.routing_blocks.routing_block_size``), then measures in the same process,
-interleaving the three models:
+For each depth and kv-head count it builds the baseline and LIMe with the same shape, LIMe three
+times: routing per layer (B = 1) and blocked with the block size the roofline picks
+(``models.lime.routing_blocks.routing_block_size``), both rebuilding only the rotated keys in
+backward (the default ``lime_rebuild_in_backward``), and blocked rebuilding the routed K/V too
+(``routed_kv``: one more router product per layer, less memory); then measures in the same
+process, interleaving the four models:
 
 - time: median forward+backward wall time over ``--repeats`` runs (after ``--warmup``);
 - routing reads: bytes the routing products read per step (``planning.routing_bytes``), B = 1
@@ -62,7 +64,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     return shape_parser(__doc__, [8, 16, 32, 64, 128]).parse_args(argv)
 
 
-def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full"):
+def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full",
+          rebuild: str = "rotated_keys"):
     torch.manual_seed(0)
     config = lime_config(
         num_layers=num_layers,
@@ -74,6 +77,7 @@ def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = 
         lime=lime,
         lime_router=router,
         lime_routing_block=block,
+        lime_rebuild_in_backward=rebuild,
     )
     return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length)
 
@@ -132,7 +136,8 @@ def flop_floor(args, config) -> float:
 def measure(args, num_layers: int, kv_heads: int) -> dict:
     block = routing_block_size(num_layers, kv_heads, torch.empty(0).element_size())
     models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
-              "blocked": build(args, num_layers, kv_heads, True, block)}
+              "blocked": build(args, num_layers, kv_heads, True, block),
+              "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild="routed_kv")}
     batch = make_batch(args)
     times = median_times(args, models, batch)
     config = models["blocked"].config
@@ -145,9 +150,11 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         base_s=times["base"],
         per_layer_s=times["per_layer"],
         lime_s=times["blocked"],
+        rebuilt_s=times["rebuilt"],
         floor=flop_floor(args, config),
         base_saved=saved_bytes(models["base"], batch),
         lime_saved=saved_bytes(models["blocked"], batch),
+        rebuilt_saved=saved_bytes(models["rebuilt"], batch),
         reads_per_layer=reads[1],
         reads_blocked=reads[block],
         extra_copies=copied_bytes(models["blocked"], batch) - copied_bytes(models["base"], batch),
@@ -157,7 +164,8 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'layers':>6} {'kv':>3} {'B':>3} {'base s':>8} {'B=1 x':>7} {'B x':>7} {'floor':>6} {'B=1/fl':>7} "
-        f"{'B/fl':>6} {'saved x':>8} {'read B=1 GiB':>13} {'read B GiB':>11} {'copies+ MiB':>11}"
+        f"{'B/fl':>6} {'saved x':>8} {'rk/fl':>6} {'rk saved':>8} {'read B=1 GiB':>13} {'read B GiB':>11} "
+        f"{'copies+ MiB':>11}"
     )
     print(header)
     print("-" * len(header))
@@ -166,7 +174,8 @@ def print_table(rows: list[dict]) -> None:
         print(
             f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['base_s']:>8.3f} {per_layer:>7.3f} "
             f"{blocked:>7.3f} {r['floor']:>6.3f} {per_layer / r['floor']:>7.3f} {blocked / r['floor']:>6.3f} "
-            f"{r['lime_saved'] / r['base_saved']:>8.3f} {r['reads_per_layer'] / 2**30:>13.2f} "
+            f"{r['lime_saved'] / r['base_saved']:>8.3f} {r['rebuilt_s'] / r['base_s'] / r['floor']:>6.3f} "
+            f"{r['rebuilt_saved'] / r['base_saved']:>8.3f} {r['reads_per_layer'] / 2**30:>13.2f} "
             f"{r['reads_blocked'] / 2**30:>11.2f} {r['extra_copies'] / 2**20:>11.1f}"
         )
 

@@ -4,7 +4,8 @@ Runs one forward+backward of LIMe and of the baseline at TP=2 without sequence p
 2 processes; megatron's sequence-parallel collectives are bound at import time and would escape
 the count) for several depths and counts
 every collective actually issued, by wrapping ``torch.distributed``'s collectives during the step.
-A collective is attributed to LIMe routing when it is issued from ``lime_megatron.models.lime.memory``, to
+A collective is attributed to LIMe routing when it is issued from LIMe's model code
+(``lime_megatron.models.lime``: the routing's reduce-scatter and all-gather in ``head_parallel``), to
 megatron otherwise.  Bytes sent per rank use the ring cost of each collective on n ranks:
 all-reduce 2(n-1)/n x size, reduce-scatter (n-1)/n x input, all-gather (n-1)/n x output.
 
@@ -42,7 +43,7 @@ def count_collectives(counter: Counter):
             group = kwargs.get("group")
             n = dist.get_world_size(group)
             caller = sys._getframe(1).f_globals.get("__name__", "")
-            owner = "lime" if caller == "lime_megatron.models.lime.memory" else "megatron"
+            owner = "lime" if caller.startswith("lime_megatron.models.lime.") else "megatron"
             counter[owner] += _COST[name] * (n - 1) / n * tensor.numel() * tensor.element_size()
             return function(*args, **kwargs)
         return counted

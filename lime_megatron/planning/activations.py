@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lime_megatron.models.config import LimeTransformerConfig
-from lime_megatron.models.lime.recompute import drops_routed_kv, te_flash_attention
+from lime_megatron.models.lime.recompute import drops_rotated_keys, drops_routed_kv, te_flash_attention
 from lime_megatron.parallel.pipeline import chunk_starting_at, hop_blocks
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -123,20 +123,21 @@ def _norm_bytes(geometry: Geometry, impl: str) -> int:
 def _attention_bytes(config: LimeTransformerConfig, geometry: Geometry, impl: str) -> int:
     """What self-attention keeps for backward beyond its linear layers' inputs."""
     g, heads = geometry, geometry.heads
-    rebuilt = drops_routed_kv(config, impl)  # routed K/V dropped and rebuilt in backward, as LIMe's attention decides
+    # What LIMe's attention drops and rebuilds in backward, as it decides.
+    rebuilt, rotated_rebuilt = drops_routed_kv(config, impl), drops_rotated_keys(config, impl)
     if config.lime:  # values are a view of the routed [2, s, b, g_t, d] keys/values
         values = 0 if rebuilt else g.kv_rows
     else:  # values are a view of the QKV output
         values = g.heads_bytes(heads + 2 * g.kv_heads)
     query = g.heads_bytes(heads)
+    keys = 0 if rotated_rebuilt else g.heads_bytes(g.kv_heads)
     if "core_attn" in recompute_modules(config):  # the checkpoint keeps q, k, v as passed
-        return query + (0 if rebuilt else g.heads_bytes(g.kv_heads)) + values
+        return query + keys + values
     if impl == "transformer_engine" and te_flash_attention(config):
         # bshd copies of q, k, v and of the output (the sbhd output handed on is linear_proj's input)
         # and the fp32 log-sum-exp; the tensors given are not saved
         return g.heads_bytes(2 * heads + 2 * g.kv_heads) + heads * g.batch * g.seq * FP32
     if impl == "transformer_engine":
-        keys = 0 if rebuilt else g.heads_bytes(g.kv_heads)
         return query + keys + values + heads * g.batch * g.seq * FP32
     # Softmax output (fp32 with attention_softmax_in_fp32), its copy in the activation dtype
     # that multiplies the values, and the boolean causal mask.
@@ -145,7 +146,7 @@ def _attention_bytes(config: LimeTransformerConfig, geometry: Geometry, impl: st
     scores = heads * g.batch * g.seq * g.seq * (softmax + copy) + g.seq * g.seq
     if heads > g.kv_heads:  # local attention repeats K/V to the query heads: copies it keeps
         return query + 2 * g.heads_bytes(heads) + scores
-    return query + (0 if rebuilt else g.heads_bytes(heads)) + values + scores
+    return query + keys + values + scores
 
 
 def _mlp_bytes(config: LimeTransformerConfig, geometry: Geometry) -> int:

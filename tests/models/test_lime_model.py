@@ -54,11 +54,14 @@ def run_both(model):
     return logits, ref_logits, leaves
 
 
+@pytest.mark.parametrize("rebuild", ["rotated_keys", "routed_kv"])
 @pytest.mark.parametrize("block", [1, 2, 3], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
-def test_matches_reference_logits_and_gradients(kv_heads, variant, block):
-    model = tiny_model(num_query_groups=kv_heads, lime_routing_block=block, **variant)
+def test_matches_reference_logits_and_gradients(kv_heads, variant, block, rebuild):
+    """MHA: megatron's attention drops what ``rebuild`` names, and backward rebuilds it."""
+    model = tiny_model(num_query_groups=kv_heads, lime_routing_block=block, lime_rebuild_in_backward=rebuild,
+                       **variant)
     logits, ref_logits, leaves = run_both(model)
     assert relative_error(logits, ref_logits) <= TOLERANCE
     named = dict(model.named_parameters())
@@ -113,9 +116,10 @@ def test_activation_recompute_gives_the_same_gradients(recompute, block):
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
 def test_blocked_routing_equals_per_layer_routing(kv_heads, variant):
     """7 layers, B = 3 (blocks 0-2, 3-5, 6) against B = 1: loss and every gradient at the
-    level of float64 summation order."""
+    level of float64 summation order (the routed K/V rebuilt in backward: its blocked product too)."""
     per_layer = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=1, **variant)
-    blocked = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=3, **variant)
+    blocked = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=3,
+                         lime_rebuild_in_backward="routed_kv", **variant)
     blocked.load_state_dict(per_layer.state_dict())
     tokens, positions, mask = batch()
     losses = [loss_of(megatron_logits(model, tokens, positions, mask), tokens) for model in (per_layer, blocked)]
@@ -126,16 +130,19 @@ def test_blocked_routing_equals_per_layer_routing(kv_heads, variant):
         assert relative_error(b.grad, a.grad) <= 1e-13, name
 
 
-def test_saving_routed_kv_gives_the_same_gradients():
-    """``lime_recompute_routed_kv=False`` keeps routed K/V instead of rebuilding them."""
-    rebuilt = tiny_model(num_query_groups=2)
-    kept = tiny_model(num_query_groups=2, lime_recompute_routed_kv=False)
-    kept.load_state_dict(rebuilt.state_dict())
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_what_backward_rebuilds_leaves_the_gradients(kv_heads):
+    """``lime_rebuild_in_backward``: rebuilding the rotated keys, or also the routed K/V, instead of
+    keeping them gives the gradients of keeping everything (MHA: megatron's attention drops them)."""
+    models = {mode: tiny_model(num_query_groups=kv_heads, lime_rebuild_in_backward=mode)
+              for mode in ("none", "rotated_keys", "routed_kv")}
     tokens, positions, mask = batch()
-    for model in (rebuilt, kept):
+    for model in models.values():
+        model.load_state_dict(models["none"].state_dict())
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
-    for (name, a), (_, b) in zip(rebuilt.named_parameters(), kept.named_parameters()):
-        assert torch.equal(a.grad, b.grad), name
+    for mode in ("rotated_keys", "routed_kv"):
+        for (name, a), (_, b) in zip(models["none"].named_parameters(), models[mode].named_parameters()):
+            assert relative_error(b.grad, a.grad) <= 1e-14, (mode, name)
 
 
 def test_router_initialisation():
@@ -175,21 +182,23 @@ def test_windowed_sources(variant, window):
             assert sources == sorted(set(range(min(layer, window))) | {layer})
 
 
-def test_routed_kv_are_rebuilt_not_saved():
-    """With recompute on, autograd keeps no routed K/V: exactly the routed [2, s, b, h, d] and the
-    rotated keys [s, b, h, d] of every layer drop out of the saved bytes."""
+def test_rebuilt_tensors_are_not_saved():
+    """What backward rebuilds is not saved: rebuilding the rotated keys drops exactly the rotated
+    keys [s, b, h, d] of every layer from the saved bytes, rebuilding the routed K/V too their
+    [2, s, b, h, d] storage."""
     from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved = {}
-    for recompute in (True, False):
-        model = tiny_model(num_query_groups=4, lime_recompute_routed_kv=recompute)
+    for mode in ("none", "rotated_keys", "routed_kv"):
+        model = tiny_model(num_query_groups=4, lime_rebuild_in_backward=mode)
         with SavedTensorBytes(model) as counter:
             megatron_logits(model, tokens, positions, mask)
-        saved[recompute] = counter.bytes
+        saved[mode] = counter.bytes
     cfg = model.config
-    per_layer = 3 * tokens.numel() * cfg.kv_heads * cfg.kv_channels * 8  # float64
-    assert saved[False] - saved[True] == cfg.num_layers * per_layer
+    heads = tokens.numel() * cfg.kv_heads * cfg.kv_channels * 8  # one [s, b, h, d] float64 tensor
+    assert saved["none"] - saved["rotated_keys"] == cfg.num_layers * heads
+    assert saved["rotated_keys"] - saved["routed_kv"] == cfg.num_layers * 2 * heads
 
 
 def test_full_recompute_keeps_its_savings():

@@ -47,7 +47,7 @@ def decoding_flops(model) -> int:
 def test_layer_zero_alone_costs_and_computes_what_the_baseline_does(variant):
     """A 1-layer LIMe model is the baseline with a memory: same logits, bit for bit, and not one
     product more in training (routed K/V dropped and rebuilt) or decoding."""
-    lime = tiny_model(num_layers=1, lime_router=variant)
+    lime = tiny_model(num_layers=1, lime_router=variant, lime_rebuild_in_backward="routed_kv")
     baseline = tiny_model(num_layers=1, lime=False)
     baseline.load_state_dict(lime.state_dict(), strict=False)
     assert lime.routers()[0].identity
@@ -73,7 +73,7 @@ def test_routers_run_their_formula_and_layer_zero_nothing(variant, products):
     ``products`` times the forward router FLOPs of the formula (which leaves layer 0 out), in
     decoding once per decoded token."""
     # B = 1: blocked windowed routers stack zero columns (docs/routing.md); full: test_routing_bytes
-    lime = tiny_model(num_query_groups=4, lime_routing_block=1, **variant)
+    lime = tiny_model(num_query_groups=4, lime_routing_block=1, lime_rebuild_in_backward="routed_kv", **variant)
     baseline = tiny_model(num_query_groups=4, lime=False)
     assert [router.identity for router in lime.routers()] == [True, False, False, False, False]
     router = flops.router_flops_per_token(lime.config)
@@ -87,7 +87,7 @@ def test_routed_products_write_attention_layout_without_a_copy(block):
     """Without tensor parallelism the routing products write attention's ``[2, s, b, h, d]``
     themselves (issue 26, item 3): in a forward+backward (the routed K/V rebuilt in backward) the
     only copies of that shape are layer 0's, whose identity routing rearranges its own rows."""
-    model = tiny_model(num_layers=4, lime_routing_block=block)  # MHA: the routed K/V are dropped
+    model = tiny_model(num_layers=4, lime_routing_block=block, lime_rebuild_in_backward="routed_kv")  # MHA: dropped
     kv_heads, head_dim = model.config.num_query_groups, model.config.kv_channels
     tokens, positions, mask = batch()
     routed_kv_log.take()

@@ -25,7 +25,7 @@ from megatron.core.transformer.enums import AttnBackend
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import LimeGPTModel
 from lime_megatron.models.layer_specs import lime_block_spec
-from lime_megatron.models.lime.recompute import RoutedKVLog, drops_routed_kv, routed_kv_log
+from lime_megatron.models.lime.recompute import RoutedKVLog, drops_rotated_keys, drops_routed_kv, routed_kv_log
 from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
 from lime_megatron.planning.activations import Geometry, layer_activation_bytes
 from lime_megatron.planning.saved_tensors import SavedTensorBytes
@@ -79,21 +79,34 @@ def fresh_log(monkeypatch):
     return routed_kv_log
 
 
-def test_megatron_attention_drops_and_rebuilds_every_layer(fresh_log, caplog):
-    model = tiny_model()
+REBUILT = {  # lime_rebuild_in_backward -> what megatron's MHA attention drops and what is rebuilt, per layer
+    "rotated_keys": ({"keys": 1}, {"rotated keys": 1}),
+    "routed_kv": ({"keys": 1, "values": 1}, {"routed": 1, "rotated keys": 1}),
+}
+
+
+@pytest.mark.parametrize("mode", sorted(REBUILT))
+def test_megatron_attention_drops_and_rebuilds_every_layer(fresh_log, caplog, mode):
+    model = tiny_model(lime_rebuild_in_backward=mode)
     gradients(model)
     counts = fresh_log.take()
     assert list(counts) == list(range(LAYERS))
+    dropped, rebuilt = REBUILT[mode]
     for layer, drops in counts.items():
-        assert drops.dropped == {"keys": 1, "values": 1}, layer
+        assert drops.dropped == dropped, layer
         assert not drops.kept, layer
-        assert drops.rebuilt == {"routed": 1, "rotated keys": 1}, layer
+        assert drops.rebuilt == rebuilt, layer
     assert not fresh_log.warned and "saved its own copies" not in caplog.text
     assert fresh_log.take() == {}  # take() resets: one step's counts
 
 
+def test_rebuilding_nothing_drops_nothing(fresh_log):
+    gradients(tiny_model(lime_rebuild_in_backward="none"))
+    assert fresh_log.take() == {}
+
+
 def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog):
-    model = tiny_model()
+    model = tiny_model(lime_rebuild_in_backward="routed_kv")
     expected = gradients(model)
     fresh_log.take()
     copying = with_core_attention(model, CopyingAttention)
@@ -115,36 +128,53 @@ def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog)
 
 
 def test_estimate_decision_matches_the_attention():
-    mha = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4)
-    gqa = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2)
+    mha = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, lime_rebuild_in_backward="routed_kv")
+    gqa = dataclasses.replace(mha, num_query_groups=2)
     assert drops_routed_kv(mha, "local") and not drops_routed_kv(gqa, "local")  # GQA repeats K/V
     assert drops_routed_kv(gqa, "transformer_engine")
     fp8_attention = dataclasses.replace(gqa)
     fp8_attention.fp8, fp8_attention.fp8_dot_product_attention = "e4m3", True
     assert not drops_routed_kv(fp8_attention, "transformer_engine")
-    assert not drops_routed_kv(lime_config(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                           lime_recompute_routed_kv=False), "local")
+    assert not drops_rotated_keys(fp8_attention, "transformer_engine")
+    rotated = dataclasses.replace(mha, lime_rebuild_in_backward="rotated_keys")
+    assert drops_rotated_keys(rotated, "local") and not drops_routed_kv(rotated, "local")
+    assert drops_rotated_keys(mha, "local")  # the rebuilt routed keys are rotated again
+    nothing = dataclasses.replace(mha, lime_rebuild_in_backward="none")
+    assert not drops_routed_kv(nothing, "local") and not drops_rotated_keys(nothing, "local")
 
 
+def watched(config) -> tuple[dict[str, int], bool]:
+    """The names LIMe's attention watches per layer under ``config``'s ``lime_rebuild_in_backward``
+    and whether the estimate decides megatron's local attention drops them."""
+    if config.lime_rebuild_in_backward == "routed_kv":
+        return {"keys": 1, "values": 1}, drops_routed_kv(config, "local")
+    return {"keys": 1}, drops_rotated_keys(config, "local")
+
+
+@pytest.mark.parametrize("mode", sorted(REBUILT))
 @pytest.mark.parametrize("settings", [dict(), dict(num_query_groups=2),
                                       dict(num_query_groups=2, recompute_granularity="selective")],
                          ids=["mha", "gqa-repeats-kv", "gqa-checkpointed-core-attention"])
-def test_the_estimate_decision_is_what_the_attention_does(fresh_log, settings):
-    model = tiny_model(**settings)
+def test_the_estimate_decision_is_what_the_attention_does(fresh_log, settings, mode):
+    model = tiny_model(lime_rebuild_in_backward=mode, **settings)
     gradients(model)
     counts = fresh_log.take()
-    dropped = all(drops.dropped == {"keys": 1, "values": 1} and not drops.kept for drops in counts.values())
-    kept = all(drops.kept == {"keys": 1, "values": 1} and not drops.dropped for drops in counts.values())
-    assert (dropped, kept) == ((True, False) if drops_routed_kv(model.config, "local") else (False, True)), counts
+    names, decided = watched(model.config)
+    dropped = all(drops.dropped == names and not drops.kept for drops in counts.values())
+    kept = all(drops.kept == names and not drops.dropped for drops in counts.values())
+    assert (dropped, kept) == (decided, not decided), counts
 
 
-def test_the_estimate_counts_fp8_attention_copies():
-    config = lime_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2)
+@pytest.mark.parametrize("mode", sorted(REBUILT))
+def test_the_estimate_counts_fp8_attention_copies(mode):
+    config = lime_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
+                         lime_rebuild_in_backward=mode)
     geometry = Geometry.of(config, seq_length=32, micro_batch_size=2, vocab_size=128)
     dropped = layer_activation_bytes(config, geometry, "transformer_engine")
     config.fp8, config.fp8_dot_product_attention = "e4m3", True
-    assert layer_activation_bytes(config, geometry, "transformer_engine") - dropped == geometry.kv_rows + \
-        geometry.heads_bytes(config.kv_heads)  # the routed K/V storage and the rotated keys stay
+    routed_storage = geometry.kv_rows if mode == "routed_kv" else 0  # kept anyway with rotated_keys
+    assert layer_activation_bytes(config, geometry, "transformer_engine") - dropped == routed_storage + \
+        geometry.heads_bytes(config.kv_heads)  # the rotated keys stay too
 
 
 class _StandInAttention(torch.autograd.Function):
@@ -213,26 +243,29 @@ def te_config(model: LimeGPTModel, backend: str):
     return config
 
 
+@pytest.mark.parametrize("mode", sorted(REBUILT))
 @pytest.mark.parametrize("backend", sorted(STAND_INS))
-def test_te_attention_stand_ins_log_what_the_estimate_decides(fresh_log, backend):
-    model = tiny_model(num_query_groups=2)
+def test_te_attention_stand_ins_log_what_the_estimate_decides(fresh_log, backend, mode):
+    model = tiny_model(num_query_groups=2, lime_rebuild_in_backward=mode)
     expected = gradients(model)
     fresh_log.take()
     actual = gradients(with_core_attention(model, STAND_INS[backend]))
     counts = fresh_log.take()
-    dropped = drops_routed_kv(te_config(model, backend), "transformer_engine")
+    decide = drops_routed_kv if mode == "routed_kv" else drops_rotated_keys
+    dropped = decide(te_config(model, backend), "transformer_engine")
     assert dropped == (backend == "fused")
-    names = {"keys": 1, "values": 1}
+    names, _ = watched(model.config)
     assert all((drops.dropped, drops.kept) == ((names, {}) if dropped else ({}, names))
                for drops in counts.values()), counts
     for name in expected:  # the stand-ins compute megatron's attention
         assert relative_error(actual[name], expected[name]) <= 1e-12, name
 
 
-def test_dry_run_estimate_per_te_backend_equals_the_bytes_kept():
+@pytest.mark.parametrize("mode", sorted(REBUILT))
+def test_dry_run_estimate_per_te_backend_equals_the_bytes_kept(mode):
     """The estimate's difference between the flash and fused backends, per layer, equals the
     difference of the bytes autograd saves with the two stand-ins."""
-    model = tiny_model(num_query_groups=2)
+    model = tiny_model(num_query_groups=2, lime_rebuild_in_backward=mode)
     tokens, positions, mask = batch()
     saved = {}
     for backend, attention in STAND_INS.items():

@@ -74,7 +74,8 @@ def sgd(chunks, lr: float, steps: int):
 
 def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: str = "full",
           prune: float | None = None):
-    """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers (with
+    """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers, the routed K/V
+    rebuilt in backward by the router products (their reduce-scatter included; with
     ``prune``: routes pruned at that top-p after the second step, as the trainer does); returns
     (losses, [full grads per step], initial full weights, [router gradient norm per step as
     megatron's clipping sees it])."""
@@ -85,7 +86,8 @@ def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: s
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=kv_heads, use_cpu_initialization=True, lime_routing_block=block,
-                         lime_router=router, lime_prune_top_p=prune, **layout_config_kwargs(layout))
+                         lime_router=router, lime_prune_top_p=prune, lime_rebuild_in_backward="routed_kv",
+                         **layout_config_kwargs(layout))
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
     optimizer, scheduler = sgd(chunks, LR, STEPS)

@@ -146,26 +146,39 @@ class LimeSelfAttention(SelfAttention):
         return self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type)
 
     def _recompute_routed(self, routed: torch.Tensor, key: torch.Tensor, k_freqs, probs: torch.Tensor | None):
-        """Drop the routed keys/values (and the rotated keys) from attention's saved tensors;
-        backward rebuilds them from the memory buffer (a dynamic router's from its weights
-        ``probs``, which its backward keeps anyway).  What was dropped and rebuilt is counted
-        in ``recompute.routed_kv_log`` (which warns once if the core attention kept copies)."""
-        if not (self.config.lime_recompute_routed_kv and torch.is_grad_enabled()):
+        """Drop from attention's saved tensors what ``config.lime_rebuild_in_backward`` names, for
+        backward to rebuild: ``rotated_keys`` re-rotates the kept routed keys; ``routed_kv`` also
+        rebuilds the routed keys/values from the memory buffer (a dynamic router's from its weights
+        ``probs``, which its backward keeps anyway).  What was dropped and rebuilt is counted in
+        ``recompute.routed_kv_log`` (which warns once if the core attention kept copies)."""
+        mode = self.config.lime_rebuild_in_backward
+        if mode == "none" or not torch.is_grad_enabled() or (mode == "rotated_keys" and k_freqs is None):
             return nullcontext()
-        memory, router, log, layer = self.memory, self.router, routed_kv_log, self.router.layer
+        log, layer = routed_kv_log, self.router.layer
+        if mode == "routed_kv":
+            routed_again = Rebuilt(self._routed_rebuild(probs), log.rebuilt(layer, "routed"))
+            rebuilds, watched = {routed: routed_again}, {"keys": key, "values": routed[1]}
+            routed_keys = lambda: routed_again.value()[0]  # noqa: E731
+        else:  # kept in the saved values' storage; detached, so the recipe holds no graph
+            kept = routed.detach()
+            rebuilds, watched = {}, {"keys": key}
+            routed_keys = lambda: kept[0]  # noqa: E731
+        if k_freqs is not None:
+            rebuilds[key] = Rebuilt(lambda: self._rotate(routed_keys(), k_freqs), log.rebuilt(layer, "rotated keys"))
+        return log.recording(layer, type(self.core_attention).__name__, recompute_in_backward(rebuilds, watched))
+
+    def _routed_rebuild(self, probs: torch.Tensor | None):
+        """The recipe of this layer's routed keys/values ``[2, s, b, local kv heads, d]`` from the
+        memory buffer, for backward (no autograd graph held)."""
+        memory, router = self.memory, self.router
         kept_probs = None if probs is None else probs.detach()
+
         def rebuild():
             if router.dynamic:
                 return memory.mix_by_token(router, kept_probs, "rebuild")
             return memory.mix(router, router.weight.detach(), memory.rebuilt_earlier_partial(router), "rebuild")
 
-        routed_again = Rebuilt(rebuild, log.rebuilt(layer, "routed"))
-        rebuilds = {routed: routed_again}
-        if k_freqs is not None:
-            rebuilds[key] = Rebuilt(lambda: self._rotate(routed_again.value()[0], k_freqs),
-                                    log.rebuilt(layer, "rotated keys"))
-        return log.recording(layer, type(self.core_attention).__name__,
-                             recompute_in_backward(rebuilds, {"keys": key, "values": routed[1]}))
+        return rebuild
 
 
 def _reject_unsupported(**arguments) -> None:

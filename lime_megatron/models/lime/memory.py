@@ -58,6 +58,7 @@ from lime_megatron.models.lime.head_parallel import gather_heads, scatter_heads
 from lime_megatron.models.lime.router import LimeRouter, routing_consumers
 from lime_megatron.models.lime.routing_blocks import (
     MixEarlierSources,
+    as_rows,
     count_read,
     mix_earlier,
     routing_product,
@@ -244,8 +245,8 @@ class LayerIntegratedMemory:
         return [self._chunk_routers[m] for m in block if self.blocked(self._chunk_routers[m])]
 
     def earlier_partial(self, router: LimeRouter) -> torch.Tensor | None:
-        """Forward: ``router``'s sum over the sources before its block, ``[kv_heads, 2*s*b*d]``
-        (this rank's columns), from one product for the whole block run at its first layer
+        """Forward: ``router``'s sum over the sources before its block (this rank's columns, in the
+        layout of ``routing_blocks.mix_earlier``), from one product for the whole block run at its first layer
         (``routing_blocks.MixEarlierSources``, which carries the router-weight gradient of those
         columns); None when ``router`` is not blocked."""
         if not self.blocked(router):
@@ -303,8 +304,9 @@ class LayerIntegratedMemory:
     def _mix_in_attention_layout(self, router: LimeRouter, weight: torch.Tensor, earlier: torch.Tensor | None,
                                  kind: str) -> torch.Tensor:
         """``mix`` without tensor parallelism: the products write ``[2, s, b, kv_heads, d]``
-        directly (``routing_product_attention_layout``), and ``earlier`` ``[kv_heads, 2*s*b*d]``
-        is added through a strided view, so no rows-to-attention copy follows (issue 26, item 3)."""
+        directly (``routing_product_attention_layout``), and ``earlier`` ``[2*s*b, kv_heads, d]``
+        (``routing_blocks.mix_earlier``) is added, so no rows-to-attention copy follows (issue 26,
+        item 3)."""
         s, b, h, d = self.kv_shape
         since = 0 if earlier is None else self.block_of(router.layer).start
         routed = None
@@ -312,7 +314,7 @@ class LayerIntegratedMemory:
             part = routing_product_attention_layout(kind, weight[:, columns], rows, d)
             routed = part if routed is None else routed.add_(part)
         if earlier is not None:
-            routed.add_(earlier.view(h, -1, d).transpose(0, 1))
+            routed.add_(earlier)
         return routed.view(2, s, b, h, d)
 
     def register(self, router: LimeRouter) -> None:
@@ -339,11 +341,25 @@ class LayerIntegratedMemory:
             self._grad_rows = self.buffer.new_empty(len(self.layers) * kv_heads, self.buffer.shape[1])
         return self._grad_rows
 
+    def _grads_in_attention_layout(self) -> bool:
+        """Whether row gradients are summed in attention's layout ``[2*s*b, kv_heads, d]``, the
+        layout the key/value gradients are handed on in (``routing_product_attention_layout``: no
+        rearranging copy): without tensor parallelism, for static routers; else as rows."""
+        router = next(iter(self._routers.values()))
+        return router.sharding.size == 1 and self.variant != "dynamic"
+
+    def _in_grad_layout(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows ``[kv_heads, 2*s*b*d]`` in the layout row gradients are summed in (a view)."""
+        if self._grads_in_attention_layout():
+            return rows.view(rows.shape[0], -1, self.kv_shape[3]).transpose(0, 1)
+        return rows
+
     def _consumer_grad(self, layer: int, own_grad: torch.Tensor | None = None) -> torch.Tensor:
-        """Gradient of the rows of ``layer`` (own or received), ``[local kv heads, 2*s*b*d]``:
-        sum over its consumers m of W_m[:, block layer]^T g_m, the consumers in this chunk from
-        the kept g_m, those of later stages from the downstream gradient.  ``own_grad``: g_layer
-        of a layer with the identity routing (this rank's heads), its own term W^T g = g."""
+        """Gradient of the rows of ``layer`` (own or received): sum over its consumers m of
+        W_m[:, block layer]^T g_m, the consumers in this chunk from the kept g_m, those of later
+        stages from the downstream gradient.  ``own_grad``: g_layer of a layer with the identity
+        routing (this rank's heads), its own term W^T g = g.  ``[2*s*b, kv_heads, d]`` or rows
+        ``[local kv heads, 2*s*b*d]`` (``_grads_in_attention_layout``)."""
         _, stop = routing_consumers(layer, self.num_layers, self.variant, self.window)
         local = range(max(layer, self.layers.start), min(stop, self.layers.stop))
         missing = [m for m in local if not self._grad_rows_written[m - self.layers.start]]
@@ -360,6 +376,7 @@ class LayerIntegratedMemory:
         downstream = self._downstream_rows(layer) if layer in self.read_later else None
         for term in (own_grad, downstream):
             if term is not None:
+                term = self._in_grad_layout(term)
                 grad = term.clone() if grad is None else grad.add_(term)
         if grad is None:  # a replica rank: the primary passes this head's gradient
             some_rows = self.buffer if self.buffer is not None else self.external[0][1]
@@ -367,15 +384,19 @@ class LayerIntegratedMemory:
         return grad
 
     def _mixed_grad(self, sources: range, consumers: range) -> torch.Tensor:
-        """sum_{m in consumers} W_m[:, block l]^T g_m for each l in ``sources``, stacked:
-        ``[len(sources) * local heads, 2*s*b*d]``, one product reading each kept g_m once."""
+        """sum_{m in consumers} W_m[:, block l]^T g_m for each l in ``sources``, stacked, one
+        product reading each kept g_m once: ``[2*s*b, len(sources) * kv_heads, d]`` or rows
+        ``[len(sources) * local heads, 2*s*b*d]`` (``_grads_in_attention_layout``)."""
         routers = [self._routers[m] for m in consumers]
         if routers[0].dynamic:
             return self._token_mixed_grad(sources, consumers)
         kv_heads = routers[0].weight.shape[0]
         grads = self._grad_buffer(kv_heads)[(consumers.start - self.layers.start) * kv_heads :
                                             (consumers.stop - self.layers.start) * kv_heads]
-        return routing_product("row_grad", stacked_columns(routers, sources.start, sources.stop).t(), grads)
+        narrow = stacked_columns(routers, sources.start, sources.stop).t()
+        if self._grads_in_attention_layout():
+            return routing_product_attention_layout("row_grad", narrow, grads, self.kv_shape[3])
+        return routing_product("row_grad", narrow, grads)
 
     # ----------------------------------------------------------------------------- by token
     def _heads_first(self, rows: torch.Tensor) -> torch.Tensor:
@@ -443,7 +464,8 @@ class LayerIntegratedMemory:
             if not consumers or not self._routers[consumers.start].sharding.primary:
                 return None
             stacked = self._mixed_grad(sources, consumers)
-            self._later_grads.update(zip(sources, stacked.chunk(len(sources))))
+            heads_dim = 1 if self._grads_in_attention_layout() else 0
+            self._later_grads.update(zip(sources, stacked.chunk(len(sources), dim=heads_dim)))
         return self._later_grads.pop(layer)
 
     def _external_grad(self, layer: int, layers: range) -> torch.Tensor:
@@ -474,7 +496,11 @@ class LayerIntegratedMemory:
             self._grad_buffer(kv_heads)[local * kv_heads : (local + 1) * kv_heads].copy_(grad_rows)
         self._grad_rows_written[local] = True
         own_grad = grad_rows if router.identity else None
-        grad_kv = self._consumer_grad(layer, own_grad).view(self.kv_heads, 2, *self.kv_shape[:2], -1)
+        grad = self._consumer_grad(layer, own_grad)
+        if self._grads_in_attention_layout():
+            grad_kv = grad.view(2, *self.kv_shape)
+            return grad_kv[0], grad_kv[1]
+        grad_kv = grad.view(self.kv_heads, 2, *self.kv_shape[:2], -1)
         return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
 
     def external_shares(self) -> list[tuple[range, torch.Tensor]]:
@@ -483,7 +509,8 @@ class LayerIntegratedMemory:
         external block, ``[len(layers) * kv_heads, 2*s*b*d]``."""
         shares = []
         for layers, _ in self.external:
-            shares.append((layers, torch.cat([self._external_grad(layer, layers) for layer in layers])))
+            grads = [as_rows(self._external_grad(layer, layers)) for layer in layers]
+            shares.append((layers, torch.cat(grads).flatten(1)))
         self.external = []
         return shares
 
@@ -491,11 +518,12 @@ class LayerIntegratedMemory:
 class RouteKeysValues(torch.autograd.Function):
     """Store a layer's keys/values in the memory and return the routed ones (Eqs. 1-2).
 
-    forward(weight [h, n_src*h], key [s,b,h,d], value [s,b,h,d], earlier [h, 2*s*b*d] or None,
-            memory, router) -> routed [2, s, b, h, d]
+    forward(weight [h, n_src*h], key [s,b,h,d], value [s,b,h,d], earlier or None, memory, router)
+        -> routed [2, s, b, h, d]
 
-    ``earlier``: the block's sum over the sources before the block (blocked routing); the
-    product then covers the in-block sources and the weight gradient their columns.
+    ``earlier``: the block's sum over the sources before the block (blocked routing; ``[2*s*b, h, d]``
+    without tensor parallelism, else rows ``[h, 2*s*b*d]``); the product then covers the in-block
+    sources and the weight gradient their columns.
     """
 
     @staticmethod
@@ -517,7 +545,10 @@ class RouteKeysValues(torch.autograd.Function):
         since = memory.block_of(router.layer).start if ctx.blocked else 0
         grad_weight = memory.weight_grad(router, grad_rows, since) if ctx.needs_input_grad[0] else None
         grad_key, grad_value = memory.kv_grad(router, grad_rows)
-        return grad_weight, grad_key, grad_value, grad_rows if ctx.blocked else None, None, None
+        grad_earlier = None
+        if ctx.blocked:  # in the layout of ``earlier`` (``routing_blocks.mix_earlier``)
+            grad_earlier = grad_routed.reshape(-1, *grad_routed.shape[3:]) if router.sharding.size == 1 else grad_rows
+        return grad_weight, grad_key, grad_value, grad_earlier, None, None
 
 
 def route_keys_values(

@@ -1,9 +1,11 @@
 """Saved-tensor recompute: drop chosen tensors from autograd's saved tensors and rebuild them
 when backward first needs them.
 
-LIMe's attention saves its (routed, rotated) keys and values for backward; with
+LIMe's attention saves its rotated keys and its routed values for backward; with
 ``recompute_in_backward`` those are matched by storage and replaced by a recipe that rebuilds
-them from the layer-integrated memory (``lime_megatron.models.lime.attention``).  Every other saved tensor
+them (``lime_megatron.models.lime.attention``, as ``lime_rebuild_in_backward`` says): the rotated
+keys by rotating the routed keys again (kept in the values' storage), or also the routed
+keys/values from the layer-integrated memory (one router product).  Every other saved tensor
 passes to the saved-tensor hooks active around the block (offloading, memory accounting).
 
 The drop only works when the core attention saves the tensors it was given (or views of them):
@@ -12,7 +14,8 @@ TransformerEngine's FP8 attention saves FP8 copies and its flash-attn backend sa
 ``bshd`` copies; then nothing is dropped and ``routed_kv_log`` warns once, naming the attention
 and the bytes that stay.  ``routed_kv_log`` also counts, per layer, which routed tensors were
 dropped and rebuilt (``take`` returns and resets the counts: once per step).
-``drops_routed_kv`` is the same decision made ahead of a run, for the memory estimate.
+``drops_routed_kv`` and ``drops_rotated_keys`` are the same decisions made ahead of a run, for the
+memory estimate.
 """
 
 from __future__ import annotations
@@ -157,7 +160,7 @@ class RoutedKVLog:
                 "routed tensors, so they are not dropped from autograd's saved tensors: %s bytes per "
                 "layer and microbatch stay saved beside the layer-integrated memory (layer %d). "
                 "TransformerEngine: use the cuDNN fused attention (NVTE_FLASH_ATTN=0) without FP8 "
-                "dot-product attention, or turn lime_recompute_routed_kv off (it saves nothing here).",
+                "dot-product attention, or set lime_rebuild_in_backward to none (it saves nothing here).",
                 attention, " and ".join(drops.kept), f"{drops.kept_bytes:,}", layer)
 
     @contextmanager
@@ -201,18 +204,32 @@ def te_flash_attention(config) -> bool:
     return getattr(config.attention_backend, "name", config.attention_backend) == "flash"
 
 
-def drops_routed_kv(config, transformer_impl: str) -> bool:
-    """Whether LIMe's attention drops the routed keys/values from its saved tensors under
-    ``config`` (the decision the memory estimate uses): with ``lime_recompute_routed_kv``,
-    unless the core attention saves copies: megatron's local attention repeats GQA keys/values
-    to the query heads; TransformerEngine's FP8 dot-product attention saves FP8 copies and its
-    flash backend ``bshd`` copies (its cuDNN fused attention in bf16/fp16 saves the tensors
-    given; ``auto`` is taken as fused, TransformerEngine's choice on Hopper).  A selectively
-    recomputed (checkpointed) core attention saves the tensors given, whatever the attention."""
-    if not (config.lime and config.lime_recompute_routed_kv):
-        return False
+def attention_saves_given_kv(config, transformer_impl: str) -> bool:
+    """Whether the core attention under ``config`` saves the keys/values it is given (or views of
+    them), so that LIMe can drop them from its saved tensors: megatron's local attention only
+    without GQA (it repeats keys/values to the query heads and saves those copies);
+    TransformerEngine's cuDNN fused attention in bf16/fp16 (``auto`` is taken as fused,
+    TransformerEngine's choice on Hopper), not its FP8 dot-product attention (FP8 copies) nor its
+    flash backend (``bshd`` copies).  A selectively recomputed (checkpointed) core attention saves
+    the tensors given, whatever the attention."""
     if config.recompute_granularity == "selective" and "core_attn" in (config.recompute_modules or ["core_attn"]):
         return True
     if transformer_impl == "local":
         return config.num_attention_heads == config.kv_heads
     return not (config.fp8 and config.fp8_dot_product_attention) and not te_flash_attention(config)
+
+
+def drops_routed_kv(config, transformer_impl: str) -> bool:
+    """Whether LIMe's attention drops the routed keys/values from its saved tensors (and rebuilds
+    them by a router product) under ``config``: ``lime_rebuild_in_backward`` is ``routed_kv`` and
+    ``attention_saves_given_kv``.  The decision the memory estimate and the routing-bytes plan use."""
+    return (config.lime and config.lime_rebuild_in_backward == "routed_kv"
+            and attention_saves_given_kv(config, transformer_impl))
+
+
+def drops_rotated_keys(config, transformer_impl: str) -> bool:
+    """Whether LIMe's attention drops its rotated keys from its saved tensors (and rotates the
+    routed keys again in backward) under ``config``: ``lime_rebuild_in_backward`` is not ``none``
+    and ``attention_saves_given_kv``."""
+    return (config.lime and config.lime_rebuild_in_backward != "none"
+            and attention_saves_given_kv(config, transformer_impl))

@@ -200,13 +200,25 @@ def earlier_runs(memory, block: range, routers: list[LimeRouter]) -> list[tuple[
 
 
 def mix_earlier(memory, block: range, routers: list[LimeRouter], kind: str = "forward") -> tuple[torch.Tensor, ...]:
-    """Each router's sum over the sources before ``block``, ``[kv_heads, 2*s*b*d]`` (this rank's
-    columns), from one product per row block for all ``routers`` together (counted as ``kind``)."""
+    """Each router's sum over the sources before ``block`` (this rank's columns), from one product
+    per row block for all ``routers`` together (counted as ``kind``): without tensor parallelism
+    in attention's layout ``[2*s*b, kv_heads, d]`` (a view of the block's ``[2*s*b, B*kv_heads, d]``,
+    ``routing_product_attention_layout``), else as rows ``[kv_heads, 2*s*b*d]``."""
+    attention_layout = routers[0].sharding.size == 1
     partial = None
     for start, stop in earlier_runs(memory, block, routers):
-        part = routing_product(kind, stacked_columns(routers, start, stop), memory.rows(start, stop))
+        narrow, wide = stacked_columns(routers, start, stop), memory.rows(start, stop)
+        part = (routing_product_attention_layout(kind, narrow, wide, memory.kv_shape[3]) if attention_layout
+                else routing_product(kind, narrow, wide))
         partial = part if partial is None else partial.add_(part)
-    return tuple(partial.chunk(len(routers)))
+    return tuple(partial.chunk(len(routers), dim=1 if attention_layout else 0))
+
+
+def as_rows(partial: torch.Tensor) -> torch.Tensor:
+    """A partial sum (or its gradient) in attention's layout ``[2*s*b, h, d]`` viewed head-first
+    ``[h, 2*s*b, d]``; rows ``[h, 2*s*b*d]`` as they are.  ``torch.cat`` of these along dim 0 gives
+    stacked rows (one copy)."""
+    return partial.transpose(0, 1) if partial.dim() == 3 else partial
 
 
 class MixEarlierSources(torch.autograd.Function):
@@ -215,7 +227,8 @@ class MixEarlierSources(torch.autograd.Function):
     forward(memory, block, routers (those of the block that read earlier rows), *their weights)
         -> one partial sum ``[kv_heads, 2*s*b*d]`` per router
     backward: dL/dW_m[:, earlier] = g_m @ buffer[earlier]^T for the whole block in one product per
-    row block (the gradient of each partial sum is g_m, all kv_heads rows); float32.  It runs
+    row block (the gradient of each partial sum is g_m, all kv_heads rows, stacked as rows by one
+    copy); float32.  It runs
     before the backward of any earlier layer overwrites that layer's rows (autograd runs the
     later-created node first among those ready).
     """
@@ -229,8 +242,8 @@ class MixEarlierSources(torch.autograd.Function):
     def backward(ctx, *grad_partials):
         memory, block, routers = ctx.memory, ctx.block, ctx.routers
         grads = [torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight)) for router in routers]
-        kept = torch.cat(grad_partials)
         rows = routers[0].weight.shape[0]
+        kept = torch.cat([as_rows(grad) for grad in grad_partials]).view(len(routers) * rows, -1)
         for start, stop in earlier_runs(memory, block, routers):
             block_grad = weight_grad_product(kept, memory.rows(start, stop))
             for i, router in enumerate(routers):
