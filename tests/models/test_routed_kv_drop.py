@@ -25,7 +25,13 @@ from megatron.core.transformer.enums import AttnBackend
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import LimeGPTModel
 from lime_megatron.models.layer_specs import lime_block_spec
-from lime_megatron.models.lime.recompute import RoutedKVLog, drops_rotated_keys, drops_routed_kv, routed_kv_log
+from lime_megatron.models.lime.recompute import (
+    RoutedKVLog,
+    drops_rotated_keys,
+    drops_routed_kv,
+    drops_what_it_rebuilds,
+    routed_kv_log,
+)
 from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
 from lime_megatron.planning.activations import Geometry, layer_activation_bytes
 from lime_megatron.planning.saved_tensors import SavedTensorBytes
@@ -146,9 +152,8 @@ def test_estimate_decision_matches_the_attention():
 def watched(config) -> tuple[dict[str, int], bool]:
     """The names LIMe's attention watches per layer under ``config``'s ``lime_rebuild_in_backward``
     and whether the estimate decides megatron's local attention drops them."""
-    if config.lime_rebuild_in_backward == "routed_kv":
-        return {"keys": 1, "values": 1}, drops_routed_kv(config, "local")
-    return {"keys": 1}, drops_rotated_keys(config, "local")
+    names = {"keys": 1, "values": 1} if config.lime_rebuild_in_backward == "routed_kv" else {"keys": 1}
+    return names, drops_what_it_rebuilds(config, "local")
 
 
 @pytest.mark.parametrize("mode", sorted(REBUILT))
@@ -251,8 +256,7 @@ def test_te_attention_stand_ins_log_what_the_estimate_decides(fresh_log, backend
     fresh_log.take()
     actual = gradients(with_core_attention(model, STAND_INS[backend]))
     counts = fresh_log.take()
-    decide = drops_routed_kv if mode == "routed_kv" else drops_rotated_keys
-    dropped = decide(te_config(model, backend), "transformer_engine")
+    dropped = drops_what_it_rebuilds(te_config(model, backend), "transformer_engine")
     assert dropped == (backend == "fused")
     names, _ = watched(model.config)
     assert all((drops.dropped, drops.kept) == ((names, {}) if dropped else ({}, names))

@@ -227,6 +227,15 @@ def drops_routed_kv(config, transformer_impl: str) -> bool:
             and attention_saves_given_kv(config, transformer_impl))
 
 
+def drops_what_it_rebuilds(config, transformer_impl: str) -> bool:
+    """Whether LIMe's attention drops the tensors ``lime_rebuild_in_backward`` names under
+    ``config`` (``drops_routed_kv`` for ``routed_kv``, else ``drops_rotated_keys``): what
+    ``routed_kv_log`` records as dropped, rather than kept, per layer."""
+    if config.lime_rebuild_in_backward == "routed_kv":
+        return drops_routed_kv(config, transformer_impl)
+    return drops_rotated_keys(config, transformer_impl)
+
+
 def drops_rotated_keys(config, transformer_impl: str) -> bool:
     """Whether LIMe's attention drops its rotated keys from its saved tensors (and rotates the
     routed keys again in backward) under ``config``: ``lime_rebuild_in_backward`` is not ``none``
