@@ -2,10 +2,10 @@
 
 For each depth and kv-head count it builds the baseline and LIMe with the same shape, LIMe three
 times: routing per layer (B = 1) and blocked with the block size the roofline picks
-(``models.lime.routing_blocks.routing_block_size``), both rebuilding only the rotated keys in
-backward (the default ``lime_rebuild_in_backward``), and blocked rebuilding the routed K/V too
-(``routed_kv``: one more router product per layer, less memory); then measures in the same
-process, interleaving the four models:
+(``models.lime.routing_blocks.routing_block_size``), both keeping the routed K/V for attention's
+backward (the default), and blocked rebuilding them in backward instead
+(``lime_recompute_routed_kv``: one more router product per layer, less memory); then measures in
+the same process, interleaving the four models:
 
 - time: median forward+backward wall time over ``--repeats`` runs (after ``--warmup``);
 - routing reads: bytes the routing products read per step (``planning.routing_bytes``), B = 1
@@ -65,7 +65,7 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full",
-          rebuild: str = "rotated_keys"):
+          rebuild: bool = False):
     torch.manual_seed(0)
     config = lime_config(
         num_layers=num_layers,
@@ -77,7 +77,7 @@ def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = 
         lime=lime,
         lime_router=router,
         lime_routing_block=block,
-        lime_rebuild_in_backward=rebuild,
+        lime_recompute_routed_kv=rebuild,
     )
     return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length)
 
@@ -137,7 +137,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     block = routing_block_size(num_layers, kv_heads, torch.empty(0).element_size())
     models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
               "blocked": build(args, num_layers, kv_heads, True, block),
-              "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild="routed_kv")}
+              "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True)}
     batch = make_batch(args)
     times = median_times(args, models, batch)
     config = models["blocked"].config

@@ -4,10 +4,10 @@ For the paper's 1B shapes (16 layers, hidden 2048, 32 heads of 64, FFN 8192, voc
 seq 2048; MHA and GQA with 8 kv heads) and a deep 128-layer variant, bf16: the routing products'
 time per step is the roofline max(bytes read / bandwidth, FLOPs / peak) of each kind of product
 (``planning.routing_bytes``: forward, router-weight gradient, row gradient, and with
-``lime_rebuild_in_backward=routed_kv`` the rebuild under TransformerEngine's fused attention), the
-baseline time the model's training FLOPs at ``--mfu`` of the peak.  Printed per layer (B = 1) and
-blocked (B from the same roofline, ``routing_blocks.routing_block_size``), with the default
-rebuild of the rotated keys only, and blocked with the routed K/V rebuilt, beside the paper's Table 9.
+``lime_recompute_routed_kv`` the rebuild under TransformerEngine's fused attention), the baseline
+time the model's training FLOPs at ``--mfu`` of the peak.  Printed per layer (B = 1) and blocked
+(B from the same roofline, ``routing_blocks.routing_block_size``) with the routed K/V kept (the
+default), and blocked with them rebuilt, beside the paper's Table 9.
 
 Run (the table in docs/routing.md):
     python bench/roofline_routing.py
@@ -28,10 +28,10 @@ PAPER_TABLE_9 = {(16, 32): "+10.5%", (16, 8): "+1.2-1.6%"}  # LIMe step-time ove
 
 
 def projected_overhead(num_layers: int, kv_heads: int, block: int, seq: int, mfu: float,
-                       rebuild: str = "rotated_keys") -> float:
+                       rebuild: bool = False) -> float:
     config = lime_config(num_layers=num_layers, hidden_size=2048, num_attention_heads=32, num_query_groups=kv_heads,
                          ffn_hidden_size=8192, params_dtype=torch.bfloat16, use_cpu_initialization=True,
-                         lime_rebuild_in_backward=rebuild)
+                         lime_recompute_routed_kv=rebuild)
     vocab = 50304
     routing_flops = router_flops_per_token(config)
     base_flops = forward_flops_per_token(config, seq, vocab) - routing_flops
@@ -49,14 +49,14 @@ def main(argv=None) -> None:
     parser.add_argument("--mfu", type=float, default=0.4, help="baseline model FLOP utilisation assumed")
     args = parser.parse_args(argv)
     print(f"machine: {H100_SXM.name}; baseline at {args.mfu:.0%} MFU; seq {args.seq_length}")
-    print(f"{'layers':>6} {'kv':>3} {'B':>3} {'B=1 overhead':>13} {'blocked':>8} {'blocked routed_kv':>18} "
+    print(f"{'layers':>6} {'kv':>3} {'B':>3} {'B=1 overhead':>13} {'blocked':>8} {'blocked, rebuilt':>17} "
           f"{'paper Table 9':>14}")
     for layers in (16, 128):
         for kv in (32, 8):
             block = routing_block_size(layers, kv, 2, H100_SXM)
             per_layer, blocked = (projected_overhead(layers, kv, b, args.seq_length, args.mfu) for b in (1, block))
-            rebuilt = projected_overhead(layers, kv, block, args.seq_length, args.mfu, "routed_kv")
-            print(f"{layers:>6} {kv:>3} {block:>3} {per_layer:>12.1%} {blocked:>8.1%} {rebuilt:>18.1%} "
+            rebuilt = projected_overhead(layers, kv, block, args.seq_length, args.mfu, rebuild=True)
+            print(f"{layers:>6} {kv:>3} {block:>3} {per_layer:>12.1%} {blocked:>8.1%} {rebuilt:>17.1%} "
                   f"{PAPER_TABLE_9.get((layers, kv), '-'):>14}")
 
 

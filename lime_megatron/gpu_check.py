@@ -53,7 +53,7 @@ from dataclasses import dataclass
 import torch
 
 from lime_megatron.models.config import PAPER_1B, lime_config
-from lime_megatron.models.lime.recompute import drops_what_it_rebuilds, routed_kv_log, te_flash_attention
+from lime_megatron.models.lime.recompute import drops_routed_kv, routed_kv_log, te_flash_attention
 from lime_megatron.parallel import fusions
 from lime_megatron.parallel.fusions import Choice, Platform
 from lime_megatron.planning import flops
@@ -86,7 +86,7 @@ FP8_RECIPES = ("delayed", "tensorwise")  # megatron's names: delayed and current
 CHECK_SHAPE = dict(num_layers=4, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=2)
 CHECK_BATCH = (2, 256)  # (micro batch, sequence) of the correctness checks
 BF16_FAMILIES = {
-    "LIMe": dict(lime=True),
+    "LIMe": dict(lime=True, lime_recompute_routed_kv=True),  # the routed-K/V drop under TransformerEngine
     "baseline": dict(lime=False),
     "HC": dict(lime=False, hyper_connections=4),
     "mHC": dict(lime=False, hyper_connections=4, hyper_connections_manifold=True),
@@ -357,14 +357,14 @@ def check_bf16(label: str, tolerances: Tolerances, machine: Machine = GPU) -> li
 
 
 def routed_kv_rows(label: str, config, drops: dict) -> list[Row]:
-    """One row: the layers whose keys/values named by ``lime_rebuild_in_backward`` were dropped
-    (``routed_kv_log.take()``'s ``drops``) or kept against ``recompute.drops_what_it_rebuilds``,
-    the prediction ``--dry-run``'s memory estimate uses; FAILED when a layer differs or no layer
-    was logged."""
-    predicted = drops_what_it_rebuilds(config, config.transformer_impl)
+    """One row: the layers whose routed K/V were dropped (``routed_kv_log.take()``'s ``drops``)
+    or kept against ``recompute.drops_routed_kv``, the prediction ``--dry-run``'s memory estimate
+    uses; FAILED when a layer differs or no layer was logged (the check's LIMe models rebuild the
+    routed K/V, ``lime_recompute_routed_kv``)."""
+    predicted = drops_routed_kv(config, config.transformer_impl)
     wrong = [layer for layer, counts in drops.items() if bool(counts.dropped and not counts.kept) != predicted]
-    quantity = (f"layers whose {config.lime_rebuild_in_backward} were {'kept' if predicted else 'dropped'} "
-                f"against the dry run's '{'dropped' if predicted else 'kept'}' ({len(drops)} logged)")
+    quantity = (f"layers whose routed K/V were {'kept' if predicted else 'dropped'} against the dry run's "
+                f"'{'dropped' if predicted else 'kept'}' ({len(drops)} logged)")
     return [Row("routed K/V", label, quantity, len(wrong) if drops else math.inf, 0)]
 
 
@@ -375,7 +375,7 @@ SELECTED_BACKEND = re.compile(r"Selected backend = (\w+)")
 
 def expected_te_backend(config) -> str:
     """The TransformerEngine attention backend the routed-K/V prediction and the memory estimate
-    assume for ``config`` (``recompute.drops_what_it_rebuilds``)."""
+    assume for ``config`` (``recompute.drops_routed_kv``)."""
     return "FlashAttention" if te_flash_attention(config) else "FusedAttention"
 
 

@@ -203,7 +203,7 @@ def test_hyper_connection_gradients_are_compared_pooled():
 
 def test_bf16_check_catches_a_wrong_routed_kv_prediction(small_checks, monkeypatch):
     # a dry run predicting the opposite (GQA on the local spec keeps copies) is caught
-    monkeypatch.setattr(gpu_check, "drops_what_it_rebuilds", lambda config, impl: True)
+    monkeypatch.setattr(gpu_check, "drops_routed_kv", lambda config, impl: True)
     routed = [row for row in gpu_check.check_bf16("LIMe", gpu_check.TOLERANCES, CPU) if row.check == "routed K/V"]
     assert routed[0].status == "FAILED" and routed[0].value == 2  # both layers differ
     assert gpu_check.routed_kv_rows("LIMe", gpu_check.check_config(True, te=False, bf16=False, fusions_on=False),

@@ -24,10 +24,6 @@ current one) and ``first`` (learned, the first ``window`` layers plus the curren
 
 WINDOWED_VARIANTS = ("last", "first")
 
-REBUILDS_IN_BACKWARD = ("rotated_keys", "routed_kv", "none")
-"""``lime_rebuild_in_backward`` choices: which of attention's saved keys/values are dropped and
-rebuilt in backward (``models.lime.recompute``)."""
-
 
 class LimeConfigError(ValueError):
     """A LIMe configuration that cannot be built."""
@@ -50,13 +46,12 @@ class LimeTransformerConfig(TransformerConfig):
     lime_router_window: int | None = None
     """Window j of the ``last``/``first`` variants (App. D); must be None for the others."""
 
-    lime_rebuild_in_backward: str = "rotated_keys"
-    """What attention's backward gets rebuilt instead of saved (``models.lime.recompute``), one of
-    ``REBUILDS_IN_BACKWARD``: ``rotated_keys`` (default) keeps the routed K/V and re-rotates the
-    keys (no product; LIMe saves no more than the baseline, which keeps its QKV output and
-    rotated keys); ``routed_kv`` also drops the routed K/V and rebuilds them from the buffer (2 x
-    kv heads fewer saved per layer than the baseline, for one more router product per layer);
-    ``none`` keeps both."""
+    lime_recompute_routed_kv: bool = False
+    """Drop the routed K/V and the rotated keys from attention's saved tensors and rebuild them in
+    backward from the memory buffer (``models.lime.recompute``): 2 x kv heads fewer saved per layer,
+    for one more router product per layer.  Off (default), LIMe saves no more than the baseline:
+    the baseline keeps its QKV output and rotated keys, LIMe its buffer of raw K/V, the rotated keys
+    and the routed values (the routed keys, a tensor of their own, only RoPE reads)."""
 
     lime_routing_block: int | None = None
     """Routing block size B: the routing products of B consecutive layers read each source row
@@ -122,9 +117,6 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
             f"num_attention_heads = {heads}"
         )
     validate_router(config.lime_router, config.lime_router_window)
-    if config.lime_rebuild_in_backward not in REBUILDS_IN_BACKWARD:
-        raise LimeConfigError(f"lime_rebuild_in_backward must be one of {REBUILDS_IN_BACKWARD}, "
-                              f"got {config.lime_rebuild_in_backward!r}")
     if config.lime_routing_block is not None and config.lime_routing_block < 1:
         raise LimeConfigError(f"lime_routing_block must be >= 1 (or None for the cost model), "
                               f"got {config.lime_routing_block}")

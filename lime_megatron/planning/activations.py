@@ -10,7 +10,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from lime_megatron.models.config import LimeTransformerConfig
-from lime_megatron.models.lime.recompute import drops_rotated_keys, drops_routed_kv, te_flash_attention
+from lime_megatron.models.lime.recompute import drops_routed_kv, te_flash_attention
 from lime_megatron.parallel.pipeline import chunk_starting_at, hop_blocks
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -123,14 +123,13 @@ def _norm_bytes(geometry: Geometry, impl: str) -> int:
 def _attention_bytes(config: LimeTransformerConfig, geometry: Geometry, impl: str) -> int:
     """What self-attention keeps for backward beyond its linear layers' inputs."""
     g, heads = geometry, geometry.heads
-    # What LIMe's attention drops and rebuilds in backward, as it decides.
-    rebuilt, rotated_rebuilt = drops_routed_kv(config, impl), drops_rotated_keys(config, impl)
-    if config.lime:  # values are a view of the routed [2, s, b, g_t, d] keys/values
-        values = 0 if rebuilt else g.kv_rows
+    rebuilt = drops_routed_kv(config, impl)  # routed K/V dropped and rebuilt in backward, as LIMe's attention decides
+    if config.lime:  # the routed values [s, b, g_t, d], a tensor of their own
+        values = 0 if rebuilt else g.heads_bytes(g.kv_heads)
     else:  # values are a view of the QKV output
         values = g.heads_bytes(heads + 2 * g.kv_heads)
     query = g.heads_bytes(heads)
-    keys = 0 if rotated_rebuilt else g.heads_bytes(g.kv_heads)
+    keys = 0 if rebuilt else g.heads_bytes(g.kv_heads)
     if "core_attn" in recompute_modules(config):  # the checkpoint keeps q, k, v as passed
         return query + keys + values
     if impl == "transformer_engine" and te_flash_attention(config):

@@ -474,7 +474,7 @@ def transformer_config(run: RunConfig):
         lime=lime.lime,
         lime_router=lime.lime_router or "full",
         lime_router_window=lime.lime_router_window,
-        lime_rebuild_in_backward=lime.lime_rebuild_in_backward,
+        lime_recompute_routed_kv=lime.lime_recompute_routed_kv,
         lime_prune_top_p=lime.lime_prune_top_p,
         hyper_connections=model.hyper_connections,
         hyper_connections_static=model.hyper_connections_static,

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from lime_megatron.models.config import REBUILDS_IN_BACKWARD, ROUTER_VARIANTS
+from lime_megatron.models.config import ROUTER_VARIANTS
 from lime_megatron.models.initialization import INIT_STYLES
 from lime_megatron.models.lime.recompute import ATTENTION_BACKENDS
 from lime_megatron.training.optimizer import WEIGHT_DECAY_GROUPINGS
@@ -121,11 +121,10 @@ class LimeOptions:
     lime_routing_block: int | None = option(type=int, help="routing block size B: the routing products of B "
                                             "consecutive layers read each source row once (1: per layer; "
                                             "default: from the machine's roofline)")
-    lime_rebuild_in_backward: str = option("rotated_keys", choices=REBUILDS_IN_BACKWARD,
-                                           help="what attention's backward rebuilds instead of saving: "
-                                                "rotated_keys (re-rotated from the kept routed keys), "
-                                                "routed_kv (also the routed keys/values, by one more router "
-                                                "product per layer: less memory), none")
+    lime_recompute_routed_kv: bool = option(type=bool,
+                                            help="rebuild the routed keys/values in backward instead of saving "
+                                                 "them: 2 x kv heads less saved per layer for one more router "
+                                                 "product per layer (default off: saves no more than the baseline)")
     lime_prune_top_p: float | None = option(type=float, help="route pruning (v1 §5.4): per consumer layer and "
                                             "head keep the largest routes up to this share (|weight|, or the "
                                             "dynamic prior) and mask the rest, at --lime-prune-iters")

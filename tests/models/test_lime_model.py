@@ -54,13 +54,13 @@ def run_both(model):
     return logits, ref_logits, leaves
 
 
-@pytest.mark.parametrize("rebuild", ["rotated_keys", "routed_kv"])
+@pytest.mark.parametrize("rebuild", [False, True], ids=["kept", "rebuilt"])
 @pytest.mark.parametrize("block", [1, 2, 3], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
 def test_matches_reference_logits_and_gradients(kv_heads, variant, block, rebuild):
-    """MHA: megatron's attention drops what ``rebuild`` names, and backward rebuilds it."""
-    model = tiny_model(num_query_groups=kv_heads, lime_routing_block=block, lime_rebuild_in_backward=rebuild,
+    """MHA ``rebuild``: megatron's attention drops the routed K/V, and backward rebuilds them."""
+    model = tiny_model(num_query_groups=kv_heads, lime_routing_block=block, lime_recompute_routed_kv=rebuild,
                        **variant)
     logits, ref_logits, leaves = run_both(model)
     assert relative_error(logits, ref_logits) <= TOLERANCE
@@ -105,9 +105,11 @@ def test_identity_routers_equal_baseline(kv_heads):
 
 @pytest.mark.parametrize("block", [1, 2], ids=lambda b: f"B{b}")
 @pytest.mark.parametrize("recompute", list(RECOMPUTE.values()), ids=list(RECOMPUTE))
-def test_activation_recompute_gives_the_same_gradients(recompute, block):
-    """Against the plain model at B = 1 (full recompute of 3 layers with B = 2 runs blocks of 1)."""
-    build = partial(tiny_model, num_query_groups=2, lime_routing_block=1)
+@pytest.mark.parametrize("kv_heads,rebuild", [(2, False), (4, False), (4, True)], ids=["gqa", "mha", "mha-rebuilt"])
+def test_activation_recompute_gives_the_same_gradients(recompute, block, kv_heads, rebuild):
+    """Against the plain model at B = 1 (full recompute of 3 layers with B = 2 runs blocks of 1);
+    MHA ``rebuild``: megatron's attention drops the routed K/V, also inside recomputed layers."""
+    build = partial(tiny_model, num_query_groups=kv_heads, lime_routing_block=1, lime_recompute_routed_kv=rebuild)
     errors = recompute_gradient_errors(build, {**recompute, "lime_routing_block": block})
     assert all(error <= TOLERANCE for error in errors.values()), errors
 
@@ -119,7 +121,7 @@ def test_blocked_routing_equals_per_layer_routing(kv_heads, variant):
     level of float64 summation order (the routed K/V rebuilt in backward: its blocked product too)."""
     per_layer = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=1, **variant)
     blocked = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=3,
-                         lime_rebuild_in_backward="routed_kv", **variant)
+                         lime_recompute_routed_kv=True, **variant)
     blocked.load_state_dict(per_layer.state_dict())
     tokens, positions, mask = batch()
     losses = [loss_of(megatron_logits(model, tokens, positions, mask), tokens) for model in (per_layer, blocked)]
@@ -131,18 +133,16 @@ def test_blocked_routing_equals_per_layer_routing(kv_heads, variant):
 
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
-def test_what_backward_rebuilds_leaves_the_gradients(kv_heads):
-    """``lime_rebuild_in_backward``: rebuilding the rotated keys, or also the routed K/V, instead of
-    keeping them gives the gradients of keeping everything (MHA: megatron's attention drops them)."""
-    models = {mode: tiny_model(num_query_groups=kv_heads, lime_rebuild_in_backward=mode)
-              for mode in ("none", "rotated_keys", "routed_kv")}
+def test_rebuilding_routed_kv_leaves_the_gradients(kv_heads):
+    """``lime_recompute_routed_kv`` rebuilds the routed K/V and rotated keys instead of keeping
+    them (MHA: megatron's attention drops them; GQA: it keeps its own copies): the same gradients."""
+    kept, rebuilt = (tiny_model(num_query_groups=kv_heads, lime_recompute_routed_kv=flag) for flag in (False, True))
+    rebuilt.load_state_dict(kept.state_dict())
     tokens, positions, mask = batch()
-    for model in models.values():
-        model.load_state_dict(models["none"].state_dict())
+    for model in (kept, rebuilt):
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
-    for mode in ("rotated_keys", "routed_kv"):
-        for (name, a), (_, b) in zip(models["none"].named_parameters(), models[mode].named_parameters()):
-            assert relative_error(b.grad, a.grad) <= 1e-14, (mode, name)
+    for (name, a), (_, b) in zip(kept.named_parameters(), rebuilt.named_parameters()):
+        assert relative_error(b.grad, a.grad) <= 1e-14, name
 
 
 def test_router_initialisation():
@@ -182,23 +182,22 @@ def test_windowed_sources(variant, window):
             assert sources == sorted(set(range(min(layer, window))) | {layer})
 
 
-def test_rebuilt_tensors_are_not_saved():
-    """What backward rebuilds is not saved: rebuilding the rotated keys drops exactly the rotated
-    keys [s, b, h, d] of every layer from the saved bytes, rebuilding the routed K/V too their
-    [2, s, b, h, d] storage."""
+def test_routed_kv_are_rebuilt_not_saved():
+    """With the routed K/V rebuilt, autograd keeps neither the rotated keys nor the routed values
+    [s, b, h, d] of any layer (the routed keys, a tensor of their own, are saved by no one either
+    way), and nothing else changes."""
     from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved = {}
-    for mode in ("none", "rotated_keys", "routed_kv"):
-        model = tiny_model(num_query_groups=4, lime_rebuild_in_backward=mode)
+    for recompute in (True, False):
+        model = tiny_model(num_query_groups=4, lime_recompute_routed_kv=recompute)
         with SavedTensorBytes(model) as counter:
             megatron_logits(model, tokens, positions, mask)
-        saved[mode] = counter.bytes
+        saved[recompute] = counter.bytes
     cfg = model.config
     heads = tokens.numel() * cfg.kv_heads * cfg.kv_channels * 8  # one [s, b, h, d] float64 tensor
-    assert saved["none"] - saved["rotated_keys"] == cfg.num_layers * heads
-    assert saved["rotated_keys"] - saved["routed_kv"] == cfg.num_layers * 2 * heads
+    assert saved[False] - saved[True] == cfg.num_layers * 2 * heads
 
 
 def test_full_recompute_keeps_its_savings():

@@ -47,7 +47,7 @@ def decoding_flops(model) -> int:
 def test_layer_zero_alone_costs_and_computes_what_the_baseline_does(variant):
     """A 1-layer LIMe model is the baseline with a memory: same logits, bit for bit, and not one
     product more in training (routed K/V dropped and rebuilt) or decoding."""
-    lime = tiny_model(num_layers=1, lime_router=variant, lime_rebuild_in_backward="routed_kv")
+    lime = tiny_model(num_layers=1, lime_router=variant, lime_recompute_routed_kv=True)
     baseline = tiny_model(num_layers=1, lime=False)
     baseline.load_state_dict(lime.state_dict(), strict=False)
     assert lime.routers()[0].identity
@@ -73,7 +73,7 @@ def test_routers_run_their_formula_and_layer_zero_nothing(variant, products):
     ``products`` times the forward router FLOPs of the formula (which leaves layer 0 out), in
     decoding once per decoded token."""
     # B = 1: blocked windowed routers stack zero columns (docs/routing.md); full: test_routing_bytes
-    lime = tiny_model(num_query_groups=4, lime_routing_block=1, lime_rebuild_in_backward="routed_kv", **variant)
+    lime = tiny_model(num_query_groups=4, lime_routing_block=1, lime_recompute_routed_kv=True, **variant)
     baseline = tiny_model(num_query_groups=4, lime=False)
     assert [router.identity for router in lime.routers()] == [True, False, False, False, False]
     router = flops.router_flops_per_token(lime.config)
@@ -82,17 +82,24 @@ def test_routers_run_their_formula_and_layer_zero_nothing(variant, products):
     assert decoding_flops(lime.eval()) - decoding_flops(baseline.eval()) == router * decoded_tokens
 
 
-@pytest.mark.parametrize("block", [1, 2])
-def test_routed_products_write_attention_layout_without_a_copy(block):
-    """Without tensor parallelism the routing products write attention's ``[2, s, b, h, d]``
-    themselves (issue 26, item 3): in a forward+backward (the routed K/V rebuilt in backward) the
-    only copies of that shape are layer 0's, whose identity routing rearranges its own rows."""
-    model = tiny_model(num_layers=4, lime_routing_block=block, lime_rebuild_in_backward="routed_kv")  # MHA: dropped
-    kv_heads, head_dim = model.config.num_query_groups, model.config.kv_channels
+def attention_layout_copies(model) -> int:
+    """Bytes copied into tensors of attention's ``[s, b, kv heads, d]`` shape in one forward+backward."""
     tokens, positions, mask = batch()
-    routed_kv_log.take()
     with CopiedBytes() as copies:
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    return copies.by_shape[(SEQ, BATCH, model.config.num_query_groups, model.config.kv_channels)]
+
+
+@pytest.mark.parametrize("block", [1, 2])
+def test_routed_products_write_attention_layout_without_a_copy(block):
+    """Without tensor parallelism the routing products write attention's keys and values
+    ``[s, b, h, d]`` themselves (issue 26, item 3): in a forward+backward with the routed K/V
+    rebuilt, the only copies of that shape beyond the baseline's are layer 0's, whose identity
+    routing rearranges its own rows, in forward and in the rebuild."""
+    model = tiny_model(num_layers=4, lime_routing_block=block, lime_recompute_routed_kv=True)  # MHA: dropped
+    baseline = tiny_model(num_layers=4, lime=False)
+    routed_kv_log.take()
+    lime_copies = attention_layout_copies(model)
     assert routed_kv_log.take()[1].rebuilt["routed"] == 1
-    attention_layout = (2, SEQ, BATCH, kv_heads, head_dim)
-    assert copies.by_shape[attention_layout] == 2 * torch.Size(attention_layout).numel() * 8
+    keys_bytes = SEQ * BATCH * model.config.num_query_groups * model.config.kv_channels * 8
+    assert lime_copies - attention_layout_copies(baseline) == 4 * keys_bytes

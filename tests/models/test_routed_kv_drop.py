@@ -1,7 +1,8 @@
 """The routed-K/V drop says what it did (``lime_megatron.models.lime.recompute.routed_kv_log``).
 
-With megatron's own attention (MHA) every layer's routed keys and values are dropped from the
-saved tensors and rebuilt once in backward.  A core attention that saves copies (put in through
+With ``lime_recompute_routed_kv`` and megatron's own attention (MHA) every layer's routed keys
+and values are dropped from the saved tensors and rebuilt once in backward; without it (the
+default) nothing is dropped or logged.  A core attention that saves copies (put in through
 the layer spec) drops nothing: one warning names it and the bytes that stay, and the gradients
 are those of the default attention.  ``drops_routed_kv`` (the memory estimate's decision) agrees.
 
@@ -25,13 +26,7 @@ from megatron.core.transformer.enums import AttnBackend
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import LimeGPTModel
 from lime_megatron.models.layer_specs import lime_block_spec
-from lime_megatron.models.lime.recompute import (
-    RoutedKVLog,
-    drops_rotated_keys,
-    drops_routed_kv,
-    drops_what_it_rebuilds,
-    routed_kv_log,
-)
+from lime_megatron.models.lime.recompute import RoutedKVLog, drops_routed_kv, routed_kv_log
 from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
 from lime_megatron.planning.activations import Geometry, layer_activation_bytes
 from lime_megatron.planning.saved_tensors import SavedTensorBytes
@@ -85,34 +80,26 @@ def fresh_log(monkeypatch):
     return routed_kv_log
 
 
-REBUILT = {  # lime_rebuild_in_backward -> what megatron's MHA attention drops and what is rebuilt, per layer
-    "rotated_keys": ({"keys": 1}, {"rotated keys": 1}),
-    "routed_kv": ({"keys": 1, "values": 1}, {"routed": 1, "rotated keys": 1}),
-}
-
-
-@pytest.mark.parametrize("mode", sorted(REBUILT))
-def test_megatron_attention_drops_and_rebuilds_every_layer(fresh_log, caplog, mode):
-    model = tiny_model(lime_rebuild_in_backward=mode)
+def test_megatron_attention_drops_and_rebuilds_every_layer(fresh_log, caplog):
+    model = tiny_model(lime_recompute_routed_kv=True)
     gradients(model)
     counts = fresh_log.take()
     assert list(counts) == list(range(LAYERS))
-    dropped, rebuilt = REBUILT[mode]
     for layer, drops in counts.items():
-        assert drops.dropped == dropped, layer
+        assert drops.dropped == {"keys": 1, "values": 1}, layer
         assert not drops.kept, layer
-        assert drops.rebuilt == rebuilt, layer
+        assert drops.rebuilt == {"routed": 1, "rotated keys": 1}, layer
     assert not fresh_log.warned and "saved its own copies" not in caplog.text
     assert fresh_log.take() == {}  # take() resets: one step's counts
 
 
-def test_rebuilding_nothing_drops_nothing(fresh_log):
-    gradients(tiny_model(lime_rebuild_in_backward="none"))
+def test_keeping_routed_kv_drops_nothing(fresh_log):
+    gradients(tiny_model())
     assert fresh_log.take() == {}
 
 
 def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog):
-    model = tiny_model(lime_rebuild_in_backward="routed_kv")
+    model = tiny_model(lime_recompute_routed_kv=True)
     expected = gradients(model)
     fresh_log.take()
     copying = with_core_attention(model, CopyingAttention)
@@ -134,52 +121,37 @@ def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog)
 
 
 def test_estimate_decision_matches_the_attention():
-    mha = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, lime_rebuild_in_backward="routed_kv")
-    gqa = dataclasses.replace(mha, num_query_groups=2)
+    mha = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, lime_recompute_routed_kv=True)
+    gqa = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
+                      lime_recompute_routed_kv=True)
     assert drops_routed_kv(mha, "local") and not drops_routed_kv(gqa, "local")  # GQA repeats K/V
     assert drops_routed_kv(gqa, "transformer_engine")
     fp8_attention = dataclasses.replace(gqa)
     fp8_attention.fp8, fp8_attention.fp8_dot_product_attention = "e4m3", True
     assert not drops_routed_kv(fp8_attention, "transformer_engine")
-    assert not drops_rotated_keys(fp8_attention, "transformer_engine")
-    rotated = dataclasses.replace(mha, lime_rebuild_in_backward="rotated_keys")
-    assert drops_rotated_keys(rotated, "local") and not drops_routed_kv(rotated, "local")
-    assert drops_rotated_keys(mha, "local")  # the rebuilt routed keys are rotated again
-    nothing = dataclasses.replace(mha, lime_rebuild_in_backward="none")
-    assert not drops_routed_kv(nothing, "local") and not drops_rotated_keys(nothing, "local")
+    assert not drops_routed_kv(lime_config(num_layers=2, hidden_size=32, num_attention_heads=4), "local")
 
 
-def watched(config) -> tuple[dict[str, int], bool]:
-    """The names LIMe's attention watches per layer under ``config``'s ``lime_rebuild_in_backward``
-    and whether the estimate decides megatron's local attention drops them."""
-    names = {"keys": 1, "values": 1} if config.lime_rebuild_in_backward == "routed_kv" else {"keys": 1}
-    return names, drops_what_it_rebuilds(config, "local")
-
-
-@pytest.mark.parametrize("mode", sorted(REBUILT))
 @pytest.mark.parametrize("settings", [dict(), dict(num_query_groups=2),
                                       dict(num_query_groups=2, recompute_granularity="selective")],
                          ids=["mha", "gqa-repeats-kv", "gqa-checkpointed-core-attention"])
-def test_the_estimate_decision_is_what_the_attention_does(fresh_log, settings, mode):
-    model = tiny_model(lime_rebuild_in_backward=mode, **settings)
+def test_the_estimate_decision_is_what_the_attention_does(fresh_log, settings):
+    model = tiny_model(lime_recompute_routed_kv=True, **settings)
     gradients(model)
     counts = fresh_log.take()
-    names, decided = watched(model.config)
-    dropped = all(drops.dropped == names and not drops.kept for drops in counts.values())
-    kept = all(drops.kept == names and not drops.dropped for drops in counts.values())
-    assert (dropped, kept) == (decided, not decided), counts
+    dropped = all(drops.dropped == {"keys": 1, "values": 1} and not drops.kept for drops in counts.values())
+    kept = all(drops.kept == {"keys": 1, "values": 1} and not drops.dropped for drops in counts.values())
+    assert (dropped, kept) == ((True, False) if drops_routed_kv(model.config, "local") else (False, True)), counts
 
 
-@pytest.mark.parametrize("mode", sorted(REBUILT))
-def test_the_estimate_counts_fp8_attention_copies(mode):
+def test_the_estimate_counts_fp8_attention_copies():
     config = lime_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                         lime_rebuild_in_backward=mode)
+                         lime_recompute_routed_kv=True)
     geometry = Geometry.of(config, seq_length=32, micro_batch_size=2, vocab_size=128)
     dropped = layer_activation_bytes(config, geometry, "transformer_engine")
     config.fp8, config.fp8_dot_product_attention = "e4m3", True
-    routed_storage = geometry.kv_rows if mode == "routed_kv" else 0  # kept anyway with rotated_keys
-    assert layer_activation_bytes(config, geometry, "transformer_engine") - dropped == routed_storage + \
-        geometry.heads_bytes(config.kv_heads)  # the rotated keys stay too
+    assert layer_activation_bytes(config, geometry, "transformer_engine") - dropped == \
+        2 * geometry.heads_bytes(config.kv_heads)  # the routed values and the rotated keys stay
 
 
 class _StandInAttention(torch.autograd.Function):
@@ -248,28 +220,26 @@ def te_config(model: LimeGPTModel, backend: str):
     return config
 
 
-@pytest.mark.parametrize("mode", sorted(REBUILT))
 @pytest.mark.parametrize("backend", sorted(STAND_INS))
-def test_te_attention_stand_ins_log_what_the_estimate_decides(fresh_log, backend, mode):
-    model = tiny_model(num_query_groups=2, lime_rebuild_in_backward=mode)
+def test_te_attention_stand_ins_log_what_the_estimate_decides(fresh_log, backend):
+    model = tiny_model(num_query_groups=2, lime_recompute_routed_kv=True)
     expected = gradients(model)
     fresh_log.take()
     actual = gradients(with_core_attention(model, STAND_INS[backend]))
     counts = fresh_log.take()
-    dropped = drops_what_it_rebuilds(te_config(model, backend), "transformer_engine")
+    dropped = drops_routed_kv(te_config(model, backend), "transformer_engine")
     assert dropped == (backend == "fused")
-    names, _ = watched(model.config)
+    names = {"keys": 1, "values": 1}
     assert all((drops.dropped, drops.kept) == ((names, {}) if dropped else ({}, names))
                for drops in counts.values()), counts
     for name in expected:  # the stand-ins compute megatron's attention
         assert relative_error(actual[name], expected[name]) <= 1e-12, name
 
 
-@pytest.mark.parametrize("mode", sorted(REBUILT))
-def test_dry_run_estimate_per_te_backend_equals_the_bytes_kept(mode):
+def test_dry_run_estimate_per_te_backend_equals_the_bytes_kept():
     """The estimate's difference between the flash and fused backends, per layer, equals the
     difference of the bytes autograd saves with the two stand-ins."""
-    model = tiny_model(num_query_groups=2, lime_rebuild_in_backward=mode)
+    model = tiny_model(num_query_groups=2, lime_recompute_routed_kv=True)
     tokens, positions, mask = batch()
     saved = {}
     for backend, attention in STAND_INS.items():

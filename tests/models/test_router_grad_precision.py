@@ -78,7 +78,8 @@ def test_router_weight_gradients_of_a_bf16_memory_are_float32_accurate(block, mo
 
     keys, values = ([bf16(SEQ, BATCH, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)] for _ in range(2))
     upstream = [bf16(2, SEQ, BATCH, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
-    routed = [route_keys_values(memory, routers[layer], keys[layer], values[layer]) for layer in range(LAYERS)]
+    routed = [torch.stack(route_keys_values(memory, routers[layer], keys[layer], values[layer]))
+              for layer in range(LAYERS)]
     sum((out.float() * grad.float()).sum() for out, grad in zip(routed[1:], upstream[1:])).backward()
 
     def rows(tensors):  # [kv, 2*s*b*d] in float64

@@ -139,7 +139,7 @@ def single_process_runs() -> dict:
         weights = runs[f"{name} fp32"]["initial"]
         runs[f"{name} bf16 tp1-pp1"] = train(Layout(), model, bf16=True, weights=weights)
     mix = memory.LayerIntegratedMemory.mix
-    memory.LayerIntegratedMemory.mix = lambda self, *args: round_to_4_bits(mix(self, *args))
+    memory.LayerIntegratedMemory.mix = lambda self, *args: tuple(map(round_to_4_bits, mix(self, *args)))
     try:
         runs["mutation"] = train(Layout(), MODELS["lime"], bf16=True, weights=runs["lime fp32"]["initial"])
     finally:

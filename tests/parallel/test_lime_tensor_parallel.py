@@ -86,7 +86,7 @@ def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: s
     initialize_layout(layout)
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=kv_heads, use_cpu_initialization=True, lime_routing_block=block,
-                         lime_router=router, lime_prune_top_p=prune, lime_rebuild_in_backward="routed_kv",
+                         lime_router=router, lime_prune_top_p=prune, lime_recompute_routed_kv=True,
                          **layout_config_kwargs(layout))
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)

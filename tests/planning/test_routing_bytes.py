@@ -29,13 +29,13 @@ def counted_step(model) -> tuple[dict[str, int], int]:
     return reads.by_kind, flops.get_total_flops()
 
 
-@pytest.mark.parametrize("rebuild", ["rotated_keys", "routed_kv"])  # MHA routed_kv: rebuilt by products
+@pytest.mark.parametrize("rebuild", [False, True], ids=["kept", "rebuilt"])  # MHA rebuilt: a product more
 @pytest.mark.parametrize("variant", list(VARIANTS.values()), ids=list(VARIANTS))
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("num_layers,block", [(7, 1), (7, 3), (9, 4)])
 def test_counted_reads_match_the_plan(variant, num_layers, block, kv_heads, rebuild):
     model = tiny_model(num_layers=num_layers, num_query_groups=kv_heads, lime_routing_block=block,
-                       lime_rebuild_in_backward=rebuild, **variant)
+                       lime_recompute_routed_kv=rebuild, **variant)
     counted, _ = counted_step(model)
     planned = {kind: read for kind, read in routing_bytes_per_step(model.config, SEQ, BATCH, block).items() if read}
     assert counted == planned

@@ -89,10 +89,10 @@ class LimeSelfAttention(SelfAttention):
             return self._decoding_forward(hidden_states, attention_mask, inference_context, rotary_pos_emb)
         query, key, value = self.get_query_key_value_tensors(hidden_states)
         if self.router.dynamic:
-            routed, probs = route_keys_values_by_token(self.memory, self.router, hidden_states, key, value)
+            (key, value), probs = route_keys_values_by_token(self.memory, self.router, hidden_states, key, value)
         else:
-            routed, probs = route_keys_values(self.memory, self.router, key, value), None
-        key, value = routed[0], routed[1]
+            (key, value), probs = route_keys_values(self.memory, self.router, key, value), None
+        routed_keys = key
         if rotary_pos_emb is not None:
             q_freqs, k_freqs = (
                 rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
@@ -101,7 +101,7 @@ class LimeSelfAttention(SelfAttention):
             key = self._rotate(key, k_freqs)
         else:
             k_freqs = None
-        with self._recompute_routed(routed, key, k_freqs, probs):
+        with self._recompute_routed(routed_keys, key, value, k_freqs, probs):
             context = self._attend(query, key, value, attention_mask)
         return self.linear_proj(context)
 
@@ -145,31 +145,28 @@ class LimeSelfAttention(SelfAttention):
             )
         return self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type)
 
-    def _recompute_routed(self, routed: torch.Tensor, key: torch.Tensor, k_freqs, probs: torch.Tensor | None):
-        """Drop from attention's saved tensors what ``config.lime_rebuild_in_backward`` names, for
-        backward to rebuild: ``rotated_keys`` re-rotates the kept routed keys; ``routed_kv`` also
-        rebuilds the routed keys/values from the memory buffer (a dynamic router's from its weights
-        ``probs``, which its backward keeps anyway).  What was dropped and rebuilt is counted in
-        ``recompute.routed_kv_log`` (which warns once if the core attention kept copies)."""
-        mode = self.config.lime_rebuild_in_backward
-        if mode == "none" or not torch.is_grad_enabled() or (mode == "rotated_keys" and k_freqs is None):
+    def _recompute_routed(self, routed_keys: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_freqs,
+                          probs: torch.Tensor | None):
+        """With ``config.lime_recompute_routed_kv``, drop the routed keys/values and the rotated keys
+        from attention's saved tensors; backward rebuilds them from the memory buffer (a dynamic
+        router's from its weights ``probs``, which its backward keeps anyway).  What was dropped and
+        rebuilt is counted in ``recompute.routed_kv_log`` (which warns once if the core attention
+        kept copies)."""
+        if not (self.config.lime_recompute_routed_kv and torch.is_grad_enabled()):
             return nullcontext()
         log, layer = routed_kv_log, self.router.layer
-        if mode == "routed_kv":
-            routed_again = Rebuilt(self._routed_rebuild(probs), log.rebuilt(layer, "routed"))
-            rebuilds, watched = {routed: routed_again}, {"keys": key, "values": routed[1]}
-            routed_keys = lambda: routed_again.value()[0]  # noqa: E731
-        else:  # kept in the saved values' storage; detached, so the recipe holds no graph
-            kept = routed.detach()
-            rebuilds, watched = {}, {"keys": key}
-            routed_keys = lambda: kept[0]  # noqa: E731
+        routed_again = Rebuilt(self._routed_rebuild(probs), log.rebuilt(layer, "routed"))
+        rebuilds = {routed_keys: Rebuilt(lambda: routed_again.value()[0]),
+                    value: Rebuilt(lambda: routed_again.value()[1])}
         if k_freqs is not None:
-            rebuilds[key] = Rebuilt(lambda: self._rotate(routed_keys(), k_freqs), log.rebuilt(layer, "rotated keys"))
-        return log.recording(layer, type(self.core_attention).__name__, recompute_in_backward(rebuilds, watched))
+            rebuilds[key] = Rebuilt(lambda: self._rotate(routed_again.value()[0], k_freqs),
+                                    log.rebuilt(layer, "rotated keys"))
+        return log.recording(layer, type(self.core_attention).__name__,
+                             recompute_in_backward(rebuilds, {"keys": key, "values": value}))
 
     def _routed_rebuild(self, probs: torch.Tensor | None):
-        """The recipe of this layer's routed keys/values ``[2, s, b, local kv heads, d]`` from the
-        memory buffer, for backward (no autograd graph held)."""
+        """The recipe of this layer's routed keys and values (``[s, b, local kv heads, d]`` each) from
+        the memory buffer, for backward (no autograd graph held)."""
         memory, router = self.memory, self.router
         kept_probs = None if probs is None else probs.detach()
 

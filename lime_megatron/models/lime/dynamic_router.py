@@ -126,7 +126,7 @@ class RouteKeysValuesByToken(torch.autograd.Function):
     """Store a layer's keys/values in the memory and return the keys/values routed by ``probs``.
 
     forward(probs [s, b, h, l+1], key [s, b, h, d], value [s, b, h, d], memory, router)
-        -> routed [2, s, b, h, d]
+        -> routed keys [s, b, h, d], routed values [s, b, h, d]
     backward: dL/dprobs [s, b, h, l+1] (read from the rows before they are overwritten with g_l)
     and the gradient of the layer's keys/values from all its consumers (``memory.kv_grad``).
     """
@@ -140,10 +140,10 @@ class RouteKeysValuesByToken(torch.autograd.Function):
         return memory.mix_by_token(router, probs)
 
     @staticmethod
-    def backward(ctx, grad_routed):
+    def backward(ctx, grad_keys, grad_values):
         _, probs = ctx.saved_tensors
         memory, router = ctx.memory, ctx.router
-        grad_rows = memory.to_rows(grad_routed)
+        grad_rows = memory.to_rows(grad_keys, grad_values)
         grad_probs = memory.token_weight_grad(router, grad_rows) if ctx.needs_input_grad[0] else None
         memory.keep_token_weights(router.layer, probs)
         grad_key, grad_value = memory.kv_grad(router, grad_rows)
@@ -152,7 +152,7 @@ class RouteKeysValuesByToken(torch.autograd.Function):
 
 def route_keys_values_by_token(memory: LayerIntegratedMemory, router: DynamicLimeRouter, hidden_states: torch.Tensor,
                                key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(routed keys and values ``[2, s, b, kv_heads, d]``, the weights p_l ``[s, b, kv_heads, l+1]``)."""
+    """((routed keys, routed values) ``[s, b, kv_heads, d]`` each, the weights p_l ``[s, b, kv_heads, l+1]``)."""
     probs = router(hidden_states)
     return RouteKeysValuesByToken.apply(probs, key, value, memory, router), probs
 
@@ -165,5 +165,4 @@ def route_new_tokens_by_token(memory: LayerIntegratedMemory, router: DynamicLime
         raise RuntimeError("LIMe KV-cache decoding runs without autograd: call the model under torch.no_grad()")
     probs = router(hidden_states)
     memory.store(router.layer, key, value)
-    routed = memory.mix_by_token(router, probs)
-    return routed[0], routed[1]
+    return memory.mix_by_token(router, probs)

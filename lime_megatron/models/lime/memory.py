@@ -30,10 +30,13 @@ dL/dp_l, and a source's row gradient is sum_m p_m[..., l] * g_m over the kept g_
 Route pruning (``pruning``) leaves a source none of a router's kept routes reads out of its
 ``read_sources``: no product reads its rows.
 
-Recomputed routed K/V.  Attention keeps its K and V for backward; for LIMe those are the routed
-(and RoPE-rotated) tensors, which would double the saved K/V on top of the buffer.
-``recompute.recompute_in_backward`` drops them from autograd's saved tensors and rebuilds them from the
-buffer when backward first needs them (one extra router product per layer).
+Routed K/V.  The products write the routed keys and the routed values as two tensors
+(``routing_product_keys_values``), ``[s, b, kv_heads, d]`` each: attention keeps the rotated keys
+and the values for backward, and the routed keys, which only RoPE reads, are freed, so LIMe keeps
+its buffer where the baseline keeps its QKV output.  With ``lime_recompute_routed_kv``
+``recompute.recompute_in_backward`` also drops the values and rotated keys from autograd's saved
+tensors and rebuilds them from the buffer when backward first needs them (one extra router
+product per layer).
 
 Decoding.  With a KV cache (``lime_megatron.inference.decoding``) each forward pass is one decoding step
 over the step's new tokens only: its memory holds their raw keys/values of all layers
@@ -63,6 +66,7 @@ from lime_megatron.models.lime.routing_blocks import (
     mix_earlier,
     routing_product,
     routing_product_attention_layout,
+    routing_product_keys_values,
     stacked_columns,
     weight_grad_dtype,
     weight_grad_product,
@@ -182,14 +186,20 @@ class LayerIntegratedMemory:
         edges = [start, *sorted(cut for cut in cuts if start < cut < stop), stop]
         return list(zip(edges[:-1], edges[1:]))
 
-    def to_rows(self, routed: torch.Tensor) -> torch.Tensor:
-        """``[2, s, b, h, d]`` -> ``[h, 2 * s * b * d]`` (copy)."""
-        return routed.permute(3, 0, 1, 2, 4).reshape(self.kv_heads, -1)
+    @staticmethod
+    def to_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+        """Keys and values ``[s, b, h, d]`` -> rows ``[h, 2 * s * b * d]`` (one copy)."""
+        s, b, h, d = keys.shape
+        rows = keys.new_empty(h, 2, s, b, d)
+        rows[:, 0] = keys.permute(2, 0, 1, 3)
+        rows[:, 1] = values.permute(2, 0, 1, 3)
+        return rows.view(h, -1)
 
-    def from_rows(self, rows: torch.Tensor) -> torch.Tensor:
-        """``[h, 2 * s * b * d]`` -> contiguous ``[2, s, b, h, d]`` (keys, values)."""
+    def from_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[h, 2 * s * b * d]`` -> keys and values, each a contiguous ``[s, b, h, d]`` of its own."""
         s, b, h, d = self.kv_shape
-        return rows.view(h, 2, s, b, d).permute(1, 2, 3, 0, 4).contiguous()
+        heads_first = rows.view(h, 2, s, b, d)
+        return heads_first[:, 0].permute(1, 2, 0, 3).contiguous(), heads_first[:, 1].permute(1, 2, 0, 3).contiguous()
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Eq. 1: write layer ``layer``'s keys/values ``[s, b, h, d]`` into its rows; returns them."""
@@ -244,21 +254,21 @@ class LayerIntegratedMemory:
         """The routers of ``block`` that read sources before it."""
         return [self._chunk_routers[m] for m in block if self.blocked(self._chunk_routers[m])]
 
-    def earlier_partial(self, router: LimeRouter) -> torch.Tensor | None:
-        """Forward: ``router``'s sum over the sources before its block (this rank's columns, in the
-        layout of ``routing_blocks.mix_earlier``), from one product for the whole block run at its first layer
-        (``routing_blocks.MixEarlierSources``, which carries the router-weight gradient of those
-        columns); None when ``router`` is not blocked."""
+    def earlier_partial(self, router: LimeRouter) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """Forward: ``router``'s sums over the sources before its block, keys and values (this rank's
+        columns, in the layout of ``routing_blocks.mix_earlier``), from one product for the whole
+        block run at its first layer (``routing_blocks.MixEarlierSources``, which carries the
+        router-weight gradient of those columns); None when ``router`` is not blocked."""
         if not self.blocked(router):
             return None
         if router.layer not in self._partials:  # the block's first reader (or first after a recompute boundary)
             block = self.block_of(router.layer)
             readers = [reader for reader in self._earlier_readers(block) if reader.layer >= router.layer]
             sums = MixEarlierSources.apply(self, block, readers, *(reader.weight for reader in readers))
-            self._partials = dict(zip((reader.layer for reader in readers), sums))
+            self._partials = dict(zip((reader.layer for reader in readers), zip(sums[0::2], sums[1::2])))
         return self._partials.pop(router.layer)
 
-    def rebuilt_earlier_partial(self, router: LimeRouter) -> torch.Tensor | None:
+    def rebuilt_earlier_partial(self, router: LimeRouter) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Backward rebuild of the dropped routed K/V: ``earlier_partial`` again, its block's
         product run once when the block's first rebuild needs it (rows before the block are
         intact until the block's backward ends)."""
@@ -272,8 +282,8 @@ class LayerIntegratedMemory:
                                                   mix_earlier(self, block, readers, "rebuild")))
         return self._rebuild_partials.pop(router.layer)
 
-    def mix(self, router: LimeRouter, weight: torch.Tensor, earlier: torch.Tensor | None = None,
-            kind: str = "forward") -> torch.Tensor:
+    def mix(self, router: LimeRouter, weight: torch.Tensor, earlier: tuple[torch.Tensor, torch.Tensor] | None = None,
+            kind: str = "forward") -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 2: ``weight @ rows(sources)``, one product per contiguous block of sources; with
         ``earlier`` (the block's sums over the sources before the block) only the in-block ones.
         ``kind`` names the products for ``routing_blocks.routing_reads`` (``rebuild`` in backward).
@@ -283,7 +293,8 @@ class LayerIntegratedMemory:
         Without tensor parallelism the products write attention's layout directly
         (``_mix_in_attention_layout``).  The identity routing (layer 0) is no product: its own
         rows, rearranged.
-        Returns the routed keys and values, ``[2, s, b, local kv heads, d]`` (a new tensor).
+        Returns the routed keys and values, ``[s, b, local kv heads, d]`` each, two new tensors
+        (attention may keep the values and not the keys, which only RoPE reads).
         """
         if router.identity:
             return self.from_rows(self.rows(router.layer, router.layer + 1))
@@ -296,26 +307,29 @@ class LayerIntegratedMemory:
                 part = routing_product(kind, weight[:, columns], rows)
                 partial = part if partial is None else partial.add_(part)
             if earlier is not None:
-                partial = partial.add_(earlier)
+                halves = partial.view(partial.shape[0], 2, -1)
+                halves[:, 0].add_(earlier[0])
+                halves[:, 1].add_(earlier[1])
         else:  # a replica of another rank's heads: those terms are added once, by the primary
             partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
         return self.from_rows(scatter_heads(partial, router.sharding))
 
-    def _mix_in_attention_layout(self, router: LimeRouter, weight: torch.Tensor, earlier: torch.Tensor | None,
-                                 kind: str) -> torch.Tensor:
-        """``mix`` without tensor parallelism: the products write ``[2, s, b, kv_heads, d]``
-        directly (``routing_product_attention_layout``), and ``earlier`` ``[2*s*b, kv_heads, d]``
-        (``routing_blocks.mix_earlier``) is added, so no rows-to-attention copy follows (issue 26,
-        item 3)."""
-        s, b, h, d = self.kv_shape
+    def _mix_in_attention_layout(self, router: LimeRouter, weight: torch.Tensor,
+                                 earlier: tuple[torch.Tensor, torch.Tensor] | None,
+                                 kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """``mix`` without tensor parallelism: the products write the keys and the values
+        ``[s, b, kv_heads, d]`` directly (``routing_product_keys_values``), and ``earlier`` (keys
+        and values ``[s, b, kv_heads, d]``, ``routing_blocks.mix_earlier``) is added, so no
+        rows-to-attention copy follows (issue 26, item 3)."""
         since = 0 if earlier is None else self.block_of(router.layer).start
         routed = None
         for columns, rows in self._source_blocks(router, since):
-            part = routing_product_attention_layout(kind, weight[:, columns], rows, d)
-            routed = part if routed is None else routed.add_(part)
-        if earlier is not None:
-            routed.add_(earlier)
-        return routed.view(2, s, b, h, d)
+            parts = routing_product_keys_values(kind, weight[:, columns], rows, self.kv_shape[3])
+            parts = tuple(part.view(self.kv_shape) for part in parts)
+            routed = parts if routed is None else tuple(sum_.add_(part) for sum_, part in zip(routed, parts))
+        for sum_, part in zip(routed, earlier or ()):
+            sum_.add_(part)
+        return routed
 
     def register(self, router: LimeRouter) -> None:
         """Record that ``router``'s layer read the memory in this pass (its weight is needed by
@@ -409,18 +423,20 @@ class LayerIntegratedMemory:
         """One source's token weights ``[s, b, h]`` broadcast over rows ``[h, 2, s, b, d]``."""
         return weights.permute(2, 0, 1)[:, None, :, :, None]
 
-    def mix_by_token(self, router, probs: torch.Tensor, kind: str = "forward") -> torch.Tensor:
+    def mix_by_token(self, router, probs: torch.Tensor, kind: str = "forward") -> tuple[torch.Tensor, torch.Tensor]:
         """Dynamic LIMe's Eq. 2 (``dynamic_router``): routed[x, s, b, h, d] =
-        sum_j probs[s, b, h, j] * rows_j[h, x, s, b, d], written in attention's layout
-        ``[2, s, b, local kv heads, d]`` (a new tensor); one multiply-add per source layer read
-        (a pruned source's weights are 0), its rows counted as ``kind`` (``routing_reads``)."""
+        sum_j probs[s, b, h, j] * rows_j[h, x, s, b, d], written as keys (x = 0) and values
+        (x = 1) in attention's layout ``[s, b, local kv heads, d]`` (two new tensors); one
+        multiply-add per source layer read (a pruned source's weights are 0), its rows counted as
+        ``kind`` (``routing_reads``)."""
         s, b, h, d = self.kv_shape
-        routed = probs.new_zeros(2, s, b, h, d)
-        heads_first = routed.permute(3, 0, 1, 2, 4)
+        keys, values = probs.new_zeros(s, b, h, d), probs.new_zeros(s, b, h, d)
         for source in router.read_sources:
-            rows = count_read(kind, self.rows(source, source + 1))
-            heads_first.addcmul_(self._per_row(probs[..., source]), self._heads_first(rows))
-        return routed
+            rows = self._heads_first(count_read(kind, self.rows(source, source + 1)))
+            weights = self._per_row(probs[..., source])[:, 0]
+            for index, routed in enumerate((keys, values)):
+                routed.permute(2, 0, 1, 3).addcmul_(weights, rows[:, index])
+        return keys, values
 
     def token_weight_grad(self, router, grad_rows: torch.Tensor) -> torch.Tensor:
         """dL/dp_l[s, b, h, j] = sum_{x, d} g_l[h, x, s, b, d] * rows_j[h, x, s, b, d]:
@@ -518,44 +534,49 @@ class LayerIntegratedMemory:
 class RouteKeysValues(torch.autograd.Function):
     """Store a layer's keys/values in the memory and return the routed ones (Eqs. 1-2).
 
-    forward(weight [h, n_src*h], key [s,b,h,d], value [s,b,h,d], earlier or None, memory, router)
-        -> routed [2, s, b, h, d]
+    forward(weight [h, n_src*h], key [s,b,h,d], value [s,b,h,d], earlier keys, earlier values,
+            memory, router) -> routed keys [s, b, h, d], routed values [s, b, h, d]
 
-    ``earlier``: the block's sum over the sources before the block (blocked routing; ``[2*s*b, h, d]``
-    without tensor parallelism, else rows ``[h, 2*s*b*d]``); the product then covers the in-block
-    sources and the weight gradient their columns.
+    ``earlier``: the block's sums over the sources before the block, keys and values (blocked
+    routing; ``[s, b, h, d]`` each without tensor parallelism, else halves ``[h, s*b*d]`` of rows;
+    None otherwise); the product then covers the in-block sources and the weight gradient their
+    columns.
     """
 
     @staticmethod
-    def forward(ctx, weight, key, value, earlier, memory: LayerIntegratedMemory, router: LimeRouter):
+    def forward(ctx, weight, key, value, earlier_keys, earlier_values, memory: LayerIntegratedMemory,
+                router: LimeRouter):
         own_rows = memory.store(router.layer, key, value)
         memory.register(router)
         # Saved so that saved-tensor accounting (and offloading hooks) see the buffer.
         ctx.save_for_backward(own_rows)
-        ctx.memory, ctx.router, ctx.blocked = memory, router, earlier is not None
-        return memory.mix(router, weight, earlier)
+        ctx.memory, ctx.router, ctx.blocked = memory, router, earlier_keys is not None
+        return memory.mix(router, weight, (earlier_keys, earlier_values) if ctx.blocked else None)
 
     @staticmethod
-    def backward(ctx, grad_routed):
+    def backward(ctx, grad_keys, grad_values):
         ctx.saved_tensors  # noqa: B018 - releases the saved view through the hooks
         memory, router = ctx.memory, ctx.router
-        grad_rows = memory.to_rows(grad_routed)
+        grad_rows = memory.to_rows(grad_keys, grad_values)
         if not router.identity:  # the identity routes each rank's own heads: nothing to gather
             grad_rows = gather_heads(grad_rows, router.sharding)
         since = memory.block_of(router.layer).start if ctx.blocked else 0
         grad_weight = memory.weight_grad(router, grad_rows, since) if ctx.needs_input_grad[0] else None
         grad_key, grad_value = memory.kv_grad(router, grad_rows)
-        grad_earlier = None
-        if ctx.blocked:  # in the layout of ``earlier`` (``routing_blocks.mix_earlier``)
-            grad_earlier = grad_routed.reshape(-1, *grad_routed.shape[3:]) if router.sharding.size == 1 else grad_rows
-        return grad_weight, grad_key, grad_value, grad_earlier, None, None
+        grad_earlier = (None, None)  # else in the layout of ``earlier`` (``routing_blocks.mix_earlier``)
+        if ctx.blocked and router.sharding.size == 1:
+            grad_earlier = (grad_keys, grad_values)
+        elif ctx.blocked:
+            grad_earlier = tuple(grad_rows.view(grad_rows.shape[0], 2, -1).unbind(1))
+        return grad_weight, grad_key, grad_value, *grad_earlier, None, None
 
 
 def route_keys_values(
     memory: LayerIntegratedMemory, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
-) -> torch.Tensor:
-    """Routed keys and values of ``router``'s layer, ``[2, s, b, kv_heads, d]``."""
-    return RouteKeysValues.apply(router.weight, key, value, memory.earlier_partial(router), memory, router)
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Routed keys and values of ``router``'s layer, ``[s, b, kv_heads, d]`` each."""
+    earlier = memory.earlier_partial(router) or (None, None)
+    return RouteKeysValues.apply(router.weight, key, value, *earlier, memory, router)
 
 
 # --------------------------------------------------------------------------------- decoding
@@ -571,5 +592,4 @@ def route_new_tokens(
     memory.store(router.layer, key, value)
     if router.identity:
         return key, value
-    routed = memory.mix(router, router.weight)
-    return routed[0], routed[1]
+    return memory.mix(router, router.weight)

@@ -2,11 +2,10 @@
 when backward first needs them.
 
 LIMe's attention saves its rotated keys and its routed values for backward; with
-``recompute_in_backward`` those are matched by storage and replaced by a recipe that rebuilds
-them (``lime_megatron.models.lime.attention``, as ``lime_rebuild_in_backward`` says): the rotated
-keys by rotating the routed keys again (kept in the values' storage), or also the routed
-keys/values from the layer-integrated memory (one router product).  Every other saved tensor
-passes to the saved-tensor hooks active around the block (offloading, memory accounting).
+``lime_recompute_routed_kv`` and ``recompute_in_backward`` those are matched by storage and
+replaced by a recipe that rebuilds them from the layer-integrated memory (one router product;
+``lime_megatron.models.lime.attention``).  Every other saved tensor passes to the saved-tensor
+hooks active around the block (offloading, memory accounting).
 
 The drop only works when the core attention saves the tensors it was given (or views of them):
 megatron's ``DotProductAttention``, TransformerEngine's cuDNN ``FusedAttention`` in bf16/fp16.
@@ -14,8 +13,7 @@ TransformerEngine's FP8 attention saves FP8 copies and its flash-attn backend sa
 ``bshd`` copies; then nothing is dropped and ``routed_kv_log`` warns once, naming the attention
 and the bytes that stay.  ``routed_kv_log`` also counts, per layer, which routed tensors were
 dropped and rebuilt (``take`` returns and resets the counts: once per step).
-``drops_routed_kv`` and ``drops_rotated_keys`` are the same decisions made ahead of a run, for the
-memory estimate.
+``drops_routed_kv`` is the same decision made ahead of a run, for the memory estimate.
 """
 
 from __future__ import annotations
@@ -32,7 +30,8 @@ logger = logging.getLogger(__name__)
 
 
 class Rebuilt:
-    """A tensor dropped from autograd's saved tensors, rebuilt once when backward first needs it."""
+    """A tensor dropped from autograd's saved tensors (or what several are rebuilt from), rebuilt
+    once when backward first needs it."""
 
     def __init__(self, build: Callable[[], torch.Tensor], on_build: Callable[[], None] | None = None):
         self._build, self._on_build = build, on_build
@@ -160,7 +159,7 @@ class RoutedKVLog:
                 "routed tensors, so they are not dropped from autograd's saved tensors: %s bytes per "
                 "layer and microbatch stay saved beside the layer-integrated memory (layer %d). "
                 "TransformerEngine: use the cuDNN fused attention (NVTE_FLASH_ATTN=0) without FP8 "
-                "dot-product attention, or set lime_rebuild_in_backward to none (it saves nothing here).",
+                "dot-product attention, or turn lime_recompute_routed_kv off (it saves nothing here).",
                 attention, " and ".join(drops.kept), f"{drops.kept_bytes:,}", layer)
 
     @contextmanager
@@ -220,25 +219,8 @@ def attention_saves_given_kv(config, transformer_impl: str) -> bool:
 
 
 def drops_routed_kv(config, transformer_impl: str) -> bool:
-    """Whether LIMe's attention drops the routed keys/values from its saved tensors (and rebuilds
-    them by a router product) under ``config``: ``lime_rebuild_in_backward`` is ``routed_kv`` and
-    ``attention_saves_given_kv``.  The decision the memory estimate and the routing-bytes plan use."""
-    return (config.lime and config.lime_rebuild_in_backward == "routed_kv"
-            and attention_saves_given_kv(config, transformer_impl))
-
-
-def drops_what_it_rebuilds(config, transformer_impl: str) -> bool:
-    """Whether LIMe's attention drops the tensors ``lime_rebuild_in_backward`` names under
-    ``config`` (``drops_routed_kv`` for ``routed_kv``, else ``drops_rotated_keys``): what
-    ``routed_kv_log`` records as dropped, rather than kept, per layer."""
-    if config.lime_rebuild_in_backward == "routed_kv":
-        return drops_routed_kv(config, transformer_impl)
-    return drops_rotated_keys(config, transformer_impl)
-
-
-def drops_rotated_keys(config, transformer_impl: str) -> bool:
-    """Whether LIMe's attention drops its rotated keys from its saved tensors (and rotates the
-    routed keys again in backward) under ``config``: ``lime_rebuild_in_backward`` is not ``none``
-    and ``attention_saves_given_kv``."""
-    return (config.lime and config.lime_rebuild_in_backward != "none"
-            and attention_saves_given_kv(config, transformer_impl))
+    """Whether LIMe's attention drops the routed keys/values and the rotated keys from its saved
+    tensors (and rebuilds them by a router product) under ``config``: ``lime_recompute_routed_kv``
+    and ``attention_saves_given_kv``.  The decision the memory estimate and the routing-bytes plan
+    use."""
+    return config.lime and config.lime_recompute_routed_kv and attention_saves_given_kv(config, transformer_impl)

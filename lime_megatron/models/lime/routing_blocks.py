@@ -142,6 +142,16 @@ def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torc
     return torch.bmm(narrow.to(wide.dtype).expand(batched.shape[0], -1, -1), batched)
 
 
+def routing_product_keys_values(kind: str, narrow: torch.Tensor, wide: torch.Tensor,
+                                inner: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routing_product_attention_layout`` of the keys' and the values' halves of the rows
+    ``wide`` ``[k, (k|v, s, b, d)]`` apart: keys and values ``[s*b, r, inner]``, two tensors, so
+    that attention can keep the values without the keys (only RoPE reads those)."""
+    halves = wide.view(wide.shape[0], 2, -1)
+    return (routing_product_attention_layout(kind, narrow, halves[:, 0], inner),
+            routing_product_attention_layout(kind, narrow, halves[:, 1], inner))
+
+
 def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype router-weight gradients are accumulated and returned in: float32 at least."""
     return torch.promote_types(weight.dtype, torch.float32)
@@ -199,11 +209,13 @@ def earlier_runs(memory, block: range, routers: list[LimeRouter]) -> list[tuple[
     return [piece for run in contiguous_runs(sources) for piece in memory.row_blocks(*run)]
 
 
-def mix_earlier(memory, block: range, routers: list[LimeRouter], kind: str = "forward") -> tuple[torch.Tensor, ...]:
-    """Each router's sum over the sources before ``block`` (this rank's columns), from one product
-    per row block for all ``routers`` together (counted as ``kind``): without tensor parallelism
-    in attention's layout ``[2*s*b, kv_heads, d]`` (a view of the block's ``[2*s*b, B*kv_heads, d]``,
-    ``routing_product_attention_layout``), else as rows ``[kv_heads, 2*s*b*d]``."""
+def mix_earlier(memory, block: range, routers: list[LimeRouter],
+                kind: str = "forward") -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Each router's sums over the sources before ``block``, keys and values (this rank's columns),
+    from one product per row block for all ``routers`` together (counted as ``kind``): without
+    tensor parallelism in attention's layout ``[s, b, kv_heads, d]`` each (views of the block's
+    ``[2*s*b, B*kv_heads, d]``, ``routing_product_attention_layout``), else the two halves
+    ``[kv_heads, s*b*d]`` of rows ``[kv_heads, 2*s*b*d]``."""
     attention_layout = routers[0].sharding.size == 1
     partial = None
     for start, stop in earlier_runs(memory, block, routers):
@@ -211,24 +223,35 @@ def mix_earlier(memory, block: range, routers: list[LimeRouter], kind: str = "fo
         part = (routing_product_attention_layout(kind, narrow, wide, memory.kv_shape[3]) if attention_layout
                 else routing_product(kind, narrow, wide))
         partial = part if partial is None else partial.add_(part)
-    return tuple(partial.chunk(len(routers), dim=1 if attention_layout else 0))
+    if attention_layout:
+        s, b, kv_heads, d = memory.kv_shape
+        halves = ([part.view(s, b, kv_heads, d) for part in half.chunk(len(routers), dim=1)]
+                  for half in partial.chunk(2))
+        return list(zip(*halves))
+    return [tuple(rows.view(rows.shape[0], 2, -1).unbind(1)) for rows in partial.chunk(len(routers))]
 
 
 def as_rows(partial: torch.Tensor) -> torch.Tensor:
-    """A partial sum (or its gradient) in attention's layout ``[2*s*b, h, d]`` viewed head-first
+    """A sum (or gradient) in attention's layout ``[2*s*b, h, d]`` viewed head-first
     ``[h, 2*s*b, d]``; rows ``[h, 2*s*b*d]`` as they are.  ``torch.cat`` of these along dim 0 gives
     stacked rows (one copy)."""
     return partial.transpose(0, 1) if partial.dim() == 3 else partial
+
+
+def heads_first(half: torch.Tensor, kv_shape: tuple[int, int, int, int]) -> torch.Tensor:
+    """Keys or values of ``mix_earlier`` (or their gradient) as ``[h, s, b, d]``: a view."""
+    s, b, _, d = kv_shape
+    return half.permute(2, 0, 1, 3) if half.dim() == 4 else half.view(half.shape[0], s, b, d)
 
 
 class MixEarlierSources(torch.autograd.Function):
     """``mix_earlier`` with the router-weight gradient of those columns.
 
     forward(memory, block, routers (those of the block that read earlier rows), *their weights)
-        -> one partial sum ``[kv_heads, 2*s*b*d]`` per router
+        -> per router its keys' and its values' partial sums (``mix_earlier``), flat
     backward: dL/dW_m[:, earlier] = g_m @ buffer[earlier]^T for the whole block in one product per
-    row block (the gradient of each partial sum is g_m, all kv_heads rows, stacked as rows by one
-    copy); float32.  It runs
+    row block (the gradients of a router's partial sums are g_m's halves, all kv_heads rows,
+    stacked as rows by one copy); float32.  It runs
     before the backward of any earlier layer overwrites that layer's rows (autograd runs the
     later-created node first among those ready).
     """
@@ -236,14 +259,19 @@ class MixEarlierSources(torch.autograd.Function):
     @staticmethod
     def forward(ctx, memory, block: range, routers: list[LimeRouter], *weights):
         ctx.memory, ctx.block, ctx.routers = memory, block, routers
-        return mix_earlier(memory, block, routers)
+        return tuple(half for pair in mix_earlier(memory, block, routers) for half in pair)
 
     @staticmethod
     def backward(ctx, *grad_partials):
         memory, block, routers = ctx.memory, ctx.block, ctx.routers
         grads = [torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight)) for router in routers]
         rows = routers[0].weight.shape[0]
-        kept = torch.cat([as_rows(grad) for grad in grad_partials]).view(len(routers) * rows, -1)
+        s, b, _, d = memory.kv_shape
+        kept = grad_partials[0].new_empty(len(routers) * rows, 2, s, b, d)
+        for index, grad in enumerate(grad_partials):
+            router, half = divmod(index, 2)
+            kept[router * rows : (router + 1) * rows, half] = heads_first(grad, memory.kv_shape)
+        kept = kept.view(len(routers) * rows, -1)
         for start, stop in earlier_runs(memory, block, routers):
             block_grad = weight_grad_product(kept, memory.rows(start, stop))
             for i, router in enumerate(routers):
