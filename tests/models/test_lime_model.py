@@ -200,6 +200,25 @@ def test_routed_kv_are_rebuilt_not_saved():
     assert saved[False] - saved[True] == cfg.num_layers * 2 * heads
 
 
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_saved_bytes_against_the_baseline(kv_heads):
+    """By default LIMe saves what the baseline saves at MHA (its buffer of raw K/V, the rotated keys
+    and the routed values in place of the QKV output and the rotated keys); under megatron's local
+    GQA attention, which keeps its repeated K/V copies in both, the baseline's plus the buffer."""
+    from lime_megatron.planning.saved_tensors import SavedTensorBytes
+
+    tokens, positions, mask = batch()
+    saved = {}
+    for lime in (True, False):
+        model = tiny_model(num_query_groups=kv_heads, lime=lime)
+        with SavedTensorBytes(model) as counter:
+            megatron_logits(model, tokens, positions, mask)
+        saved[lime] = counter.bytes
+    cfg = model.config
+    buffer = cfg.num_layers * 2 * tokens.numel() * kv_heads * cfg.kv_channels * 8  # float64 rows
+    assert saved[True] - saved[False] == (0 if kv_heads == cfg.num_attention_heads else buffer)
+
+
 def test_full_recompute_keeps_its_savings():
     """After the forward under megatron's full recompute, LIMe keeps what the baseline keeps (the
     checkpointed layer inputs; LIMe's memory handle adds 8 bytes) and, outside autograd, its
