@@ -61,8 +61,8 @@ from lime_megatron.models.lime.head_parallel import gather_heads, scatter_heads
 from lime_megatron.models.lime.router import LimeRouter, routing_consumers
 from lime_megatron.models.lime.routing_blocks import (
     MixEarlierSources,
-    as_rows,
     count_read,
+    key_value_halves,
     mix_earlier,
     routing_product,
     routing_product_attention_layout,
@@ -197,9 +197,8 @@ class LayerIntegratedMemory:
 
     def from_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[h, 2 * s * b * d]`` -> keys and values, each a contiguous ``[s, b, h, d]`` of its own."""
-        s, b, h, d = self.kv_shape
-        heads_first = rows.view(h, 2, s, b, d)
-        return heads_first[:, 0].permute(1, 2, 0, 3).contiguous(), heads_first[:, 1].permute(1, 2, 0, 3).contiguous()
+        heads_first = self._heads_first(rows)
+        return tuple(heads_first[:, half].permute(1, 2, 0, 3).contiguous() for half in (0, 1))
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Eq. 1: write layer ``layer``'s keys/values ``[s, b, h, d]`` into its rows; returns them."""
@@ -306,10 +305,8 @@ class LayerIntegratedMemory:
             for columns, rows in self._source_blocks(router, since):
                 part = routing_product(kind, weight[:, columns], rows)
                 partial = part if partial is None else partial.add_(part)
-            if earlier is not None:
-                halves = partial.view(partial.shape[0], 2, -1)
-                halves[:, 0].add_(earlier[0])
-                halves[:, 1].add_(earlier[1])
+            for half, part in zip(key_value_halves(partial), earlier or ()):
+                half.add_(part)
         else:  # a replica of another rank's heads: those terms are added once, by the primary
             partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
         return self.from_rows(scatter_heads(partial, router.sharding))
@@ -367,6 +364,11 @@ class LayerIntegratedMemory:
         if self._grads_in_attention_layout():
             return rows.view(rows.shape[0], -1, self.kv_shape[3]).transpose(0, 1)
         return rows
+
+    def _head_first_grad(self, grad: torch.Tensor) -> torch.Tensor:
+        """The inverse of ``_in_grad_layout``: a row gradient as ``[kv_heads, 2*s*b, d]`` (a view;
+        ``torch.cat`` of these along dim 0 stacks rows with one copy) or as rows."""
+        return grad.transpose(0, 1) if self._grads_in_attention_layout() else grad
 
     def _consumer_grad(self, layer: int, own_grad: torch.Tensor | None = None) -> torch.Tensor:
         """Gradient of the rows of ``layer`` (own or received): sum over its consumers m of
@@ -525,7 +527,7 @@ class LayerIntegratedMemory:
         external block, ``[len(layers) * kv_heads, 2*s*b*d]``."""
         shares = []
         for layers, _ in self.external:
-            grads = [as_rows(self._external_grad(layer, layers)) for layer in layers]
+            grads = [self._head_first_grad(self._external_grad(layer, layers)) for layer in layers]
             shares.append((layers, torch.cat(grads).flatten(1)))
         self.external = []
         return shares
@@ -567,7 +569,7 @@ class RouteKeysValues(torch.autograd.Function):
         if ctx.blocked and router.sharding.size == 1:
             grad_earlier = (grad_keys, grad_values)
         elif ctx.blocked:
-            grad_earlier = tuple(grad_rows.view(grad_rows.shape[0], 2, -1).unbind(1))
+            grad_earlier = key_value_halves(grad_rows)
         return grad_weight, grad_key, grad_value, *grad_earlier, None, None
 
 

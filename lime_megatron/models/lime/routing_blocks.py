@@ -142,14 +142,18 @@ def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torc
     return torch.bmm(narrow.to(wide.dtype).expand(batched.shape[0], -1, -1), batched)
 
 
+def key_value_halves(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Rows ``[h, (k|v, s, b, d)]`` (buffer rows, their partial sums or gradients) as their keys'
+    and values' halves ``[h, s*b*d]``: two views."""
+    return tuple(rows.view(rows.shape[0], 2, -1).unbind(1))
+
+
 def routing_product_keys_values(kind: str, narrow: torch.Tensor, wide: torch.Tensor,
                                 inner: int) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing_product_attention_layout`` of the keys' and the values' halves of the rows
-    ``wide`` ``[k, (k|v, s, b, d)]`` apart: keys and values ``[s*b, r, inner]``, two tensors, so
+    ``wide`` apart (``key_value_halves``): keys and values ``[s*b, r, inner]``, two tensors, so
     that attention can keep the values without the keys (only RoPE reads those)."""
-    halves = wide.view(wide.shape[0], 2, -1)
-    return (routing_product_attention_layout(kind, narrow, halves[:, 0], inner),
-            routing_product_attention_layout(kind, narrow, halves[:, 1], inner))
+    return tuple(routing_product_attention_layout(kind, narrow, half, inner) for half in key_value_halves(wide))
 
 
 def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
@@ -228,14 +232,7 @@ def mix_earlier(memory, block: range, routers: list[LimeRouter],
         halves = ([part.view(s, b, kv_heads, d) for part in half.chunk(len(routers), dim=1)]
                   for half in partial.chunk(2))
         return list(zip(*halves))
-    return [tuple(rows.view(rows.shape[0], 2, -1).unbind(1)) for rows in partial.chunk(len(routers))]
-
-
-def as_rows(partial: torch.Tensor) -> torch.Tensor:
-    """A sum (or gradient) in attention's layout ``[2*s*b, h, d]`` viewed head-first
-    ``[h, 2*s*b, d]``; rows ``[h, 2*s*b*d]`` as they are.  ``torch.cat`` of these along dim 0 gives
-    stacked rows (one copy)."""
-    return partial.transpose(0, 1) if partial.dim() == 3 else partial
+    return [key_value_halves(rows) for rows in partial.chunk(len(routers))]
 
 
 def heads_first(half: torch.Tensor, kv_shape: tuple[int, int, int, int]) -> torch.Tensor:
