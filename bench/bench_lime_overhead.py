@@ -7,7 +7,10 @@ backward (the default), and blocked rebuilding them in backward instead
 (``lime_recompute_routed_kv``: one more router product per layer, less memory); then measures in
 the same process, interleaving the four models:
 
-- time: median forward+backward wall time over ``--repeats`` runs (after ``--warmup``);
+- time: per round (after ``--warmup``; ``--repeats`` rounds, each model once per round) each
+  LIMe model's forward+backward wall time over the baseline's in the same round; the tables give
+  the median of these paired ratios and, for blocked LIMe, their interquartile range ("IQR", over
+  the floor like the ratio): the spread of this machine, against which a gap to the floor is read;
 - routing reads: bytes the routing products read per step (``planning.routing_bytes``), B = 1
   and blocked;
 - saved: bytes autograd keeps for backward (saved-tensor hooks, unique storages, parameters
@@ -61,7 +64,11 @@ def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return shape_parser(__doc__, [8, 16, 32, 64, 128]).parse_args(argv)
+    parser = shape_parser(__doc__, [8, 16, 32, 64, 128])
+    args = parser.parse_args(argv)
+    if args.repeats < 2:
+        parser.error(f"--repeats {args.repeats}: at least 2 timed rounds are needed for the spread of the ratios")
+    return args
 
 
 def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full",
@@ -114,16 +121,30 @@ def copied_bytes(model, batch) -> int:
     return counter.bytes
 
 
-def median_times(args, models: dict, batch) -> dict[str, float]:
-    """Median forward+backward seconds of each model over ``args.repeats`` runs after
-    ``args.warmup``, the models interleaved."""
+def round_times(args, models: dict, batch) -> dict[str, list[float]]:
+    """Forward+backward seconds of each model in each of ``args.repeats`` rounds after
+    ``args.warmup``, the models run one after another within a round."""
     times = {name: [] for name in models}
     for run in range(args.warmup + args.repeats):
         for name, model in models.items():
             elapsed = train_step(model, batch)
             if run >= args.warmup:
                 times[name].append(elapsed)
-    return {name: statistics.median(seconds) for name, seconds in times.items()}
+    return times
+
+
+def median_times(args, models: dict, batch) -> dict[str, float]:
+    """Median forward+backward seconds of each model over ``round_times``."""
+    return {name: statistics.median(seconds) for name, seconds in round_times(args, models, batch).items()}
+
+
+def paired_ratio(times: dict[str, list[float]], name: str, reference: str = "base") -> tuple[float, float]:
+    """Median over rounds of ``name``'s time over ``reference``'s in the same round (the two ran
+    seconds apart, so the machine's slow drifts cancel), and the interquartile range of those
+    ratios (the spread of this VM)."""
+    ratios = [seconds / base for seconds, base in zip(times[name], times[reference])]
+    quartiles = statistics.quantiles(ratios, n=4, method="inclusive")
+    return statistics.median(ratios), quartiles[2] - quartiles[0]
 
 
 def flop_floor(args, config) -> float:
@@ -139,7 +160,8 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
               "blocked": build(args, num_layers, kv_heads, True, block),
               "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True)}
     batch = make_batch(args)
-    times = median_times(args, models, batch)
+    times = round_times(args, models, batch)
+    ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
     config = models["blocked"].config
     reads = {b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values())
              for b in (1, block)}
@@ -147,10 +169,11 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         layers=num_layers,
         kv_heads=kv_heads,
         block=block,
-        base_s=times["base"],
-        per_layer_s=times["per_layer"],
-        lime_s=times["blocked"],
-        rebuilt_s=times["rebuilt"],
+        base_s=statistics.median(times["base"]),
+        per_layer_x=ratios["per_layer"][0],
+        lime_x=ratios["blocked"][0],
+        lime_spread=ratios["blocked"][1],
+        rebuilt_x=ratios["rebuilt"][0],
         floor=flop_floor(args, config),
         base_saved=saved_bytes(models["base"], batch),
         lime_saved=saved_bytes(models["blocked"], batch),
@@ -164,17 +187,17 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
 def print_table(rows: list[dict]) -> None:
     header = (
         f"{'layers':>6} {'kv':>3} {'B':>3} {'base s':>8} {'B=1 x':>7} {'B x':>7} {'floor':>6} {'B=1/fl':>7} "
-        f"{'B/fl':>6} {'saved x':>8} {'rk/fl':>6} {'rk saved':>8} {'read B=1 GiB':>13} {'read B GiB':>11} "
-        f"{'copies+ MiB':>11}"
+        f"{'B/fl':>6} {'B/fl IQR':>8} {'saved x':>8} {'rk/fl':>6} {'rk saved':>8} {'read B=1 GiB':>13} "
+        f"{'read B GiB':>11} {'copies+ MiB':>11}"
     )
     print(header)
     print("-" * len(header))
     for r in rows:
-        per_layer, blocked = r["per_layer_s"] / r["base_s"], r["lime_s"] / r["base_s"]
         print(
-            f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['base_s']:>8.3f} {per_layer:>7.3f} "
-            f"{blocked:>7.3f} {r['floor']:>6.3f} {per_layer / r['floor']:>7.3f} {blocked / r['floor']:>6.3f} "
-            f"{r['lime_saved'] / r['base_saved']:>8.3f} {r['rebuilt_s'] / r['base_s'] / r['floor']:>6.3f} "
+            f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['base_s']:>8.3f} {r['per_layer_x']:>7.3f} "
+            f"{r['lime_x']:>7.3f} {r['floor']:>6.3f} {r['per_layer_x'] / r['floor']:>7.3f} "
+            f"{r['lime_x'] / r['floor']:>6.3f} {r['lime_spread'] / r['floor']:>8.3f} "
+            f"{r['lime_saved'] / r['base_saved']:>8.3f} {r['rebuilt_x'] / r['floor']:>6.3f} "
             f"{r['rebuilt_saved'] / r['base_saved']:>8.3f} {r['reads_per_layer'] / 2**30:>13.2f} "
             f"{r['reads_blocked'] / 2**30:>11.2f} {r['extra_copies'] / 2**20:>11.1f}"
         )
@@ -187,10 +210,10 @@ def main(argv=None) -> list[dict]:
     cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
     rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
     print_table(rows)
-    worst = max(rows, key=lambda r: r["lime_s"] / r["base_s"] / r["floor"])
+    worst = max(rows, key=lambda r: r["lime_x"] / r["floor"])
     print(
         f"\nsummary: {len(rows)} settings; worst blocked time vs FLOP floor "
-        f"{worst['lime_s'] / worst['base_s'] / worst['floor']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}, "
+        f"{worst['lime_x'] / worst['floor']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}, "
         f"B {worst['block']}); "
         f"max saved-bytes ratio {max(r['lime_saved'] / r['base_saved'] for r in rows):.3f}"
     )

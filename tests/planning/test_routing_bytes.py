@@ -7,7 +7,7 @@ import pytest
 from lime_fixtures import BATCH, SEQ, batch, loss_of, megatron_logits, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from lime_megatron.models.lime.routing_blocks import routing_block_size, routing_reads
+from lime_megatron.models.lime.routing_blocks import forward_products, routing_block_size, routing_reads
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -50,6 +50,17 @@ def test_blocking_reads_less_for_the_same_flops():
     assert sum(blocked[0].values()) < 0.6 * sum(per_layer[0].values())
     # zero-padded stacked routers would add FLOPs; the full router pads nothing
     assert blocked[1] == per_layer[1]
+
+
+@pytest.mark.parametrize("num_layers,block", [(7, 1), (7, 3), (9, 4), (16, 4)])
+def test_the_roofline_models_the_forward_products_the_memory_runs(num_layers, block):
+    """The block-size roofline prices the forward products the memory runs (B = 1: one per layer
+    over all its sources; blocked: the earlier rows once per block and the in-block ones per layer):
+    its rows read are the forward reads counted on the products."""
+    model = tiny_model(num_layers=num_layers, num_query_groups=2, lime_routing_block=block)
+    counted, _ = counted_step(model)
+    row_bytes = 2 * SEQ * BATCH * model.config.kv_channels * 8  # float64 rows
+    assert sum(rows for rows, _ in forward_products(num_layers, 2, block)) * row_bytes == counted["forward"]
 
 
 def test_dry_run_reports_the_block_and_the_bytes_read():

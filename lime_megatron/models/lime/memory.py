@@ -352,6 +352,12 @@ class LayerIntegratedMemory:
             self._grad_rows = self.buffer.new_empty(len(self.layers) * kv_heads, self.buffer.shape[1])
         return self._grad_rows
 
+    def kept_grad_rows(self, layers: range, kv_heads: int) -> torch.Tensor:
+        """The kept g_m (``kv_grad``) of own layers ``layers``, stacked as rows: a view
+        ``[len(layers) * kv_heads, 2*s*b*d]`` of the gradient buffer (``_grad_buffer``)."""
+        first = self.layers.start
+        return self._grad_buffer(kv_heads)[(layers.start - first) * kv_heads : (layers.stop - first) * kv_heads]
+
     def _grads_in_attention_layout(self) -> bool:
         """Whether row gradients are summed in attention's layout ``[2*s*b, kv_heads, d]``, the
         layout the key/value gradients are handed on in (``routing_product_attention_layout``: no
@@ -406,9 +412,7 @@ class LayerIntegratedMemory:
         routers = [self._routers[m] for m in consumers]
         if routers[0].dynamic:
             return self._token_mixed_grad(sources, consumers)
-        kv_heads = routers[0].weight.shape[0]
-        grads = self._grad_buffer(kv_heads)[(consumers.start - self.layers.start) * kv_heads :
-                                            (consumers.stop - self.layers.start) * kv_heads]
+        grads = self.kept_grad_rows(consumers, routers[0].weight.shape[0])
         narrow = stacked_columns(routers, sources.start, sources.stop).t()
         if self._grads_in_attention_layout():
             return routing_product_attention_layout("row_grad", narrow, grads, self.kv_shape[3])

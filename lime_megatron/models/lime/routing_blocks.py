@@ -45,20 +45,30 @@ CPU_2_CORE = MachineBalance("2-core AVX2 CPU VM (fp32 peak 160 GFLOP/s, ~4 GB/s 
 H100_SXM = MachineBalance("H100 SXM (bf16 dense 989 TFLOP/s, HBM3 3.35 TB/s)", 989e12, 3.35e12)
 
 
+def forward_products(num_layers: int, kv_heads: int, block: int) -> list[tuple[int, int]]:
+    """``(rows read, output rows)`` of each forward product of the ``full`` routing as the memory
+    runs it with blocks of ``block`` layers: with ``block > 1`` per block one product over the rows
+    before it (B * kv_heads outputs; none for the first block) and per layer one over its in-block
+    rows; with ``block = 1`` per layer one product over all its sources.  Layer 0 runs none."""
+    products = []
+    for start in range(0, num_layers, block):
+        consumers = range(start, min(start + block, num_layers))
+        if block > 1 and start > 0:
+            products.append((start * kv_heads, len(consumers) * kv_heads))
+        first_source = start if block > 1 else 0
+        products += [((m - first_source + 1) * kv_heads, kv_heads) for m in consumers if m > 0]
+    return products
+
+
 def block_product_seconds(num_layers: int, kv_heads: int, block: int, element_size: int,
                           machine: MachineBalance, row_length: int = 1) -> float:
-    """Roofline time of one forward pass of the ``full`` routing with blocks of ``block`` layers:
-    per block one product over the earlier rows (B * kv_heads outputs), per layer one over its
-    in-block rows, each costing max(bytes / bandwidth, FLOPs / peak), partial sums written and
-    read once.  Rows of ``row_length`` elements (it scales every term alike)."""
+    """Roofline time of one forward pass's routing products (``forward_products``), each costing
+    max(bytes / bandwidth, FLOPs / peak), its outputs written and read once.  Rows of
+    ``row_length`` elements (it scales every term alike)."""
     seconds = 0.0
-    for start in range(0, num_layers, block):
-        consumers = min(block, num_layers - start)
-        for rows, outputs in ((start * kv_heads, consumers * kv_heads),
-                              *(((m - start + 1) * kv_heads, kv_heads) for m in range(start, start + consumers))):
-            read = (rows + 2 * outputs) * row_length * element_size
-            flops = 2.0 * rows * outputs * row_length
-            seconds += max(read / machine.bytes_per_s, flops / machine.flops_per_s)
+    for rows, outputs in forward_products(num_layers, kv_heads, block):
+        read = (rows + 2 * outputs) * row_length * element_size
+        seconds += max(read / machine.bytes_per_s, 2.0 * rows * outputs * row_length / machine.flops_per_s)
     return seconds
 
 
@@ -235,22 +245,19 @@ def mix_earlier(memory, block: range, routers: list[LimeRouter],
     return [key_value_halves(rows) for rows in partial.chunk(len(routers))]
 
 
-def heads_first(half: torch.Tensor, kv_shape: tuple[int, int, int, int]) -> torch.Tensor:
-    """Keys or values of ``mix_earlier`` (or their gradient) as ``[h, s, b, d]``: a view."""
-    s, b, _, d = kv_shape
-    return half.permute(2, 0, 1, 3) if half.dim() == 4 else half.view(half.shape[0], s, b, d)
-
-
 class MixEarlierSources(torch.autograd.Function):
     """``mix_earlier`` with the router-weight gradient of those columns.
 
     forward(memory, block, routers (those of the block that read earlier rows), *their weights)
         -> per router its keys' and its values' partial sums (``mix_earlier``), flat
     backward: dL/dW_m[:, earlier] = g_m @ buffer[earlier]^T for the whole block in one product per
-    row block (the gradients of a router's partial sums are g_m's halves, all kv_heads rows,
-    stacked as rows by one copy); float32.  It runs
-    before the backward of any earlier layer overwrites that layer's rows (autograd runs the
-    later-created node first among those ready).
+    row block; float32.  The gradient of router m's partial sums is g_m itself (the partial is
+    added to m's routed keys/values inside ``memory.RouteKeysValues``), whose backward kept g_m
+    as rows before this runs: the product reads those kept rows
+    (``LayerIntegratedMemory.kept_grad_rows``, the readers' span: a pruned non-reader between
+    two readers adds rows whose products are not used), not a restacked copy of
+    ``grad_partials``.  It runs before the backward of any earlier layer overwrites that layer's
+    rows (autograd runs the later-created node first among those ready).
     """
 
     @staticmethod
@@ -262,18 +269,13 @@ class MixEarlierSources(torch.autograd.Function):
     def backward(ctx, *grad_partials):
         memory, block, routers = ctx.memory, ctx.block, ctx.routers
         grads = [torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight)) for router in routers]
-        rows = routers[0].weight.shape[0]
-        s, b, _, d = memory.kv_shape
-        kept = grad_partials[0].new_empty(len(routers) * rows, 2, s, b, d)
-        for index, grad in enumerate(grad_partials):
-            router, half = divmod(index, 2)
-            kept[router * rows : (router + 1) * rows, half] = heads_first(grad, memory.kv_shape)
-        kept = kept.view(len(routers) * rows, -1)
+        rows, first = routers[0].weight.shape[0], routers[0].layer
+        kept = memory.kept_grad_rows(range(first, routers[-1].layer + 1), rows)
         for start, stop in earlier_runs(memory, block, routers):
             block_grad = weight_grad_product(kept, memory.rows(start, stop))
-            for i, router in enumerate(routers):
-                local = router.local_heads
+            for grad, router in zip(grads, routers):
+                offset, local = (router.layer - first) * rows, router.local_heads
                 for a, b in runs_within(router, start, stop):
-                    grads[i][:, router.columns(a, b)] = \
-                        block_grad[i * rows : (i + 1) * rows, (a - start) * local : (b - start) * local]
+                    grad[:, router.columns(a, b)] = \
+                        block_grad[offset : offset + rows, (a - start) * local : (b - start) * local]
         return None, None, None, *grads

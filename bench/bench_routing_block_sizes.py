@@ -1,0 +1,92 @@
+"""The routing block size: the roofline's choice against measured forward+backward time per B.
+
+For each depth and kv-head count it builds the baseline and LIMe at several block sizes (B = 1,
+the powers of two below the roofline's limit and the roofline's choice,
+``models.lime.routing_blocks.routing_block_size``) and times them interleaved in one process, as
+``bench_lime_overhead.py`` does: per round each LIMe model's time over the baseline's in the same
+round, the median of these paired ratios and their interquartile range.  Beside each B the
+roofline's forward routing time relative to B = 1 (``block_product_seconds``).  The last column
+marks the roofline's choice (``<- roofline``) and the measured fastest B (``<- fastest``): a
+choice within one IQR of the fastest is as good as this machine can tell.
+
+Run (the table in BENCHMARKS.md):
+    python bench/bench_routing_block_sizes.py --repeats 9
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+
+import torch
+from bench_lime_overhead import build, make_batch, paired_ratio, round_times, shape_parser
+from tqdm import tqdm
+
+from lime_megatron.models.lime.routing_blocks import CPU_2_CORE, block_product_seconds, routing_block_size
+from lime_megatron.parallel.process_groups import initialize_parallel
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    parser = shape_parser(__doc__, [8, 16, 32])
+    parser.set_defaults(repeats=9)
+    args = parser.parse_args(argv)
+    if args.repeats < 2:
+        parser.error(f"--repeats {args.repeats}: at least 2 timed rounds are needed for the spread of the ratios")
+    return args
+
+
+def candidate_blocks(num_layers: int, chosen: int) -> list[int]:
+    """B = 1, the powers of two up to the roofline's limit (2 * isqrt(L)), and ``chosen``."""
+    limit = max(1, math.isqrt(num_layers) * 2)
+    powers = {2**k for k in range(limit.bit_length()) if 2**k <= limit}
+    return sorted(powers | {chosen})
+
+
+def measure(args, num_layers: int, kv_heads: int) -> list[dict]:
+    element_size = torch.empty(0).element_size()
+    chosen = routing_block_size(num_layers, kv_heads, element_size)
+    blocks = candidate_blocks(num_layers, chosen)
+    models = {"base": build(args, num_layers, kv_heads, False)}
+    models.update({block: build(args, num_layers, kv_heads, True, block) for block in blocks})
+    times = round_times(args, models, make_batch(args))
+    per_layer = block_product_seconds(num_layers, kv_heads, 1, element_size, CPU_2_CORE)
+    rows = []
+    for block in blocks:
+        ratio, spread = paired_ratio(times, block)
+        roofline = block_product_seconds(num_layers, kv_heads, block, element_size, CPU_2_CORE) / per_layer
+        rows.append(dict(layers=num_layers, kv_heads=kv_heads, block=block, ratio=ratio, spread=spread,
+                         roofline=roofline, chosen=block == chosen))
+    fastest = min(rows, key=lambda row: row["ratio"])
+    for row in rows:
+        row["fastest"] = row is fastest
+    return rows
+
+
+def print_table(rows: list[dict]) -> None:
+    header = f"{'layers':>6} {'kv':>3} {'B':>3} {'roofline fwd vs B=1':>20} {'LIMe / base':>12} {'IQR':>6}"
+    print(header)
+    print("-" * (len(header) + 24))
+    for r in rows:
+        marks = " ".join(mark for mark, on in (("<- roofline", r["chosen"]), ("<- fastest", r["fastest"])) if on)
+        print(f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['roofline']:>20.3f} {r['ratio']:>12.3f} "
+              f"{r['spread']:>6.3f}  {marks}")
+
+
+def main(argv=None) -> list[dict]:
+    args = parse_args(argv)
+    initialize_parallel()
+    cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
+    rows = [row for layers, kv in tqdm(cases, desc="depth x kv-heads") for row in measure(args, layers, kv)]
+    print_table(rows)
+    settings = {(r["layers"], r["kv_heads"]) for r in rows}
+    chosen = {(r["layers"], r["kv_heads"]): r for r in rows if r["chosen"]}
+    fastest = {(r["layers"], r["kv_heads"]): r for r in rows if r["fastest"]}
+    close = [key for key in settings if chosen[key]["ratio"] - fastest[key]["ratio"] <= chosen[key]["spread"]]
+    print(f"\nsummary: {len(settings)} settings; the roofline's B is the fastest or within one IQR of it "
+          f"in {len(close)}; worst gap {max(chosen[k]['ratio'] - fastest[k]['ratio'] for k in settings):.3f} "
+          "of the baseline's time")
+    return rows
+
+
+if __name__ == "__main__":
+    main()
