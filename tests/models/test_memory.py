@@ -8,6 +8,8 @@ again per backward product (dW = g R^T and the keys/values' gradient) and per re
 
 from __future__ import annotations
 
+import math
+
 import pytest
 import torch
 from decoding_fixtures import incremental_logits
@@ -82,12 +84,17 @@ def test_routers_run_their_formula_and_layer_zero_nothing(variant, products):
     assert decoding_flops(lime.eval()) - decoding_flops(baseline.eval()) == router * decoded_tokens
 
 
-def attention_layout_copies(model) -> int:
-    """Bytes copied into tensors of attention's ``[s, b, kv heads, d]`` shape in one forward+backward."""
+def step_copies(model) -> CopiedBytes:
+    """The copies of one forward+backward on ``batch()``."""
     tokens, positions, mask = batch()
     with CopiedBytes() as copies:
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
-    return copies.by_shape[(SEQ, BATCH, model.config.num_query_groups, model.config.kv_channels)]
+    return copies
+
+
+def attention_layout_copies(model) -> int:
+    """Bytes copied into tensors of attention's ``[s, b, kv heads, d]`` shape in one forward+backward."""
+    return step_copies(model).by_shape[(SEQ, BATCH, model.config.num_query_groups, model.config.kv_channels)]
 
 
 @pytest.mark.parametrize("block", [1, 2])
@@ -103,3 +110,19 @@ def test_routed_products_write_attention_layout_without_a_copy(block):
     assert routed_kv_log.take()[1].rebuilt["routed"] == 1
     keys_bytes = SEQ * BATCH * model.config.num_query_groups * model.config.kv_channels * 8
     assert lime_copies - attention_layout_copies(baseline) == 4 * keys_bytes
+
+
+def kv_sized_copies(model) -> int:
+    """Bytes copied into tensors of at least one layer's keys' size (``[s, b, kv heads, d]``
+    elements) in one forward+backward."""
+    keys = SEQ * BATCH * model.config.num_query_groups * model.config.kv_channels
+    return sum(nbytes for shape, nbytes in step_copies(model).by_shape.items() if math.prod(shape) >= keys)
+
+
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_blocking_copies_no_key_value_sized_tensor_more(kv_heads):
+    """The block's earlier-source weight gradient reads the g_m rows the memory keeps, so blocked
+    routing copies no tensor of the keys' size or larger beyond what per-layer routing copies."""
+    per_layer = kv_sized_copies(tiny_model(num_layers=6, num_query_groups=kv_heads, lime_routing_block=1))
+    blocked = kv_sized_copies(tiny_model(num_layers=6, num_query_groups=kv_heads, lime_routing_block=3))
+    assert blocked == per_layer
