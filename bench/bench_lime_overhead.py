@@ -63,12 +63,16 @@ def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser
     return parser
 
 
-def parse_args(argv=None) -> argparse.Namespace:
-    parser = shape_parser(__doc__, [8, 16, 32, 64, 128])
+def parse_paired_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
+    """``parser``'s arguments for a bench reporting ``paired_ratio``: at least 2 timed rounds."""
     args = parser.parse_args(argv)
     if args.repeats < 2:
         parser.error(f"--repeats {args.repeats}: at least 2 timed rounds are needed for the spread of the ratios")
     return args
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    return parse_paired_args(shape_parser(__doc__, [8, 16, 32, 64, 128]), argv)
 
 
 def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full",

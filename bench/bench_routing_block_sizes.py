@@ -16,28 +16,29 @@ Run (the table in BENCHMARKS.md):
 from __future__ import annotations
 
 import argparse
-import math
 
 import torch
-from bench_lime_overhead import build, make_batch, paired_ratio, round_times, shape_parser
+from bench_lime_overhead import build, make_batch, paired_ratio, parse_paired_args, round_times, shape_parser
 from tqdm import tqdm
 
-from lime_megatron.models.lime.routing_blocks import CPU_2_CORE, block_product_seconds, routing_block_size
+from lime_megatron.models.lime.routing_blocks import (
+    CPU_2_CORE,
+    block_product_seconds,
+    block_size_limit,
+    routing_block_size,
+)
 from lime_megatron.parallel.process_groups import initialize_parallel
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = shape_parser(__doc__, [8, 16, 32])
     parser.set_defaults(repeats=9)
-    args = parser.parse_args(argv)
-    if args.repeats < 2:
-        parser.error(f"--repeats {args.repeats}: at least 2 timed rounds are needed for the spread of the ratios")
-    return args
+    return parse_paired_args(parser, argv)
 
 
 def candidate_blocks(num_layers: int, chosen: int) -> list[int]:
-    """B = 1, the powers of two up to the roofline's limit (2 * isqrt(L)), and ``chosen``."""
-    limit = max(1, math.isqrt(num_layers) * 2)
+    """B = 1, the powers of two up to the roofline's limit (``block_size_limit``), and ``chosen``."""
+    limit = block_size_limit(num_layers)
     powers = {2**k for k in range(limit.bit_length()) if 2**k <= limit}
     return sorted(powers | {chosen})
 

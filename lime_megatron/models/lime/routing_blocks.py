@@ -72,13 +72,18 @@ def block_product_seconds(num_layers: int, kv_heads: int, block: int, element_si
     return seconds
 
 
+def block_size_limit(num_layers: int) -> int:
+    """The largest block size ``routing_block_size`` considers: 2 * isqrt(L) (at least 1)."""
+    return max(1, math.isqrt(num_layers) * 2)
+
+
 def routing_block_size(num_layers: int, kv_heads: int, element_size: int,
                        machine: MachineBalance = CPU_2_CORE) -> int:
-    """The block size of least roofline time (``block_product_seconds``), the smallest within 1%
-    of it (a larger block only lengthens the in-block products and the partial sums' life)."""
-    limit = max(1, math.isqrt(num_layers) * 2)
+    """The block size of least roofline time (``block_product_seconds``) up to
+    ``block_size_limit``, the smallest within 1% of it (a larger block only lengthens the
+    in-block products and the partial sums' life)."""
     times = {block: block_product_seconds(num_layers, kv_heads, block, element_size, machine)
-             for block in range(1, limit + 1)}
+             for block in range(1, block_size_limit(num_layers) + 1)}
     best = min(times.values())
     return min(block for block, seconds in times.items() if seconds <= 1.01 * best)
 
