@@ -23,6 +23,22 @@ the same process, interleaving the four models:
   ``[s, b, heads, d]`` layout, the store into the buffer and the rotated-key copy (issue 26, item 3).
   Counted, not timed: one step's copy time is below this VM's noise.
 
+A second table says where the blocked model's time over the baseline goes, from the same timed
+rounds: per round the time the routing products took (``routing_reads``, which times each product
+and counts its FLOPs and the bytes it reads) and the rest of the difference (the store into the
+buffer, the row rearrangements, the partial-sum adds, the Python around them); medians over rounds.
+Beside them the rate the products ran at (GFLOP/s, GB/s of rows read) and what they would take at
+the baseline's own rate (its FLOPs over its time), which is what the FLOP floor assumes.
+
+Allocator.  On a GPU, torch's caching allocator hands freed blocks back to the next allocation; on
+the CPU torch allocates with glibc's malloc, which returns every freed block above its (dynamic)
+mmap threshold to the OS and page-faults it in again on the next step.  That cost is the CPU's
+alone and falls on LIMe's per-layer tensors (routed K/V, partial sums, gradient rows) more than on
+the baseline's (measured at 32 layers, MHA: most of the "rest" of the second table), so the timing
+benches first set glibc to keep freed memory (``keep_freed_memory``: ``mallopt``, the mmap
+threshold at its 32 MiB maximum, no trimming), for the baseline and LIMe alike;
+``--system-malloc`` measures with glibc's defaults instead.
+
 Run (the figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py
 """
@@ -30,6 +46,8 @@ Run (the figures in BENCHMARKS.md):
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import statistics
 import time
 
@@ -38,7 +56,7 @@ from tqdm import tqdm
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
-from lime_megatron.models.lime.routing_blocks import routing_block_size
+from lime_megatron.models.lime.routing_blocks import RoutingReads, routing_block_size, routing_reads
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning.copied_bytes import CopiedBytes
 from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
@@ -60,7 +78,29 @@ def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser
                         help="small so that the transformer layers, not the logits, dominate")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--system-malloc", action="store_true",
+                        help="time with glibc's default malloc settings (see keep_freed_memory)")
     return parser
+
+
+GLIBC_MALLOC_OPTIONS = {-1: 2**30, -2: 256 * 2**20, -3: 32 * 2**20}
+"""``mallopt`` settings of ``keep_freed_memory``: M_TRIM_THRESHOLD (-1) 1 GiB, M_TOP_PAD (-2)
+256 MiB, M_MMAP_THRESHOLD (-3) 32 MiB, glibc's largest."""
+
+
+def keep_freed_memory(args) -> None:
+    """Unless ``args.system_malloc``: set glibc's malloc to keep freed memory for the next
+    allocation (``GLIBC_MALLOC_OPTIONS``), as torch's caching allocator does on a GPU (module
+    docstring); tensors above 32 MiB are still mapped afresh.  Raises where ``mallopt`` is missing
+    or refuses a setting."""
+    if args.system_malloc:
+        return
+    libc = ctypes.CDLL(ctypes.util.find_library("c"))
+    if not hasattr(libc, "mallopt"):
+        raise RuntimeError("this C library has no mallopt: run with --system-malloc to time with its defaults")
+    for option, value in GLIBC_MALLOC_OPTIONS.items():
+        if libc.mallopt(option, value) != 1:
+            raise RuntimeError(f"mallopt({option}, {value}) failed: run with --system-malloc to time with the defaults")
 
 
 def parse_paired_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -125,15 +165,20 @@ def copied_bytes(model, batch) -> int:
     return counter.bytes
 
 
-def round_times(args, models: dict, batch) -> dict[str, list[float]]:
+def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads]] | None = None
+                ) -> dict[str, list[float]]:
     """Forward+backward seconds of each model in each of ``args.repeats`` rounds after
-    ``args.warmup``, the models run one after another within a round."""
+    ``args.warmup``, the models run one after another within a round; ``products`` (when given)
+    gets each model's ``routing_reads`` counter of each timed round."""
     times = {name: [] for name in models}
     for run in range(args.warmup + args.repeats):
         for name, model in models.items():
-            elapsed = train_step(model, batch)
+            with routing_reads() as counter:
+                elapsed = train_step(model, batch)
             if run >= args.warmup:
                 times[name].append(elapsed)
+                if products is not None:
+                    products.setdefault(name, []).append(counter)
     return times
 
 
@@ -151,6 +196,29 @@ def paired_ratio(times: dict[str, list[float]], name: str, reference: str = "bas
     return statistics.median(ratios), quartiles[2] - quartiles[0]
 
 
+def time_split(args, config, times: dict[str, list[float]], counters: list[RoutingReads]) -> dict:
+    """Where the blocked model's time over the baseline's goes, per round (medians over rounds):
+    the routing products' seconds (``counters``), the rest of the difference, the products' rate,
+    and their seconds at the baseline's rate (its FLOPs per step over its step time)."""
+    product_s = [sum(counter.seconds_by_kind.values()) for counter in counters]
+    extra_s = [lime - base for lime, base in zip(times["blocked"], times["base"])]
+    router_flops = sum(counters[0].flops_by_kind.values())
+    tokens = args.seq_length * args.micro_batch_size
+    base_flops = 3 * tokens * (forward_flops_per_token(config, args.seq_length, args.vocab_size)
+                               - router_flops_per_token(config))
+    base_rate = base_flops / statistics.median(times["base"])
+    products = statistics.median(product_s)
+    return dict(
+        extra_ms=1e3 * statistics.median(extra_s),
+        products_ms=1e3 * products,
+        rest_ms=1e3 * statistics.median(extra - product for extra, product in zip(extra_s, product_s)),
+        products_gflops=router_flops / products / 1e9,
+        products_gbs=counters[0].total / products / 1e9,
+        base_gflops=base_rate / 1e9,
+        at_base_rate_ms=1e3 * router_flops / base_rate,
+    )
+
+
 def flop_floor(args, config) -> float:
     """1 + router FLOPs / baseline FLOPs of ``config``: the time ratio of an implementation that
     costs exactly the router's FLOPs."""
@@ -164,7 +232,8 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
               "blocked": build(args, num_layers, kv_heads, True, block),
               "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True)}
     batch = make_batch(args)
-    times = round_times(args, models, batch)
+    products = {}
+    times = round_times(args, models, batch, products)
     ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
     config = models["blocked"].config
     reads = {b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values())
@@ -185,6 +254,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         reads_per_layer=reads[1],
         reads_blocked=reads[block],
         extra_copies=copied_bytes(models["blocked"], batch) - copied_bytes(models["base"], batch),
+        **time_split(args, config, times, products["blocked"]),
     )
 
 
@@ -207,13 +277,27 @@ def print_table(rows: list[dict]) -> None:
         )
 
 
+def print_time_split(rows: list[dict]) -> None:
+    header = (f"{'layers':>6} {'kv':>3} {'B':>3} {'LIMe-base ms':>12} {'products ms':>11} {'rest ms':>8} "
+              f"{'prod GFLOP/s':>12} {'prod GB/s':>9} {'base GFLOP/s':>12} {'prod at base rate ms':>20}")
+    print(header)
+    print("-" * len(header))
+    for r in rows:
+        print(f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['extra_ms']:>12.1f} {r['products_ms']:>11.1f} "
+              f"{r['rest_ms']:>8.1f} {r['products_gflops']:>12.1f} {r['products_gbs']:>9.2f} "
+              f"{r['base_gflops']:>12.1f} {r['at_base_rate_ms']:>20.1f}")
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    keep_freed_memory(args)
     initialize_parallel()
     torch.set_num_threads(torch.get_num_threads())
     cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
     rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
     print_table(rows)
+    print("\nwhere blocked LIMe's time over the baseline goes (medians over the same rounds):")
+    print_time_split(rows)
     worst = max(rows, key=lambda r: r["lime_x"] / r["floor"])
     print(
         f"\nsummary: {len(rows)} settings; worst blocked time vs FLOP floor "

@@ -21,11 +21,14 @@ VARIANTS = {
 }
 
 
-def counted_step(model) -> tuple[dict[str, int], int]:
-    """Bytes read by kind and the FLOPs of one forward+backward on ``lime_fixtures.batch()``."""
+def counted_step(model, counter: list | None = None) -> tuple[dict[str, int], int]:
+    """Bytes read by kind and the FLOPs of one forward+backward on ``lime_fixtures.batch()``;
+    the ``routing_reads`` counter appended to ``counter`` when given."""
     tokens, positions, mask = batch()
     with routing_reads() as reads, FlopCounterMode(display=False) as flops:
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    if counter is not None:
+        counter.append(reads)
     return reads.by_kind, flops.get_total_flops()
 
 
@@ -50,6 +53,30 @@ def test_blocking_reads_less_for_the_same_flops():
     assert sum(blocked[0].values()) < 0.6 * sum(per_layer[0].values())
     # zero-padded stacked routers would add FLOPs; the full router pads nothing
     assert blocked[1] == per_layer[1]
+
+
+@pytest.mark.parametrize("rebuild", [False, True], ids=["kept", "rebuilt"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+@pytest.mark.parametrize("block", [1, 3])
+def test_counted_product_flops_are_the_routers(block, kv_heads, rebuild):
+    """The FLOPs counted on the routing products (which the overhead bench divides by their counted
+    time) are, per kind, Eq. 2's: the forward's, the weight gradient's, the row gradient's and the
+    rebuild's (where the routed K/V are dropped: MHA here) each equal the router FLOPs of the plan
+    (``router_flops_per_token``), blocked or not; every counted kind was timed."""
+    from lime_megatron.models.lime.recompute import drops_routed_kv
+    from lime_megatron.planning.flops import router_flops_per_token
+
+    model = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=block,
+                       lime_recompute_routed_kv=rebuild)
+    counters = []
+    counted_step(model, counters)
+    step_flops = router_flops_per_token(model.config) * SEQ * BATCH
+    dropped = rebuild and kv_heads == 4
+    assert drops_routed_kv(model.config, "local") == dropped
+    kinds = ["forward", "weight_grad", "row_grad"] + (["rebuild"] if dropped else [])
+    assert counters[0].flops_by_kind == {kind: step_flops for kind in kinds}
+    assert set(counters[0].seconds_by_kind) == set(kinds)
+    assert all(seconds > 0 for seconds in counters[0].seconds_by_kind.values())
 
 
 @pytest.mark.parametrize("num_layers,block", [(7, 1), (7, 3), (9, 4), (16, 4)])

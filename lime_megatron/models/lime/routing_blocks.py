@@ -18,12 +18,15 @@ L^2/(2B) + L*B/2 row blocks per product for the same FLOPs; what stays per layer
 sources) must, because a layer's own rows exist only once the layer has run.
 
 ``routing_block_size`` picks B from a roofline of the machine; ``routing_reads`` counts the bytes
-the products actually read (tests check it against ``planning.flops.routing_bytes_per_step``).
+the products actually read (tests check it against ``planning.routing_bytes.routing_bytes_per_step``),
+their FLOPs and their time (``bench/bench_lime_overhead.py`` reports the rate they run at).
 """
 
 from __future__ import annotations
 
 import math
+import time
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -106,11 +109,16 @@ def chunk_routing_block(config, num_layers: int, machine: MachineBalance | None 
 
 # ----------------------------------------------------------------------------- byte counting
 class RoutingReads:
-    """Bytes of N-wide operands (buffer rows, gradient rows, partial sums) read by the routing
-    products while counting is on; ``by_kind`` splits them by product."""
+    """What the routing products did while counting was on: bytes of the N-wide operands they read
+    (buffer rows, gradient rows, partial sums) by product kind (``by_kind``; the dynamic router's
+    per-token products included), and for the matrix products their FLOPs (``flops_by_kind``) and
+    wall seconds (``seconds_by_kind``; on a GPU the device is synchronised around each product
+    while counting, so these are its kernel times plus one launch)."""
 
     def __init__(self):
         self.by_kind: dict[str, int] = {}
+        self.flops_by_kind: dict[str, int] = {}
+        self.seconds_by_kind: dict[str, float] = {}
 
     @property
     def total(self) -> int:
@@ -119,13 +127,17 @@ class RoutingReads:
     def add(self, kind: str, wide: torch.Tensor) -> None:
         self.by_kind[kind] = self.by_kind.get(kind, 0) + wide.numel() * wide.element_size()
 
+    def add_product(self, kind: str, flops: int, seconds: float) -> None:
+        self.flops_by_kind[kind] = self.flops_by_kind.get(kind, 0) + flops
+        self.seconds_by_kind[kind] = self.seconds_by_kind.get(kind, 0.0) + seconds
+
 
 _COUNTER: list[RoutingReads] = []
 
 
 @contextmanager
 def routing_reads():
-    """Count the bytes the routing products read inside the ``with`` block."""
+    """Count the bytes, FLOPs and seconds of the routing products inside the ``with`` block."""
     counter = RoutingReads()
     _COUNTER.append(counter)
     try:
@@ -142,19 +154,42 @@ def count_read(kind: str, wide: torch.Tensor) -> torch.Tensor:
     return wide
 
 
+def _synchronize(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
+
+
+def counted_product(kind: str, wide: torch.Tensor, flops: int, product: Callable[[], torch.Tensor]) -> torch.Tensor:
+    """``product()``, a matrix product reading the N-wide ``wide`` for ``flops`` FLOPs, counted as
+    ``kind`` in the open ``routing_reads`` counters: its read, its FLOPs and its wall time."""
+    count_read(kind, wide)
+    if not _COUNTER:
+        return product()
+    _synchronize(wide)
+    start = time.perf_counter()
+    result = product()
+    _synchronize(wide)
+    for counter in _COUNTER:
+        counter.add_product(kind, flops, time.perf_counter() - start)
+    return result
+
+
 def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
     """``narrow @ wide`` ([r, k] @ [k, N]) in ``wide``'s dtype (router weights may be kept in float32
-    beside bf16 activations), with the read of ``wide`` counted as ``kind``."""
-    return narrow.to(wide.dtype) @ count_read(kind, wide)
+    beside bf16 activations), counted as ``kind`` (``counted_product``)."""
+    flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+    return counted_product(kind, wide, flops, lambda: narrow.to(wide.dtype) @ wide)
 
 
 def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int) -> torch.Tensor:
     """``narrow @ wide`` written straight into attention's layout: ``[r, k] @ [k, M * inner]`` ->
     ``[M, r, inner]`` contiguous (with ``M * inner = 2*s*b*d``, ``inner = d``: ``[2, s, b, r, d]``),
-    one strided-batched product instead of the ``[r, N]`` product and its rearranging copy; the read
-    of ``wide`` counted as ``kind``."""
-    batched = count_read(kind, wide).view(wide.shape[0], -1, inner).transpose(0, 1)
-    return torch.bmm(narrow.to(wide.dtype).expand(batched.shape[0], -1, -1), batched)
+    one strided-batched product instead of the ``[r, N]`` product and its rearranging copy; counted
+    as ``kind`` (``counted_product``)."""
+    batched = wide.view(wide.shape[0], -1, inner).transpose(0, 1)
+    flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+    return counted_product(kind, wide, flops,
+                           lambda: torch.bmm(narrow.to(wide.dtype).expand(batched.shape[0], -1, -1), batched))
 
 
 def key_value_halves(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -177,8 +212,9 @@ def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
 
 
 def weight_grad_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """:func:`float32_product` with the read of ``rows`` counted as the weight gradient's."""
-    return float32_product(grad_rows, count_read("weight_grad", rows))
+    """:func:`float32_product` counted as the weight gradient's (``counted_product``)."""
+    flops = 2 * grad_rows.shape[0] * rows.shape[0] * rows.shape[1]
+    return counted_product("weight_grad", rows, flops, lambda: float32_product(grad_rows, rows))
 
 
 FLOAT32_CHUNK_BYTES = 64 * 2**20
