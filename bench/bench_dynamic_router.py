@@ -15,15 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench_lime_overhead import (
-    build,
-    flop_floor,
-    keep_freed_memory,
-    make_batch,
-    median_times,
-    saved_bytes,
-    shape_parser,
-)
+from bench_lime_overhead import build, flop_floor, make_batch, median_times, saved_bytes, shape_parser
 from tqdm import tqdm
 
 from lime_megatron.parallel.process_groups import initialize_parallel
@@ -60,7 +52,6 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    keep_freed_memory(args)
     initialize_parallel()
     cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
     rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]

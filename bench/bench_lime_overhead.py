@@ -30,15 +30,6 @@ buffer, the row rearrangements, the partial-sum adds, the Python around them); m
 Beside them the rate the products ran at (GFLOP/s, GB/s of rows read) and what they would take at
 the baseline's own rate (its FLOPs over its time), which is what the FLOP floor assumes.
 
-Allocator.  On a GPU, torch's caching allocator hands freed blocks back to the next allocation; on
-the CPU torch allocates with glibc's malloc, which returns every freed block above its (dynamic)
-mmap threshold to the OS and page-faults it in again on the next step.  That cost is the CPU's
-alone and falls on LIMe's per-layer tensors (routed K/V, partial sums, gradient rows) more than on
-the baseline's (measured at 32 layers, MHA: most of the "rest" of the second table), so the timing
-benches first set glibc to keep freed memory (``keep_freed_memory``: ``mallopt``, the mmap
-threshold at its 32 MiB maximum, no trimming), for the baseline and LIMe alike;
-``--system-malloc`` measures with glibc's defaults instead.
-
 Run (the figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py
 """
@@ -46,8 +37,6 @@ Run (the figures in BENCHMARKS.md):
 from __future__ import annotations
 
 import argparse
-import ctypes
-import ctypes.util
 import statistics
 import time
 
@@ -78,29 +67,7 @@ def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser
                         help="small so that the transformer layers, not the logits, dominate")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--system-malloc", action="store_true",
-                        help="time with glibc's default malloc settings (see keep_freed_memory)")
     return parser
-
-
-GLIBC_MALLOC_OPTIONS = {-1: 2**30, -2: 256 * 2**20, -3: 32 * 2**20}
-"""``mallopt`` settings of ``keep_freed_memory``: M_TRIM_THRESHOLD (-1) 1 GiB, M_TOP_PAD (-2)
-256 MiB, M_MMAP_THRESHOLD (-3) 32 MiB, glibc's largest."""
-
-
-def keep_freed_memory(args) -> None:
-    """Unless ``args.system_malloc``: set glibc's malloc to keep freed memory for the next
-    allocation (``GLIBC_MALLOC_OPTIONS``), as torch's caching allocator does on a GPU (module
-    docstring); tensors above 32 MiB are still mapped afresh.  Raises where ``mallopt`` is missing
-    or refuses a setting."""
-    if args.system_malloc:
-        return
-    libc = ctypes.CDLL(ctypes.util.find_library("c"))
-    if not hasattr(libc, "mallopt"):
-        raise RuntimeError("this C library has no mallopt: run with --system-malloc to time with its defaults")
-    for option, value in GLIBC_MALLOC_OPTIONS.items():
-        if libc.mallopt(option, value) != 1:
-            raise RuntimeError(f"mallopt({option}, {value}) failed: run with --system-malloc to time with the defaults")
 
 
 def parse_paired_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -290,7 +257,6 @@ def print_time_split(rows: list[dict]) -> None:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    keep_freed_memory(args)
     initialize_parallel()
     torch.set_num_threads(torch.get_num_threads())
     cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]

@@ -18,15 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
-from bench_lime_overhead import (
-    build,
-    keep_freed_memory,
-    make_batch,
-    paired_ratio,
-    parse_paired_args,
-    round_times,
-    shape_parser,
-)
+from bench_lime_overhead import build, make_batch, paired_ratio, parse_paired_args, round_times, shape_parser
 from tqdm import tqdm
 
 from lime_megatron.models.lime.routing_blocks import (
@@ -83,7 +75,6 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    keep_freed_memory(args)
     initialize_parallel()
     cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
     rows = [row for layers, kv in tqdm(cases, desc="depth x kv-heads") for row in measure(args, layers, kv)]
