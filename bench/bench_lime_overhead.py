@@ -170,9 +170,7 @@ def time_split(args, config, times: dict[str, list[float]], counters: list[Routi
     product_s = [sum(counter.seconds_by_kind.values()) for counter in counters]
     extra_s = [lime - base for lime, base in zip(times["blocked"], times["base"])]
     router_flops = sum(counters[0].flops_by_kind.values())
-    tokens = args.seq_length * args.micro_batch_size
-    base_flops = 3 * tokens * (forward_flops_per_token(config, args.seq_length, args.vocab_size)
-                               - router_flops_per_token(config))
+    base_flops = 3 * args.seq_length * args.micro_batch_size * baseline_flops_per_token(args, config)
     base_rate = base_flops / statistics.median(times["base"])
     products = statistics.median(product_s)
     return dict(
@@ -186,11 +184,15 @@ def time_split(args, config, times: dict[str, list[float]], counters: list[Routi
     )
 
 
+def baseline_flops_per_token(args, config) -> float:
+    """Forward FLOPs per token of ``config``'s model without its routers (the baseline's)."""
+    return forward_flops_per_token(config, args.seq_length, args.vocab_size) - router_flops_per_token(config)
+
+
 def flop_floor(args, config) -> float:
     """1 + router FLOPs / baseline FLOPs of ``config``: the time ratio of an implementation that
     costs exactly the router's FLOPs."""
-    baseline = forward_flops_per_token(config, args.seq_length, args.vocab_size) - router_flops_per_token(config)
-    return 1.0 + router_flops_per_token(config) / baseline
+    return 1.0 + router_flops_per_token(config) / baseline_flops_per_token(args, config)
 
 
 def measure(args, num_layers: int, kv_heads: int) -> dict:

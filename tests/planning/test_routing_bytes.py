@@ -7,7 +7,7 @@ import pytest
 from lime_fixtures import BATCH, SEQ, batch, loss_of, megatron_logits, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from lime_megatron.models.lime.routing_blocks import forward_products, routing_block_size, routing_reads
+from lime_megatron.models.lime.routing_blocks import RoutingReads, forward_products, routing_block_size, routing_reads
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -21,15 +21,12 @@ VARIANTS = {
 }
 
 
-def counted_step(model, counter: list | None = None) -> tuple[dict[str, int], int]:
-    """Bytes read by kind and the FLOPs of one forward+backward on ``lime_fixtures.batch()``;
-    the ``routing_reads`` counter appended to ``counter`` when given."""
+def counted_step(model) -> tuple[RoutingReads, int]:
+    """The ``routing_reads`` counter and the FLOPs of one forward+backward on ``lime_fixtures.batch()``."""
     tokens, positions, mask = batch()
     with routing_reads() as reads, FlopCounterMode(display=False) as flops:
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
-    if counter is not None:
-        counter.append(reads)
-    return reads.by_kind, flops.get_total_flops()
+    return reads, flops.get_total_flops()
 
 
 @pytest.mark.parametrize("rebuild", [False, True], ids=["kept", "rebuilt"])  # MHA rebuilt: a product more
@@ -41,7 +38,7 @@ def test_counted_reads_match_the_plan(variant, num_layers, block, kv_heads, rebu
                        lime_recompute_routed_kv=rebuild, **variant)
     counted, _ = counted_step(model)
     planned = {kind: read for kind, read in routing_bytes_per_step(model.config, SEQ, BATCH, block).items() if read}
-    assert counted == planned
+    assert counted.by_kind == planned
 
 
 def test_blocking_reads_less_for_the_same_flops():
@@ -50,7 +47,7 @@ def test_blocking_reads_less_for_the_same_flops():
     assert block > 1
     per_layer = counted_step(tiny_model(num_layers=16, num_query_groups=2, lime_routing_block=1))
     blocked = counted_step(tiny_model(num_layers=16, num_query_groups=2, lime_routing_block=block))
-    assert sum(blocked[0].values()) < 0.6 * sum(per_layer[0].values())
+    assert blocked[0].total < 0.6 * per_layer[0].total
     # zero-padded stacked routers would add FLOPs; the full router pads nothing
     assert blocked[1] == per_layer[1]
 
@@ -68,15 +65,14 @@ def test_counted_product_flops_are_the_routers(block, kv_heads, rebuild):
 
     model = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=block,
                        lime_recompute_routed_kv=rebuild)
-    counters = []
-    counted_step(model, counters)
+    counted, _ = counted_step(model)
     step_flops = router_flops_per_token(model.config) * SEQ * BATCH
     dropped = rebuild and kv_heads == 4
     assert drops_routed_kv(model.config, "local") == dropped
     kinds = ["forward", "weight_grad", "row_grad"] + (["rebuild"] if dropped else [])
-    assert counters[0].flops_by_kind == {kind: step_flops for kind in kinds}
-    assert set(counters[0].seconds_by_kind) == set(kinds)
-    assert all(seconds > 0 for seconds in counters[0].seconds_by_kind.values())
+    assert counted.flops_by_kind == {kind: step_flops for kind in kinds}
+    assert set(counted.seconds_by_kind) == set(kinds)
+    assert all(seconds > 0 for seconds in counted.seconds_by_kind.values())
 
 
 @pytest.mark.parametrize("num_layers,block", [(7, 1), (7, 3), (9, 4), (16, 4)])
@@ -87,7 +83,7 @@ def test_the_roofline_models_the_forward_products_the_memory_runs(num_layers, bl
     model = tiny_model(num_layers=num_layers, num_query_groups=2, lime_routing_block=block)
     counted, _ = counted_step(model)
     row_bytes = 2 * SEQ * BATCH * model.config.kv_channels * 8  # float64 rows
-    assert sum(rows for rows, _ in forward_products(num_layers, 2, block)) * row_bytes == counted["forward"]
+    assert sum(rows for rows, _ in forward_products(num_layers, 2, block)) * row_bytes == counted.by_kind["forward"]
 
 
 def test_dry_run_reports_the_block_and_the_bytes_read():
