@@ -53,20 +53,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     return parser.parse_args(argv)
 
 
 def config_of(args, num_layers: int, model: str, **layout):
     return lime_config(num_layers=num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
                        num_attention_heads=args.num_attention_heads, num_query_groups=args.kv_heads,
-                       use_cpu_initialization=True, **MODELS[model], **layout)
+                       use_cpu_initialization=args.device == "cpu", **MODELS[model], **layout)
 
 
 def measure(args, num_layers: int) -> dict:
     models = {}
     for name in MODELS:
         torch.manual_seed(0)
-        models[name] = build_model(config_of(args, num_layers, name), args.vocab_size, args.seq_length)
+        models[name] = build_model(config_of(args, num_layers, name), args.vocab_size, args.seq_length).to(args.device)
     batch = make_batch(args)
     times = {name: [] for name in models}
     for run in range(args.warmup + args.repeats):

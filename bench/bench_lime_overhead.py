@@ -23,20 +23,26 @@ the same process, interleaving the four models:
   ``[s, b, heads, d]`` layout, the store into the buffer and the rotated-key copy (issue 26, item 3).
   Counted, not timed: one step's copy time is below this VM's noise.
 
-A second table says where the blocked model's time over the baseline goes, from the same timed
-rounds: per round the time the routing products took (``routing_reads``, which times each product
-and counts its FLOPs and the bytes it reads) and the rest of the difference (the store into the
+A second table says where the blocked model's time over the baseline goes, from rounds of its
+own of those two models with the products counted (``routing_reads`` times each product and counts
+its FLOPs and the bytes it reads; on a GPU it synchronises around each product, which is why the
+paired ratios above come from uncounted rounds): per round the products' time and the rest of the
+difference (the store into the
 buffer, the row rearrangements, the partial-sum adds, the Python around them); medians over rounds.
 Beside them the rate the products ran at (GFLOP/s, GB/s of rows read) and what they would take at
 the baseline's own rate (its FLOPs over its time), which is what the FLOP floor assumes.
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py
+On a GPU (``--device cuda``; the block size then comes from the H100 roofline, ``H100_SXM``):
+    python bench/bench_lime_overhead.py --device cuda --dtype bfloat16 --hidden-size 512 \
+        --ffn-hidden-size 2048 --seq-length 2048 --micro-batch-size 4 --repeats 5
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import statistics
 import time
 
@@ -45,7 +51,14 @@ from tqdm import tqdm
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
-from lime_megatron.models.lime.routing_blocks import RoutingReads, routing_block_size, routing_reads
+from lime_megatron.models.lime.routing_blocks import (
+    CPU_2_CORE,
+    H100_SXM,
+    MachineBalance,
+    RoutingReads,
+    routing_block_size,
+    routing_reads,
+)
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning.copied_bytes import CopiedBytes
 from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
@@ -67,6 +80,9 @@ def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser
                         help="small so that the transformer layers, not the logits, dominate")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
+                        help="the parameters' and activations' dtype")
     return parser
 
 
@@ -85,36 +101,57 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full",
           rebuild: bool = False):
     torch.manual_seed(0)
+    dtype = getattr(torch, args.dtype)
     config = lime_config(
         num_layers=num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=kv_heads,
         ffn_hidden_size=args.ffn_hidden_size,
-        use_cpu_initialization=True,
+        bf16=dtype is torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=args.device == "cpu",
         lime=lime,
         lime_router=router,
         lime_routing_block=block,
         lime_recompute_routed_kv=rebuild,
     )
-    return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length)
+    return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length).to(args.device)
+
+
+def element_size(args) -> int:
+    """Bytes per element of ``--dtype``."""
+    return torch.empty(0, dtype=getattr(torch, args.dtype)).element_size()
+
+
+def machine_balance(args) -> MachineBalance:
+    """The roofline the block size is chosen on: ``H100_SXM`` for ``--device cuda``, else ``CPU_2_CORE``."""
+    return H100_SXM if args.device == "cuda" else CPU_2_CORE
 
 
 def make_batch(args):
     tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
     positions = torch.arange(args.seq_length).expand_as(tokens)
     mask = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), diagonal=1)
-    return tokens, positions, mask[None, None]
+    return tokens.to(args.device), positions.to(args.device), mask[None, None].to(args.device)
 
 
 def train_step(model, batch) -> float:
-    """One forward+backward; returns its wall time in seconds."""
+    """One forward+backward; returns its wall time in seconds (on a GPU, until its kernels end)."""
     tokens, positions, mask = batch
     for param in model.parameters():
         param.grad = None
+    _synchronize(tokens)
     start = time.perf_counter()
     model(tokens, positions, mask, labels=tokens).mean().backward()
+    _synchronize(tokens)
     return time.perf_counter() - start
+
+
+def _synchronize(tensor: torch.Tensor) -> None:
+    if tensor.is_cuda:
+        torch.cuda.synchronize(tensor.device)
 
 
 def saved_bytes(model, batch) -> int:
@@ -136,11 +173,12 @@ def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads
                 ) -> dict[str, list[float]]:
     """Forward+backward seconds of each model in each of ``args.repeats`` rounds after
     ``args.warmup``, the models run one after another within a round; ``products`` (when given)
-    gets each model's ``routing_reads`` counter of each timed round."""
+    gets each model's ``routing_reads`` counter of each timed round (counting synchronises a GPU
+    around each product: rounds for ratios run uncounted)."""
     times = {name: [] for name in models}
     for run in range(args.warmup + args.repeats):
         for name, model in models.items():
-            with routing_reads() as counter:
+            with routing_reads() if products is not None else contextlib.nullcontext() as counter:
                 elapsed = train_step(model, batch)
             if run >= args.warmup:
                 times[name].append(elapsed)
@@ -196,13 +234,14 @@ def flop_floor(args, config) -> float:
 
 
 def measure(args, num_layers: int, kv_heads: int) -> dict:
-    block = routing_block_size(num_layers, kv_heads, torch.empty(0).element_size())
+    block = routing_block_size(num_layers, kv_heads, element_size(args), machine_balance(args))
     models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
               "blocked": build(args, num_layers, kv_heads, True, block),
               "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True)}
     batch = make_batch(args)
+    times = round_times(args, models, batch)
     products = {}
-    times = round_times(args, models, batch, products)
+    counted = round_times(args, {name: models[name] for name in ("base", "blocked")}, batch, products)
     ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
     config = models["blocked"].config
     reads = {b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values())
@@ -223,7 +262,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         reads_per_layer=reads[1],
         reads_blocked=reads[block],
         extra_copies=copied_bytes(models["blocked"], batch) - copied_bytes(models["base"], batch),
-        **time_split(args, config, times, products["blocked"]),
+        **time_split(args, config, counted, products["blocked"]),
     )
 
 
@@ -264,7 +303,7 @@ def main(argv=None) -> list[dict]:
     cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
     rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
     print_table(rows)
-    print("\nwhere blocked LIMe's time over the baseline goes (medians over the same rounds):")
+    print("\nwhere blocked LIMe's time over the baseline goes (medians over counted rounds of those two models):")
     print_time_split(rows)
     worst = max(rows, key=lambda r: r["lime_x"] / r["floor"])
     print(

@@ -11,18 +11,26 @@ choice within one IQR of the fastest is as good as this machine can tell.
 
 Run (the table in BENCHMARKS.md):
     python bench/bench_routing_block_sizes.py --repeats 9
+``--device cuda`` takes the roofline of ``H100_SXM`` instead of ``CPU_2_CORE``.
 """
 
 from __future__ import annotations
 
 import argparse
 
-import torch
-from bench_lime_overhead import build, make_batch, paired_ratio, parse_paired_args, round_times, shape_parser
+from bench_lime_overhead import (
+    build,
+    element_size,
+    machine_balance,
+    make_batch,
+    paired_ratio,
+    parse_paired_args,
+    round_times,
+    shape_parser,
+)
 from tqdm import tqdm
 
 from lime_megatron.models.lime.routing_blocks import (
-    CPU_2_CORE,
     block_product_seconds,
     block_size_limit,
     routing_block_size,
@@ -44,17 +52,17 @@ def candidate_blocks(num_layers: int, chosen: int) -> list[int]:
 
 
 def measure(args, num_layers: int, kv_heads: int) -> list[dict]:
-    element_size = torch.empty(0).element_size()
-    chosen = routing_block_size(num_layers, kv_heads, element_size)
+    size, machine = element_size(args), machine_balance(args)
+    chosen = routing_block_size(num_layers, kv_heads, size, machine)
     blocks = candidate_blocks(num_layers, chosen)
     models = {"base": build(args, num_layers, kv_heads, False)}
     models.update({block: build(args, num_layers, kv_heads, True, block) for block in blocks})
     times = round_times(args, models, make_batch(args))
-    per_layer = block_product_seconds(num_layers, kv_heads, 1, element_size, CPU_2_CORE)
+    per_layer = block_product_seconds(num_layers, kv_heads, 1, size, machine)
     rows = []
     for block in blocks:
         ratio, spread = paired_ratio(times, block)
-        roofline = block_product_seconds(num_layers, kv_heads, block, element_size, CPU_2_CORE) / per_layer
+        roofline = block_product_seconds(num_layers, kv_heads, block, size, machine) / per_layer
         rows.append(dict(layers=num_layers, kv_heads=kv_heads, block=block, ratio=ratio, spread=spread,
                          roofline=roofline, chosen=block == chosen))
     fastest = min(rows, key=lambda row: row["ratio"])

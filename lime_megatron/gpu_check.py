@@ -30,6 +30,10 @@ On one CUDA GPU, in a few minutes, in one process:
    issue's targets (overhead <= 1% GQA-8 / 3% MHA, memory within 2%, MFU >= 40%) are reported,
    not enforced: timings are not tolerances.
 
+``--spec local`` runs the same checks with megatron's local spec as the candidate (a GPU without
+TransformerEngine: megatron's own fused kernels in bf16 against fp32, the speed of the local
+spec, the training legs); FP8 and the attention backend need TransformerEngine and are skipped.
+
 Prints one table and exits 1 if a tolerance is missed, 0 otherwise; on a machine without CUDA it
 prints one line and exits 2.  The GPU-free pieces (tolerances, the table, the weight copy
 between specs, the comparison) are tested on CPU (``tests/test_gpu_check.py``).
@@ -115,6 +119,10 @@ TIMED_SHAPES = (
     TimedShape("deep-128", dict(num_layers=128, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8),
                4, 2048, 0.03),
 )
+LOCAL_SPEC_MICRO_BATCH = 1
+"""The micro batch of the timed shapes with ``--spec local``: megatron's unfused attention keeps each
+layer's s x s probabilities (fp32 softmax output and bf16 probabilities, 6 bytes per head and
+position pair), about 30 GiB per sequence at the deep-128 shape, 120 GiB at micro batch 4."""
 MEMORY_TARGET, MFU_TARGET = 0.02, 0.40
 TRAINING_RUN = ShortRun()
 """The training legs' model and run (4 layers, hidden 256, 4 iterations of 8 x 256 tokens)."""
@@ -269,8 +277,9 @@ def exit_code(rows: list[Row]) -> int:
 @dataclass(frozen=True)
 class Machine:
     """Where the checks run: the device and the spec of the candidate models.  ``main`` uses
-    ``Machine()`` (CUDA, TransformerEngine spec, the machine's fused kernels); the CPU tests
-    run the same checks with ``Machine("cpu", te=False)`` (local spec, no fusions)."""
+    ``Machine()`` (CUDA, TransformerEngine spec, the machine's fused kernels), or with
+    ``--spec local`` ``Machine(te=False)`` (CUDA, megatron's own layers and fused kernels); the CPU
+    tests run the same checks with ``Machine("cpu", te=False)`` (local spec, no fusions)."""
 
     device: str = "cuda"
     te: bool = True
@@ -487,12 +496,14 @@ def _timed_step(model, batch) -> tuple[float, int]:
     return seconds, peak
 
 
-def time_shape(shape: TimedShape, peak_tflops: float | None, warmup: int = 3, repeats: int = 10) -> list[Row]:
-    """LIMe and the baseline at ``shape``, timed interleaved; rows of speed and memory."""
+def time_shape(shape: TimedShape, peak_tflops: float | None, machine: Machine = GPU, warmup: int = 3,
+               repeats: int = 10) -> list[Row]:
+    """LIMe and the baseline at ``shape`` with ``machine``'s spec, timed interleaved; rows of speed
+    and memory."""
     models = {}
     for lime in (True, False):
-        config = check_config(lime, te=True, bf16=True, fusions_on=True, **shape.model)
-        models["LIMe" if lime else "baseline"] = (build(config, shape.seq), config)
+        config = check_config(lime, te=machine.te, bf16=True, fusions_on=True, machine=machine, **shape.model)
+        models["LIMe" if lime else "baseline"] = (build(config, shape.seq, machine), config)
     batch = make_batch(shape.micro_batch, shape.seq, seed=0)
     times: dict[str, list[float]] = {name: [] for name in models}
     peaks: dict[str, int] = {}
@@ -540,11 +551,46 @@ def guarded(check: str, run: Callable[[], list[Row]]) -> list[Row]:
         return [Row(check, "-", f"{type(error).__name__}: {str(error).splitlines()[0][:90]}", math.nan, math.inf)]
 
 
+SPECS = ("transformer_engine", "local")
+
+
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the GPU (default: from its name)")
     parser.add_argument("--skip-timing", action="store_true", help="correctness checks only")
+    parser.add_argument("--spec", choices=SPECS, default="transformer_engine",
+                        help="the candidates' layer spec: 'local' checks a GPU without TransformerEngine (megatron's "
+                             "own layers and fused kernels; the FP8 and attention-backend checks are skipped)")
     return parser.parse_args(argv)
+
+
+def timed_shapes(machine: Machine) -> list[TimedShape]:
+    """``TIMED_SHAPES``, at ``LOCAL_SPEC_MICRO_BATCH`` on the local spec (named so in the table)."""
+    if machine.te:
+        return list(TIMED_SHAPES)
+    return [dataclasses.replace(shape, name=f"{shape.name} mb{LOCAL_SPEC_MICRO_BATCH}",
+                                micro_batch=LOCAL_SPEC_MICRO_BATCH) for shape in TIMED_SHAPES]
+
+
+def all_checks(machine: Machine, skip_timing: bool, peak: float | None, world_size: int) -> list[Row]:
+    """The rows of every check on ``machine``: bf16, FP8 (TransformerEngine spec only; one skipped
+    row with the local spec), speed and memory (``timed_shapes``, unless ``skip_timing``), the training
+    legs."""
+    rows = []
+    for label in BF16_FAMILIES:
+        rows += guarded("bf16 vs fp32", lambda label=label: check_bf16(label, TOLERANCES, machine))
+    if machine.te:
+        for lime in (True, False):
+            rows += guarded("fp8", lambda lime=lime: check_fp8(lime, TOLERANCES, machine))
+    else:
+        rows.append(Row("fp8", "-", "skipped: FP8 and the attention backend need the TransformerEngine spec",
+                        math.nan, None))
+    if not skip_timing:
+        for shape in timed_shapes(machine):
+            rows += guarded(f"speed {shape.name}", lambda shape=shape: time_shape(shape, peak, machine))
+    for lime in (True, False):  # last: the trainer re-initialises the parallel state
+        rows += guarded("training", lambda lime=lime: training_rows(lime, TOLERANCES, world_size, machine))
+    return rows
 
 
 def main(argv=None) -> int:
@@ -557,24 +603,17 @@ def main(argv=None) -> int:
     from lime_megatron.parallel.process_groups import initialize_parallel, launch_world_size
 
     initialize_parallel()
-    world_size = launch_world_size()
     name = torch.cuda.get_device_name()
     peak = args.peak_tflops or device_peak_tflops(name)
-    print(f"gpu_check on {name} (bf16 peak {peak or 'unknown'} TFLOP/s); {Platform.detect().describe()}", flush=True)
-    rows = []
     platform = Platform.detect()
-    if not platform.te:
-        rows.append(Row("setup", "-", f"TransformerEngine: {platform.te_problem}", math.nan, math.inf))
+    machine = Machine(te=args.spec == "transformer_engine")
+    print(f"gpu_check on {name} (bf16 peak {peak or 'unknown'} TFLOP/s), {machine.transformer_impl} spec; "
+          f"{platform.describe()}", flush=True)
+    if machine.te and not platform.te:
+        rows = [Row("setup", "-", f"TransformerEngine: {platform.te_problem} (--spec local checks without it)",
+                    math.nan, math.inf)]
     else:
-        for label in BF16_FAMILIES:
-            rows += guarded("bf16 vs fp32", lambda label=label: check_bf16(label, TOLERANCES))
-        for lime in (True, False):
-            rows += guarded("fp8", lambda lime=lime: check_fp8(lime, TOLERANCES))
-        if not args.skip_timing:
-            for shape in TIMED_SHAPES:
-                rows += guarded(f"speed {shape.name}", lambda shape=shape: time_shape(shape, peak))
-        for lime in (True, False):  # last: the trainer re-initialises the parallel state
-            rows += guarded("training", lambda lime=lime: training_rows(lime, TOLERANCES, world_size))
+        rows = all_checks(machine, args.skip_timing, peak, launch_world_size())
     if torch.distributed.get_rank() != 0:
         return exit_code(rows)
     print(format_table(rows), flush=True)

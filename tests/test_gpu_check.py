@@ -49,6 +49,40 @@ def test_without_cuda_one_line_and_exit_2(capsys):
     assert capsys.readouterr().out.strip().count("\n") == 0
 
 
+@pytest.mark.parametrize("te", [True, False])
+def test_all_checks_run_on_the_spec_asked_for(monkeypatch, te):
+    """``--spec local`` (``Machine(te=False)``) runs every check on the local spec and skips FP8 in
+    one row; the TransformerEngine spec runs FP8 for both models; the timing follows skip_timing."""
+    calls = []
+
+    def recorder(check):
+        return lambda *args: calls.append((check, args[-1] if check != "training" else args[3])) or []
+
+    for check, function in (("bf16", "check_bf16"), ("fp8", "check_fp8"), ("speed", "time_shape"),
+                            ("training", "training_rows")):
+        monkeypatch.setattr(gpu_check, function, recorder(check))
+    machine = gpu_check.Machine(te=te)
+    for skip_timing in (False, True):
+        calls.clear()
+        rows = gpu_check.all_checks(machine, skip_timing, 989.4, 1)
+        kinds = [check for check, _ in calls]
+        assert kinds.count("bf16") == len(gpu_check.BF16_FAMILIES) and kinds.count("training") == 2
+        assert kinds.count("fp8") == (2 if te else 0)
+        assert kinds.count("speed") == (0 if skip_timing else len(gpu_check.TIMED_SHAPES))
+        assert all(passed is machine for _, passed in calls)
+        skipped = [row for row in rows if row.check == "fp8"]
+        assert len(skipped) == (0 if te else 1) and all(row.limit is None for row in skipped)
+    batches = {shape.micro_batch for shape in gpu_check.timed_shapes(machine)}
+    assert batches == ({4} if te else {gpu_check.LOCAL_SPEC_MICRO_BATCH})
+
+
+def test_spec_option():
+    assert gpu_check.parse_args([]).spec == "transformer_engine"
+    assert gpu_check.parse_args(["--spec", "local"]).spec == "local"
+    with pytest.raises(SystemExit):
+        gpu_check.parse_args(["--spec", "apex"])
+
+
 def module_with(tensors: dict[str, torch.Tensor]) -> nn.Module:
     """A module whose ``named_parameters`` are ``tensors`` (dotted names become submodules)."""
     root = nn.Module()
