@@ -17,6 +17,7 @@ import pytest
 import torch
 
 from lime_megatron.models.config import lime_config
+from lime_megatron.models.lime import routing_blocks
 from lime_megatron.models.lime.memory import LayerIntegratedMemory, route_keys_values
 from lime_megatron.models.lime.router import LimeRouter
 from lime_megatron.models.lime.routing_blocks import float32_product
@@ -48,6 +49,21 @@ def test_router_weight_gradient_of_bf16_rows_is_float32_accurate(monkeypatch):
     bf16_result = relative_error(grad_rows @ rows.t(), reference)  # what a bf16 product returns
     print(f"router weight gradient, N = 2^20: float32 accumulation {error:.1e}, bf16 result {bf16_result:.1e}")
     assert error <= BOUND < bf16_result
+
+
+BOUND_CUBLAS = 1.5e-4
+"""The CUDA path (one cuBLAS product, float32 accumulation in its own order): 2.5 * u32 * sqrt(N)
+= 1.5e-4 at N = 2^20, still 10x below a bf16 result's 2e-3 (measured on an H200: 3.7e-5)."""
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or not routing_blocks.CUBLAS_FLOAT32_OUTPUT,
+                    reason="the cuBLAS float32-output product runs on CUDA with torch >= 2.8 only")
+def test_router_weight_gradient_on_cuda_is_one_float32_product():
+    grad_rows, rows = (operand.cuda() for operand in bf16_operands())
+    reference = grad_rows.double() @ rows.double().t()
+    product = float32_product(grad_rows, rows)
+    assert product.dtype == torch.float32
+    assert relative_error(product, reference) <= BOUND_CUBLAS < relative_error(grad_rows @ rows.t(), reference)
 
 
 def test_float32_and_float64_operands_multiply_as_they_are():
