@@ -23,20 +23,23 @@ the same process, interleaving the four models:
   ``[s, b, heads, d]`` layout, the store into the buffer and the rotated-key copy (issue 26, item 3).
   Counted, not timed: one step's copy time is below this VM's noise.
 
-A second table says where the blocked model's time over the baseline goes, from rounds of its
-own of those two models with the products counted (``routing_reads`` times each product and counts
-its FLOPs and the bytes it reads; on a GPU it synchronises around each product, which is why the
-paired ratios above come from uncounted rounds): per round the products' time and the rest of the
-difference (the store into the
-buffer, the row rearrangements, the partial-sum adds, the Python around them); medians over rounds.
-Beside them the rate the products ran at (GFLOP/s, GB/s of rows read) and what they would take at
-the baseline's own rate (its FLOPs over its time), which is what the FLOP floor assumes.
+A second table says where the blocked model's time over the baseline goes, from extra rounds of
+those two models with the products counted (``routing_reads`` times each product and counts its
+FLOPs and the bytes it reads; on a GPU it synchronises around each product, so the paired ratios
+above come from uncounted rounds): per round the products' time and the rest of the difference
+(the store into the buffer, the row rearrangements, the partial-sum adds, the Python around them);
+medians over rounds.  Beside them the rate the products ran at (GFLOP/s, GB/s of rows read) and
+what they would take at the baseline's own rate (its FLOPs over its time), which is what the FLOP
+floor assumes.
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py
-On a GPU (``--device cuda``; the block size then comes from the H100 roofline, ``H100_SXM``):
+On a GPU (``--device cuda``; the block size then comes from the H100 roofline, ``H100_SXM``; the
+H200 figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py --device cuda --dtype bfloat16 --hidden-size 512 \
-        --ffn-hidden-size 2048 --seq-length 2048 --micro-batch-size 4 --repeats 5
+        --ffn-hidden-size 2048 --seq-length 2048 --micro-batch-size 1 --repeats 7
+(megatron's unfused attention keeps every layer's s x s probabilities: about 30 GiB per sequence
+at 128 layers of this shape.)
 """
 
 from __future__ import annotations
