@@ -61,6 +61,7 @@ from lime_megatron.models.lime.routing_blocks import (
     RoutingReads,
     routing_block_size,
     routing_reads,
+    synchronize_device_of,
 )
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning.copied_bytes import CopiedBytes
@@ -145,16 +146,11 @@ def train_step(model, batch) -> float:
     tokens, positions, mask = batch
     for param in model.parameters():
         param.grad = None
-    _synchronize(tokens)
+    synchronize_device_of(tokens)
     start = time.perf_counter()
     model(tokens, positions, mask, labels=tokens).mean().backward()
-    _synchronize(tokens)
+    synchronize_device_of(tokens)
     return time.perf_counter() - start
-
-
-def _synchronize(tensor: torch.Tensor) -> None:
-    if tensor.is_cuda:
-        torch.cuda.synchronize(tensor.device)
 
 
 def saved_bytes(model, batch) -> int:

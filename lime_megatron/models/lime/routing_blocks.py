@@ -154,7 +154,8 @@ def count_read(kind: str, wide: torch.Tensor) -> torch.Tensor:
     return wide
 
 
-def _synchronize(tensor: torch.Tensor) -> None:
+def synchronize_device_of(tensor: torch.Tensor) -> None:
+    """Wait for the kernels queued on ``tensor``'s GPU (nothing on CPU), so wall time covers them."""
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
 
@@ -165,10 +166,10 @@ def counted_product(kind: str, wide: torch.Tensor, flops: int, product: Callable
     count_read(kind, wide)
     if not _COUNTER:
         return product()
-    _synchronize(wide)
+    synchronize_device_of(wide)
     start = time.perf_counter()
     result = product()
-    _synchronize(wide)
+    synchronize_device_of(wide)
     for counter in _COUNTER:
         counter.add_product(kind, flops, time.perf_counter() - start)
     return result
