@@ -17,10 +17,11 @@ the same process, interleaving the four models:
   excluded), from one forward;
 - FLOP floor: 1 + router FLOPs / baseline FLOPs (``lime_megatron.planning.flops``; causal attention
   counted at half), the time ratio an implementation costing exactly the router's FLOPs would get;
-- copies: bytes written by copy operators (``copy_``, ``clone``, ``_to_copy``: ``contiguous`` and
-  copying ``reshape`` included) in one forward+backward, counted by ``planning.copied_bytes``, blocked LIMe
-  minus the baseline, beside the routing reads: the buffer rows rearranged to and from attention's
-  ``[s, b, heads, d]`` layout, the store into the buffer and the rotated-key copy (issue 26, item 3).
+- copies: bytes written by copy operators (``copy_``, ``clone``, ``_to_copy``, ``stack``:
+  ``contiguous`` and copying ``reshape`` included) in one forward+backward, counted by
+  ``planning.copied_bytes``, blocked LIMe minus the baseline, beside the routing reads: the buffer
+  rows rearranged to and from attention's ``[s, b, heads, d]`` layout, the store into the buffer
+  and the rotated-key copy (issue 26, item 3).
   Counted, not timed: one step's copy time is below this VM's noise.
 
 A second table says where the blocked model's time over the baseline goes, from extra rounds of
@@ -30,7 +31,12 @@ above come from uncounted rounds): per round the products' time and the rest of 
 (the store into the buffer, the row rearrangements, the partial-sum adds, the Python around them);
 medians over rounds.  Beside them the rate the products ran at (GFLOP/s, GB/s of rows read) and
 what they would take at the baseline's own rate (its FLOPs over its time), which is what the FLOP
-floor assumes.
+floor assumes.  Last, the host's work: the ATen operators LIMe dispatches per layer beyond the
+baseline in one forward+backward (``planning.dispatched_operators``; views included), per layer
+(B = 1) and blocked, which sets the pace where kernels are short (the deep narrow shape on a GPU)
+and which a tiny shape times on this CPU:
+    python bench/bench_lime_overhead.py --depths 32 128 --hidden-size 64 --ffn-hidden-size 128 \
+        --seq-length 16 --micro-batch-size 1 --repeats 9
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py
@@ -65,6 +71,7 @@ from lime_megatron.models.lime.routing_blocks import (
 )
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning.copied_bytes import CopiedBytes
+from lime_megatron.planning.dispatched_operators import DispatchedOperators
 from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.planning.saved_tensors import SavedTensorBytes
@@ -161,6 +168,13 @@ def saved_bytes(model, batch) -> int:
     return saved.bytes
 
 
+def dispatched_operators(model, batch) -> int:
+    """ATen operators dispatched in one forward+backward (the host's work)."""
+    with DispatchedOperators() as counter:
+        train_step(model, batch)
+    return counter.total
+
+
 def copied_bytes(model, batch) -> int:
     """Bytes written by copies in one forward+backward."""
     with CopiedBytes() as counter:
@@ -239,6 +253,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
               "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True)}
     batch = make_batch(args)
     times = round_times(args, models, batch)
+    base_operators = dispatched_operators(models["base"], batch)
     products = {}
     counted = round_times(args, {name: models[name] for name in ("base", "blocked")}, batch, products)
     ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
@@ -261,6 +276,8 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         reads_per_layer=reads[1],
         reads_blocked=reads[block],
         extra_copies=copied_bytes(models["blocked"], batch) - copied_bytes(models["base"], batch),
+        **{f"{name}_operators": (dispatched_operators(models[name], batch) - base_operators) / num_layers
+           for name in ("per_layer", "blocked")},
         **time_split(args, config, counted, products["blocked"]),
     )
 
@@ -286,13 +303,15 @@ def print_table(rows: list[dict]) -> None:
 
 def print_time_split(rows: list[dict]) -> None:
     header = (f"{'layers':>6} {'kv':>3} {'B':>3} {'LIMe-base ms':>12} {'products ms':>11} {'rest ms':>8} "
-              f"{'prod GFLOP/s':>12} {'prod GB/s':>9} {'base GFLOP/s':>12} {'prod at base rate ms':>20}")
+              f"{'prod GFLOP/s':>12} {'prod GB/s':>9} {'base GFLOP/s':>12} {'prod at base rate ms':>20} "
+              f"{'ops+/layer B=1':>14} {'ops+/layer B':>12}")
     print(header)
     print("-" * len(header))
     for r in rows:
         print(f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['extra_ms']:>12.1f} {r['products_ms']:>11.1f} "
               f"{r['rest_ms']:>8.1f} {r['products_gflops']:>12.1f} {r['products_gbs']:>9.2f} "
-              f"{r['base_gflops']:>12.1f} {r['at_base_rate_ms']:>20.1f}")
+              f"{r['base_gflops']:>12.1f} {r['at_base_rate_ms']:>20.1f} {r['per_layer_operators']:>14.1f} "
+              f"{r['blocked_operators']:>12.1f}")
 
 
 def main(argv=None) -> list[dict]:

@@ -682,12 +682,13 @@ def _probe_argparse() -> list[str | None]:
 # project's code spells, with the probe that checks it (``tests/parallel/test_compat_apis.py``
 # scans the package's source and fails on one missing here, and on an entry no code uses).
 def _probe_copy_counting() -> list[str | None]:
-    """Presence: the copy operator and the dispatch-mode base ``planning.copied_bytes`` counts with
+    """Presence: the copy operator and the dispatch-mode base ``planning.copied_bytes`` (and
+    ``planning.dispatched_operators``) count with
     (what the mode sees is tested by ``tests/models/test_memory.py``'s copy count)."""
     from torch.utils import _python_dispatch
 
     return [
-        _present("torch.ops.aten._to_copy.default", getattr(torch.ops.aten, "_to_copy", None)),
+        _present("torch.ops.aten._to_copy", getattr(torch.ops.aten, "_to_copy", None)),
         _present("torch.utils._python_dispatch.TorchDispatchMode",
                  getattr(_python_dispatch, "TorchDispatchMode", None)),
     ]

@@ -9,9 +9,11 @@ from collections import Counter
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-COPY_OPERATORS = (torch.ops.aten.copy_.default, torch.ops.aten.clone.default, torch.ops.aten._to_copy.default)
-"""What counts as a copy: ``copy_`` (also into views), ``clone`` (``contiguous``, copying
-``reshape``) and ``_to_copy`` (dtype and device changes)."""
+COPY_OPERATORS = (torch.ops.aten.copy_, torch.ops.aten.clone, torch.ops.aten._to_copy, torch.ops.aten.stack)
+"""What counts as a copy, in every overload: ``copy_`` (also into views), ``clone`` (``contiguous``,
+copying ``reshape``), ``_to_copy`` (dtype and device changes) and ``stack`` (tensors copied side
+by side, also into ``out``: the memory's keys/values to rows).  Not ``cat``, with which megatron's
+RoPE assembles its arithmetic's output."""
 
 
 class CopiedBytes(TorchDispatchMode):
@@ -32,6 +34,6 @@ class CopiedBytes(TorchDispatchMode):
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
         out = func(*args, **(kwargs or {}))
-        if func in COPY_OPERATORS:
+        if func.overloadpacket in COPY_OPERATORS:
             self.by_shape[tuple(out.shape)] += out.numel() * out.element_size()
         return out

@@ -20,6 +20,7 @@ from lime_megatron.inference.decoding import full_logits
 from lime_megatron.models.lime.recompute import routed_kv_log
 from lime_megatron.planning import flops
 from lime_megatron.planning.copied_bytes import CopiedBytes
+from lime_megatron.planning.dispatched_operators import DispatchedOperators
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -126,3 +127,26 @@ def test_blocking_copies_no_key_value_sized_tensor_more(kv_heads):
     per_layer = kv_sized_copies(tiny_model(num_layers=6, num_query_groups=kv_heads, lime_routing_block=1))
     blocked = kv_sized_copies(tiny_model(num_layers=6, num_query_groups=kv_heads, lime_routing_block=3))
     assert blocked == per_layer
+
+
+def step_operators(model) -> int:
+    """ATen operators dispatched by one forward+backward on ``batch()``."""
+    tokens, positions, mask = batch()
+    with DispatchedOperators() as operators:
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    return operators.total
+
+
+@pytest.mark.parametrize("settings", [dict(lime_routing_block=1), dict(lime_routing_block=4),
+                                      dict(lime_routing_block=1, lime_router="last", lime_router_window=2)],
+                         ids=["B=1", "B=4", "last-2"])
+def test_routing_host_work_grows_linearly_with_depth(settings):
+    """The operators LIMe dispatches beyond the baseline (the host's work, which sets the pace of a
+    deep narrow model on a GPU) are the same for every further block of 4 layers: no per-layer
+    work that grows with the number of earlier or later layers (each product takes its router
+    columns as views of one ``RouterStack``; stacking them per product was O(L) copies per layer)."""
+    extra = {}
+    for layers in (8, 12, 16):
+        baseline = step_operators(tiny_model(num_layers=layers, lime=False))
+        extra[layers] = step_operators(tiny_model(num_layers=layers, **settings)) - baseline
+    assert extra[16] - extra[12] == extra[12] - extra[8] > 0, extra

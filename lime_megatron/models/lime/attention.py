@@ -173,7 +173,7 @@ class LimeSelfAttention(SelfAttention):
         def rebuild():
             if router.dynamic:
                 return memory.mix_by_token(router, kept_probs, "rebuild")
-            return memory.mix(router, router.weight.detach(), memory.rebuilt_earlier_partial(router), "rebuild")
+            return memory.mix(router, memory.rebuilt_earlier_partial(router), "rebuild")
 
         return rebuild
 

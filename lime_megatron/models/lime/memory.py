@@ -61,14 +61,14 @@ from lime_megatron.models.lime.head_parallel import gather_heads, scatter_heads
 from lime_megatron.models.lime.router import LimeRouter, routing_consumers
 from lime_megatron.models.lime.routing_blocks import (
     MixEarlierSources,
+    RouterStack,
     count_read,
     key_value_halves,
     mix_earlier,
+    placed_columns,
     routing_product,
     routing_product_attention_layout,
     routing_product_keys_values,
-    stacked_columns,
-    weight_grad_dtype,
     weight_grad_product,
 )
 
@@ -84,8 +84,8 @@ class LayerIntegratedMemory:
         variant, window: router variant (App. D).
         layers: this chunk's own layers (global 0-based indices; all layers without pipelining).
         block: routing block size B (``routing_blocks``; 1: every product per layer).
-        routers: the chunk's routers by layer (needed with ``block > 1``: a block's first layer
-            mixes the earlier sources of all its layers).
+        routers: the chunk's routers by layer (a block's first layer mixes the earlier sources of
+            all its layers; every product reads their weights from one ``RouterStack`` per pass).
 
     Own rows: allocated by the first ``store`` (its keys fix shape, dtype and device) as
     ``[len(layers) * kv_heads, 2 * s * b * d]``.  Under pipeline parallelism the rows of earlier
@@ -97,7 +97,7 @@ class LayerIntegratedMemory:
     """
 
     def __init__(self, num_layers: int, variant: str, window: int | None, layers: range | None = None,
-                 block: int = 1, routers: dict[int, LimeRouter] | None = None):
+                 block: int = 1, *, routers: dict[int, LimeRouter]):
         self.num_layers = num_layers
         self.variant, self.window = variant, window
         self.layers = range(num_layers) if layers is None else layers
@@ -110,7 +110,8 @@ class LayerIntegratedMemory:
         self._routers: dict[int, LimeRouter] = {}
         self._grad_rows: torch.Tensor | None = None
         self._grad_rows_written = [False] * len(self.layers)
-        self.block, self._chunk_routers = block, routers or {}
+        self.block, self._chunk_routers = block, routers
+        self._router_stack: RouterStack | None = None  # built by the first product of the pass
         self._partials: dict[int, torch.Tensor] = {}  # forward: earlier-source sums of the block
         self._rebuild_partials: dict[int, torch.Tensor] = {}  # the same, rebuilt in backward
         self._later_grads: dict[int, torch.Tensor] = {}  # backward: row gradients from later blocks
@@ -161,7 +162,7 @@ class LayerIntegratedMemory:
                 "a LIMe layer ran without its layer-integrated memory: build the model with "
                 "lime_megatron.models.gpt_model.LimeGPTModel, whose forward passes it to the decoder"
             )
-        memory = _MEMORIES.get(int(handle))
+        memory = getattr(handle, "lime_memory", None) or _MEMORIES.get(int(handle))  # a copy: by its id
         if memory is None:
             raise RuntimeError(f"the LIMe memory {int(handle)} of this pass was already freed")
         return memory
@@ -189,11 +190,7 @@ class LayerIntegratedMemory:
     @staticmethod
     def to_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
         """Keys and values ``[s, b, h, d]`` -> rows ``[h, 2 * s * b * d]`` (one copy)."""
-        s, b, h, d = keys.shape
-        rows = keys.new_empty(h, 2, s, b, d)
-        rows[:, 0] = keys.permute(2, 0, 1, 3)
-        rows[:, 1] = values.permute(2, 0, 1, 3)
-        return rows.view(h, -1)
+        return torch.stack((keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3)), dim=1).view(keys.shape[2], -1)
 
     def from_rows(self, rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[h, 2 * s * b * d]`` -> keys and values, each a contiguous ``[s, b, h, d]`` of its own."""
@@ -209,8 +206,7 @@ class LayerIntegratedMemory:
         s, b, h, d = self.kv_shape
         local = layer - self.layers.start
         slot = self._writer[local * h : (local + 1) * h].view(h, 2, s, b, d)
-        slot[:, 0].copy_(key.permute(2, 0, 1, 3))
-        slot[:, 1].copy_(value.permute(2, 0, 1, 3))
+        torch.stack((key.permute(2, 0, 1, 3), value.permute(2, 0, 1, 3)), dim=1, out=slot)
         return self.rows(layer, layer + 1)
 
     # ----------------------------------------------------------------------------- stages
@@ -228,13 +224,21 @@ class LayerIntegratedMemory:
         self._downstream_grad = grad_rows
 
     # ----------------------------------------------------------------------------- routing
-    def _source_blocks(self, router: LimeRouter, since: int = 0) -> Iterator[tuple[slice, torch.Tensor]]:
-        """(columns of the router weight, buffered rows) per contiguous block of its sources
+    def _source_blocks(self, router: LimeRouter, since: int = 0) -> Iterator[tuple[int, int, torch.Tensor]]:
+        """(first source layer, stop, buffered rows) per contiguous block of ``router``'s sources
         from layer ``since`` on."""
         for run_start, run_stop in router.source_runs:
             if run_stop > since:
                 for start, stop in self.row_blocks(max(run_start, since), run_stop):
-                    yield router.columns(start, stop), self.rows(start, stop)
+                    yield start, stop, self.rows(start, stop)
+
+    def stacked_columns(self, consumers: list[int] | range, start: int, stop: int,
+                        wide: torch.Tensor) -> torch.Tensor:
+        """The columns of source layers ``start..stop-1`` of the routers of own layers ``consumers``,
+        stacked (``RouterStack.columns``, in the dtype of ``wide``, the rows they multiply)."""
+        if self._router_stack is None:
+            self._router_stack = RouterStack(self._chunk_routers, self.layers, wide)
+        return self._router_stack.columns(consumers, start, stop)
 
     # ----------------------------------------------------------------------------- blocks
     def block_of(self, layer: int) -> range:
@@ -281,9 +285,10 @@ class LayerIntegratedMemory:
                                                   mix_earlier(self, block, readers, "rebuild")))
         return self._rebuild_partials.pop(router.layer)
 
-    def mix(self, router: LimeRouter, weight: torch.Tensor, earlier: tuple[torch.Tensor, torch.Tensor] | None = None,
+    def mix(self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None = None,
             kind: str = "forward") -> tuple[torch.Tensor, torch.Tensor]:
-        """Eq. 2: ``weight @ rows(sources)``, one product per contiguous block of sources; with
+        """Eq. 2: ``W_l @ rows(sources)``, one product per contiguous block of sources (``W_l`` from
+        the pass's ``RouterStack``: ``router.weight`` as it is now); with
         ``earlier`` (the block's sums over the sources before the block) only the in-block ones.
         ``kind`` names the products for ``routing_blocks.routing_reads`` (``rebuild`` in backward).
 
@@ -298,35 +303,32 @@ class LayerIntegratedMemory:
         if router.identity:
             return self.from_rows(self.rows(router.layer, router.layer + 1))
         if router.sharding.size == 1:
-            return self._mix_in_attention_layout(router, weight, earlier, kind)
+            return self._mix_in_attention_layout(router, earlier, kind)
         partial = None
         if router.sharding.primary:
             since = 0 if earlier is None else self.block_of(router.layer).start
-            for columns, rows in self._source_blocks(router, since):
-                part = routing_product(kind, weight[:, columns], rows)
-                partial = part if partial is None else partial.add_(part)
+            for start, stop, rows in self._source_blocks(router, since):
+                narrow = self.stacked_columns([router.layer], start, stop, rows)
+                partial = routing_product(kind, narrow, rows, partial)
             for half, part in zip(key_value_halves(partial), earlier or ()):
                 half.add_(part)
         else:  # a replica of another rank's heads: those terms are added once, by the primary
-            partial = self.buffer.new_zeros(weight.shape[0], self.buffer.shape[1])
+            partial = self.buffer.new_zeros(router.weight.shape[0], self.buffer.shape[1])
         return self.from_rows(scatter_heads(partial, router.sharding))
 
-    def _mix_in_attention_layout(self, router: LimeRouter, weight: torch.Tensor,
-                                 earlier: tuple[torch.Tensor, torch.Tensor] | None,
+    def _mix_in_attention_layout(self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None,
                                  kind: str) -> tuple[torch.Tensor, torch.Tensor]:
         """``mix`` without tensor parallelism: the products write the keys and the values
-        ``[s, b, kv_heads, d]`` directly (``routing_product_keys_values``), and ``earlier`` (keys
-        and values ``[s, b, kv_heads, d]``, ``routing_blocks.mix_earlier``) is added, so no
-        rows-to-attention copy follows (issue 26, item 3)."""
+        ``[s, b, kv_heads, d]`` directly (``routing_product_keys_values``), so no rows-to-attention
+        copy follows (issue 26, item 3); each product adds the sum so far in its own kernel,
+        starting from ``earlier`` (keys and values ``[s, b, kv_heads, d]``,
+        ``routing_blocks.mix_earlier``)."""
         since = 0 if earlier is None else self.block_of(router.layer).start
-        routed = None
-        for columns, rows in self._source_blocks(router, since):
-            parts = routing_product_keys_values(kind, weight[:, columns], rows, self.kv_shape[3])
-            parts = tuple(part.view(self.kv_shape) for part in parts)
-            routed = parts if routed is None else tuple(sum_.add_(part) for sum_, part in zip(routed, parts))
-        for sum_, part in zip(routed, earlier or ()):
-            sum_.add_(part)
-        return routed
+        routed = earlier
+        for start, stop, rows in self._source_blocks(router, since):
+            narrow = self.stacked_columns([router.layer], start, stop, rows)
+            routed = routing_product_keys_values(kind, narrow, rows, self.kv_shape[3], routed)
+        return tuple(part.view(self.kv_shape) for part in routed)
 
     def register(self, router: LimeRouter) -> None:
         """Record that ``router``'s layer read the memory in this pass (its weight is needed by
@@ -338,10 +340,8 @@ class LayerIntegratedMemory:
         ``since`` on (the others zero), accumulated in float32 (``weight_grad_product``);
         ``grad_rows`` holds all kv_heads rows of g_l.  Replica ranks compute the same value
         (their weight columns are one shared parameter)."""
-        grad = torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight))
-        for columns, rows in self._source_blocks(router, since):
-            grad[:, columns] = weight_grad_product(grad_rows, rows)
-        return grad
+        return placed_columns([(router.columns(start, stop), weight_grad_product(grad_rows, rows))
+                               for start, stop, rows in self._source_blocks(router, since)], router.weight)
 
     def _grad_buffer(self, kv_heads: int) -> torch.Tensor:
         """Where g_l (all kv_heads rows) of the own layers is kept until every source of layer l
@@ -413,7 +413,7 @@ class LayerIntegratedMemory:
         if routers[0].dynamic:
             return self._token_mixed_grad(sources, consumers)
         grads = self.kept_grad_rows(consumers, routers[0].weight.shape[0])
-        narrow = stacked_columns(routers, sources.start, sources.stop).t()
+        narrow = self.stacked_columns(consumers, sources.start, sources.stop, grads).t()
         if self._grads_in_attention_layout():
             return routing_product_attention_layout("row_grad", narrow, grads, self.kv_shape[3])
         return routing_product("row_grad", narrow, grads)
@@ -557,7 +557,7 @@ class RouteKeysValues(torch.autograd.Function):
         # Saved so that saved-tensor accounting (and offloading hooks) see the buffer.
         ctx.save_for_backward(own_rows)
         ctx.memory, ctx.router, ctx.blocked = memory, router, earlier_keys is not None
-        return memory.mix(router, weight, (earlier_keys, earlier_values) if ctx.blocked else None)
+        return memory.mix(router, (earlier_keys, earlier_values) if ctx.blocked else None)
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
@@ -598,4 +598,4 @@ def route_new_tokens(
     memory.store(router.layer, key, value)
     if router.identity:
         return key, value
-    return memory.mix(router, router.weight)
+    return memory.mix(router)

@@ -181,9 +181,16 @@ class LimeRouter(nn.Module):
         self.read_sources = self.sources  # those a kept route reads (``pruning``)
         self.source_runs = contiguous_runs(self.sources)
         self.prunable = self.pruned = False
-        local = len(self.sharding.local_heads)
-        self._column_of = {source: j * local for j, source in enumerate(self.sources)}
-        if layer == 0 or config.lime_router == "average":
+        self.local_heads = len(self.sharding.local_heads)
+        """Number of input heads per source held here."""
+        self._column_of = {source: j * self.local_heads for j, source in enumerate(self.sources)}
+        self.learned = not (layer == 0 or config.lime_router == "average")
+        """Whether this router has trainable weights (a fixed buffer for layer 0 and ``average``)."""
+        self.identity = not self.learned and len(self.sources) == 1
+        """Whether the routing is the fixed identity over the layer's own keys/values (layer 0 of
+        every variant): Eq. 2 returns them unchanged, so no product is run
+        (``LayerIntegratedMemory.mix``)."""
+        if not self.learned:
             fixed = fixed_routing_weight(len(self.sources), config.kv_heads, config.lime_router, config.params_dtype)
             self.register_buffer("weight", self._local_columns(fixed), persistent=False)
             return
@@ -227,23 +234,6 @@ class LimeRouter(nn.Module):
         kv_heads = self.sharding.kv_heads
         columns = [j * kv_heads + h for j in range(len(self.sources)) for h in self.sharding.local_heads]
         return full[:, columns].contiguous()
-
-    @property
-    def learned(self) -> bool:
-        """Whether this router has trainable weights."""
-        return isinstance(self.weight, nn.Parameter)
-
-    @property
-    def identity(self) -> bool:
-        """Whether the routing is the fixed identity over the layer's own keys/values (layer 0 of
-        every variant): Eq. 2 returns them unchanged, so no product is run
-        (``LayerIntegratedMemory.mix``)."""
-        return not self.learned and len(self.sources) == 1
-
-    @property
-    def local_heads(self) -> int:
-        """Number of input heads per source held here."""
-        return len(self.sharding.local_heads)
 
     def block(self, source: int) -> torch.Tensor:
         """Columns of ``weight`` that read source layer ``source``: [kv_heads, local heads]."""

@@ -175,22 +175,32 @@ def counted_product(kind: str, wide: torch.Tensor, flops: int, product: Callable
     return result
 
 
-def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor) -> torch.Tensor:
+def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor,
+                    accumulate: torch.Tensor | None = None) -> torch.Tensor:
     """``narrow @ wide`` ([r, k] @ [k, N]) in ``wide``'s dtype (router weights may be kept in float32
-    beside bf16 activations), counted as ``kind`` (``counted_product``)."""
+    beside bf16 activations), plus ``accumulate`` ([r, N]) in the same kernel when given (a new
+    tensor either way), counted as ``kind`` (``counted_product``)."""
     flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
-    return counted_product(kind, wide, flops, lambda: narrow.to(wide.dtype) @ wide)
+    narrow = narrow.to(wide.dtype)
+    if accumulate is None:
+        return counted_product(kind, wide, flops, lambda: narrow @ wide)
+    return counted_product(kind, wide, flops, lambda: torch.addmm(accumulate, narrow, wide))
 
 
-def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int) -> torch.Tensor:
+def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int,
+                                     accumulate: torch.Tensor | None = None) -> torch.Tensor:
     """``narrow @ wide`` written straight into attention's layout: ``[r, k] @ [k, M * inner]`` ->
     ``[M, r, inner]`` contiguous (with ``M * inner = 2*s*b*d``, ``inner = d``: ``[2, s, b, r, d]``),
-    one strided-batched product instead of the ``[r, N]`` product and its rearranging copy; counted
-    as ``kind`` (``counted_product``)."""
+    one strided-batched product instead of the ``[r, N]`` product and its rearranging copy, plus
+    ``accumulate`` (viewable as ``[M, r, inner]``) in the same kernel when given; counted as
+    ``kind`` (``counted_product``)."""
     batched = wide.view(wide.shape[0], -1, inner).transpose(0, 1)
     flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
-    return counted_product(kind, wide, flops,
-                           lambda: torch.bmm(narrow.to(wide.dtype).expand(batched.shape[0], -1, -1), batched))
+    narrow = narrow.to(wide.dtype).expand(batched.shape[0], -1, -1)
+    if accumulate is None:
+        return counted_product(kind, wide, flops, lambda: torch.bmm(narrow, batched))
+    accumulate = accumulate.view(batched.shape[0], narrow.shape[1], inner)
+    return counted_product(kind, wide, flops, lambda: torch.baddbmm(accumulate, narrow, batched))
 
 
 def key_value_halves(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -199,17 +209,34 @@ def key_value_halves(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(rows.view(rows.shape[0], 2, -1).unbind(1))
 
 
-def routing_product_keys_values(kind: str, narrow: torch.Tensor, wide: torch.Tensor,
-                                inner: int) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_product_keys_values(kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int,
+                                accumulate: tuple[torch.Tensor, torch.Tensor] | None = None
+                                ) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing_product_attention_layout`` of the keys' and the values' halves of the rows
-    ``wide`` apart (``key_value_halves``): keys and values ``[s*b, r, inner]``, two tensors, so
-    that attention can keep the values without the keys (only RoPE reads those)."""
-    return tuple(routing_product_attention_layout(kind, narrow, half, inner) for half in key_value_halves(wide))
+    ``wide`` apart (``key_value_halves``), each plus its half of ``accumulate`` when given: keys
+    and values ``[s*b, r, inner]``, two tensors, so that attention can keep the values without
+    the keys (only RoPE reads those)."""
+    return tuple(routing_product_attention_layout(kind, narrow, half, inner, added)
+                 for half, added in zip(key_value_halves(wide), accumulate or (None, None)))
 
 
 def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
     """The dtype router-weight gradients are accumulated and returned in: float32 at least."""
     return torch.promote_types(weight.dtype, torch.float32)
+
+
+def placed_columns(pieces: list[tuple[slice, torch.Tensor]], weight: torch.Tensor) -> torch.Tensor:
+    """A router-weight gradient shaped like ``weight``, in ``weight_grad_dtype``: each piece
+    ``(columns, [rows, len(columns)])`` at its columns, zero elsewhere (one padding op for the
+    usual single piece, a run of consecutive sources)."""
+    dtype = weight_grad_dtype(weight)
+    if len(pieces) == 1:
+        (columns, piece), = pieces
+        return torch.nn.functional.pad(piece.to(dtype), (columns.start, weight.shape[1] - columns.stop))
+    grad = torch.zeros_like(weight, dtype=dtype)
+    for columns, piece in pieces:
+        grad[:, columns] = piece
+    return grad
 
 
 def weight_grad_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
@@ -252,19 +279,41 @@ def runs_within(router: LimeRouter, start: int, stop: int) -> list[tuple[int, in
     return [(max(a, start), min(b, stop)) for a, b in router.source_runs if a < stop and b > start]
 
 
-def stacked_columns(routers: list[LimeRouter], start: int, stop: int) -> torch.Tensor:
-    """``[len(routers) * kv_heads, (stop - start) * local heads]``: the columns of each router that
-    read source layers ``start..stop-1``, zero where a router does not read a source (one copy
-    per run of consecutive sources, not per source)."""
-    first = routers[0]
-    local = first.local_heads
-    stacked = first.weight.new_zeros(len(routers) * first.weight.shape[0], (stop - start) * local)
-    rows = first.weight.shape[0]
-    for i, router in enumerate(routers):
-        for a, b in runs_within(router, start, stop):
-            stacked[i * rows : (i + 1) * rows, (a - start) * local : (b - start) * local] = \
-                router.weight[:, router.columns(a, b)]
-    return stacked
+class RouterStack:
+    """Every router of a model chunk as one matrix, in the dtype of the rows it multiplies:
+    ``[len(layers) * kv_heads, layers.stop * local heads]``, router m's rows at
+    ``(m - layers.start) * kv_heads``, its columns of source layer j at ``j * local heads``, zero
+    where m does not read j (a windowed router, a pruned source, a later layer).
+
+    Every routing product takes its narrow operand from here (``columns``: one copy), where
+    stacking the routers per product cost one copy per router per product, O(L) small copies
+    and their Python per layer in backward at B = 1, the host's work that sets the pace of a
+    deep narrow model on a GPU (issue 26).  Built once per pass, one copy per run of a
+    router's sources: the weights hold still between a forward and its backward (the optimizer
+    steps after both).
+    """
+
+    def __init__(self, routers: dict[int, LimeRouter], layers: range, like: torch.Tensor):
+        first = routers[layers.start]
+        self.first, self.rows, self.local = layers.start, first.weight.shape[0], first.local_heads
+        self.matrix = like.new_zeros(len(layers) * self.rows, layers.stop * self.local)
+        for layer in layers:
+            router, top = routers[layer], (layer - self.first) * self.rows
+            for start, stop in router.source_runs:
+                self.matrix[top : top + self.rows, start * self.local : stop * self.local] = \
+                    router.weight.detach()[:, router.columns(start, stop)]
+
+    def columns(self, consumers: list[int], start: int, stop: int) -> torch.Tensor:
+        """``[len(consumers) * kv_heads, (stop - start) * local heads]``: the columns of source
+        layers ``start..stop-1`` of the routers of layers ``consumers`` (ascending), contiguous:
+        one copy of these few elements, as a strided operand slows the CPU's batched products
+        (by 10-60% at the bench's shapes, measured)."""
+        columns = slice(start * self.local, stop * self.local)
+        top = (consumers[0] - self.first) * self.rows
+        if consumers[-1] - consumers[0] + 1 == len(consumers):
+            return self.matrix[top : top + len(consumers) * self.rows, columns].contiguous()
+        return torch.cat([self.matrix[(m - self.first) * self.rows : (m - self.first + 1) * self.rows, columns]
+                          for m in consumers])
 
 
 def earlier_runs(memory, block: range, routers: list[LimeRouter]) -> list[tuple[int, int]]:
@@ -283,11 +332,12 @@ def mix_earlier(memory, block: range, routers: list[LimeRouter],
     ``[kv_heads, s*b*d]`` of rows ``[kv_heads, 2*s*b*d]``."""
     attention_layout = routers[0].sharding.size == 1
     partial = None
+    consumers = [router.layer for router in routers]
     for start, stop in earlier_runs(memory, block, routers):
-        narrow, wide = stacked_columns(routers, start, stop), memory.rows(start, stop)
-        part = (routing_product_attention_layout(kind, narrow, wide, memory.kv_shape[3]) if attention_layout
-                else routing_product(kind, narrow, wide))
-        partial = part if partial is None else partial.add_(part)
+        wide = memory.rows(start, stop)
+        narrow = memory.stacked_columns(consumers, start, stop, wide)
+        partial = (routing_product_attention_layout(kind, narrow, wide, memory.kv_shape[3], partial)
+                   if attention_layout else routing_product(kind, narrow, wide, partial))
     if attention_layout:
         s, b, kv_heads, d = memory.kv_shape
         halves = ([part.view(s, b, kv_heads, d) for part in half.chunk(len(routers), dim=1)]
@@ -319,14 +369,14 @@ class MixEarlierSources(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_partials):
         memory, block, routers = ctx.memory, ctx.block, ctx.routers
-        grads = [torch.zeros_like(router.weight, dtype=weight_grad_dtype(router.weight)) for router in routers]
+        pieces = [[] for _ in routers]
         rows, first = routers[0].weight.shape[0], routers[0].layer
         kept = memory.kept_grad_rows(range(first, routers[-1].layer + 1), rows)
         for start, stop in earlier_runs(memory, block, routers):
             block_grad = weight_grad_product(kept, memory.rows(start, stop))
-            for grad, router in zip(grads, routers):
-                offset, local = (router.layer - first) * rows, router.local_heads
-                for a, b in runs_within(router, start, stop):
-                    grad[:, router.columns(a, b)] = \
-                        block_grad[offset : offset + rows, (a - start) * local : (b - start) * local]
-        return None, None, None, *grads
+            for placed, router in zip(pieces, routers):
+                top, local = (router.layer - first) * rows, router.local_heads
+                placed += [(router.columns(a, b),
+                            block_grad[top : top + rows, (a - start) * local : (b - start) * local])
+                           for a, b in runs_within(router, start, stop)]
+        return None, None, None, *(placed_columns(placed, router.weight) for placed, router in zip(pieces, routers))
