@@ -149,3 +149,18 @@ def test_masks_survive_an_optimizer_step_and_are_in_the_state_dict():
 def test_bad_pruning_options_fail_with_one_clear_message(overrides, message):
     with pytest.raises(LimeConfigError, match=message):
         lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, **overrides)
+
+
+def test_a_blocked_layer_reading_only_sources_before_its_block_equals_per_layer():
+    """Layer 4 of a block 3..5 whose kept routes all read layer 0: it runs no in-block product,
+    its routed keys/values are the block's earlier sums alone."""
+    models = [tiny_model(num_layers=7, lime_routing_block=block, lime_prune_top_p=0.5) for block in (1, 3)]
+    models[1].load_state_dict(models[0].state_dict())
+    for model in models:
+        router = routers_of([model])[4]
+        mask = torch.zeros_like(router.route_mask)
+        mask[:, router.columns(0, 1)] = True
+        router.set_route_mask(mask)
+        assert router.read_sources == [0]
+    loss_error, grad_errors = twin_errors(*models)
+    assert loss_error <= 1e-13 and max(grad_errors.values()) <= 1e-13, grad_errors

@@ -310,10 +310,11 @@ class LayerIntegratedMemory:
             for start, stop, rows in self._source_blocks(router, since):
                 narrow = self.stacked_columns([router.layer], start, stop, rows)
                 partial = routing_product(kind, narrow, rows, partial)
-            for half, part in zip(key_value_halves(partial), earlier or ()):
-                half.add_(part)
-        else:  # a replica of another rank's heads: those terms are added once, by the primary
+        if partial is None:  # a replica of another rank's heads (the primary adds those terms), or
+            # a blocked layer whose kept routes all read sources before its block
             partial = self.buffer.new_zeros(router.weight.shape[0], self.buffer.shape[1])
+        for half, part in zip(key_value_halves(partial), earlier or ()):
+            half.add_(part)
         return self.from_rows(scatter_heads(partial, router.sharding))
 
     def _mix_in_attention_layout(self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None,
@@ -328,6 +329,8 @@ class LayerIntegratedMemory:
         for start, stop, rows in self._source_blocks(router, since):
             narrow = self.stacked_columns([router.layer], start, stop, rows)
             routed = routing_product_keys_values(kind, narrow, rows, self.kv_shape[3], routed)
+        if routed is earlier:  # every kept route reads a source before the block: those sums alone
+            routed = tuple(part.clone(memory_format=torch.contiguous_format) for part in earlier)
         return tuple(part.view(self.kv_shape) for part in routed)
 
     def register(self, router: LimeRouter) -> None:
