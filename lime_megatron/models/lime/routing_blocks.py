@@ -285,12 +285,12 @@ class RouterStack:
     ``(m - layers.start) * kv_heads``, its columns of source layer j at ``j * local heads``, zero
     where m does not read j (a windowed router, a pruned source, a later layer).
 
-    Every routing product takes its narrow operand from here (``columns``: one copy), where
-    stacking the routers per product cost one copy per router per product, O(L) small copies
-    and their Python per layer in backward at B = 1, the host's work that sets the pace of a
-    deep narrow model on a GPU (issue 26).  Built once per pass, one copy per run of a
-    router's sources: the weights hold still between a forward and its backward (the optimizer
-    steps after both).
+    Every product of several routers (a block's earlier sums and their rebuild, the row
+    gradients) takes its narrow operand from here (``columns``: one copy), where stacking the
+    routers per product cost one copy per router per product, O(L) small copies and their
+    Python per layer in backward at B = 1, the host's work that sets the pace of a deep narrow
+    model on a GPU (issue 26).  Built once per pass, one copy per run of a router's sources:
+    the weights hold still between a forward and its backward (the optimizer steps after both).
     """
 
     def __init__(self, routers: dict[int, LimeRouter], layers: range, like: torch.Tensor):
