@@ -253,7 +253,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
               "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True)}
     batch = make_batch(args)
     times = round_times(args, models, batch)
-    base_operators = dispatched_operators(models["base"], batch)
+    operators = {name: dispatched_operators(models[name], batch) for name in ("base", "per_layer", "blocked")}
     products = {}
     counted = round_times(args, {name: models[name] for name in ("base", "blocked")}, batch, products)
     ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
@@ -276,7 +276,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         reads_per_layer=reads[1],
         reads_blocked=reads[block],
         extra_copies=copied_bytes(models["blocked"], batch) - copied_bytes(models["base"], batch),
-        **{f"{name}_operators": (dispatched_operators(models[name], batch) - base_operators) / num_layers
+        **{f"{name}_operators": (operators[name] - operators["base"]) / num_layers
            for name in ("per_layer", "blocked")},
         **time_split(args, config, counted, products["blocked"]),
     )

@@ -232,13 +232,6 @@ class LayerIntegratedMemory:
                 for start, stop in self.row_blocks(max(run_start, since), run_stop):
                     yield start, stop, self.rows(start, stop)
 
-    @staticmethod
-    def own_columns(router: LimeRouter, start: int, stop: int) -> torch.Tensor:
-        """``router``'s weight columns of source layers ``start..stop-1``, detached and contiguous
-        (a copy only for part of the sources): the narrow operand of a product of one router,
-        which needs no ``RouterStack`` (KV-cache decoding builds none)."""
-        return router.weight.detach()[:, router.columns(start, stop)].contiguous()
-
     def stacked_columns(self, consumers: list[int] | range, start: int, stop: int,
                         wide: torch.Tensor) -> torch.Tensor:
         """The columns of source layers ``start..stop-1`` of the routers of own layers ``consumers``,
@@ -294,7 +287,9 @@ class LayerIntegratedMemory:
 
     def mix(self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None = None,
             kind: str = "forward") -> tuple[torch.Tensor, torch.Tensor]:
-        """Eq. 2: ``W_l @ rows(sources)``, one product per contiguous block of sources; with
+        """Eq. 2: ``W_l @ rows(sources)``, one product per contiguous block of sources (``W_l``: the
+        router's weight itself, contiguous, a copy only for part of its sources; a product of one
+        router needs no ``RouterStack``, so KV-cache decoding builds none); with
         ``earlier`` (the block's sums over the sources before the block) only the in-block ones.
         ``kind`` names the products for ``routing_blocks.routing_reads`` (``rebuild`` in backward).
 
@@ -314,7 +309,8 @@ class LayerIntegratedMemory:
         if router.sharding.primary:
             since = 0 if earlier is None else self.block_of(router.layer).start
             for start, stop, rows in self._source_blocks(router, since):
-                partial = routing_product(kind, self.own_columns(router, start, stop), rows, partial)
+                narrow = router.weight_columns(start, stop).contiguous()
+                partial = routing_product(kind, narrow, rows, partial)
         if partial is None:  # a replica of another rank's heads (the primary adds those terms), or
             # a blocked layer whose kept routes all read sources before its block
             partial = self.buffer.new_zeros(router.weight.shape[0], self.buffer.shape[1])
@@ -332,7 +328,7 @@ class LayerIntegratedMemory:
         since = 0 if earlier is None else self.block_of(router.layer).start
         routed = earlier
         for start, stop, rows in self._source_blocks(router, since):
-            narrow = self.own_columns(router, start, stop)
+            narrow = router.weight_columns(start, stop).contiguous()
             routed = routing_product_keys_values(kind, narrow, rows, self.kv_shape[3], routed)
         if routed is earlier:  # every kept route reads a source before the block: those sums alone
             routed = tuple(part.clone(memory_format=torch.contiguous_format) for part in earlier)
@@ -554,7 +550,8 @@ class RouteKeysValues(torch.autograd.Function):
     ``earlier``: the block's sums over the sources before the block, keys and values (blocked
     routing; ``[s, b, h, d]`` each without tensor parallelism, else halves ``[h, s*b*d]`` of rows;
     None otherwise); the product then covers the in-block sources and the weight gradient their
-    columns.
+    columns.  ``weight`` is the input whose gradient backward returns; the products read the
+    router's weight (``LayerIntegratedMemory.mix``).
     """
 
     @staticmethod

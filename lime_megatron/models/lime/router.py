@@ -235,10 +235,10 @@ class LimeRouter(nn.Module):
         columns = [j * kv_heads + h for j in range(len(self.sources)) for h in self.sharding.local_heads]
         return full[:, columns].contiguous()
 
-    def block(self, source: int) -> torch.Tensor:
-        """Columns of ``weight`` that read source layer ``source``: [kv_heads, local heads]."""
-        start = self._column_of[source]
-        return self.weight[:, start : start + self.local_heads]
+    def weight_columns(self, start: int, stop: int) -> torch.Tensor:
+        """The detached columns of ``weight`` that read the consecutive source layers
+        ``start..stop-1``: ``[kv_heads, (stop - start) * local heads]``, a view."""
+        return self.weight.detach()[:, self.columns(start, stop)]
 
     def columns(self, start: int, stop: int) -> slice:
         """Columns of ``weight`` that read the consecutive source layers ``start..stop-1``."""

@@ -301,7 +301,7 @@ class RouterStack:
             router, top = routers[layer], (layer - self.first) * self.rows
             for start, stop in router.source_runs:
                 self.matrix[top : top + self.rows, start * self.local : stop * self.local] = \
-                    router.weight.detach()[:, router.columns(start, stop)]
+                    router.weight_columns(start, stop)
 
     def columns(self, consumers: list[int], start: int, stop: int) -> torch.Tensor:
         """``[len(consumers) * kv_heads, (stop - start) * local heads]``: the columns of source
