@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from lime_megatron.models.config import lime_config
@@ -184,3 +186,18 @@ def recompute_gradient_errors(build, recompute: dict) -> dict[str, float]:
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
     return {name: relative_error(b.grad, a.grad)
             for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters())}
+
+
+def prune_by_hand(chunks: list, keep: Callable[[int, int], bool]) -> None:
+    """Mask, for every head, the routes of each learned router from the sources ``keep`` rejects,
+    then share the reads as the trainer's pruning does (``pruning.share_route_reads``)."""
+    from lime_megatron.models.lime.pruning import routers_of, share_route_reads
+
+    for router in routers_of(chunks):
+        kept = torch.tensor([keep(router.layer, source) for source in router.sources])
+        if router.dynamic:  # [local heads, l + 1]
+            router.set_route_mask(kept.expand(router.route_mask.shape))
+        else:  # all heads: [kv, n_sources * kv], column j * kv + h reads head h of source j
+            kv = router.weight.shape[0]
+            router.set_route_mask(kept.repeat_interleave(kv).expand(kv, -1))
+    share_route_reads(chunks)

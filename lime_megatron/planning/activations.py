@@ -11,6 +11,8 @@ from dataclasses import dataclass
 
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.lime.recompute import drops_routed_kv, te_flash_attention
+from lime_megatron.models.lime.router import layer_reads
+from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
 from lime_megatron.parallel.pipeline import chunk_starting_at, hop_blocks
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -39,11 +41,14 @@ class ActivationBytes:
     routing_weights: int = 0
     """The dynamic router's per-token weights p_l of the kept layers (v1 Table 6's
     B T H (L(L+1)/2 - 1) term)."""
+    router_stack: int = 0
+    """The static routers stacked as one matrix (``routing_blocks.RouterStack``), when the chunk's
+    forward builds it (``forward_builds_router_stack``): the memory holds it until its backward."""
 
     @property
     def total(self) -> int:
         return (self.layers + self.lime_memory + self.received_stage + self.sent_stage
-                + self.embedding + self.output + self.routing_weights)
+                + self.embedding + self.output + self.routing_weights + self.router_stack)
 
 
 @dataclass(frozen=True)
@@ -221,6 +226,29 @@ def routing_weight_bytes(config: LimeTransformerConfig, geometry: Geometry, laye
     return geometry.seq * geometry.batch * geometry.kv_heads * weights * element
 
 
+def router_stack_bytes(config: LimeTransformerConfig, geometry: Geometry, layers: range) -> int:
+    """Bytes of the ``RouterStack`` of the chunk of global layers ``layers`` on one rank: every
+    static router's rows (all g kv heads) and this rank's columns of every source up to the
+    chunk's last layer, ``[len(layers) * g, layers.stop * g_t]`` in the activation dtype; 0 for
+    the baseline and the dynamic router, whose products read no stack."""
+    if not config.lime or config.lime_router == "dynamic":
+        return 0
+    return len(layers) * config.kv_heads * layers.stop * geometry.kv_heads * geometry.element
+
+
+def forward_builds_router_stack(config: LimeTransformerConfig, layers: range, block: int) -> bool:
+    """Whether the forward of the chunk of ``layers`` with routing blocks of ``block`` layers
+    builds its ``RouterStack`` (then every micro-batch in flight keeps one until its backward):
+    some routed layer reads a source before its block (``LayerIntegratedMemory.blocked``: the
+    block's earlier sums are one product of the stacked routers).  Otherwise only backward builds
+    it (the row gradients), for the micro-batch whose backward runs."""
+    if block == 1 or not config.lime or config.lime_router == "dynamic":
+        return False
+    block_starts = {layer: layers.start + (layer - layers.start) // block * block for layer in layers}
+    return any(layer > 0 and min(layer_reads(config, layer), default=layer) < block_starts[layer]
+               for layer in layers)
+
+
 def _recompute_groups(config: LimeTransformerConfig, layers: int) -> tuple[int, int, int]:
     """Full recompute of a chunk of ``layers`` layers: ``(kept, checkpoints, group)``, the
     layers keeping all activations, the recomputed groups (each keeps its input) and the
@@ -257,9 +285,12 @@ def _first_layer_streams(config: LimeTransformerConfig, geometry: Geometry, kept
 
 def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: str, layers: range,
                       pre_process: bool, post_process: bool) -> tuple[ActivationBytes, int]:
-    """(bytes kept per microbatch, recompute working set) of one chunk on one GPU: the chunk of
+    """(bytes kept per microbatch, backward working set) of one chunk on one GPU: the chunk of
     global layers ``layers``, holding the embedding (``pre_process``) and/or the output layer
-    (``post_process``)."""
+    (``post_process``).  The working set is what one micro-batch's backward builds beyond what
+    it kept: one full-recompute group's activations, and the ``RouterStack`` where the forward
+    did not build it (routing blocks as a GPU run picks them: the H100 roofline or
+    ``lime_routing_block``)."""
     per_layer = layer_activation_bytes(config, geometry, impl)
     kept, checkpoints, group = _recompute_groups(config, len(layers))
     checkpoint = geometry.hidden_state
@@ -281,6 +312,9 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
         loss = geometry.seq * geometry.batch * (geometry.vocab * FP32 + 1 + INT64)
         output = _norm_bytes(geometry, impl) + geometry.hidden_state + loss
     recomputed = len(layers) - kept  # block recompute: the chunk's first layers
+    stack = router_stack_bytes(config, geometry, layers)
+    block = chunk_routing_block(config, len(layers), H100_SXM)
+    kept_stack = stack if forward_builds_router_stack(config, layers, block) else 0
     activations = ActivationBytes(
         routing_weights=routing_weight_bytes(config, geometry, layers[recomputed:]),
         layers=layer_bytes,
@@ -289,6 +323,8 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
         sent_stage=sent,
         embedding=_embedding_bytes(config, geometry) if pre_process else 0,
         output=output,
+        router_stack=kept_stack,
     )
     last_group = layers[max(0, recomputed - group):recomputed]
-    return activations, group * per_layer + routing_weight_bytes(config, geometry, last_group)
+    working = group * per_layer + routing_weight_bytes(config, geometry, last_group) + stack - kept_stack
+    return activations, working

@@ -34,6 +34,7 @@ from lime_megatron.planning.activations import (
     Geometry,
     chunk_activations,
     recompute_modules,
+    router_stack_bytes,
 )
 from lime_megatron.planning.flops import chunk_forward_flops_per_token, forward_flops_per_token
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
@@ -75,8 +76,9 @@ class ChunkEstimate:
     """Forward FLOPs per token of the whole chunk (all tensor-parallel ranks)."""
     activations: ActivationBytes
     """One microbatch on one GPU."""
-    recompute_peak_bytes: int
-    """Activations of one recompute group rebuilt in backward (0 without full recompute)."""
+    backward_working_bytes: int
+    """What one microbatch's backward builds beyond what it kept: the activations of one recompute
+    group rebuilt (full recompute), LIMe's router stack where the forward did not build it."""
 
 
 @dataclass(frozen=True)
@@ -88,7 +90,7 @@ class StageEstimate:
     microbatches_in_flight: int
     """Chunk-microbatches whose activations are kept at the peak."""
     peak_activation_bytes: int
-    """Activation memory per GPU at the peak, the recompute working set included."""
+    """Activation memory per GPU at the peak, the backward working set included."""
 
     @property
     def parameters(self) -> int:
@@ -301,7 +303,7 @@ def estimate(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int,
                      for chunk in chunks]
         count, peak = peak_in_flight(config, chunks[0].pp_rank, num_microbatches,
                                      [chunk.activations.total for chunk in estimates])
-        working = max(chunk.recompute_peak_bytes for chunk in estimates)
+        working = max(chunk.backward_working_bytes for chunk in estimates)
         stages.append(StageEstimate(chunks[0].pp_rank, tuple(estimates), count, peak + working))
     total = sum(chunk.unique_parameters for stage in stages for chunk in stage.chunks)
     if share_embeddings_and_output_weights and config.pipeline_model_parallel_size > 1:
@@ -390,9 +392,13 @@ def _routing_lines(result: DryRunEstimate) -> list[str]:
                                                   chunk.layers, result.transformer_impl).values())
                        for chunk, block in zip(chunks, blocks))
              for name, blocks in (("per layer", [1] * len(chunks)), ("blocked", blocks))}
+    geometry = Geometry.of(config, result.seq_length, result.micro_batch_size, result.vocab_size)
+    stack = max(router_stack_bytes(config, geometry, chunk.layers) for chunk in chunks)
     return ["", f"LIMe routing: block size B {sorted(set(blocks))} (H100 roofline; --lime-routing-block sets it); "
                 f"bytes its products read per microbatch: per layer (B=1) {_gib(reads['per layer'])}, "
-                f"blocked {_gib(reads['blocked'])}"]
+                f"blocked {_gib(reads['blocked'])}; the routers stacked for its products: up to "
+                f"{stack / 2**20:.2f} MiB per chunk (kept per microbatch where the forward mixes a "
+                f"block's earlier sources, else in the backward working set)"]
 
 
 def report_lines(result: DryRunEstimate) -> list[str]:
@@ -412,10 +418,11 @@ def report_lines(result: DryRunEstimate) -> list[str]:
             a = chunk.activations
             name = f"stage {chunk.pp_rank}" + (f" chunk {chunk.vp_stage}" if chunk.vp_stage is not None else "")
             lines.append(f"  {name}, layers {_layers(chunk.layers)}, one microbatch: layers {_gib(a.layers)}, "
-                         f"LIMe memory {_gib(a.lime_memory)}, received K/V {_gib(a.received_stage)}, "
+                         f"LIMe memory {_gib(a.lime_memory)}, router stack {a.router_stack / 2**20:.2f} MiB, "
+                         f"received K/V {_gib(a.received_stage)}, "
                          f"sent stage tensor {_gib(a.sent_stage)}, embedding/output "
-                         f"{_gib(a.embedding + a.output)}, recompute working set "
-                         f"{_gib(chunk.recompute_peak_bytes)}")
+                         f"{_gib(a.embedding + a.output)}, backward working set "
+                         f"{_gib(chunk.backward_working_bytes)}")
     flops = result.training_flops_per_token
     lines += _routing_lines(result) + _pruning_lines(result.config)
     lines += ["",

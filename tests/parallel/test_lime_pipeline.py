@@ -36,6 +36,7 @@ from distributed import (
     make_batches,
     run_distributed,
 )
+from lime_fixtures import prune_by_hand
 from test_lime_tensor_parallel import build_chunks, router_rule, sgd
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 2, 0.5
@@ -54,21 +55,6 @@ def keep_every_third(layer: int, source: int) -> bool:
     """A hand-set pruning: layer ``layer`` reads only itself and the layers 0, 3, 6, ..., so the
     rows carried across a boundary are not consecutive (at 4: layers 0 and 3)."""
     return source == layer or source % 3 == 0
-
-
-def prune_by_hand(chunks: list, keep: Callable[[int, int], bool]) -> None:
-    """Mask, for every head, the routes of each learned router from the sources ``keep`` rejects,
-    then share the reads as the trainer's pruning does (``pruning.share_route_reads``)."""
-    from lime_megatron.models.lime.pruning import routers_of, share_route_reads
-
-    for router in routers_of(chunks):
-        kept = torch.tensor([keep(router.layer, source) for source in router.sources])
-        if router.dynamic:  # [local heads, l + 1]
-            router.set_route_mask(kept.expand(router.route_mask.shape))
-        else:  # all heads: [kv, n_sources * kv], column j * kv + h reads head h of source j
-            kv = router.weight.shape[0]
-            router.set_route_mask(kept.repeat_interleave(kv).expand(kv, -1))
-    share_route_reads(chunks)
 
 
 def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ,

@@ -14,6 +14,9 @@ from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
 from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
 from lime_megatron.models.gpt_model import build_model
+from lime_megatron.models.lime.head_parallel import HeadSharding
+from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.routing_blocks import RouterStack
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning import activations
 from lime_megatron.planning import estimate as E
@@ -51,6 +54,28 @@ def saved_bytes(config) -> int:
     return saved.bytes
 
 
+def router_stacks_built(config) -> dict[str, int]:
+    """Bytes of the ``RouterStack`` matrices one forward (with loss) and its backward build, by
+    pass, in a freshly built model."""
+    torch.manual_seed(0)
+    model = build_model(config, vocab_size=VOCAB, max_sequence_length=SEQ)
+    tokens = torch.randint(0, VOCAB, (BATCH, SEQ))
+    built, build, phase = {"forward": 0, "backward": 0}, RouterStack.__init__, ["forward"]
+
+    def counted_build(stack, *args):
+        build(stack, *args)
+        built[phase[0]] += stack.matrix.numel() * stack.matrix.element_size()
+
+    RouterStack.__init__ = counted_build
+    try:
+        loss = model(tokens, torch.arange(SEQ).expand(BATCH, SEQ), None, labels=tokens).float().sum()
+        phase[0] = "backward"
+        loss.backward()
+    finally:
+        RouterStack.__init__ = build
+    return built
+
+
 SAVED_CASES = {
     "llama": dict(lime=False),
     "llama-gqa": dict(lime=False, num_query_groups=2),
@@ -83,7 +108,45 @@ def test_activation_estimate_equals_saved_tensor_bytes(overrides):
     initialize_parallel()
     config = tiny_config(**overrides)
     _, chunk = one_chunk(config)
-    assert abs(chunk.activations.total - saved_bytes(config)) <= SAVED_BYTES_SLACK
+    kept = chunk.activations.total - chunk.activations.router_stack  # not a saved tensor
+    assert abs(kept - saved_bytes(config)) <= SAVED_BYTES_SLACK
+
+
+STACK_CASES = {
+    "per-layer": dict(lime_routing_block=1),
+    "blocked": dict(lime_routing_block=2),
+    "blocked-gqa-bf16": dict(lime_routing_block=2, num_query_groups=2, bf16=True, params_dtype=torch.bfloat16),
+    "blocked-last1": dict(lime_routing_block=2, lime_router="last", lime_router_window=1),
+    "blocked-average": dict(lime_routing_block=2, lime_router="average"),
+    "dynamic": dict(lime_router="dynamic"),
+    "llama": dict(lime=False),
+}
+
+
+def test_router_stack_of_a_later_chunk_has_the_columns_of_every_earlier_layer():
+    """A pipeline chunk's stack (layers 2-4 of 6, GQA) holds its routers' columns of layers 0-4."""
+    initialize_parallel()
+    config = tiny_config(num_layers=6, num_query_groups=2)
+    chunk = range(2, 5)
+    routers = {layer: LimeRouter(config, layer, HeadSharding(config.kv_heads)) for layer in chunk}
+    matrix = RouterStack(routers, chunk, torch.empty(0)).matrix
+    assert matrix.shape == (3 * 2, 5 * 2)
+    geometry = activations.Geometry.of(config, SEQ, BATCH, VOCAB)
+    assert activations.router_stack_bytes(config, geometry, chunk) == matrix.numel() * matrix.element_size()
+    assert activations.forward_builds_router_stack(config, chunk, 3)  # the block reads layers 0-1
+
+
+@pytest.mark.parametrize("overrides", STACK_CASES.values(), ids=STACK_CASES.keys())
+def test_router_stack_estimate_equals_the_stack_built(overrides):
+    """The estimate's router stack is the one the memory builds: in forward where a block mixes
+    sources before it (kept per microbatch), else in backward (the working set); none without
+    static routers."""
+    initialize_parallel()
+    config = tiny_config(**overrides)
+    _, chunk = one_chunk(config)
+    built = router_stacks_built(config)
+    assert built == {"forward": chunk.activations.router_stack, "backward": chunk.backward_working_bytes}
+    assert (built["forward"] + built["backward"] > 0) == (config.lime and config.lime_router != "dynamic")
 
 
 def test_full_recompute_keeps_the_lime_memory_live_but_not_saved():
@@ -96,8 +159,10 @@ def test_full_recompute_keeps_the_lime_memory_live_but_not_saved():
     measured = saved_bytes(config)
     assert chunk.activations.lime_memory == 3 * 2 * SEQ * BATCH * 4 * 16 * 4  # layers*K,V*s*b*g*d*4
     assert abs(chunk.activations.total - chunk.activations.lime_memory - measured) <= SAVED_BYTES_SLACK
-    assert chunk.recompute_peak_bytes == 3 * activations.layer_activation_bytes(
-        config, activations.Geometry.of(config, SEQ, BATCH, VOCAB), "local")
+    geometry = activations.Geometry.of(config, SEQ, BATCH, VOCAB)
+    stack_in_backward = activations.router_stack_bytes(config, geometry, range(3)) - chunk.activations.router_stack
+    assert chunk.backward_working_bytes == 3 * activations.layer_activation_bytes(config, geometry, "local") \
+        + stack_in_backward
 
 
 ROUTER_CASES = {
@@ -271,6 +336,10 @@ TP_ACTIVATION_CASES = {  # saved bytes per rank of a TP=2 forward
                                                     params_dtype=torch.bfloat16)),
     "tp2-lime-mqa": (dict(tp=2), dict(num_query_groups=1)),
 }
+TP_STACK_CASES = {  # router stacks a TP=2 forward and backward build per rank (this rank's columns)
+    "tp2-lime-gqa-blocked": (dict(tp=2), dict(num_query_groups=2, lime_routing_block=3)),
+    "tp2-lime-per-layer": (dict(tp=2), dict(lime_routing_block=1)),
+}
 
 
 def _layout_config(layout, overrides):
@@ -280,9 +349,10 @@ def _layout_config(layout, overrides):
     return lime_config(**settings)
 
 
-def _rank_checks(layouts: dict, activation_cases: dict) -> dict:
+def _rank_checks(layouts: dict, activation_cases: dict, stack_cases: dict) -> dict:
     """On every rank: per layout, (pp rank, vp stage, tp rank, parameters, router parameters)
-    of each chunk megatron builds; per TP activation case, this rank's saved bytes."""
+    of each chunk megatron builds; per TP activation case, this rank's saved bytes; per TP stack
+    case, the router stacks this rank built (``router_stacks_built``)."""
     from distributed import Layout, initialize_layout
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
@@ -306,6 +376,9 @@ def _rank_checks(layouts: dict, activation_cases: dict) -> dict:
         layout = Layout(**fields)
         initialize_layout(layout)
         results[name] = saved_bytes(_layout_config(layout, overrides))
+    for name, (fields, overrides) in stack_cases.items():
+        initialize_layout(Layout(**fields))
+        results[name] = router_stacks_built(_layout_config(Layout(**fields), overrides))
     return results
 
 
@@ -313,7 +386,7 @@ def _rank_checks(layouts: dict, activation_cases: dict) -> dict:
 def test_estimate_equals_every_rank_of_parallel_layouts():
     from distributed import Layout, run_distributed
 
-    per_rank = run_distributed(_rank_checks, 4, LAYOUTS, TP_ACTIVATION_CASES)
+    per_rank = run_distributed(_rank_checks, 4, LAYOUTS, TP_ACTIVATION_CASES, TP_STACK_CASES)
     for name, (fields, overrides) in LAYOUTS.items():
         config = _layout_config(Layout(**fields), overrides)
         result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
@@ -329,6 +402,15 @@ def test_estimate_equals_every_rank_of_parallel_layouts():
         config = _layout_config(Layout(**fields), overrides)
         result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
                             num_microbatches=1)
-        estimated = result.stages[0].chunks[0].activations.total
+        activations = result.stages[0].chunks[0].activations
+        estimated = activations.total - activations.router_stack  # not a saved tensor
         for rows in per_rank:
             assert abs(rows[name] - estimated) <= SAVED_BYTES_SLACK, (name, rows[name], estimated)
+    for name, (fields, overrides) in TP_STACK_CASES.items():
+        config = _layout_config(Layout(**fields), overrides)
+        (stage,) = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
+                              num_microbatches=1).stages
+        expected = {"forward": stage.chunks[0].activations.router_stack,
+                    "backward": stage.chunks[0].backward_working_bytes}
+        assert sum(expected.values()) > 0
+        assert all(rows[name] == expected for rows in per_rank), (name, [rows[name] for rows in per_rank], expected)
