@@ -397,8 +397,7 @@ class LayerIntegratedMemory:
             grad = self._later_consumer_grad(layer, self.block_of(layer))
             mixing = range(mixing.start, min(mixing.stop, self.block_of(layer).stop))
         if mixing and self._routers[mixing.start].sharding.primary:
-            part = self._mixed_grad(range(layer, layer + 1), mixing)
-            grad = part if grad is None else grad.add_(part)
+            grad = self._mixed_grad(range(layer, layer + 1), mixing, grad)
         downstream = self._downstream_rows(layer) if layer in self.read_later else None
         for term in (own_grad, downstream):
             if term is not None:
@@ -409,18 +408,21 @@ class LayerIntegratedMemory:
             grad = some_rows.new_zeros(self.kv_heads, some_rows.shape[1])
         return grad
 
-    def _mixed_grad(self, sources: range, consumers: range) -> torch.Tensor:
+    def _mixed_grad(self, sources: range, consumers: range, accumulate: torch.Tensor | None = None) -> torch.Tensor:
         """sum_{m in consumers} W_m[:, block l]^T g_m for each l in ``sources``, stacked, one
         product reading each kept g_m once: ``[2*s*b, len(sources) * kv_heads, d]`` or rows
-        ``[len(sources) * local heads, 2*s*b*d]`` (``_grads_in_attention_layout``)."""
+        ``[len(sources) * local heads, 2*s*b*d]`` (``_grads_in_attention_layout``), plus
+        ``accumulate`` (the same shape: the sums of the consumers after the block) in the
+        product's kernel when given; a new tensor."""
         routers = [self._routers[m] for m in consumers]
         if routers[0].dynamic:
-            return self._token_mixed_grad(sources, consumers)
+            mixed = self._token_mixed_grad(sources, consumers)
+            return mixed if accumulate is None else mixed.add_(accumulate)
         grads = self.kept_grad_rows(consumers, routers[0].weight.shape[0])
         narrow = self.stacked_columns(consumers, sources.start, sources.stop, grads).t()
         if self._grads_in_attention_layout():
-            return routing_product_attention_layout("row_grad", narrow, grads, self.kv_shape[3])
-        return routing_product("row_grad", narrow, grads)
+            return routing_product_attention_layout("row_grad", narrow, grads, self.kv_shape[3], accumulate)
+        return routing_product("row_grad", narrow, grads, accumulate)
 
     # ----------------------------------------------------------------------------- by token
     def _heads_first(self, rows: torch.Tensor) -> torch.Tensor:
