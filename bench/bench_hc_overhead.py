@@ -20,14 +20,10 @@ Run (the figures in BENCHMARKS.md):
 from __future__ import annotations
 
 import argparse
-import statistics
 
-import torch
-from bench_lime_overhead import make_batch, saved_bytes, train_step
+from bench_lime_overhead import build_shape, make_batch, median_times, saved_bytes, shape_config, shape_parser
 from tqdm import tqdm
 
-from lime_megatron.models.config import lime_config
-from lime_megatron.models.gpt_model import build_model
 from lime_megatron.parallel.pipeline import hop_bytes
 from lime_megatron.parallel.process_groups import initialize_parallel
 
@@ -42,72 +38,47 @@ ELEMENT_BYTES = 2  # bf16 stage tensors, as on GPU
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--depths", type=int, nargs="+", default=[16, 32, 64, 128])
-    parser.add_argument("--kv-heads", type=int, default=8)
-    parser.add_argument("--hidden-size", type=int, default=256)
-    parser.add_argument("--num-attention-heads", type=int, default=8)
-    parser.add_argument("--ffn-hidden-size", type=int, default=1024)
-    parser.add_argument("--seq-length", type=int, default=256)
-    parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=256)
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--warmup", type=int, default=1)
-    parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
+    parser = shape_parser(__doc__, [16, 32, 64, 128])
+    parser.set_defaults(kv_heads=[8])
     return parser.parse_args(argv)
 
 
-def config_of(args, num_layers: int, model: str, **layout):
-    return lime_config(num_layers=num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-                       num_attention_heads=args.num_attention_heads, num_query_groups=args.kv_heads,
-                       use_cpu_initialization=args.device == "cpu", **MODELS[model], **layout)
-
-
-def measure(args, num_layers: int) -> dict:
-    models = {}
-    for name in MODELS:
-        torch.manual_seed(0)
-        models[name] = build_model(config_of(args, num_layers, name), args.vocab_size, args.seq_length).to(args.device)
+def measure(args, num_layers: int, kv_heads: int) -> dict:
+    models = {name: build_shape(args, num_layers, kv_heads, **overrides) for name, overrides in MODELS.items()}
     batch = make_batch(args)
-    times = {name: [] for name in models}
-    for run in range(args.warmup + args.repeats):
-        for name, model in models.items():
-            elapsed = train_step(model, batch)
-            if run >= args.warmup:
-                times[name].append(elapsed)
-    return dict(layers=num_layers, time={name: statistics.median(t) for name, t in times.items()},
+    return dict(layers=num_layers, kv_heads=kv_heads, time=median_times(args, models, batch),
                 saved={name: saved_bytes(model, batch) for name, model in models.items()})
 
 
-def received_bytes(args, num_layers: int) -> dict[str, list[int]]:
+def received_bytes(args, num_layers: int, kv_heads: int) -> dict[str, list[int]]:
     """Bytes each pipeline rank 1..3 receives per micro-batch at PP=4 (rank 0 receives nothing)."""
     stage = args.seq_length * args.micro_batch_size * args.hidden_size * ELEMENT_BYTES
-    lime = config_of(args, num_layers, "LIMe", pipeline_model_parallel_size=PIPELINE_STAGES,
-                     pipeline_dtype=torch.bfloat16)
-    received = {name: [stage * config_of(args, num_layers, name).residual_streams] * (PIPELINE_STAGES - 1)
-                for name in MODELS if name != "LIMe"}
+    lime = shape_config(args, num_layers, kv_heads, **MODELS["LIMe"], pipeline_model_parallel_size=PIPELINE_STAGES)
+    received = {name: [stage * shape_config(args, num_layers, kv_heads, **MODELS[name]).residual_streams]
+                * (PIPELINE_STAGES - 1) for name in MODELS if name != "LIMe"}
     received["LIMe"] = [hop_bytes(lime, rank, args.seq_length, args.micro_batch_size, ELEMENT_BYTES)
                         for rank in range(1, PIPELINE_STAGES)]
     return received
 
 
 def print_tables(rows: list[dict], args) -> None:
-    print(f"forward+backward on CPU, hidden {args.hidden_size}, {args.num_attention_heads} heads, {args.kv_heads} kv "
+    print(f"forward+backward on {args.device} in {args.dtype}, hidden {args.hidden_size}, {args.num_attention_heads} "
           f"heads, seq {args.seq_length}, micro batch {args.micro_batch_size}; ratios over LLaMA")
     ratios = "".join(f" {name + ' x':>7}" for name in OTHERS)
-    header = f"{'layers':>6} {'LLaMA s':>8}{ratios} {'LLaMA MiB':>10}{ratios}"
+    header = f"{'layers':>6} {'kv':>3} {'LLaMA s':>8}{ratios} {'LLaMA MiB':>10}{ratios}"
     print(header)
     print("-" * len(header))
     for r in rows:
         t, m = r["time"], r["saved"]
-        print(f"{r['layers']:>6} {t['LLaMA']:>8.3f}" + "".join(f" {t[name] / t['LLaMA']:>7.3f}" for name in OTHERS)
+        print(f"{r['layers']:>6} {r['kv_heads']:>3} {t['LLaMA']:>8.3f}"
+              + "".join(f" {t[name] / t['LLaMA']:>7.3f}" for name in OTHERS)
               + f" {m['LLaMA'] / 2**20:>10.1f}" + "".join(f" {m[name] / m['LLaMA']:>7.3f}" for name in OTHERS))
     print("paper Table 9 (1B, H100, default mode; GQA / full): "
           + "; ".join(f"{model} {kind} {value}" for (model, kind), value in TABLE_9.items()))
     print(f"\nbytes received per micro-batch at PP={PIPELINE_STAGES} (bf16; ranks 1..{PIPELINE_STAGES - 1}), MiB")
     for r in rows:
-        received = received_bytes(args, r["layers"])
-        print(f"{r['layers']:>6} layers: " + "; ".join(
+        received = received_bytes(args, r["layers"], r["kv_heads"])
+        print(f"{r['layers']:>6} layers, kv {r['kv_heads']}: " + "; ".join(
             f"{name} {', '.join(f'{b / 2**20:.2f}' for b in values)}" for name, values in received.items()))
 
 
@@ -115,11 +86,12 @@ def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     initialize_parallel()
     rows = []
-    for layers in tqdm(args.depths, desc="depths"):
-        rows.append(measure(args, layers))
-        tqdm.write(f"L{layers}: seconds {rows[-1]['time']}, saved bytes {rows[-1]['saved']}")
+    cases = [(kv_heads, layers) for kv_heads in args.kv_heads for layers in args.depths]
+    for kv_heads, layers in tqdm(cases, desc="depth x kv-heads"):
+        rows.append(measure(args, layers, kv_heads))
+        tqdm.write(f"L{layers} kv {kv_heads}: seconds {rows[-1]['time']}, saved bytes {rows[-1]['saved']}")
     print_tables(rows, args)
-    print(f"\nsummary: {len(rows)} depths; over LLaMA, time / saved bytes up to: " + "; ".join(
+    print(f"\nsummary: {len(rows)} settings; over LLaMA, time / saved bytes up to: " + "; ".join(
         f"{name} {max(r['time'][name] / r['time']['LLaMA'] for r in rows):.3f} / "
         f"{max(r['saved'][name] / r['saved']['LLaMA'] for r in rows):.3f}" for name in OTHERS))
     return rows

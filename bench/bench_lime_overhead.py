@@ -109,26 +109,29 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parse_paired_args(shape_parser(__doc__, [8, 16, 32, 64, 128]), argv)
 
 
+def shape_config(args, num_layers: int, kv_heads: int, **overrides):
+    """The config of ``args``' shape and dtype with ``num_layers`` layers and ``kv_heads`` kv heads;
+    ``overrides`` choose the model (``lime``, ``hyper_connections``, the routing options...)."""
+    dtype = getattr(torch, args.dtype)
+    return lime_config(num_layers=num_layers, hidden_size=args.hidden_size,
+                       num_attention_heads=args.num_attention_heads, num_query_groups=kv_heads,
+                       ffn_hidden_size=args.ffn_hidden_size, bf16=dtype is torch.bfloat16, params_dtype=dtype,
+                       pipeline_dtype=dtype, use_cpu_initialization=args.device == "cpu", **overrides)
+
+
+def build_shape(args, num_layers: int, kv_heads: int, **overrides):
+    """A model of ``shape_config`` (seed 0) on ``args.device``."""
+    torch.manual_seed(0)
+    config = shape_config(args, num_layers, kv_heads, **overrides)
+    return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length).to(args.device)
+
+
 def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full",
           rebuild: bool = False):
-    torch.manual_seed(0)
-    dtype = getattr(torch, args.dtype)
-    config = lime_config(
-        num_layers=num_layers,
-        hidden_size=args.hidden_size,
-        num_attention_heads=args.num_attention_heads,
-        num_query_groups=kv_heads,
-        ffn_hidden_size=args.ffn_hidden_size,
-        bf16=dtype is torch.bfloat16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        use_cpu_initialization=args.device == "cpu",
-        lime=lime,
-        lime_router=router,
-        lime_routing_block=block,
-        lime_recompute_routed_kv=rebuild,
-    )
-    return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length).to(args.device)
+    """The baseline (``lime=False``) or LIMe with ``router``, routing blocks of ``block`` layers
+    (None: the cost model) and the routed K/V kept or rebuilt in backward."""
+    return build_shape(args, num_layers, kv_heads, lime=lime, lime_router=router, lime_routing_block=block,
+                       lime_recompute_routed_kv=rebuild)
 
 
 def element_size(args) -> int:
