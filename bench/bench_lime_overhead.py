@@ -7,10 +7,11 @@ backward (the default), and blocked rebuilding them in backward instead
 (``lime_recompute_routed_kv``: one more router product per layer, less memory); then measures in
 the same process, interleaving the four models:
 
-- time: per round (after ``--warmup``; ``--repeats`` rounds, each model once per round) each
-  LIMe model's forward+backward wall time over the baseline's in the same round; the tables give
-  the median of these paired ratios and, for blocked LIMe, their interquartile range ("IQR", over
-  the floor like the ratio): the spread of this machine, against which a gap to the floor is read;
+- time: per round (after ``--warmup``; ``--repeats`` rounds, each model once per round, in an
+  order rotated by one each round) each LIMe model's forward+backward wall time over the
+  baseline's in the same round; the tables give the median of these paired ratios and, for
+  blocked LIMe, their interquartile range ("IQR", over the floor like the ratio): the spread of
+  this machine, against which a gap to the floor is read;
 - routing reads: bytes the routing products read per step (``planning.routing_bytes``), B = 1
   and blocked;
 - saved: bytes autograd keeps for backward (saved-tensor hooks, unique storages, parameters
@@ -188,12 +189,16 @@ def copied_bytes(model, batch) -> int:
 def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads]] | None = None
                 ) -> dict[str, list[float]]:
     """Forward+backward seconds of each model in each of ``args.repeats`` rounds after
-    ``args.warmup``, the models run one after another within a round; ``products`` (when given)
-    gets each model's ``routing_reads`` counter of each timed round (counting synchronises a GPU
-    around each product: rounds for ratios run uncounted)."""
+    ``args.warmup``, the models run one after another within a round, their order rotated by one
+    each round (what ran just before a model moves its time on a CPU: at 128 layers by as much as
+    LIMe's gap to its FLOP floor, BENCHMARKS.md); ``products`` (when given) gets each model's
+    ``routing_reads`` counter of each timed round (counting synchronises a GPU around each product:
+    rounds for ratios run uncounted)."""
     times = {name: [] for name in models}
+    names = list(models)
     for run in range(args.warmup + args.repeats):
-        for name, model in models.items():
+        for name in names[run % len(names):] + names[:run % len(names)]:
+            model = models[name]
             with routing_reads() if products is not None else contextlib.nullcontext() as counter:
                 elapsed = train_step(model, batch)
             if run >= args.warmup:
