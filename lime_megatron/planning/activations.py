@@ -14,6 +14,7 @@ from lime_megatron.models.lime.recompute import drops_routed_kv, te_flash_attent
 from lime_megatron.models.lime.router import layer_reads
 from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
 from lime_megatron.parallel.pipeline import chunk_starting_at, hop_blocks
+from lime_megatron.planning.routing_bytes import chunk_blocks
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
 RECOMPUTED_MODULES = ("core_attn", "mlp")
@@ -244,9 +245,8 @@ def forward_builds_router_stack(config: LimeTransformerConfig, layers: range, bl
     it (the row gradients), for the micro-batch whose backward runs."""
     if block == 1 or not config.lime or config.lime_router == "dynamic":
         return False
-    block_starts = {layer: layers.start + (layer - layers.start) // block * block for layer in layers}
-    return any(layer > 0 and min(layer_reads(config, layer), default=layer) < block_starts[layer]
-               for layer in layers)
+    return any(layer > 0 and min(layer_reads(config, layer), default=layer) < consumers.start
+               for consumers in chunk_blocks(layers, block) for layer in consumers)
 
 
 def _recompute_groups(config: LimeTransformerConfig, layers: int) -> tuple[int, int, int]:

@@ -28,14 +28,16 @@ from lime_megatron.models.lime.recompute import drops_routed_kv
 from lime_megatron.models.lime.router import routing_consumers, routing_sources
 
 
-def _blocks(layers: range, block: int) -> list[range]:
+def chunk_blocks(layers: range, block: int) -> list[range]:
+    """The routing blocks of a chunk of ``layers``: ``block`` consecutive layers from its first
+    (``LayerIntegratedMemory.block_of``), the last one shorter where ``block`` does not divide."""
     return [range(start, min(start + block, layers.stop)) for start in range(layers.start, layers.stop, block)]
 
 
 def _forward_rows(config: LimeTransformerConfig, layers: range, block: int) -> int:
     """Source rows (in layers, not heads) the forward mixes of ``layers`` read."""
     rows = 0
-    for consumers in _blocks(layers, block):
+    for consumers in chunk_blocks(layers, block):
         earlier = set()
         for m in consumers:
             if m == 0:
@@ -51,7 +53,7 @@ def _forward_rows(config: LimeTransformerConfig, layers: range, block: int) -> i
 def _row_grad_rows(config: LimeTransformerConfig, layers: range, block: int) -> int:
     """Kept gradient rows (in layers) the row-gradient products of ``layers`` read."""
     rows = 0
-    for sources in _blocks(layers, block):
+    for sources in chunk_blocks(layers, block):
         later_stop = sources.stop
         for layer in sources:
             stop = min(routing_consumers(layer, config.num_layers, config.lime_router,
