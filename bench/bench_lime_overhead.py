@@ -53,6 +53,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import math
 import statistics
 import time
 
@@ -186,19 +187,22 @@ def copied_bytes(model, batch) -> int:
     return counter.bytes
 
 
-def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads]] | None = None
-                ) -> dict[str, list[float]]:
+def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads]] | None = None,
+                untimed_before: int = 0) -> dict[str, list[float]]:
     """Forward+backward seconds of each model in each of ``args.repeats`` rounds after
     ``args.warmup``, the models run one after another within a round, their order rotated by one
     each round (what ran just before a model moves its time on a CPU: at 128 layers by as much as
-    LIMe's gap to its FLOP floor, BENCHMARKS.md); ``products`` (when given) gets each model's
-    ``routing_reads`` counter of each timed round (counting synchronises a GPU around each product:
-    rounds for ratios run uncounted)."""
+    LIMe's gap to its FLOP floor, BENCHMARKS.md); with ``untimed_before`` each timed step follows
+    that many untimed steps of the same model (as a training step follows the last).
+    ``products`` (when given) gets each model's ``routing_reads`` counter of each timed round
+    (counting synchronises a GPU around each product: rounds for ratios run uncounted)."""
     times = {name: [] for name in models}
     names = list(models)
     for run in range(args.warmup + args.repeats):
         for name in names[run % len(names):] + names[:run % len(names)]:
             model = models[name]
+            for _ in range(untimed_before):
+                train_step(model, batch)
             with routing_reads() if products is not None else contextlib.nullcontext() as counter:
                 elapsed = train_step(model, batch)
             if run >= args.warmup:
@@ -220,6 +224,20 @@ def paired_ratio(times: dict[str, list[float]], name: str, reference: str = "bas
     ratios = [seconds / base for seconds, base in zip(times[name], times[reference])]
     quartiles = statistics.quantiles(ratios, n=4, method="inclusive")
     return statistics.median(ratios), quartiles[2] - quartiles[0]
+
+
+def median_interval(values: list[float], confidence: float = 0.95) -> tuple[float, float]:
+    """A distribution-free ``confidence`` interval of the median of ``values``: the order statistics
+    ``(x_(j), x_(n+1-j))`` with the largest j such that a Binomial(n, 1/2) count falls below j with
+    probability at most (1 - confidence) / 2 (e.g. the 2nd and 8th of 9 values hold the median
+    with probability 96%); the extremes when n is too small for ``confidence``."""
+    ordered, n = sorted(values), len(values)
+    tail, below, j = (1.0 - confidence) / 2, 0.0, 0
+    while j < n // 2 and below + math.comb(n, j) / 2**n <= tail:
+        below += math.comb(n, j) / 2**n
+        j += 1
+    j = max(j, 1)
+    return ordered[j - 1], ordered[n - j]
 
 
 def time_split(args, config, times: dict[str, list[float]], counters: list[RoutingReads]) -> dict:

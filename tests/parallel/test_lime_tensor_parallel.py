@@ -87,6 +87,8 @@ def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: s
     from lime_megatron.training.trainer import prune_routes, train_step
 
     initialize_layout(layout)
+    # With ``keep`` a top-p of 1.0 (prunes nothing) only makes the routers prunable: their route
+    # masks persist and mask the gradients, as they do for ``prune_by_hand``'s masks.
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=kv_heads, use_cpu_initialization=True, lime_routing_block=block,
                          lime_router=router, lime_prune_top_p=1.0 if keep else prune, lime_recompute_routed_kv=True,
@@ -166,6 +168,8 @@ def loss_after_loading(layout: Layout, checkpoint: str, router: str = "full") ->
     from lime_megatron.training.trainer import forward_backward
 
     initialize_layout(layout)
+    # With ``keep`` a top-p of 1.0 (prunes nothing) only makes the routers prunable: their route
+    # masks persist and mask the gradients, as they do for ``prune_by_hand``'s masks.
     config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
                          num_query_groups=4, use_cpu_initialization=True, init_seed=100 + layout.tp,
                          lime_router=router, **layout_config_kwargs(layout))  # other initial weights

@@ -415,9 +415,8 @@ class LayerIntegratedMemory:
         ``accumulate`` (the same shape: the sums of the consumers after the block) in the
         product's kernel when given; a new tensor."""
         routers = [self._routers[m] for m in consumers]
-        if routers[0].dynamic:
-            mixed = self._token_mixed_grad(sources, consumers)
-            return mixed if accumulate is None else mixed.add_(accumulate)
+        if routers[0].dynamic:  # never blocked (``chunk_routing_block``): nothing to accumulate
+            return self._token_mixed_grad(sources, consumers)
         grads = self.kept_grad_rows(consumers, routers[0].weight.shape[0])
         narrow = self.stacked_columns(consumers, sources.start, sources.stop, grads).t()
         if self._grads_in_attention_layout():
