@@ -75,6 +75,19 @@ def test_counted_product_flops_are_the_routers(block, kv_heads, rebuild):
     assert all(seconds > 0 for seconds in counted.seconds_by_kind.values())
 
 
+@pytest.mark.parametrize("rebuild", [False, True], ids=["kept", "rebuilt"])
+@pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
+def test_dynamic_router_reads_match_the_plan(kv_heads, rebuild):
+    """The dynamic router's per-token multiply-adds read what the plan says at B = 1 (each source
+    row once per consumer, in forward, in the weight gradient and in a rebuild; each kept g_m once
+    per source it reads)."""
+    model = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_router="dynamic",
+                       lime_recompute_routed_kv=rebuild)
+    counted, _ = counted_step(model)
+    planned = {kind: read for kind, read in routing_bytes_per_step(model.config, SEQ, BATCH, 1).items() if read}
+    assert counted.by_kind == planned
+
+
 @pytest.mark.parametrize("num_layers,block", [(7, 1), (7, 3), (9, 4), (16, 4)])
 def test_the_roofline_models_the_forward_products_the_memory_runs(num_layers, block):
     """The block-size roofline prices the forward products the memory runs (B = 1: one per layer
