@@ -150,3 +150,34 @@ def test_routing_host_work_grows_linearly_with_depth(settings):
         baseline = step_operators(tiny_model(num_layers=layers, lime=False))
         extra[layers] = step_operators(tiny_model(num_layers=layers, **settings)) - baseline
     assert extra[16] - extra[12] == extra[12] - extra[8] > 0, extra
+
+
+PLACEMENTS = {  # name: (pieces as (first column, width)), weight columns, operators expected
+    "one piece spanning": ([(0, 6)], 6, {}),
+    "a block's two pieces spanning": ([(4, 2), (0, 4)], 6, {"cat": 1}),
+    "one piece with margins": ([(2, 2)], 6, {"constant_pad_nd": 1}),
+    "adjoining pieces with a margin": ([(0, 2), (2, 2)], 6, {"cat": 1, "constant_pad_nd": 1}),
+    "a gap (a pruned source)": ([(0, 2), (4, 2)], 6, {"zeros_like": 1, "slice": 2, "copy_": 2}),
+}
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float64])
+@pytest.mark.parametrize("name", list(PLACEMENTS))
+def test_weight_gradient_pieces_are_placed_at_their_columns(name, dtype):
+    """``placed_columns`` puts each piece at its columns and zeros elsewhere, in float32 (float64 for
+    float64 weights), joining adjoining pieces with one ``cat`` and padding only where they do not
+    span the weight (a blocked router's earlier and in-block pieces become one gradient)."""
+    from lime_megatron.models.lime.routing_blocks import placed_columns, weight_grad_dtype
+
+    spans, width, expected_operators = PLACEMENTS[name]
+    grad_dtype = weight_grad_dtype(torch.empty(0, dtype=dtype))
+    weight = torch.zeros(3, width, dtype=dtype)
+    pieces = [(slice(start, start + size), torch.randn(3, size, dtype=grad_dtype)) for start, size in spans]
+    expected = torch.zeros(3, width, dtype=grad_dtype)
+    for columns, piece in pieces:
+        expected[:, columns] = piece
+    with DispatchedOperators() as operators:
+        placed = placed_columns(pieces, weight)
+    assert placed.dtype == (torch.float64 if dtype == torch.float64 else torch.float32)
+    assert torch.equal(placed, expected)
+    assert dict(operators.by_name) == expected_operators

@@ -115,6 +115,8 @@ class LayerIntegratedMemory:
         self._partials: dict[int, torch.Tensor] = {}  # forward: earlier-source sums of the block
         self._rebuild_partials: dict[int, torch.Tensor] = {}  # the same, rebuilt in backward
         self._later_grads: dict[int, torch.Tensor] = {}  # backward: row gradients from later blocks
+        # backward: a blocked router's in-block weight-gradient pieces, placed by MixEarlierSources
+        self.in_block_weight_grads: dict[int, list[tuple[slice, torch.Tensor]]] = {}
         self._token_weights: dict[int, torch.Tensor] = {}  # backward: p_m of dynamic consumers m
         self.id = next(_NEXT_ID)
         _MEMORIES[self.id] = self
@@ -339,13 +341,15 @@ class LayerIntegratedMemory:
         the backward of every source layer)."""
         self._routers[router.layer] = router
 
-    def weight_grad(self, router: LimeRouter, grad_rows: torch.Tensor, since: int = 0) -> torch.Tensor:
+    def weight_grad_pieces(self, router: LimeRouter, grad_rows: torch.Tensor,
+                           since: int = 0) -> list[tuple[slice, torch.Tensor]]:
         """dL/dW_l = g_l @ rows(sources)^T for this rank's columns of the sources from layer
-        ``since`` on (the others zero), accumulated in float32 (``weight_grad_product``);
-        ``grad_rows`` holds all kv_heads rows of g_l.  Replica ranks compute the same value
-        (their weight columns are one shared parameter)."""
-        return placed_columns([(router.columns(start, stop), weight_grad_product(grad_rows, rows))
-                               for start, stop, rows in self._source_blocks(router, since)], router.weight)
+        ``since`` on, as ``(columns, [kv_heads, len(columns)])`` per contiguous block of sources
+        (``routing_blocks.placed_columns`` places them), accumulated in float32
+        (``weight_grad_product``); ``grad_rows`` holds all kv_heads rows of g_l.  Replica ranks
+        compute the same value (their weight columns are one shared parameter)."""
+        return [(router.columns(start, stop), weight_grad_product(grad_rows, rows))
+                for start, stop, rows in self._source_blocks(router, since)]
 
     def _grad_buffer(self, kv_heads: int) -> torch.Tensor:
         """Where g_l (all kv_heads rows) of the own layers is kept until every source of layer l
@@ -550,9 +554,10 @@ class RouteKeysValues(torch.autograd.Function):
 
     ``earlier``: the block's sums over the sources before the block, keys and values (blocked
     routing; ``[s, b, h, d]`` each without tensor parallelism, else halves ``[h, s*b*d]`` of rows;
-    None otherwise); the product then covers the in-block sources and the weight gradient their
-    columns.  ``weight`` is the input whose gradient backward returns; the products read the
-    router's weight (``LayerIntegratedMemory.mix``).
+    None otherwise); the product then covers the in-block sources, and backward leaves their
+    columns' weight gradient to ``routing_blocks.MixEarlierSources``, which returns the router's
+    whole gradient.  ``weight`` is the input whose gradient backward returns (unblocked); the
+    products read the router's weight (``LayerIntegratedMemory.mix``).
     """
 
     @staticmethod
@@ -572,8 +577,14 @@ class RouteKeysValues(torch.autograd.Function):
         grad_rows = memory.to_rows(grad_keys, grad_values)
         if not router.identity:  # the identity routes each rank's own heads: nothing to gather
             grad_rows = gather_heads(grad_rows, router.sharding)
-        since = memory.block_of(router.layer).start if ctx.blocked else 0
-        grad_weight = memory.weight_grad(router, grad_rows, since) if ctx.needs_input_grad[0] else None
+        grad_weight = None
+        if ctx.needs_input_grad[0]:
+            since = memory.block_of(router.layer).start if ctx.blocked else 0
+            pieces = memory.weight_grad_pieces(router, grad_rows, since)
+            if ctx.blocked:  # placed beside the earlier columns' by ``routing_blocks.MixEarlierSources``
+                memory.in_block_weight_grads[router.layer] = pieces
+            else:
+                grad_weight = placed_columns(pieces, router.weight)
         grad_key, grad_value = memory.kv_grad(router, grad_rows)
         grad_earlier = (None, None)  # else in the layout of ``earlier`` (``routing_blocks.mix_earlier``)
         if ctx.blocked and router.sharding.size == 1:

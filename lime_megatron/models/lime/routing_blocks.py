@@ -221,18 +221,23 @@ def routing_product_keys_values(kind: str, narrow: torch.Tensor, wide: torch.Ten
 
 
 def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
-    """The dtype router-weight gradients are accumulated and returned in: float32 at least."""
-    return torch.promote_types(weight.dtype, torch.float32)
+    """The dtype router-weight gradients are accumulated and returned in: float32 at least
+    (float64 for float64 weights)."""
+    return torch.float64 if weight.dtype == torch.float64 else torch.float32
 
 
 def placed_columns(pieces: list[tuple[slice, torch.Tensor]], weight: torch.Tensor) -> torch.Tensor:
     """A router-weight gradient shaped like ``weight``, in ``weight_grad_dtype``: each piece
-    ``(columns, [rows, len(columns)])`` at its columns, zero elsewhere (one padding op for the
-    usual single piece, a run of consecutive sources)."""
+    ``(columns, [rows, len(columns)])`` at its columns, zero elsewhere.  Pieces that adjoin (the
+    usual case: a run of consecutive sources, split at its block's start under blocked routing)
+    are joined by one ``cat`` (none for a single piece) and padded by one ``pad`` (none where
+    they span the weight's columns, e.g. the full router's)."""
     dtype = weight_grad_dtype(weight)
-    if len(pieces) == 1:
-        (columns, piece), = pieces
-        return torch.nn.functional.pad(piece.to(dtype), (columns.start, weight.shape[1] - columns.stop))
+    pieces = sorted(pieces, key=lambda piece: piece[0].start)
+    if pieces and all(left.stop == right.start for (left, _), (right, _) in zip(pieces, pieces[1:])):
+        grad = torch.cat([piece for _, piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][1]
+        margins = (pieces[0][0].start, weight.shape[1] - pieces[-1][0].stop)
+        return grad.to(dtype) if margins == (0, 0) else torch.nn.functional.pad(grad.to(dtype), margins)
     grad = torch.zeros_like(weight, dtype=dtype)
     for columns, piece in pieces:
         grad[:, columns] = piece
@@ -352,9 +357,12 @@ class MixEarlierSources(torch.autograd.Function):
     forward(memory, block, routers (those of the block that read earlier rows), *their weights)
         -> per router its keys' and its values' partial sums (``mix_earlier``), flat
     backward: dL/dW_m[:, earlier] = g_m @ buffer[earlier]^T for the whole block in one product per
-    row block; float32.  The gradient of router m's partial sums is g_m itself (the partial is
-    added to m's routed keys/values inside ``memory.RouteKeysValues``), whose backward kept g_m
-    as rows before this runs: the product reads those kept rows
+    row block; float32; returned as router m's whole gradient, placed beside the in-block
+    columns' that ``memory.RouteKeysValues`` left in ``memory.in_block_weight_grads`` (one
+    gradient per router and step: no second placement and no add in autograd).  The gradient
+    of router m's partial sums is g_m itself (the partial is added to m's routed keys/values
+    inside ``memory.RouteKeysValues``), whose backward kept g_m as rows before this runs: the
+    product reads those kept rows
     (``LayerIntegratedMemory.kept_grad_rows``, the readers' span: a pruned non-reader between
     two readers adds rows whose products are not used), not a restacked copy of
     ``grad_partials``.  It runs before the backward of any earlier layer overwrites that layer's
@@ -379,4 +387,6 @@ class MixEarlierSources(torch.autograd.Function):
                 placed += [(router.columns(a, b),
                             block_grad[top : top + rows, (a - start) * local : (b - start) * local])
                            for a, b in runs_within(router, start, stop)]
+        for placed, router in zip(pieces, routers):  # none kept: the layer's output fed no loss
+            placed += memory.in_block_weight_grads.pop(router.layer, [])
         return None, None, None, *(placed_columns(placed, router.weight) for placed, router in zip(pieces, routers))
