@@ -1,0 +1,43 @@
+"""The statistics the overhead benches report their verdicts with (``bench/``): the distribution-free
+interval of a median and the met / missed / open verdict of ``bench_floor_target.py``."""
+
+from __future__ import annotations
+
+import math
+import random
+import sys
+from pathlib import Path
+
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+
+from bench_floor_target import verdict  # noqa: E402
+from bench_lime_overhead import median_interval  # noqa: E402
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
+
+
+def coverage(n: int, j: int) -> float:
+    """P(x_(j) <= median <= x_(n+1-j)) for n draws of a continuous distribution: the chance that
+    at least j and at most n - j of them fall below the median, a Binomial(n, 1/2) count."""
+    return sum(math.comb(n, k) for k in range(j, n - j + 1)) / 2**n
+
+
+@pytest.mark.parametrize("n", [9, 11, 21, 41])
+def test_median_interval_is_the_narrowest_order_statistics_holding_95_percent(n):
+    values = random.Random(n).sample(range(1000), n)
+    low, high = median_interval(values)
+    ordered = sorted(values)
+    j = ordered.index(low) + 1
+    assert ordered.index(high) + 1 == n + 1 - j  # symmetric order statistics
+    assert coverage(n, j) >= 0.95 > coverage(n, j + 1)
+
+
+def test_median_interval_of_few_values_is_their_range():
+    assert median_interval([3.0, 1.0, 2.0]) == (1.0, 3.0)
+
+
+@pytest.mark.parametrize("low,high,expected", [(0.96, 1.05, "met"), (1.051, 1.2, "missed"), (1.0, 1.06, "open")])
+def test_verdict_reads_the_whole_interval_against_the_target(low, high, expected):
+    assert verdict(low, high, 1.05) == expected
