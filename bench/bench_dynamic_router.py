@@ -15,10 +15,7 @@ from __future__ import annotations
 
 import argparse
 
-from bench_lime_overhead import build, flop_floor, make_batch, median_times, saved_bytes, shape_parser
-from tqdm import tqdm
-
-from lime_megatron.parallel.process_groups import initialize_parallel
+from bench_lime_overhead import build, flop_floor, make_batch, measure_cases, median_times, saved_bytes, shape_parser
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -51,10 +48,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
-    initialize_parallel()
-    cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
-    rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
+    rows = measure_cases(parse_args(argv), measure)
     print_table(rows)
     worst = max(rows, key=lambda r: r["dynamic_s"] / r["static_s"])
     print(f"\nsummary: {len(rows)} settings; dynamic over static LIMe time at most "

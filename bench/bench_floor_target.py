@@ -31,16 +31,15 @@ from bench_lime_overhead import (
     flop_floor,
     machine_balance,
     make_batch,
+    measure_cases,
     median_interval,
     parse_paired_args,
     round_times,
     saved_bytes,
     shape_parser,
 )
-from tqdm import tqdm
 
 from lime_megatron.models.lime.routing_blocks import routing_block_size
-from lime_megatron.parallel.process_groups import initialize_parallel
 
 TIME_TARGET = 1.05
 """Blocked LIMe's time over the baseline's, relative to the FLOP floor (issue 26, "Measured")."""
@@ -89,9 +88,7 @@ def print_table(rows: list[dict]) -> None:
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    initialize_parallel()
-    cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
-    rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
+    rows = measure_cases(args, measure)
     print_table(rows)
     counts = {name: sum(r["verdict"] == name for r in rows) for name in ("met", "open", "missed")}
     print(f"\nsummary: {len(rows)} settings, {args.repeats} rounds each; time within {TIME_TARGET}x of the "

@@ -187,6 +187,14 @@ def copied_bytes(model, batch) -> int:
     return counter.bytes
 
 
+def measure_cases(args, measure) -> list:
+    """``measure(args, layers, kv_heads)`` for each of ``args.kv_heads`` and, inside, each of
+    ``args.depths``, in one process with megatron's parallel state set up and a progress bar."""
+    initialize_parallel()
+    cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
+    return [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
+
+
 def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads]] | None = None,
                 untimed_before: int = 0) -> dict[str, list[float]]:
     """Forward+backward seconds of each model in each of ``args.repeats`` rounds after
@@ -341,11 +349,7 @@ def print_time_split(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
-    initialize_parallel()
-    torch.set_num_threads(torch.get_num_threads())
-    cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
-    rows = [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
+    rows = measure_cases(parse_args(argv), measure)
     print_table(rows)
     print("\nwhere blocked LIMe's time over the baseline goes (medians over counted rounds of those two models):")
     print_time_split(rows)

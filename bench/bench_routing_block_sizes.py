@@ -23,19 +23,18 @@ from bench_lime_overhead import (
     element_size,
     machine_balance,
     make_batch,
+    measure_cases,
     paired_ratio,
     parse_paired_args,
     round_times,
     shape_parser,
 )
-from tqdm import tqdm
 
 from lime_megatron.models.lime.routing_blocks import (
     block_product_seconds,
     block_size_limit,
     routing_block_size,
 )
-from lime_megatron.parallel.process_groups import initialize_parallel
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -82,10 +81,7 @@ def print_table(rows: list[dict]) -> None:
 
 
 def main(argv=None) -> list[dict]:
-    args = parse_args(argv)
-    initialize_parallel()
-    cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
-    rows = [row for layers, kv in tqdm(cases, desc="depth x kv-heads") for row in measure(args, layers, kv)]
+    rows = [row for rows_of_case in measure_cases(parse_args(argv), measure) for row in rows_of_case]
     print_table(rows)
     settings = {(r["layers"], r["kv_heads"]) for r in rows}
     chosen = {(r["layers"], r["kv_heads"]): r for r in rows if r["chosen"]}

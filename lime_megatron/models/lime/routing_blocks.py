@@ -377,7 +377,8 @@ class MixEarlierSources(torch.autograd.Function):
     @staticmethod
     def backward(ctx, *grad_partials):
         memory, block, routers = ctx.memory, ctx.block, ctx.routers
-        pieces = [[] for _ in routers]
+        # each router's in-block pieces (none: the layer's output fed no loss), then its earlier ones
+        pieces = [memory.in_block_weight_grads.pop(router.layer, []) for router in routers]
         rows, first = routers[0].weight.shape[0], routers[0].layer
         kept = memory.kept_grad_rows(range(first, routers[-1].layer + 1), rows)
         for start, stop in earlier_runs(memory, block, routers):
@@ -387,6 +388,4 @@ class MixEarlierSources(torch.autograd.Function):
                 placed += [(router.columns(a, b),
                             block_grad[top : top + rows, (a - start) * local : (b - start) * local])
                            for a, b in runs_within(router, start, stop)]
-        for placed, router in zip(pieces, routers):  # none kept: the layer's output fed no loss
-            placed += memory.in_block_weight_grads.pop(router.layer, [])
         return None, None, None, *(placed_columns(placed, router.weight) for placed, router in zip(pieces, routers))
