@@ -29,6 +29,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import torch  # noqa: E402
+from tables import field, print_table  # noqa: E402
 
 from lime_megatron.interop.checkpoint_model import new_model, save_model  # noqa: E402
 from lime_megatron.interop.hf_export import export_checkpoint, import_checkpoint  # noqa: E402
@@ -76,6 +77,18 @@ def _steps(summary) -> str:
     return " + ".join(f"{seconds:.1f}" for seconds in summary.phases.values())
 
 
+COLUMNS = [
+    ("model", field("model")),
+    ("parameters", lambda row: f"{row['params'] / 1e6:.0f} M"),
+    ("safetensors GB", field("gb", ".2f")),
+    ("export s", lambda row: f"{row['export'].seconds:.1f} ({_steps(row['export'])})"),
+    ("export GB/s", lambda row: f"{row['export'].gigabytes_per_second:.3f}"),
+    ("import s", lambda row: f"{row['imported'].seconds:.1f} ({_steps(row['imported'])})"),
+    ("import GB/s", lambda row: f"{row['imported'].gigabytes_per_second:.3f}"),
+]
+"""The table's columns: each conversion's seconds (its steps in brackets) and rate."""
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     initialize_parallel()
@@ -91,13 +104,7 @@ def main(argv=None) -> int:
     print(f"\n1B shapes at {args.num_layers} layers, float32, 1 process\n")
     print("export s = read checkpoint + map and write safetensors; "
           "import s = read safetensors + map + write checkpoint\n")
-    print("| model | parameters | safetensors GB | export s | export GB/s | import s | import GB/s |")
-    print("|---|---:|---:|---:|---:|---:|---:|")
-    for row in rows:
-        export, imported = row["export"], row["imported"]
-        print(f"| {row['model']} | {row['params'] / 1e6:.0f} M | {row['gb']:.2f} | {export.seconds:.1f} "
-              f"({_steps(export)}) | {export.gigabytes_per_second:.3f} | {imported.seconds:.1f} ({_steps(imported)}) | "
-              f"{imported.gigabytes_per_second:.3f} |")
+    print_table(COLUMNS, rows, markdown=True)
     return 0
 
 

@@ -16,6 +16,7 @@ import argparse
 import statistics
 
 import torch
+from tables import field, print_table
 from tqdm import tqdm
 
 from lime_megatron.inference.generation import Generator, SamplingOptions
@@ -68,13 +69,13 @@ def main(argv=None) -> None:
           f"{args.kv_heads} kv heads, batch {args.batch_size}, prompt {args.prompt_length}, "
           f"{args.new_tokens} new tokens, "
           f"median of {args.repeats}, {torch.get_num_threads()} threads")
-    print(f"{'model':<10}{'KV cache tok/s':>16}{'recompute tok/s':>17}{'cache speed-up':>16}{'same tokens':>13}")
-    for name in models:
-        cached, full = median[name, True], median[name, False]
-        same = tokens[name, True] == tokens[name, False]
-        print(f"{name:<10}{cached:>16.1f}{full:>17.1f}{cached / full:>15.2f}x{str(same):>13}")
-    print(f"{'LIMe/base':<10}{median['LIMe', True] / median['baseline', True]:>16.2f}"
-          f"{median['LIMe', False] / median['baseline', False]:>17.2f}")
+    rows = [dict(model=name, cached=f"{median[name, True]:.1f}", full=f"{median[name, False]:.1f}",
+                 speedup=f"{median[name, True] / median[name, False]:.2f}x",
+                 same=str(tokens[name, True] == tokens[name, False])) for name in models]
+    rows.append(dict(model="LIMe/base", cached=f"{median['LIMe', True] / median['baseline', True]:.2f}",
+                     full=f"{median['LIMe', False] / median['baseline', False]:.2f}", speedup="", same=""))
+    print_table([("model", field("model")), ("KV cache tok/s", field("cached")), ("recompute tok/s", field("full")),
+                 ("cache speed-up", field("speedup")), ("same tokens", field("same"))], rows)
 
 
 if __name__ == "__main__":

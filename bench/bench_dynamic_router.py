@@ -16,6 +16,7 @@ from __future__ import annotations
 import argparse
 
 from bench_lime_overhead import build, flop_floor, make_batch, measure_cases, median_times, saved_bytes, shape_parser
+from tables import field, print_table, ratio
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -35,21 +36,24 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     return row
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (f"{'layers':>6} {'kv':>3} {'base s':>8} {'static x':>9} {'dynamic x':>10} {'dyn/static':>10} "
-              f"{'floor st':>9} {'floor dyn':>10} {'saved st x':>10} {'saved dyn x':>11}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        static, dynamic = r["static_s"] / r["base_s"], r["dynamic_s"] / r["base_s"]
-        print(f"{r['layers']:>6} {r['kv_heads']:>3} {r['base_s']:>8.3f} {static:>9.3f} {dynamic:>10.3f} "
-              f"{dynamic / static:>10.3f} {r['static_floor']:>9.3f} {r['dynamic_floor']:>10.3f} "
-              f"{r['static_saved'] / r['base_saved']:>10.3f} {r['dynamic_saved'] / r['base_saved']:>11.3f}")
+COLUMNS = [
+    ("layers", field("layers")),
+    ("kv", field("kv_heads")),
+    ("base s", field("base_s", ".3f")),
+    ("static x", ratio("static_s", "base_s")),
+    ("dynamic x", ratio("dynamic_s", "base_s")),
+    ("dyn/static", ratio("dynamic_s", "static_s")),
+    ("floor st", field("static_floor", ".3f")),
+    ("floor dyn", field("dynamic_floor", ".3f")),
+    ("saved st x", ratio("static_saved", "base_saved")),
+    ("saved dyn x", ratio("dynamic_saved", "base_saved")),
+]
+"""The table's columns: static and dynamic LIMe's time and saved bytes over the baseline's."""
 
 
 def main(argv=None) -> list[dict]:
     rows = measure_cases(parse_args(argv), measure)
-    print_table(rows)
+    print_table(COLUMNS, rows)
     worst = max(rows, key=lambda r: r["dynamic_s"] / r["static_s"])
     print(f"\nsummary: {len(rows)} settings; dynamic over static LIMe time at most "
           f"{worst['dynamic_s'] / worst['static_s']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}); dynamic saved "

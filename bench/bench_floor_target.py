@@ -26,6 +26,7 @@ import argparse
 import statistics
 
 from bench_lime_overhead import (
+    SHAPE_COLUMNS,
     build,
     element_size,
     flop_floor,
@@ -38,6 +39,7 @@ from bench_lime_overhead import (
     saved_bytes,
     shape_parser,
 )
+from tables import field, print_table
 
 from lime_megatron.models.lime.routing_blocks import routing_block_size
 
@@ -76,20 +78,21 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
                 saved_x=saved_bytes(models["blocked"], batch) / saved_bytes(models["base"], batch))
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (f"{'layers':>6} {'kv':>3} {'B':>3} {'base s':>7} {'floor':>6} {'B / floor':>9} "
-              f"{'95% interval':>14} {'time':>7} {'saved x':>8}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['base_s']:>7.3f} {r['floor']:>6.3f} "
-              f"{r['over_floor']:>9.3f} {r['low']:>6.3f}-{r['high']:<7.3f} {r['verdict']:>7} {r['saved_x']:>8.3f}")
+COLUMNS = SHAPE_COLUMNS + [
+    ("base s", field("base_s", ".3f")),
+    ("floor", field("floor", ".3f")),
+    ("B / floor", field("over_floor", ".3f")),
+    ("95% interval", lambda row: f"{row['low']:.3f}-{row['high']:.3f}"),
+    ("time", field("verdict")),
+    ("saved x", field("saved_x", ".3f")),
+]
+"""The table's columns: a cell's verdict on the time, with the interval it rests on."""
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     rows = measure_cases(args, measure)
-    print_table(rows)
+    print_table(COLUMNS, rows)
     counts = {name: sum(r["verdict"] == name for r in rows) for name in ("met", "open", "missed")}
     print(f"\nsummary: {len(rows)} settings, {args.repeats} rounds each; time within {TIME_TARGET}x of the "
           f"FLOP floor: met {counts['met']}, open {counts['open']}, missed {counts['missed']}; saved bytes "

@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 
 from bench_lime_overhead import build_shape, make_batch, median_times, saved_bytes, shape_config, shape_parser
+from tables import field, print_table
 from tqdm import tqdm
 
 from lime_megatron.parallel.pipeline import hop_bytes
@@ -61,18 +62,20 @@ def received_bytes(args, num_layers: int, kv_heads: int) -> dict[str, list[int]]
     return received
 
 
+def over_llama(measure: str, name: str):
+    """The cell of model ``name``'s ``measure`` ("time" or "saved") over LLaMA's."""
+    return lambda row: f"{row[measure][name] / row[measure]['LLaMA']:.3f}"
+
+
 def print_tables(rows: list[dict], args) -> None:
     print(f"forward+backward on {args.device} in {args.dtype}, hidden {args.hidden_size}, {args.num_attention_heads} "
           f"heads, seq {args.seq_length}, micro batch {args.micro_batch_size}; ratios over LLaMA")
-    ratios = "".join(f" {name + ' x':>7}" for name in OTHERS)
-    header = f"{'layers':>6} {'kv':>3} {'LLaMA s':>8}{ratios} {'LLaMA MiB':>10}{ratios}"
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        t, m = r["time"], r["saved"]
-        print(f"{r['layers']:>6} {r['kv_heads']:>3} {t['LLaMA']:>8.3f}"
-              + "".join(f" {t[name] / t['LLaMA']:>7.3f}" for name in OTHERS)
-              + f" {m['LLaMA'] / 2**20:>10.1f}" + "".join(f" {m[name] / m['LLaMA']:>7.3f}" for name in OTHERS))
+    columns = [("layers", field("layers")), ("kv", field("kv_heads")),
+               ("LLaMA s", lambda row: f"{row['time']['LLaMA']:.3f}")]
+    columns += [(f"{name} x", over_llama("time", name)) for name in OTHERS]
+    columns += [("LLaMA MiB", lambda row: f"{row['saved']['LLaMA'] / 2**20:.1f}")]
+    columns += [(f"{name} x", over_llama("saved", name)) for name in OTHERS]
+    print_table(columns, rows)
     print("paper Table 9 (1B, H100, default mode; GQA / full): "
           + "; ".join(f"{model} {kind} {value}" for (model, kind), value in TABLE_9.items()))
     print(f"\nbytes received per micro-batch at PP={PIPELINE_STAGES} (bf16; ranks 1..{PIPELINE_STAGES - 1}), MiB")

@@ -58,6 +58,7 @@ import statistics
 import time
 
 import torch
+from tables import field, print_table, ratio
 from tqdm import tqdm
 
 from lime_megatron.models.config import lime_config
@@ -316,43 +317,45 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     )
 
 
-def print_table(rows: list[dict]) -> None:
-    header = (
-        f"{'layers':>6} {'kv':>3} {'B':>3} {'base s':>8} {'B=1 x':>7} {'B x':>7} {'floor':>6} {'B=1/fl':>7} "
-        f"{'B/fl':>6} {'B/fl IQR':>8} {'saved x':>8} {'rk/fl':>6} {'rk saved':>8} {'read B=1 GiB':>13} "
-        f"{'read B GiB':>11} {'copies+ MiB':>11}"
-    )
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(
-            f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['base_s']:>8.3f} {r['per_layer_x']:>7.3f} "
-            f"{r['lime_x']:>7.3f} {r['floor']:>6.3f} {r['per_layer_x'] / r['floor']:>7.3f} "
-            f"{r['lime_x'] / r['floor']:>6.3f} {r['lime_spread'] / r['floor']:>8.3f} "
-            f"{r['lime_saved'] / r['base_saved']:>8.3f} {r['rebuilt_x'] / r['floor']:>6.3f} "
-            f"{r['rebuilt_saved'] / r['base_saved']:>8.3f} {r['reads_per_layer'] / 2**30:>13.2f} "
-            f"{r['reads_blocked'] / 2**30:>11.2f} {r['extra_copies'] / 2**20:>11.1f}"
-        )
+SHAPE_COLUMNS = [("layers", field("layers")), ("kv", field("kv_heads")), ("B", field("block"))]
+"""The columns that name a measured setting: depth, kv heads and the roofline's block size."""
 
+OVERHEAD_COLUMNS = SHAPE_COLUMNS + [
+    ("base s", field("base_s", ".3f")),
+    ("B=1 x", field("per_layer_x", ".3f")),
+    ("B x", field("lime_x", ".3f")),
+    ("floor", field("floor", ".3f")),
+    ("B=1/fl", ratio("per_layer_x", "floor")),
+    ("B/fl", ratio("lime_x", "floor")),
+    ("B/fl IQR", ratio("lime_spread", "floor")),
+    ("saved x", ratio("lime_saved", "base_saved")),
+    ("rk/fl", ratio("rebuilt_x", "floor")),
+    ("rk saved", ratio("rebuilt_saved", "base_saved")),
+    ("read B=1 GiB", field("reads_per_layer", ".2f", 2**30)),
+    ("read B GiB", field("reads_blocked", ".2f", 2**30)),
+    ("copies+ MiB", field("extra_copies", ".1f", 2**20)),
+]
+"""The first table: time over the baseline and the floor, saved bytes, routing reads, copies."""
 
-def print_time_split(rows: list[dict]) -> None:
-    header = (f"{'layers':>6} {'kv':>3} {'B':>3} {'LIMe-base ms':>12} {'products ms':>11} {'rest ms':>8} "
-              f"{'prod GFLOP/s':>12} {'prod GB/s':>9} {'base GFLOP/s':>12} {'prod at base rate ms':>20} "
-              f"{'ops+/layer B=1':>14} {'ops+/layer B':>12}")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['extra_ms']:>12.1f} {r['products_ms']:>11.1f} "
-              f"{r['rest_ms']:>8.1f} {r['products_gflops']:>12.1f} {r['products_gbs']:>9.2f} "
-              f"{r['base_gflops']:>12.1f} {r['at_base_rate_ms']:>20.1f} {r['per_layer_operators']:>14.1f} "
-              f"{r['blocked_operators']:>12.1f}")
+TIME_SPLIT_COLUMNS = SHAPE_COLUMNS + [
+    ("LIMe-base ms", field("extra_ms", ".1f")),
+    ("products ms", field("products_ms", ".1f")),
+    ("rest ms", field("rest_ms", ".1f")),
+    ("prod GFLOP/s", field("products_gflops", ".1f")),
+    ("prod GB/s", field("products_gbs", ".2f")),
+    ("base GFLOP/s", field("base_gflops", ".1f")),
+    ("prod at base rate ms", field("at_base_rate_ms", ".1f")),
+    ("ops+/layer B=1", field("per_layer_operators", ".1f")),
+    ("ops+/layer B", field("blocked_operators", ".1f")),
+]
+"""The second table: where blocked LIMe's time over the baseline goes, and the host's operators."""
 
 
 def main(argv=None) -> list[dict]:
     rows = measure_cases(parse_args(argv), measure)
-    print_table(rows)
+    print_table(OVERHEAD_COLUMNS, rows)
     print("\nwhere blocked LIMe's time over the baseline goes (medians over counted rounds of those two models):")
-    print_time_split(rows)
+    print_table(TIME_SPLIT_COLUMNS, rows)
     worst = max(rows, key=lambda r: r["lime_x"] / r["floor"])
     print(
         f"\nsummary: {len(rows)} settings; worst blocked time vs FLOP floor "

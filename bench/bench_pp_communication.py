@@ -34,6 +34,7 @@ from collections import defaultdict
 
 import torch
 import torch.multiprocessing as mp
+from tables import field, print_table, ratio
 from tqdm import tqdm
 
 from lime_megatron.parallel import pipeline
@@ -301,19 +302,28 @@ def planned_bytes(args) -> list[dict]:
     return rows
 
 
+MIB = 2**20
+
+BYTES_COLUMNS = [
+    ("layers", field("layers")),
+    ("attn", field("attention")),
+    ("PPxVPP", lambda row: f"{row['pp']}x{row['vpp']}"),
+    ("widest hop", field("widest_hop", ".2f", MIB)),
+    ("LIMe recv", field("lime", ".2f", MIB)),
+    ("LIMe sent", field("sent", ".2f", MIB)),
+    ("bound", field("bound", ".2f", MIB)),
+    ("recv/bound", field("worst", ".3f")),
+    ("base recv", field("base", ".2f", MIB)),
+    ("LIMe/base", ratio("lime", "base", ".1f")),
+    ("old padded", field("old", ".2f", MIB)),
+    ("new/old", ratio("lime", "old", ".2f")),
+]
+"""The bytes table's columns, MiB per micro-batch and rank, forward."""
+
+
 def print_bytes(rows: list[dict]) -> None:
-    mib = 2 ** 20
-    header = (f"{'layers':>6} {'attn':>4} {'PPxVPP':>6} {'widest hop':>10} {'LIMe recv':>9} {'LIMe sent':>9} "
-              f"{'bound':>9} {'recv/bound':>10} {'base recv':>9} {'LIMe/base':>9} {'old padded':>10} "
-              f"{'new/old':>7}")
     print("MiB per micro-batch and rank, forward (backward returns the same); recv/sent: the busiest rank")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['layers']:>6} {r['attention']:>4} {r['pp']}x{r['vpp']:<4} {r['widest_hop'] / mib:>10.2f} "
-              f"{r['lime'] / mib:>9.2f} {r['sent'] / mib:>9.2f} {r['bound'] / mib:>9.2f} {r['worst']:>10.3f} "
-              f"{r['base'] / mib:>9.2f} {r['lime'] / r['base']:>9.1f} {r['old'] / mib:>10.2f} "
-              f"{r['lime'] / r['old']:>7.2f}")
+    print_table(BYTES_COLUMNS, rows)
 
 
 # --------------------------------------------------------------------------- step time
@@ -348,12 +358,12 @@ def measure_time(args) -> None:
     mp.spawn(_time_worker, args=(4, _free_port(), args, results), nprocs=4)
     print(f"PP4 x VPP2, {args.time_layers} layers, hidden 256, MHA, seq {args.seq_length}, "
           f"{args.micro_batches or 8} micro-batches: median s per forward+backward of {args.iterations}")
-    print(f"{'overlap_p2p_comm':>16} {'baseline s':>10} {'LIMe s':>8} {'LIMe/base':>9}")
-    for overlap in (False, True):
-        base, lime = results[(overlap, False)], results[(overlap, True)]
-        print(f"{str(overlap):>16} {base:>10.3f} {lime:>8.3f} {lime / base:>9.2f}")
-    print(f"{'on / off':>16} {results[(True, False)] / results[(False, False)]:>10.2f} "
-          f"{results[(True, True)] / results[(False, True)]:>8.2f}")
+    rows = [dict(overlap=str(overlap), base=f"{results[(overlap, False)]:.3f}", lime=f"{results[(overlap, True)]:.3f}",
+                 ratio=f"{results[(overlap, True)] / results[(overlap, False)]:.2f}") for overlap in (False, True)]
+    rows.append(dict(overlap="on / off", base=f"{results[(True, False)] / results[(False, False)]:.2f}",
+                     lime=f"{results[(True, True)] / results[(False, True)]:.2f}", ratio=""))
+    print_table([("overlap_p2p_comm", field("overlap")), ("baseline s", field("base")), ("LIMe s", field("lime")),
+                 ("LIMe/base", field("ratio"))], rows)
 
 
 def main(argv=None):

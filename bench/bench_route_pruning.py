@@ -27,6 +27,7 @@ import tempfile
 from pathlib import Path
 
 import torch
+from tables import field, print_table
 from tqdm import tqdm
 
 from lime_megatron import __main__ as main_job
@@ -96,18 +97,26 @@ def measure(args, data_flags: list[str], out: Path, router: str) -> dict:
                 reads_plain=reads_plain, reads_pruned=reads_pruned, hops_plain=hops_plain, hops_pruned=hops_pruned)
 
 
-def print_table(rows: list[dict], args) -> None:
-    header = (f"{'router':>8} {'routes':>8} {'masked':>7} {'val before':>11} {'val after':>10} "
-              f"{'end unpruned':>13} {'end pruned':>11} {'reads MiB':>10} {'pruned MiB':>11} {'hops KiB':>9} "
-              f"{'pruned KiB':>10}")
+COLUMNS = [
+    ("router", field("router")),
+    ("routes", field("routes", ",")),
+    ("masked", lambda row: f"{100 * row['share']:.1f}%"),
+    ("val before", field("before", ".4f")),
+    ("val after", field("after", ".4f")),
+    ("end unpruned", field("end_plain", ".4f")),
+    ("end pruned", field("end_pruned", ".4f")),
+    ("reads MiB", field("reads_plain", ".1f", 2**20)),
+    ("pruned MiB", field("reads_pruned", ".1f", 2**20)),
+    ("hops KiB", field("hops_plain", ".1f", 2**10)),
+    ("pruned KiB", field("hops_pruned", ".1f", 2**10)),
+]
+"""The table's columns: the routes masked, validation losses, routing reads and pipeline hops."""
+
+
+def print_results(rows: list[dict], args) -> None:
     print(f"\n{args.num_layers} layers, top-p {args.top_p} after iteration {args.prune_iter} of {args.train_iters}; "
           f"hops: K/V per sequence over PP{args.pipeline[0]} x VPP{args.pipeline[1]}, forward")
-    print(header)
-    print("-" * len(header))
-    for r in rows:
-        print(f"{r['router']:>8} {r['routes']:>8,} {100 * r['share']:>6.1f}% {r['before']:>11.4f} {r['after']:>10.4f} "
-              f"{r['end_plain']:>13.4f} {r['end_pruned']:>11.4f} {r['reads_plain'] / 2**20:>10.1f} "
-              f"{r['reads_pruned'] / 2**20:>11.1f} {r['hops_plain'] / 2**10:>9.1f} {r['hops_pruned'] / 2**10:>10.1f}")
+    print_table(COLUMNS, rows)
 
 
 def main(argv=None) -> list[dict]:
@@ -115,7 +124,7 @@ def main(argv=None) -> list[dict]:
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="route-pruning-"))
     data_flags = main_job.prepare_data(out, args.num_samples, 100)
     rows = [measure(args, data_flags, out, router) for router in tqdm(args.routers, desc="routers")]
-    print_table(rows, args)
+    print_results(rows, args)
     masked = ", ".join(f"{r['router']} {100 * r['share']:.1f}%" for r in rows)
     change = ", ".join(f"{r['router']} {r['after'] - r['before']:+.4f}" for r in rows)
     saved = ", ".join(f"{r['router']} {100 * (1 - r['hops_pruned'] / r['hops_plain']):.1f}%" for r in rows)

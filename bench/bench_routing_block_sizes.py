@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 
 from bench_lime_overhead import (
+    SHAPE_COLUMNS,
     build,
     element_size,
     machine_balance,
@@ -29,6 +30,7 @@ from bench_lime_overhead import (
     round_times,
     shape_parser,
 )
+from tables import field, print_table
 
 from lime_megatron.models.lime.routing_blocks import (
     block_product_seconds,
@@ -70,19 +72,23 @@ def measure(args, num_layers: int, kv_heads: int) -> list[dict]:
     return rows
 
 
-def print_table(rows: list[dict]) -> None:
-    header = f"{'layers':>6} {'kv':>3} {'B':>3} {'roofline fwd vs B=1':>20} {'LIMe / base':>12} {'IQR':>6}"
-    print(header)
-    print("-" * (len(header) + 24))
-    for r in rows:
-        marks = " ".join(mark for mark, on in (("<- roofline", r["chosen"]), ("<- fastest", r["fastest"])) if on)
-        print(f"{r['layers']:>6} {r['kv_heads']:>3} {r['block']:>3} {r['roofline']:>20.3f} {r['ratio']:>12.3f} "
-              f"{r['spread']:>6.3f}  {marks}")
+def choice_marks(row: dict) -> str:
+    """``<- roofline`` on the roofline's B, ``<- fastest`` on the measured fastest, else nothing."""
+    return " ".join(mark for mark, on in (("<- roofline", row["chosen"]), ("<- fastest", row["fastest"])) if on)
+
+
+COLUMNS = SHAPE_COLUMNS + [
+    ("roofline fwd vs B=1", field("roofline", ".3f")),
+    ("LIMe / base", field("ratio", ".3f")),
+    ("IQR", field("spread", ".3f")),
+    ("choice", choice_marks),
+]
+"""The table's columns: per B the roofline's forward time, the measured ratio and its spread."""
 
 
 def main(argv=None) -> list[dict]:
     rows = [row for rows_of_case in measure_cases(parse_args(argv), measure) for row in rows_of_case]
-    print_table(rows)
+    print_table(COLUMNS, rows)
     settings = {(r["layers"], r["kv_heads"]) for r in rows}
     chosen = {(r["layers"], r["kv_heads"]): r for r in rows if r["chosen"]}
     fastest = {(r["layers"], r["kv_heads"]): r for r in rows if r["fastest"]}

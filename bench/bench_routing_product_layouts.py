@@ -22,6 +22,7 @@ import statistics
 import time
 
 import torch
+from tables import field, print_table
 
 from lime_megatron.models.lime.routing_blocks import routing_product, routing_product_attention_layout
 
@@ -60,11 +61,9 @@ def main(argv=None) -> list[dict]:
     cases = [(args.kv_heads, 10), (args.kv_heads, 127), (10 * args.kv_heads, 10), (10 * args.kv_heads, 64),
              (10 * args.kv_heads, 127)]
     rows = [measure(r, k, args.kv_heads, args.head_dim, args.positions, args.repeats) for r, k in cases]
-    print(f"{'outputs r':>9} {'source layers':>13} {'rows [r,N] GF/s':>16} {'attention [2sb,r,d] GF/s':>25} "
-          f"{'weight grad GF/s':>17}")
-    for row in rows:
-        print(f"{row['outputs']:>9} {row['sources']:>13} {row['rows']:>16.1f} {row['attention']:>25.1f} "
-              f"{row['weight_grad']:>17.1f}")
+    print_table([("outputs r", field("outputs")), ("source layers", field("sources")),
+                 ("rows [r,N] GF/s", field("rows", ".1f")), ("attention [2sb,r,d] GF/s", field("attention", ".1f")),
+                 ("weight grad GF/s", field("weight_grad", ".1f"))], rows)
     gains = [row["attention"] / row["rows"] for row in rows]
     print(f"\nsummary: attention layout / rows {min(gains):.2f}-{max(gains):.2f}x over {len(rows)} shapes "
           f"({torch.get_num_threads()} threads)")

@@ -20,6 +20,7 @@ from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
+from tables import field, print_table
 
 WORLD, LAYERS, HIDDEN, SEQ, MICRO_BATCHES, VOCAB = 4, 8, 256, 512, 8, 256
 
@@ -95,9 +96,10 @@ def main(argv=None) -> None:
         process.join()
     print(f"PP{WORLD}, LIMe {LAYERS} layers x hidden {HIDDEN}, seq {SEQ}, {MICRO_BATCHES} micro-batches/step, "
           "gc disabled; rank 0 after each step\n")
-    print("| step | live memories | kept blocks | pending sends | resident MiB |\n|---|---|---|---|---|")
-    for step, memories, kept, sends, rss in rows:
-        print(f"| {step} | {memories} | {kept} | {sends} | {rss:,.0f} |")
+    keys = ("step", "memories", "kept", "sends", "resident")
+    print_table([("step", field("step")), ("live memories", field("memories")), ("kept blocks", field("kept")),
+                 ("pending sends", field("sends")), ("resident MiB", field("resident", ",.0f"))],
+                [dict(zip(keys, row)) for row in rows], markdown=True)
     first, last = rows[len(rows) // 2][-1], rows[-1][-1]
     print(f"\nresident memory over the second half of the run: {last - first:+,.0f} MiB")
 

@@ -23,6 +23,7 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
+from tables import field, print_table
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
@@ -82,15 +83,17 @@ def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int
     return rows
 
 
-def print_table(rows, args) -> None:
+def print_results(rows: list[dict], args) -> None:
     base = {r["depth"]: r["megatron"] for r in rows if not r["lime"]}
     print(f"TP=2, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
           f"{args.kv_heads} kv heads, seq {args.seq_length}, batch {args.micro_batch_size}, fp32; "
           "KiB sent per rank per layer, forward+backward")
-    print(f"{'layers':>6} {'baseline TP':>12} {'LIMe: megatron':>15} {'LIMe: routing':>14} {'routing/base':>13}")
-    for r in (r for r in rows if r["lime"]):
-        print(f"{r['depth']:>6} {base[r['depth']] / 1024:>12.1f} {r['megatron'] / 1024:>15.1f} "
-              f"{r['routing'] / 1024:>14.1f} {r['routing'] / base[r['depth']]:>13.3f}")
+    print_table([("layers", field("depth")),
+                 ("baseline TP", lambda row: f"{base[row['depth']] / 1024:.1f}"),
+                 ("LIMe: megatron", field("megatron", ".1f", 1024)),
+                 ("LIMe: routing", field("routing", ".1f", 1024)),
+                 ("routing/base", lambda row: f"{row['routing'] / base[row['depth']]:.3f}")],
+                [r for r in rows if r["lime"]])
 
 
 def worker(args):
@@ -111,7 +114,7 @@ def main(argv=None) -> None:
     from distributed import run_distributed
 
     rows = run_distributed(worker, 2, args)[0]
-    print_table(rows, args)
+    print_results(rows, args)
     print("\nsummary: LIMe routing sends one reduce-scatter of the partial routed K/V per layer "
           "(forward, and again when backward rebuilds them) and one all-gather of their gradient; "
           "the amount per layer does not depend on depth.")

@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 
 import torch
+from tables import field, print_table
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.lime.routing_blocks import H100_SXM, routing_block_size
@@ -49,15 +50,17 @@ def main(argv=None) -> None:
     parser.add_argument("--mfu", type=float, default=0.4, help="baseline model FLOP utilisation assumed")
     args = parser.parse_args(argv)
     print(f"machine: {H100_SXM.name}; baseline at {args.mfu:.0%} MFU; seq {args.seq_length}")
-    print(f"{'layers':>6} {'kv':>3} {'B':>3} {'B=1 overhead':>13} {'blocked':>8} {'blocked, rebuilt':>17} "
-          f"{'paper Table 9':>14}")
+    rows = []
     for layers in (16, 128):
         for kv in (32, 8):
             block = routing_block_size(layers, kv, 2, H100_SXM)
             per_layer, blocked = (projected_overhead(layers, kv, b, args.seq_length, args.mfu) for b in (1, block))
             rebuilt = projected_overhead(layers, kv, block, args.seq_length, args.mfu, rebuild=True)
-            print(f"{layers:>6} {kv:>3} {block:>3} {per_layer:>12.1%} {blocked:>8.1%} {rebuilt:>17.1%} "
-                  f"{PAPER_TABLE_9.get((layers, kv), '-'):>14}")
+            rows.append(dict(layers=layers, kv_heads=kv, block=block, per_layer=per_layer, blocked=blocked,
+                             rebuilt=rebuilt, paper=PAPER_TABLE_9.get((layers, kv), "-")))
+    print_table([("layers", field("layers")), ("kv", field("kv_heads")), ("B", field("block")),
+                 ("B=1 overhead", field("per_layer", ".1%")), ("blocked", field("blocked", ".1%")),
+                 ("blocked, rebuilt", field("rebuilt", ".1%")), ("paper Table 9", field("paper"))], rows)
 
 
 if __name__ == "__main__":

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from tables import field, print_table
 from tqdm import tqdm
 
 from lime_megatron.planning.schedule_model import (
@@ -68,6 +69,21 @@ def pipeline_of(model: str, depth: int, world_size: int, layout, compute_tflops:
     return config, m, work
 
 
+COLUMNS = [
+    ("layers", field("layers")),
+    ("layout", field("layout")),
+    ("microbatches", field("microbatches")),
+    ("transfers", field("transfers")),
+    ("link", field("link")),
+    ("LLaMA", field("llama", ",.0f")),
+    ("LIMe", field("lime", ",.0f")),
+    ("LIMe over LLaMA", lambda row: f"{row['over']:+.1f}%"),
+    ("LIMe bubble", lambda row: f"{row['bubble']:.1f}%"),
+    ("LIMe exposed transfer", field("exposed", ",.0f")),
+]
+"""The table's columns: iteration times in ms per layout and link, LIMe's bubble and exposed transfer."""
+
+
 def main(argv=None) -> None:
     options = parse_args(argv)
     cases = [(depth, layout) for depth in options.depths for layout in [None, *LAYOUTS]]
@@ -81,15 +97,13 @@ def main(argv=None) -> None:
         for link in (NVLINK, INFINIBAND):
             (lime, exposed), (llama, _) = (step_time(work, link).as_run(overlapped) for work in (lime_work, llama_work))
             bubble = step_time(lime_work, link).bubble
-            rows.append(f"| {depth} | {name} | {m} | {'overlapped' if overlapped else 'blocking'} | {link.name} | "
-                        f"{1e3 * llama:,.0f} | {1e3 * lime:,.0f} | {100 * (lime / llama - 1):+.1f}% | "
-                        f"{100 * bubble:.1f}% | {1e3 * exposed:,.0f} |")
+            rows.append(dict(layers=depth, layout=name, microbatches=m,
+                             transfers="overlapped" if overlapped else "blocking", link=link.name,
+                             llama=1e3 * llama, lime=1e3 * lime, over=100 * (lime / llama - 1),
+                             bubble=100 * bubble, exposed=1e3 * exposed))
     print(f"world {options.world_size} GPUs, {options.compute_tflops:g} TFLOP/s per GPU; iteration times in ms, "
           "transfers as the run does them\n")
-    print("| layers | layout | microbatches | transfers | link | LLaMA | LIMe | LIMe over LLaMA | LIMe bubble | "
-          "LIMe exposed transfer |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
-    print("\n".join(rows))
+    print_table(COLUMNS, rows, markdown=True)
 
 
 if __name__ == "__main__":

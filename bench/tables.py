@@ -1,0 +1,42 @@
+"""The benches' tables: one place that lays rows out as columns.
+
+A column is a title and a function from a row (the dict a bench measured) to the cell's text;
+``field`` makes the usual one, a row's value under a key in a format spec.  ``print_table`` prints
+the columns right-aligned, each as wide as its title or widest cell and two spaces apart, under
+a rule of dashes, or as a Markdown table (the form BENCHMARKS.md holds) with ``markdown=True``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+Column = tuple[str, Callable[[dict], str]]
+"""A column's title and the function that writes its cell of a row."""
+
+
+def field(key: str, spec: str = "", scale: float = 1.0) -> Callable[[dict], str]:
+    """The cell of ``row[key] / scale`` in the format ``spec`` (e.g. ``".3f"``, ``",.0f"``)."""
+    if scale == 1.0:
+        return lambda row: format(row[key], spec)
+    return lambda row: format(row[key] / scale, spec)
+
+
+def ratio(numerator: str, denominator: str, spec: str = ".3f") -> Callable[[dict], str]:
+    """The cell of ``row[numerator] / row[denominator]`` in the format ``spec``."""
+    return lambda row: format(row[numerator] / row[denominator], spec)
+
+
+def table_lines(columns: list[Column], rows: list[dict], markdown: bool = False) -> list[str]:
+    """The table's lines: the header, its rule and one line per row."""
+    titles = [title for title, _ in columns]
+    cells = [[cell(row) for _, cell in columns] for row in rows]
+    if markdown:
+        return ["| " + " | ".join(line) + " |" for line in [titles, ["---"] * len(titles)] + cells]
+    widths = [max(len(text) for text in column) for column in zip(titles, *cells)]
+    lines = ["  ".join(text.rjust(width) for text, width in zip(line, widths)) for line in [titles] + cells]
+    return lines[:1] + ["-" * len(lines[0])] + lines[1:]
+
+
+def print_table(columns: list[Column], rows: list[dict], markdown: bool = False) -> None:
+    """Print ``table_lines(columns, rows, markdown)``."""
+    print("\n".join(table_lines(columns, rows, markdown)))
