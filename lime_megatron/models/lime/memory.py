@@ -529,8 +529,7 @@ class LayerIntegratedMemory:
         own_grad = grad_rows if router.identity else None
         grad = self._consumer_grad(layer, own_grad)
         if self._grads_in_attention_layout():
-            grad_kv = grad.view(2, *self.kv_shape)
-            return grad_kv[0], grad_kv[1]
+            return grad.view(2, *self.kv_shape).unbind(0)
         grad_kv = grad.view(self.kv_heads, 2, *self.kv_shape[:2], -1)
         return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
 

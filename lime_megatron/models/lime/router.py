@@ -236,9 +236,17 @@ class LimeRouter(nn.Module):
         return full[:, columns].contiguous()
 
     def weight_columns(self, start: int, stop: int) -> torch.Tensor:
-        """The detached columns of ``weight`` that read the consecutive source layers
-        ``start..stop-1``: ``[kv_heads, (stop - start) * local heads]``, a view."""
-        return self.weight.detach()[:, self.columns(start, stop)]
+        """The columns of ``weight`` that read the consecutive source layers ``start..stop-1``:
+        ``[kv_heads, (stop - start) * local heads]``, ``weight`` itself where they span it, else a
+        view.  For the routing products, which run where grad mode is off (inside autograd
+        Functions, in backward, in decoding): no ``detach`` is dispatched, as each operator is host
+        time in a host-bound step (docs/routing.md, "Host work per layer"); with grad mode on this
+        raises rather than hand out columns autograd would track."""
+        if torch.is_grad_enabled():
+            raise RuntimeError(f"router {self.layer}: weight_columns is for the routing products, which run "
+                               "with grad mode off; use the weight parameter itself under autograd")
+        columns = self.columns(start, stop)
+        return self.weight if columns == slice(0, self.weight.shape[1]) else self.weight[:, columns]
 
     def columns(self, start: int, stop: int) -> slice:
         """Columns of ``weight`` that read the consecutive source layers ``start..stop-1``."""

@@ -195,12 +195,25 @@ def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torc
     ``accumulate`` (viewable as ``[M, r, inner]``) in the same kernel when given; counted as
     ``kind`` (``counted_product``)."""
     batched = wide.view(wide.shape[0], -1, inner).transpose(0, 1)
-    flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
-    narrow = narrow.to(wide.dtype).expand(batched.shape[0], -1, -1)
+    return batched_product(kind, batched_narrow(narrow, batched), batched, accumulate)
+
+
+def batched_narrow(narrow: torch.Tensor, batched: torch.Tensor) -> torch.Tensor:
+    """The narrow operand ``[r, k]`` in the dtype of ``batched`` ``[M, k, inner]``, broadcast over
+    its M positions (a view)."""
+    return narrow.to(batched.dtype).expand(batched.shape[0], -1, -1)
+
+
+def batched_product(kind: str, narrow: torch.Tensor, batched: torch.Tensor,
+                    accumulate: torch.Tensor | None = None) -> torch.Tensor:
+    """``narrow @ batched`` (``[M, r, k] @ [M, k, inner]``, ``narrow`` one matrix broadcast over M)
+    -> ``[M, r, inner]``, plus ``accumulate`` in the same kernel when given; counted as ``kind``,
+    reading ``batched`` (``counted_product``)."""
+    flops = 2 * narrow.shape[1] * batched.numel()
     if accumulate is None:
-        return counted_product(kind, wide, flops, lambda: torch.bmm(narrow, batched))
-    accumulate = accumulate.view(batched.shape[0], narrow.shape[1], inner)
-    return counted_product(kind, wide, flops, lambda: torch.baddbmm(accumulate, narrow, batched))
+        return counted_product(kind, batched, flops, lambda: torch.bmm(narrow, batched))
+    accumulate = accumulate.view(batched.shape[0], narrow.shape[1], batched.shape[2])
+    return counted_product(kind, batched, flops, lambda: torch.baddbmm(accumulate, narrow, batched))
 
 
 def key_value_halves(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -213,11 +226,14 @@ def routing_product_keys_values(kind: str, narrow: torch.Tensor, wide: torch.Ten
                                 accumulate: tuple[torch.Tensor, torch.Tensor] | None = None
                                 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing_product_attention_layout`` of the keys' and the values' halves of the rows
-    ``wide`` apart (``key_value_halves``), each plus its half of ``accumulate`` when given: keys
-    and values ``[s*b, r, inner]``, two tensors, so that attention can keep the values without
-    the keys (only RoPE reads those)."""
-    return tuple(routing_product_attention_layout(kind, narrow, half, inner, added)
-                 for half, added in zip(key_value_halves(wide), accumulate or (None, None)))
+    ``wide`` apart, each plus its half of ``accumulate`` when given: keys and values
+    ``[s*b, r, inner]``, two tensors, so that attention can keep the values without the keys
+    (only RoPE reads those).  The two halves' batched views come from one view of ``wide``
+    and share one broadcast ``narrow`` (each operator is host time, docs/routing.md)."""
+    halves = wide.view(wide.shape[0], 2, -1, inner).permute(1, 2, 0, 3).unbind(0)
+    narrow = batched_narrow(narrow, halves[0])
+    return tuple(batched_product(kind, narrow, half, added)
+                 for half, added in zip(halves, accumulate or (None, None)))
 
 
 def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:
