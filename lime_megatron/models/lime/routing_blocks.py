@@ -318,11 +318,12 @@ class RouterStack:
         first = routers[layers.start]
         self.first, self.rows, self.local = layers.start, first.weight.shape[0], first.local_heads
         self.matrix = like.new_zeros(len(layers) * self.rows, layers.stop * self.local)
-        for layer in layers:
-            router, top = routers[layer], (layer - self.first) * self.rows
-            for start, stop in router.source_runs:
-                self.matrix[top : top + self.rows, start * self.local : stop * self.local] = \
-                    router.weight_columns(start, stop)
+        with torch.no_grad():  # a copy of the weights outside autograd, whoever builds it
+            for layer in layers:
+                router, top = routers[layer], (layer - self.first) * self.rows
+                for start, stop in router.source_runs:
+                    self.matrix[top : top + self.rows, start * self.local : stop * self.local] = \
+                        router.weight_columns(start, stop)
 
     def columns(self, consumers: list[int], start: int, stop: int) -> torch.Tensor:
         """``[len(consumers) * kv_heads, (stop - start) * local heads]``: the columns of source
