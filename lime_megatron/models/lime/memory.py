@@ -531,7 +531,7 @@ class LayerIntegratedMemory:
         if self._grads_in_attention_layout():
             return grad.view(2, *self.kv_shape).unbind(0)
         grad_kv = grad.view(self.kv_heads, 2, *self.kv_shape[:2], -1)
-        return grad_kv[:, 0].permute(1, 2, 0, 3), grad_kv[:, 1].permute(1, 2, 0, 3)
+        return tuple(half.permute(1, 2, 0, 3) for half in grad_kv.unbind(1))
 
     def external_shares(self) -> list[tuple[range, torch.Tensor]]:
         """This chunk's share of the gradient of its external rows, once every own layer's
