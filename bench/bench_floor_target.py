@@ -2,7 +2,7 @@
 time, within 1.02x of the baseline in saved bytes.
 
 For each depth and kv-head count it builds the baseline and LIMe with the roofline's block
-(``models.lime.routing_blocks.routing_block_size``), nothing else, and times the two as a training
+(``planning.routing_block.chunk_routing_block``), nothing else, and times the two as a training
 run steps them: each timed forward+backward follows an untimed step of the same model
 (``round_times(..., untimed_before=1)``), the pair's order rotated each round.  Per round LIMe's
 time over the baseline's in the same round; the median of these paired ratios over the FLOP floor
@@ -28,9 +28,8 @@ import statistics
 from bench_lime_overhead import (
     SHAPE_COLUMNS,
     build,
-    element_size,
+    chosen_block,
     flop_floor,
-    machine_balance,
     make_batch,
     measure_cases,
     median_interval,
@@ -40,8 +39,6 @@ from bench_lime_overhead import (
     shape_parser,
 )
 from tables import field, print_table
-
-from lime_megatron.models.lime.routing_blocks import routing_block_size
 
 TIME_TARGET = 1.05
 """Blocked LIMe's time over the baseline's, relative to the FLOP floor (issue 26, "Measured")."""
@@ -64,7 +61,7 @@ def verdict(low: float, high: float, target: float = TIME_TARGET) -> str:
 
 
 def measure(args, num_layers: int, kv_heads: int) -> dict:
-    block = routing_block_size(num_layers, kv_heads, element_size(args), machine_balance(args))
+    block = chosen_block(args, num_layers, kv_heads)
     models = {"base": build(args, num_layers, kv_heads, False),
               "blocked": build(args, num_layers, kv_heads, True, block)}
     batch = make_batch(args)

@@ -2,7 +2,7 @@
 
 For each depth and kv-head count it builds the baseline and LIMe with the same shape, LIMe three
 times: routing per layer (B = 1) and blocked with the block size the roofline picks
-(``models.lime.routing_blocks.routing_block_size``), both keeping the routed K/V for attention's
+(``planning.routing_block.chunk_routing_block``), both keeping the routed K/V for attention's
 backward (the default), and blocked rebuilding them in backward instead
 (``lime_recompute_routed_kv``: one more router product per layer, less memory); then measures in
 the same process, interleaving the four models:
@@ -63,19 +63,12 @@ from tqdm import tqdm
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
-from lime_megatron.models.lime.routing_blocks import (
-    CPU_2_CORE,
-    H100_SXM,
-    MachineBalance,
-    RoutingReads,
-    routing_block_size,
-    routing_reads,
-    synchronize_device_of,
-)
+from lime_megatron.models.lime.routing_blocks import RoutingReads, routing_reads, synchronize_device_of
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning.copied_bytes import CopiedBytes
 from lime_megatron.planning.dispatched_operators import DispatchedOperators
 from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
+from lime_megatron.planning.routing_block import CPU_2_CORE, MachineBalance, chunk_routing_block, present_machine
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.planning.saved_tensors import SavedTensorBytes
 
@@ -132,7 +125,9 @@ def build_shape(args, num_layers: int, kv_heads: int, **overrides):
 def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full",
           rebuild: bool = False):
     """The baseline (``lime=False``) or LIMe with ``router``, routing blocks of ``block`` layers
-    (None: the cost model) and the routed K/V kept or rebuilt in backward."""
+    (None: the cost model's, ``chosen_block``) and the routed K/V kept or rebuilt in backward."""
+    if lime and block is None:
+        block = chosen_block(args, num_layers, kv_heads, lime_router=router)
     return build_shape(args, num_layers, kv_heads, lime=lime, lime_router=router, lime_routing_block=block,
                        lime_recompute_routed_kv=rebuild)
 
@@ -143,8 +138,22 @@ def element_size(args) -> int:
 
 
 def machine_balance(args) -> MachineBalance:
-    """The roofline the block size is chosen on: ``H100_SXM`` for ``--device cuda``, else ``CPU_2_CORE``."""
-    return H100_SXM if args.device == "cuda" else CPU_2_CORE
+    """The figures the block size is chosen on: the GPU present for ``--device cuda``
+    (``routing_block.present_machine``), else ``CPU_2_CORE``."""
+    return present_machine() if args.device == "cuda" else CPU_2_CORE
+
+
+def row_elements(args) -> int:
+    """Elements of one kv head's routing row at the bench's shape: 2 * s * b * head dim."""
+    return 2 * args.seq_length * args.micro_batch_size * (args.hidden_size // args.num_attention_heads)
+
+
+def chosen_block(args, num_layers: int, kv_heads: int, **overrides) -> int:
+    """The block size the trainer builds ``num_layers`` layers on one stage with at the bench's
+    shape and device (``routing_block.chunk_routing_block``)."""
+    config = shape_config(args, num_layers, kv_heads, lime=True, **overrides)
+    return chunk_routing_block(config, range(num_layers), args.seq_length, args.micro_batch_size,
+                               machine_balance(args))
 
 
 def make_batch(args):
@@ -282,7 +291,7 @@ def flop_floor(args, config) -> float:
 
 
 def measure(args, num_layers: int, kv_heads: int) -> dict:
-    block = routing_block_size(num_layers, kv_heads, element_size(args), machine_balance(args))
+    block = chosen_block(args, num_layers, kv_heads)
     models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
               "blocked": build(args, num_layers, kv_heads, True, block),
               "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True)}

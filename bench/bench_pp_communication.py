@@ -31,6 +31,7 @@ import socket
 import statistics
 import time
 from collections import defaultdict
+from dataclasses import dataclass
 
 import torch
 import torch.multiprocessing as mp
@@ -70,12 +71,23 @@ def parse_args(argv=None) -> argparse.Namespace:
 # --------------------------------------------------------------------------- counting
 
 
+@dataclass
+class BatchedOp:
+    """A ``P2POp`` as the code under count builds it (``op`` one of the counted functions)."""
+
+    op: object
+    tensor: torch.Tensor
+    peer: int | None = None
+    group: object = None
+    tag: int = 0
+
+
 class P2PCounter:
     """Wraps ``torch.distributed``'s point-to-point calls and adds each tensor's bytes by
-    (phase, kind, direction): phase ``forward``/``backward``, kind ``hidden`` (megatron's pipeline
-    group) or ``rows`` (LIMe's side channel), direction ``sent``/``received``.  ``hops`` adds the
-    side channel's forward bytes per receiving chunk (the hop ``KeptRows.attached_ops`` sizes each
-receive for).  Needs 3 or more
+    (phase, kind, direction): phase ``forward``/``backward``, kind ``hidden`` (megatron's stage
+    tensor) or ``rows`` (LIMe's K/V rows, posted with it on the pipeline group), direction
+    ``sent``/``received``.  ``hops`` adds the rows' forward bytes per receiving chunk (the hop
+    ``KeptRows.attached_ops`` sizes each receive for).  Needs 3 or more
     pipeline ranks (the previous and next rank differ)."""
 
     NAMES = ("isend", "irecv", "send", "recv")
@@ -85,6 +97,7 @@ receive for).  Needs 3 or more
 
         self.bytes = defaultdict(int)
         self.hops = defaultdict(int)
+        self.row_phase: dict[int, str] = {}  # id of a row tensor about to be posted -> its phase
         self.pp_group = parallel_state.get_pipeline_model_parallel_group()
         ranks = torch.distributed.get_process_group_ranks(self.pp_group)
         rank = parallel_state.get_pipeline_model_parallel_rank()
@@ -94,11 +107,10 @@ receive for).  Needs 3 or more
     def _record(self, sending: bool, tensor: torch.Tensor, peer: int, group, tag: int) -> None:
         direction = "sent" if sending else "received"
         size = tensor.numel() * tensor.element_size()
-        if group in (None, self.pp_group):
-            kind, phase = "hidden", "forward" if (peer == self.next_rank) == sending else "backward"
+        if id(tensor) in self.row_phase:  # attached to a hidden-state operation by ``KeptRows.attached_ops``
+            kind, phase = "rows", self.row_phase.pop(id(tensor))
         else:
-            kept = pipeline._KEPT  # this schedule call's side channel
-            kind, phase = "rows", "forward" if group is kept.rows_group else "backward"
+            kind, phase = "hidden", "forward" if (peer == self.next_rank) == sending else "backward"
         self.bytes[phase, kind, direction] += size
 
     def _count_hops(self, attached):
@@ -107,6 +119,8 @@ receive for).  Needs 3 or more
         def counted(kept, kind, hidden):
             hop = kept.expected[kind][0][0] if kind == "recv_prev" else None  # (receiving chunk, micro-batch)
             ops, keep = attached(kept, kind, hidden)
+            phase = "forward" if kind in ("send_next", "recv_prev") else "backward"
+            self.row_phase.update((id(op.tensor), phase) for op in ops)
             if hop is not None:
                 self.hops[hop] += sum(op.tensor.numel() * op.tensor.element_size() for op in ops)
             return ops, keep
@@ -129,13 +143,18 @@ receive for).  Needs 3 or more
 
             setattr(distributed, name, counted)
         original_batch = self._originals["batch_isend_irecv"] = distributed.batch_isend_irecv
+        original_op = self._originals["P2POp"] = distributed.P2POp
 
-        def counted_batch(ops):
+        def counted_batch(ops):  # ``ops`` name the counted functions: posted with the originals
+            real = []
             for op in ops:
                 sending = op.op in (distributed.isend, self._originals["isend"])
                 self._record(sending, op.tensor, op.peer, op.group, op.tag)  # peer: a global rank
-            return original_batch(ops)
+                real.append(original_op(self._originals["isend" if sending else "irecv"], op.tensor, op.peer,
+                                        op.group, op.tag))
+            return original_batch(real)
 
+        distributed.P2POp = BatchedOp  # torch's P2POp refuses functions other than its own isend/irecv
         distributed.batch_isend_irecv = counted_batch
         self._attached = pipeline.KeptRows.attached_ops
         pipeline.KeptRows.attached_ops = self._count_hops(self._attached)
@@ -149,12 +168,10 @@ receive for).  Needs 3 or more
 
 def make_config(layers: int, attention: str, pp: int, vpp: int | None, lime: bool, **options):
     from lime_megatron.models.config import lime_config
-    from lime_megatron.parallel.compat import cpu_config_overrides
-
     return lime_config(lime=lime, num_layers=layers, num_query_groups=KV_HEADS[attention], **HIDDEN,
                        use_cpu_initialization=True, pipeline_model_parallel_size=pp,
                        virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32,
-                       deallocate_pipeline_outputs=True, **cpu_config_overrides(), **options)
+                       deallocate_pipeline_outputs=True, **options)
 
 
 def _batches(args, count: int) -> list[dict]:
@@ -339,7 +356,8 @@ def _time_worker(rank: int, world: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     initialize_parallel(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
     batches = _batches(args, args.micro_batches or 8)
-    models = {(overlap, lime): _build(make_config(args.time_layers, "mha", 4, 2, lime, overlap_p2p_comm=overlap), args)
+    models = {(overlap, lime): _build(make_config(args.time_layers, "mha", 4, 2, lime, overlap_p2p_comm=overlap,
+                                            batch_p2p_comm=not overlap), args)
               for overlap in (False, True) for lime in (False, True)}
     times = defaultdict(list)
     for _ in range(args.iterations + 1):

@@ -1,17 +1,18 @@
-"""The routing block size: the roofline's choice against measured forward+backward time per B.
+"""The routing block size: the cost model's choice against measured forward+backward time per B.
 
 For each depth and kv-head count it builds the baseline and LIMe at several block sizes (B = 1,
-the powers of two below the roofline's limit and the roofline's choice,
-``models.lime.routing_blocks.routing_block_size``) and times them interleaved in one process, as
+the powers of two up to the chooser's limit and its choice for one stage,
+``planning.routing_block.chunk_routing_block``) and times them interleaved in one process, as
 ``bench_lime_overhead.py`` does: per round each LIMe model's time over the baseline's in the same
-round, the median of these paired ratios and their interquartile range.  Beside each B the
-roofline's forward routing time relative to B = 1 (``block_product_seconds``).  The last column
-marks the roofline's choice (``<- roofline``) and the measured fastest B (``<- fastest``): a
-choice within one IQR of the fastest is as good as this machine can tell.
+round, the median of these paired ratios and their interquartile range.  Beside each B the cost
+model's step time relative to B = 1 (``routing_step_seconds`` with the baseline's work,
+``baseline_work``: roofline and host time).  The
+last column marks the cost model's choice (``<- roofline``) and the measured fastest B
+(``<- fastest``): a choice within one IQR of the fastest is as good as this machine can tell.
 
 Run (the table in BENCHMARKS.md):
     python bench/bench_routing_block_sizes.py --repeats 9
-``--device cuda`` takes the roofline of ``H100_SXM`` instead of ``CPU_2_CORE``.
+``--device cuda`` takes the figures of the GPU present instead of ``CPU_2_CORE``.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import argparse
 from bench_lime_overhead import (
     SHAPE_COLUMNS,
     build,
+    chosen_block,
     element_size,
     machine_balance,
     make_batch,
@@ -28,15 +30,13 @@ from bench_lime_overhead import (
     paired_ratio,
     parse_paired_args,
     round_times,
+    row_elements,
+    shape_config,
     shape_parser,
 )
 from tables import field, print_table
 
-from lime_megatron.models.lime.routing_blocks import (
-    block_product_seconds,
-    block_size_limit,
-    routing_block_size,
-)
+from lime_megatron.planning.routing_block import baseline_work, block_size_limit, routing_step_seconds
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -47,23 +47,25 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 def candidate_blocks(num_layers: int, chosen: int) -> list[int]:
     """B = 1, the powers of two up to the roofline's limit (``block_size_limit``), and ``chosen``."""
-    limit = block_size_limit(num_layers)
+    limit = block_size_limit(range(num_layers))
     powers = {2**k for k in range(limit.bit_length()) if 2**k <= limit}
     return sorted(powers | {chosen})
 
 
 def measure(args, num_layers: int, kv_heads: int) -> list[dict]:
-    size, machine = element_size(args), machine_balance(args)
-    chosen = routing_block_size(num_layers, kv_heads, size, machine)
+    chosen = chosen_block(args, num_layers, kv_heads)
+    layers, row, size, machine = range(num_layers), row_elements(args), element_size(args), machine_balance(args)
+    baseline = baseline_work(shape_config(args, num_layers, kv_heads, lime=True), layers, args.seq_length,
+                             args.micro_batch_size, machine)
     blocks = candidate_blocks(num_layers, chosen)
     models = {"base": build(args, num_layers, kv_heads, False)}
     models.update({block: build(args, num_layers, kv_heads, True, block) for block in blocks})
     times = round_times(args, models, make_batch(args))
-    per_layer = block_product_seconds(num_layers, kv_heads, 1, size, machine)
+    per_layer = routing_step_seconds(layers, kv_heads, 1, row, size, machine, baseline=baseline)
     rows = []
     for block in blocks:
         ratio, spread = paired_ratio(times, block)
-        roofline = block_product_seconds(num_layers, kv_heads, block, size, machine) / per_layer
+        roofline = routing_step_seconds(layers, kv_heads, block, row, size, machine, baseline=baseline) / per_layer
         rows.append(dict(layers=num_layers, kv_heads=kv_heads, block=block, ratio=ratio, spread=spread,
                          roofline=roofline, chosen=block == chosen))
     fastest = min(rows, key=lambda row: row["ratio"])
@@ -78,7 +80,7 @@ def choice_marks(row: dict) -> str:
 
 
 COLUMNS = SHAPE_COLUMNS + [
-    ("roofline fwd vs B=1", field("roofline", ".3f")),
+    ("model vs B=1", field("roofline", ".3f")),
     ("LIMe / base", field("ratio", ".3f")),
     ("IQR", field("spread", ".3f")),
     ("choice", choice_marks),

@@ -51,7 +51,7 @@ def rank_main(rank: int, port: int, steps: int, out) -> None:
     from megatron.core.optimizer import OptimizerConfig
 
     from lime_megatron.models.config import lime_config
-    from lime_megatron.parallel.compat import cpu_config_overrides, enable_cpu_support
+    from lime_megatron.parallel.compat import enable_cpu_support
     from lime_megatron.parallel.process_groups import initialize_parallel
     from lime_megatron.training.optimizer import LRSchedule, build_optimizer, build_scheduler
     from lime_megatron.training.trainer import build_model_chunks, train_step
@@ -64,7 +64,7 @@ def rank_main(rank: int, port: int, steps: int, out) -> None:
     initialize_parallel(pipeline_model_parallel_size=WORLD)
     config = lime_config(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=8, lime=True,
                          pipeline_model_parallel_size=WORLD, pipeline_dtype=torch.float32,
-                         deallocate_pipeline_outputs=True, use_cpu_initialization=True, **cpu_config_overrides())
+                         deallocate_pipeline_outputs=True, use_cpu_initialization=True)
     chunks = build_model_chunks(config, VOCAB, SEQ)
     optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="sgd", lr=1e-3, weight_decay=0.0, clip_grad=0.0))
     scheduler = build_scheduler(optimizer, LRSchedule(max_lr=1e-3, decay_iters=steps, decay_style="constant"))

@@ -28,13 +28,9 @@ from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
-from nccl_rules import Coordinator, announce_exit, install
+from nccl_rules import MODES, Coordinator, announce_exit, install
 
-from lime_megatron.parallel.compat import (
-    cpu_config_overrides,
-    distributed_backend,
-    enable_cpu_support,
-)
+from lime_megatron.parallel.compat import distributed_backend, enable_cpu_support
 
 MASTER_ADDR = "127.0.0.1"
 # Imported once by the fork server that starts every rank, so no launch pays for them again.
@@ -66,15 +62,19 @@ def rendezvous_store() -> torch.distributed.TCPStore:
                                       timeout=timedelta(minutes=5))
 
 
-def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0, nccl_rules: bool = False,
-                    **kwargs) -> list:
+def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0,
+                    nccl_rules: bool | str = False, **kwargs) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (processes forked from the fork
     server) and return the list of their results, indexed by rank.
 
     ``fn`` and its arguments and results must be picklable (``fn`` a module-level function);
-    ``timeout`` and ``nccl_rules`` are the keyword arguments not passed on to ``fn``; with
-    ``nccl_rules`` the ranks' point-to-point operations follow NCCL's rules (``nccl_rules``
-    module: a deadlock there fails the launch with every rank's pending operations listed).
+    ``timeout`` and ``nccl_rules`` are the keyword arguments not passed on to ``fn``.  With
+    ``nccl_rules`` the ranks' point-to-point operations and collectives follow NCCL's rules
+    (``nccl_rules`` module: a deadlock there fails the launch with every rank's pending operations
+    listed); its value picks how communicators are created: ``"lazy"`` (or ``True``; no
+    ``device_id`` given to ``init_process_group``: created at first use, unbatched point-to-point
+    operations on 2-rank communicators of their own) or ``"eager"`` (``device_id`` bound: every
+    group's communicator exists from its creation and carries all its operations).
     Each rank has the default process group initialised, megatron's CPU support enabled and one
     intra-op thread; megatron's parallel state and the process group are torn down afterwards.
     Raises :class:`DistributedTestError` with every failing rank's traceback, or
@@ -88,12 +88,15 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     store = rendezvous_store()
     port = store.port
     coordinator = None
-    if nccl_rules:
+    mode = "lazy" if nccl_rules is True else nccl_rules
+    if mode and mode not in MODES:
+        raise ValueError(f"nccl_rules must be False, True or one of {MODES}, got {nccl_rules!r}")
+    if mode:
         coordinator = Coordinator(world_size, context.Queue(), [context.Queue() for _ in range(world_size)])
         coordinator.start()
     processes = [
         context.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs, messages, coordinator and (
-            coordinator.inbox, coordinator.outboxes[rank])))
+            mode, coordinator.inbox, coordinator.outboxes[rank])))
         for rank in range(world_size)
     ]
     for process in processes:
@@ -150,8 +153,8 @@ def _stop(processes, wait_s: float) -> None:
 
 
 def _worker(rank, world_size, port, fn, args, kwargs, messages, nccl_queues) -> None:
-    """Body of one spawned rank: set up, run ``fn``, tear down, report (``nccl_queues``: this
-    rank's (messages to, answers from) the NCCL-rules coordinator, or None)."""
+    """Body of one spawned rank: set up, run ``fn``, tear down, report (``nccl_queues``: the
+    NCCL-rules mode and this rank's (messages to, answers from) the coordinator, or None)."""
     os.environ.update(
         MASTER_ADDR=MASTER_ADDR,
         MASTER_PORT=str(port),
@@ -172,7 +175,8 @@ def _worker(rank, world_size, port, fn, args, kwargs, messages, nccl_queues) -> 
         finally:
             if rules is not None:
                 announce_exit(rules)
-            _teardown()
+            if rules is None or rules.deadlock is None:  # gloo work left by a deadlock can hang it
+                _teardown()
     except BaseException:  # noqa: BLE001 - reported to the parent, which raises
         message = (rank, False, traceback.format_exc())
     messages.put(message)
@@ -253,7 +257,6 @@ def layout_config_kwargs(layout: Layout) -> dict:
         sequence_parallel=layout.sp,
         params_dtype=torch.float32,
         pipeline_dtype=torch.float32,
-        **cpu_config_overrides(),
     )
 
 

@@ -56,7 +56,12 @@ class LimeTransformerConfig(TransformerConfig):
     lime_routing_block: int | None = None
     """Routing block size B: the routing products of B consecutive layers read each source row
     once (``lime_megatron.models.lime.routing_blocks``); 1 runs every product per layer; None
-    picks B from the machine's roofline (``routing_blocks.routing_block_size``)."""
+    picks B once per model chunk from the cost model of ``lime_megatron.planning.routing_block``
+    (its layers, the earlier layers' rows it reads, the machine of ``lime_machine``)."""
+
+    lime_machine: str = "auto"
+    """The machine whose figures choose the routing block size: ``auto`` (the device present) or a
+    key of ``planning.routing_block.MACHINES`` (``h100``, ``h200``, ``a100``, ``cpu``, ...)."""
 
     lime_prune_top_p: float | None = None
     """Route pruning (v1 §5.4, ``models.lime.pruning``): the kept share of each head's routes once
@@ -121,6 +126,12 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
         raise LimeConfigError(f"lime_routing_block must be >= 1 (or None for the cost model), "
                               f"got {config.lime_routing_block}")
     validate_hyper_connections(config)
+    block_recompute = config.recompute_granularity == "full" and config.recompute_method == "block"
+    if config.lime and (config.lime_routing_block or 1) > 1 and block_recompute and config.recompute_num_layers:
+        raise LimeConfigError(f"lime_routing_block {config.lime_routing_block} cannot be honoured with "
+                              f"recompute_method='block': it recomputes each of the first recompute_num_layers layers "
+                              f"on its own, and a block of routing products must lie inside one recomputed chunk; use "
+                              f"lime_routing_block 1 (or leave it unset) or recompute_method='uniform'")
     if config.lime:
         reject_options_bypassing_lime(config)
         if config.lime_router == "dynamic":

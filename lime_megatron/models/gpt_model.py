@@ -22,7 +22,7 @@ from lime_megatron.models.initialization import initialize_weights
 from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
 from lime_megatron.models.lime.router import LimeRouter
-from lime_megatron.models.lime.routing_blocks import chunk_routing_block
+from lime_megatron.models.lime.routing_blocks import default_routing_block
 from lime_megatron.parallel.pipeline import kept_rows
 
 
@@ -35,13 +35,15 @@ class LimeGPTModel(GPTModel):
     keys/values later chunks read through ``lime_megatron.parallel.pipeline``'s side channel.
     """
 
-    def __init__(self, *args, **kwargs):
+    def __init__(self, *args, routing_block: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._stage_input: torch.Tensor | None = None
         self.own_layers = self._own_layers()
         pipeline = self.config.pipeline_model_parallel_size
         self.global_chunk = (self.vp_stage or 0) * pipeline + parallel_state.get_pipeline_model_parallel_rank() \
             if pipeline > 1 else 0
+        # The routing block size B of this chunk, decided by its builder (``routing_blocks``)
+        self.routing_block = routing_block or default_routing_block(self.config)
 
     def _own_layers(self) -> range:
         """Global indices of the layers built in this chunk."""
@@ -90,11 +92,6 @@ class LimeGPTModel(GPTModel):
             self._router_of_layer = {router.layer: router for router in self.routers()}
         return self._router_of_layer
 
-    @property
-    def routing_block(self) -> int:
-        """The routing block size B of this chunk (``routing_blocks.chunk_routing_block``)."""
-        return chunk_routing_block(self.config, len(self.own_layers))
-
     def routers(self) -> list[LimeRouter]:
         """The LIMe routers of this model (chunk), in layer order."""
         return [module for module in self.modules() if isinstance(module, LimeRouter)]
@@ -111,12 +108,15 @@ def build_model(
     vp_stage: int | None = None,
     share_embeddings_and_output_weights: bool = True,
     rotary_base: int = 10000,
+    routing_block: int | None = None,
 ) -> LimeGPTModel:
     """LIMe (or, with ``config.lime=False``, the LLaMA baseline) as a megatron GPT model.
 
     ``vocab_size`` is the padded vocabulary; ``transformer_impl`` picks the layer spec (``local``
     or ``transformer_engine``).  RoPE positions, no learned absolute embeddings, tied input/output
-    embeddings by default (paper Table 3).  Weights are drawn by ``lime_megatron.models.initialization``
+    embeddings by default (paper Table 3).  ``routing_block``: LIMe's routing block size B for this
+    chunk (``planning.routing_block.chunk_routing_block`` chooses one; default
+    ``routing_blocks.default_routing_block``).  Weights are drawn by ``lime_megatron.models.initialization``
     from ``config.init_seed`` and ``config.init_style``, the same at every parallel layout.
     """
     model = LimeGPTModel(
@@ -130,6 +130,7 @@ def build_model(
         position_embedding_type="rope",
         rotary_base=rotary_base,
         vp_stage=vp_stage,
+        routing_block=routing_block,
     )
     if config.perform_initialization:
         # Layout-invariant initial weights (megatron's own draw depends on the layout).

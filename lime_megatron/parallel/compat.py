@@ -94,8 +94,10 @@ Patches, all applied together by :func:`enable_cpu_support`:
    alias holds the storage until gloo is done, as NCCL's caching allocator does for a CUDA tensor
    recorded on the communication stream.
 
-Not a patch but a trap with gloo: the interleaved pipeline schedule with ``batch_p2p_comm=True``
-silently swaps activations and gradients; :func:`cpu_config_overrides` turns it off.
+No configuration changes on CPU: megatron's GPU defaults (``batch_p2p_comm`` without overlap)
+run over gloo as they are.  megatron's own batched posting order swaps activations and gradients
+at two stages with virtual stages, on NCCL as on gloo; ``pipeline.PipelineCommunicator``, which
+every pipelined schedule call of the trainer uses, posts in an order that does not.
 
 Private and internal APIs the project relies on
 ------------------------------------------------
@@ -130,7 +132,7 @@ parses the package and fails on a private name it reaches into that is not regis
 - ``P2PCommunicator._communicate(*, tensor_send_next, tensor_send_prev, recv_prev, recv_next,
   tensor_shape, wait_on_reqs)`` and its ``pp_group``/``next_rank``/``prev_rank``/``config``, and
   the ``p2p_communicator``/``pg_collection`` arguments of both pipeline schedules
-  (``pipeline.SideChannelCommunicator`` posts LIMe's rows in megatron's calls).
+  (``pipeline.PipelineCommunicator`` posts LIMe's rows in megatron's calls).
 - KV-cache decoding: ``Attention._adjust_key_value_for_inference(inference_context, query, key,
   value, rotary_pos_emb, ...)`` returning a 6-tuple, ``StaticInferenceContext``'s
   ``key_value_memory_dict``/``sequence_len_offset``/``is_static_batching``, and attention's
@@ -166,7 +168,6 @@ from collections.abc import Callable
 import torch
 
 __all__ = [
-    "cpu_config_overrides",
     "default_device",
     "distributed_backend",
     "enable_cpu_support",
@@ -208,15 +209,6 @@ def default_device() -> str:
 def distributed_backend() -> str:
     """``torch.distributed`` backend matching :func:`default_device`: ``"nccl"`` or ``"gloo"``."""
     return "nccl" if torch.cuda.is_available() else "gloo"
-
-
-def cpu_config_overrides() -> dict:
-    """``TransformerConfig`` fields that must change on CPU/gloo (empty on CUDA machines).
-
-    ``batch_p2p_comm=False``: with gloo, the batched isend/irecv of the interleaved pipeline
-    schedule exchanges activations and gradients in the wrong order without raising.
-    """
-    return {} if torch.cuda.is_available() else {"batch_p2p_comm": False}
 
 
 def _is_cuda_device(device) -> bool:
@@ -633,7 +625,7 @@ def _probe_decoding() -> list[str | None]:
 
 
 def _probe_pipeline_communicator() -> list[str | None]:
-    """``pipeline.SideChannelCommunicator`` overrides ``P2PCommunicator._communicate`` (keyword-only
+    """``pipeline.PipelineCommunicator`` overrides ``P2PCommunicator._communicate`` (keyword-only
     arguments, returning the two receive buffers and the requests), uses its ``pp_group``,
     ``next_rank``, ``prev_rank`` and ``config``, and is handed to both pipeline schedules with a
     ``pg_collection``."""

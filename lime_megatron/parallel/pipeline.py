@@ -30,26 +30,29 @@ then freed.  A chunk's own rows get their later consumers' shares (same rank and
 before its layers' backward runs (``LayerIntegratedMemory.receive_downstream_grad``).
 
 Design: rows beside megatron's hidden state.  megatron's stage tensor is the plain hidden state
-``[s', b, hidden]`` (its buffers, ``overlap_p2p_comm``, ``batch_p2p_comm`` and
-``deallocate_pipeline_outputs`` work as they are); the rows travel in the same calls.
-``schedule_arguments`` hands megatron's schedule a ``SideChannelCommunicator``: megatron's own
-communicator whose ``_communicate`` posts each hidden-state operation (megatron's even/odd rank
-order: even ranks send first, odd ranks receive first, so two neighbours never both start with a
-send) followed at once by the same hop's row operations, on two duplicates of the pipeline group
-(``_side_groups``: rows forward, gradients backward), in the same ``batch_isend_irecv`` under
-``batch_p2p_comm``.  Each row operation thus sits right behind its hidden-state operation on both
-ends, which is what NCCL needs: it matches point-to-point messages per (communicator, peer) in
-posting order, ignoring tags, and with one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``)
-completes a GPU's operations in posting order; a pair that completes in megatron's order completes
-with its rows after it.  The side groups are set up eagerly (a barrier of their members at
-creation), and in any case every rank first uses them in the same call as megatron's pipeline group.
-Both ends know each hop's sizes from the config and the hidden state's shape: the sender queues
-the tensors of each hop when a chunk's forward (or backward) ends, in megatron's order of sends; the
-receiver sizes the receives megatron posts next from the schedule's order of forwards and
-backwards (``forward_order``, ``backward_order``: megatron's schedule table with virtual stages).
-``tests/parallel/test_lime_pipeline.py`` runs every layout under the test harness's NCCL-rules mode
-and reintroduces the three deadlocks of the earlier design (lazy communicators, facing row sends,
-rows posted before the hidden state) to show the mode catches them.
+``[s', b, hidden]`` (its buffers, ``overlap_p2p_comm``, ``batch_p2p_comm``, ``batch_p2p_sync`` and
+``deallocate_pipeline_outputs`` work as they are); the rows travel in the same calls, on the same
+communicator.  ``schedule_arguments`` hands megatron's schedule a ``PipelineCommunicator``:
+megatron's own communicator whose ``_communicate`` posts each hidden-state operation (in
+``_HIDDEN_ORDER``: even ranks send first, odd ranks receive first, batched or not) followed at
+once by the same hop's row operations, on megatron's pipeline group, in the same
+``batch_isend_irecv`` under ``batch_p2p_comm`` (torch refuses a batch of several groups).  Each
+row operation thus sits right behind its hidden-state operation on both ends, which is what NCCL
+needs: it matches point-to-point messages per (communicator, peer) in posting order, ignoring
+tags, and with one hardware queue (``CUDA_DEVICE_MAX_CONNECTIONS=1``) completes a GPU's operations
+in posting order; a pair that completes in megatron's order completes with its rows after it.
+gloo matches per (peer, tag) in posting order, so the rows, sent with tag 0 like the hidden state,
+meet their receives the same way.  No communicator exists beside megatron's: none is set up
+lazily by one rank while its peer waits elsewhere.  The baseline's pipeline gets the same
+communicator without rows, for ``_HIDDEN_ORDER`` (megatron's batched order swaps activations and
+gradients at two stages with virtual stages).  Both ends know each hop's sizes from the config and
+the hidden state's shape: the sender queues the tensors of each hop when a chunk's forward (or
+backward) ends, in megatron's order of sends; the receiver sizes the receives megatron posts next
+from the schedule's order of forwards and backwards (``forward_order``, ``backward_order``:
+megatron's schedule table with virtual stages).  ``tests/parallel/test_lime_pipeline.py`` runs
+every layout under the test harness's NCCL-rules mode and puts posting orders NCCL refuses (facing
+row sends, rows posted before the hidden state) into this communicator to show the mode catches
+them; ``tests/parallel/test_gpu_defaults.py`` runs each of megatron's p2p settings.
 
 Overlap.  A hop's rows are sent when the sending chunk's forward ends and received where megatron
 receives the hidden state: with ``overlap_p2p_comm`` (interleaved schedule) megatron posts the
@@ -178,31 +181,6 @@ def hop_bytes(config, chunk: int, seq_length: int, micro_batch_size: int, elemen
 
 # --------------------------------------------------------------------------- side channel
 
-_SIDE_GROUPS: dict = {}
-
-
-def _side_groups(pp_group) -> tuple:
-    """Two duplicates of the pipeline group ``pp_group`` (rows forward, gradients backward),
-    created by every rank of the world together (``new_group`` is collective) and made ready at
-    once: each member enters a barrier on each of its two groups, in the same order, so no
-    communicator is first set up lazily by one rank while its peer waits elsewhere."""
-    if pp_group not in _SIDE_GROUPS:
-        mine = torch.distributed.get_process_group_ranks(pp_group)
-        everyone = [None] * torch.distributed.get_world_size()
-        torch.distributed.all_gather_object(everyone, mine)
-        for ranks in sorted({tuple(ranks) for ranks in everyone}):
-            pair = (torch.distributed.new_group(list(ranks)), torch.distributed.new_group(list(ranks)))
-            if list(ranks) == mine:
-                _SIDE_GROUPS[pp_group] = pair
-        for group in _SIDE_GROUPS[pp_group]:
-            make_ready(group)
-    return _SIDE_GROUPS[pp_group]
-
-
-def make_ready(group) -> None:
-    """Set up ``group``'s communicator now, collectively (a barrier of its members)."""
-    torch.distributed.barrier(group=group)
-
 
 class _KeptBlock:
     """Rows a rank holds for one micro-batch and source chunk, and their gradient so far.
@@ -301,7 +279,7 @@ class KeptRows:
     channel that moves them (see the module docstring).
 
     The rows travel in the same posting order as megatron's hidden state: the model queues what
-    each hop sends (``outgoing``), ``SideChannelCommunicator`` posts it right after the hidden-state
+    each hop sends (``outgoing``), ``PipelineCommunicator`` posts it right after the hidden-state
     operation it belongs to and posts the receives of the hop megatron receives next
     (``expected``, from the schedule's order), and the model takes what arrived (``arrived``)."""
 
@@ -310,10 +288,9 @@ class KeptRows:
         self.p = config.pipeline_model_parallel_size
         self.chunks = chunk_layers(config)
         self.rank = parallel_state.get_pipeline_model_parallel_rank()
-        pp_group = parallel_state.get_pipeline_model_parallel_group()
-        self.rows_group, self.grads_group = _side_groups(pp_group)
-        self.next_peer = torch.distributed.get_global_rank(self.rows_group, (self.rank + 1) % self.p)
-        self.prev_peer = torch.distributed.get_global_rank(self.rows_group, (self.rank - 1) % self.p)
+        self.group = parallel_state.get_pipeline_model_parallel_group()
+        self.next_peer = torch.distributed.get_global_rank(self.group, (self.rank + 1) % self.p)
+        self.prev_peer = torch.distributed.get_global_rank(self.group, (self.rank - 1) % self.p)
         self.blocks: dict[tuple[int, int], _KeptBlock] = {}
         self.forwards = [0] * len(self.chunks)
         last = len(self.chunks) - 1
@@ -339,16 +316,15 @@ class KeptRows:
         (``send_next``, ``recv_prev``, ``send_prev``, ``recv_next``) on ``hidden``
         (``PointToPoint``), and a callback taking their works once posted."""
         forward = kind in ("send_next", "recv_prev")
-        group = self.rows_group if forward else self.grads_group
         if kind in self.outgoing:
             key, tensors = self.outgoing[kind].popleft()
             peer = self.next_peer if forward else self.prev_peer
-            ops = [PointToPoint(True, tensor.contiguous(), peer, group) for tensor in tensors]
+            ops = [PointToPoint(True, tensor.contiguous(), peer, self.group) for tensor in tensors]
             return ops, self.sends.setdefault(key, []).extend if forward else self.grad_sends.extend
         chunk, micro_batch = self.expected[kind].popleft()
         peer = self.prev_peer if forward else self.next_peer
         tensors = [hidden.new_empty(shape, requires_grad=False) for shape in self._row_shapes(chunk, hidden.shape)]
-        ops = [PointToPoint(False, tensor, peer, group) for tensor in tensors]
+        ops = [PointToPoint(False, tensor, peer, self.group) for tensor in tensors]
         return ops, lambda works: self.arrived.__setitem__((kind, chunk, micro_batch), (tensors, works))
 
     def _take(self, kind: str, chunk: int, micro_batch: int) -> list[torch.Tensor]:
@@ -453,20 +429,27 @@ class KeptRows:
 
 _HIDDEN_ORDER = {0: ("send_next", "recv_prev", "send_prev", "recv_next"),
                  1: ("recv_prev", "send_next", "recv_next", "send_prev")}
-"""megatron's posting order of the hidden-state operations on even and odd pipeline ranks (two
-neighbours never both start with a send to each other)."""
+"""Posting order of the hidden-state operations on even and odd pipeline ranks, batched or not
+(megatron's unbatched order): two neighbours never both start with a send to each other, and
+each one's sends to the other meet the other's receives in the same order.  megatron's batched
+order (``send_prev, recv_prev, send_next, recv_next`` on every rank) breaks the second rule at
+two stages with virtual stages: there the next and previous rank are one peer, which receives the
+activation first while the sender posted the gradient first, and in-order matching (NCCL's, and
+gloo's per tag) swaps the two silently."""
 
 
-class SideChannelCommunicator(P2PCommunicator):
-    """megatron's pipeline communicator with LIMe's K/V rows attached: each hidden-state operation
-    is followed at once, in the same posting order (and in the same batch with
-    ``batch_p2p_comm``), by the side channel's operations of the same hop (``KeptRows.attached_ops``).
-    Refuses megatron's variable sequence lengths and ring exchange, which LIMe does not use."""
+class PipelineCommunicator(P2PCommunicator):
+    """megatron's pipeline communicator posting in ``_HIDDEN_ORDER`` in both of megatron's modes
+    (one ``batch_isend_irecv`` per exchange with ``batch_p2p_comm``, else one operation at a
+    time), with LIMe's K/V rows attached when ``kept`` is given: each hidden-state operation is
+    followed at once, on the same process group (megatron's pipeline group: one batch holds one
+    group), by the rows of the same hop (``KeptRows.attached_ops``).  Refuses megatron's variable
+    sequence lengths and ring exchange, which neither uses."""
 
-    def __init__(self, pp_group, config, kept: KeptRows):
+    def __init__(self, pp_group, config, kept: KeptRows | None):
         if config.variable_seq_lengths or getattr(config, "use_ring_exchange_p2p", False):
-            raise NotImplementedError("LIMe's pipeline side channel needs fixed stage shapes and megatron's "
-                                      "send/receive path (no variable_seq_lengths, no ring exchange)")
+            raise NotImplementedError("lime-megatron's pipeline communicator needs fixed stage shapes and "
+                                      "megatron's send/receive path (no variable_seq_lengths, no ring exchange)")
         super().__init__(pp_group, config)
         self.kept = kept
 
@@ -485,7 +468,7 @@ class SideChannelCommunicator(P2PCommunicator):
         hops = []  # (kind, hidden-state operation, the rows' operations, callback taking their works)
         for kind in _HIDDEN_ORDER[self.pp_group.rank() % 2]:
             if hidden[kind] is not None:
-                hops.append((kind, self._hidden_op(kind, hidden[kind]), *self.kept.attached_ops(kind, hidden[kind])))
+                hops.append((kind, self._hidden_op(kind, hidden[kind]), *self._attached_ops(kind, hidden[kind])))
         ordered = self.posting_order(hops)
         works = dict(zip(map(id, ordered), self._post(ordered)))
         reqs = {kind: works[id(hidden_op)] for kind, hidden_op, _, _ in hops}
@@ -496,6 +479,10 @@ class SideChannelCommunicator(P2PCommunicator):
                 work.wait()
             reqs = None
         return hidden["recv_prev"], hidden["recv_next"], reqs
+
+    def _attached_ops(self, kind: str, hidden: torch.Tensor) -> tuple[list, Callable]:
+        """The rows' operations following the hidden-state operation ``kind`` (none without LIMe)."""
+        return self.kept.attached_ops(kind, hidden) if self.kept is not None else ([], lambda works: None)
 
     @staticmethod
     def posting_order(hops: list) -> list[PointToPoint]:
@@ -519,9 +506,8 @@ _KEPT: KeptRows | None = None
 
 
 def reset_side_channel() -> None:
-    """Forget the side channel's process groups and kept rows (``parallel.destroy_parallel``)."""
+    """Forget the side channel's kept rows (``parallel.destroy_parallel``)."""
     global _KEPT
-    _SIDE_GROUPS.clear()
     _KEPT = None
 
 
@@ -544,19 +530,19 @@ def finish_schedule() -> None:
 
 
 def schedule_arguments(config, num_microbatches: int, forward_only: bool = False) -> dict:
-    """Prepare LIMe's side channel for one call of megatron's ``get_forward_backward_func()``
-    over ``num_microbatches`` (call it once per schedule call, on every rank: micro-batches are
-    numbered from 0 again; :func:`finish_schedule` after the call) and return the keyword
-    arguments LIMe needs there: under pipeline parallelism megatron's communicator with the rows
-    attached (``SideChannelCommunicator``) and the process groups it goes with; none otherwise."""
+    """Prepare one call of megatron's ``get_forward_backward_func()`` over ``num_microbatches``
+    (call it once per schedule call, on every rank: micro-batches are numbered from 0 again;
+    :func:`finish_schedule` after the call) and return the keyword arguments the call needs: under
+    pipeline parallelism a ``PipelineCommunicator`` (for LIMe with its K/V rows attached) and the
+    process groups it goes with; none otherwise."""
     global _KEPT
-    lime = getattr(config, "lime", False)
     pipelined = parallel_state.model_parallel_is_initialized() and \
         parallel_state.get_pipeline_model_parallel_world_size() > 1
+    lime = getattr(config, "lime", False)
     _KEPT = KeptRows(config, num_microbatches, forward_only) if lime and pipelined else None
-    if _KEPT is None:
+    if not pipelined:
         return {}
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     groups = ProcessGroupCollection.use_mpu_process_groups(
         required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp_cp", "tp_dp_cp", "dp"])
-    return dict(p2p_communicator=SideChannelCommunicator(pp_group, config, _KEPT), pg_collection=groups)
+    return dict(p2p_communicator=PipelineCommunicator(pp_group, config, _KEPT), pg_collection=groups)

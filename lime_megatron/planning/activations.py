@@ -12,8 +12,8 @@ from dataclasses import dataclass
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.lime.recompute import drops_routed_kv, te_flash_attention
 from lime_megatron.models.lime.router import layer_reads
-from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
 from lime_megatron.parallel.pipeline import chunk_starting_at, hop_blocks
+from lime_megatron.planning.routing_block import chunk_routing_block
 from lime_megatron.planning.routing_bytes import chunk_blocks
 
 TRANSFORMER_IMPLS = ("local", "transformer_engine")
@@ -289,8 +289,8 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
     global layers ``layers``, holding the embedding (``pre_process``) and/or the output layer
     (``post_process``).  The working set is what one micro-batch's backward builds beyond what
     it kept: one full-recompute group's activations, and the ``RouterStack`` where the forward
-    did not build it (routing blocks as a GPU run picks them: the H100 roofline or
-    ``lime_routing_block``)."""
+    did not build it (the chunk's routing block as the model picks it,
+    ``routing_block.chunk_routing_block``)."""
     per_layer = layer_activation_bytes(config, geometry, impl)
     kept, checkpoints, group = _recompute_groups(config, len(layers))
     checkpoint = geometry.hidden_state
@@ -313,7 +313,7 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
         output = _norm_bytes(geometry, impl) + geometry.hidden_state + loss
     recomputed = len(layers) - kept  # block recompute: the chunk's first layers
     stack = router_stack_bytes(config, geometry, layers)
-    block = chunk_routing_block(config, len(layers), H100_SXM)
+    block = chunk_routing_block(config, layers, geometry.seq, geometry.batch)
     kept_stack = stack if forward_builds_router_stack(config, layers, block) else 0
     activations = ActivationBytes(
         routing_weights=routing_weight_bytes(config, geometry, layers[recomputed:]),

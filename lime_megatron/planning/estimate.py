@@ -26,7 +26,6 @@ from lime_megatron.models.gpt_model import LimeGPTModel
 from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.models.lime.router import LimeRouter, router_source_count, router_weights_per_source
-from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
 from lime_megatron.parallel.fusions import replace_config
 from lime_megatron.planning.activations import (
     TRANSFORMER_IMPLS,
@@ -37,6 +36,7 @@ from lime_megatron.planning.activations import (
     router_stack_bytes,
 )
 from lime_megatron.planning.flops import chunk_forward_flops_per_token, forward_flops_per_token
+from lime_megatron.planning.routing_block import chunk_routing_block, routing_machine
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.planning.schedule_model import (
     DEFAULT_COMPUTE_TFLOPS,
@@ -376,8 +376,9 @@ def _pruning_lines(config: LimeTransformerConfig) -> list[str]:
 
 
 def _routing_lines(result: DryRunEstimate) -> list[str]:
-    """LIMe's routing block size per chunk (the H100 roofline, ``routing_blocks``) and the bytes its
-    products read per micro-batch (``routing_bytes``: each chunk's own products, no TP split); for
+    """LIMe's routing block size per chunk (``routing_block.chunk_routing_block``, the model's
+    chooser, on the figures of ``config.lime_machine``) and the bytes its products read per
+    micro-batch (``routing_bytes``: each chunk's own products, no TP split); for
     the dynamic router the bytes its per-token weights keep."""
     config = result.config
     if not config.lime:
@@ -386,16 +387,19 @@ def _routing_lines(result: DryRunEstimate) -> list[str]:
         weights = sum(chunk.activations.routing_weights for stage in result.stages for chunk in stage.chunks)
         return ["", f"LIMe routing: dynamic router, per token and not blocked (B = 1); its weights p_l keep "
                     f"{_gib(weights)} per microbatch (in the activations above)"]
-    chunks = [chunk for stage in result.stages for chunk in stage.chunks]
-    blocks = [chunk_routing_block(config, len(chunk.layers), H100_SXM) for chunk in chunks]
+    chunks = sorted((chunk for stage in result.stages for chunk in stage.chunks), key=lambda chunk: chunk.layers.start)
+    blocks = [chunk_routing_block(config, chunk.layers, result.seq_length, result.micro_batch_size) for chunk in chunks]
+    per_chunk = ", ".join(f"layers {_layers(chunk.layers)}: {block}" for chunk, block in zip(chunks, blocks))
+    chosen_by = "--lime-routing-block" if config.lime_routing_block else f"cost model on {routing_machine(config).name}"
     reads = {name: sum(sum(routing_bytes_per_step(config, result.seq_length, result.micro_batch_size, block,
                                                   chunk.layers, result.transformer_impl).values())
                        for chunk, block in zip(chunks, blocks))
              for name, blocks in (("per layer", [1] * len(chunks)), ("blocked", blocks))}
     geometry = Geometry.of(config, result.seq_length, result.micro_batch_size, result.vocab_size)
     stack = max(router_stack_bytes(config, geometry, chunk.layers) for chunk in chunks)
-    return ["", f"LIMe routing: block size B {sorted(set(blocks))} (H100 roofline; --lime-routing-block sets it); "
-                f"bytes its products read per microbatch: per layer (B=1) {_gib(reads['per layer'])}, "
+    return ["", f"LIMe routing: block size B per chunk {per_chunk} ({chosen_by}; --lime-routing-block sets it, "
+                f"--lime-machine names the machine); bytes its products read per microbatch: "
+                f"per layer (B=1) {_gib(reads['per layer'])}, "
                 f"blocked {_gib(reads['blocked'])}; the routers stacked for its products: up to "
                 f"{stack / 2**20:.2f} MiB per chunk (kept per microbatch where the forward mixes a "
                 f"block's earlier sources, else in the backward working set)"]

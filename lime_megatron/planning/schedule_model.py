@@ -217,7 +217,7 @@ class StepTime:
 def overlaps_transfers(config: LimeTransformerConfig) -> bool:
     """Whether a run of ``config`` overlaps its pipeline transfers with compute: megatron's
     interleaved schedule does with ``overlap_p2p_comm`` (the K/V rows are posted with the hidden
-    state, ``pipeline.SideChannelCommunicator``, so they overlap alike); its 1F1B schedule without
+    state, ``pipeline.PipelineCommunicator``, so they overlap alike); its 1F1B schedule without
     virtual stages always waits for each transfer."""
     return bool(config.overlap_p2p_comm and config.virtual_pipeline_model_parallel_size)
 

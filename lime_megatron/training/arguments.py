@@ -30,7 +30,6 @@ from megatron.core.transformer.enums import AttnBackend
 from lime_megatron.data.tokenizer import add_tokenizer_args
 from lime_megatron.models.config import LimeConfigError, lime_config, validate_router
 from lime_megatron.parallel import fusions
-from lime_megatron.parallel.compat import cpu_config_overrides
 from lime_megatron.training.run_config import (
     GROUPS,
     NULL_TOKENIZER,
@@ -481,6 +480,7 @@ def transformer_config(run: RunConfig):
         hyper_connections_manifold=model.hyper_connections_manifold,
         hyper_connections_sinkhorn_iterations=model.hyper_connections_sinkhorn_iterations,
         lime_routing_block=lime.lime_routing_block,
+        lime_machine=lime.lime_machine or "auto",
         init_style=model.init_style,
         init_seed=run.training.seed,
         # --sft: gradients of the loss reported, the mean over the global batch's response tokens
@@ -488,7 +488,6 @@ def transformer_config(run: RunConfig):
         calculate_per_token_loss=run.data.sft,
         **_fp8_options(precision),
     )
-    kwargs.update(cpu_config_overrides())
     try:
         config = lime_config(**kwargs)
     except (LimeConfigError, ValueError, AssertionError) as error:

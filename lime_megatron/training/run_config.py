@@ -25,6 +25,7 @@ import torch
 from lime_megatron.models.config import ROUTER_VARIANTS
 from lime_megatron.models.initialization import INIT_STYLES
 from lime_megatron.models.lime.recompute import ATTENTION_BACKENDS
+from lime_megatron.planning.routing_block import MACHINES
 from lime_megatron.training.optimizer import WEIGHT_DECAY_GROUPINGS
 
 PAPER_ROUTER_LR = 1e-2
@@ -120,7 +121,11 @@ class LimeOptions:
     lime_router_weight_decay: float | None = option(type=float, help="router weight decay (default 0)")
     lime_routing_block: int | None = option(type=int, help="routing block size B: the routing products of B "
                                             "consecutive layers read each source row once (1: per layer; "
-                                            "default: from the machine's roofline)")
+                                            "default: the cost model of the chunk's layers on the machine of "
+                                            "--lime-machine)")
+    lime_machine: str | None = option(choices=("auto", *MACHINES), help="the machine whose figures (peak, "
+                                      "bandwidth, host time per operator) choose the routing block size "
+                                      "(default auto: the GPU present, else the CPU VM's)")
     lime_recompute_routed_kv: bool = option(type=bool,
                                             help="rebuild the routed keys/values in backward instead of saving "
                                                  "them: 2 x kv heads less saved per layer for one more router "

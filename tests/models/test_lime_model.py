@@ -107,9 +107,17 @@ def test_identity_routers_equal_baseline(kv_heads):
 @pytest.mark.parametrize("recompute", list(RECOMPUTE.values()), ids=list(RECOMPUTE))
 @pytest.mark.parametrize("kv_heads,rebuild", [(2, False), (4, False), (4, True)], ids=["gqa", "mha", "mha-rebuilt"])
 def test_activation_recompute_gives_the_same_gradients(recompute, block, kv_heads, rebuild):
-    """Against the plain model at B = 1 (full recompute of 3 layers with B = 2 runs blocks of 1);
-    MHA ``rebuild``: megatron's attention drops the routed K/V, also inside recomputed layers."""
+    """Against the plain model at B = 1 (uniform recompute of 1 layer with B = 2 runs blocks of 1;
+    the block method, which recomputes each of its 3 layers alone, refuses B = 2: a block's product
+    over earlier sources would run in two recomputed chunks and count its gradient twice); MHA
+    ``rebuild``: megatron's attention drops the routed K/V, also inside recomputed layers."""
+    from lime_megatron.models.config import LimeConfigError
+
     build = partial(tiny_model, num_query_groups=kv_heads, lime_routing_block=1, lime_recompute_routed_kv=rebuild)
+    if recompute.get("recompute_method") == "block" and block > 1:
+        with pytest.raises(LimeConfigError, match="recompute_method='block'"):
+            build(**recompute, lime_routing_block=block)
+        return
     errors = recompute_gradient_errors(build, {**recompute, "lime_routing_block": block})
     assert all(error <= TOLERANCE for error in errors.values()), errors
 

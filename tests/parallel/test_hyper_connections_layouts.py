@@ -43,7 +43,7 @@ MHC4_GQA = dict(hyper_connections=4, hyper_connections_manifold=True, num_query_
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
     ("hc4", HC4, [Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vpp=2), Layout(pp=4),
                   Layout(tp=2, pp=2, vpp=2, sp=True)]),
-    ("hc4-overlap", HC4, [Layout(tp=2, pp=2, vpp=2, sp=True)], dict(overlap_p2p_comm=True)),
+    ("hc4-overlap", HC4, [Layout(tp=2, pp=2, vpp=2, sp=True)], dict(overlap_p2p_comm=True, batch_p2p_comm=False)),
     ("hc2-static-gqa", HC2_STATIC_GQA, [Layout(pp=4), Layout(tp=2, pp=2, vpp=2, sp=True)]),
     ("hc4-gqa-full-recompute", dict(HC4, num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2), Layout(pp=4)]),
     ("hc4-selective-recompute", dict(HC4, recompute_granularity="selective"), [Layout(tp=2, pp=2, vpp=2, sp=True)]),

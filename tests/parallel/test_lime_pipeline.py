@@ -1,26 +1,28 @@
-"""LIMe under pipeline parallelism equals the PP=1 run (CPU, gloo).
+"""LIMe under pipeline parallelism equals the PP=1 run (CPU, gloo, under the NCCL-rules mode).
 
 One 4-process launch checks, against the single-stage model from the same initial weights (loss and
 every gradient, routers included, over two SGD steps; ``deallocate_pipeline_outputs`` on, as the
-trainer runs pipelines): TP=2 x PP=2 x VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages, an
-uneven split with virtual stages, full recompute, megatron's ``overlap_p2p_comm`` on and off (on:
-TP=2 x PP=2 x VPP=2 + SP, PP=4 x VPP=2, PP=2 x VPP=2 with full recompute; over gloo it is exact
-thanks to ``compat`` patch 6, without which these cases are off by ~3e-4), megatron's batched p2p
-(``batch_p2p_comm``, the GPU default without overlap: TP=2 x PP=2 x VPP=2 + SP and PP=4, the rows
-in the hidden state's batch), MHA and GQA, the
-``last``/``first`` routers whose hops carry fewer rows; the K/V bytes handed to ``isend`` per hop
-against ``pipeline.hop_elements``, no kept row left after a training or an evaluation call; a
-checkpoint saved at one virtual layout loaded at others; two mutations of the side channel (a hop's
-returned gradient dropped, stale rows sent) that the comparison must catch. Without processes: every
-K/V row reaches a rank at most once per micro-batch, and exactly the rows its chunks read that it
-does not produce. Slow: the rest of the matrix (selective recompute, uneven without virtual stages,
-...) and the 128-layer tiny model over PP=4 x VPP=4 (4 processes), over PP=8 and PP=8 x VPP=2 (8
-processes), the virtual layouts with overlap on and off.
+trainer runs pipelines; megatron's GPU defaults: batched p2p unless a case overlaps): TP=2 x PP=2 x
+VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages, an uneven split with virtual stages, full
+recompute, megatron's ``overlap_p2p_comm`` (unbatched; TP=2 x PP=2 x VPP=2 + SP, PP=4 x VPP=2,
+PP=2 x VPP=2 with full recompute; over gloo it is exact thanks to ``compat`` patch 6, without
+which these cases are off by ~3e-4), MHA and GQA, the ``last``/``first`` routers whose hops carry
+fewer rows; the K/V elements handed to the transport per hop against ``pipeline.hop_elements``,
+every operation on megatron's pipeline group, no kept row left after a training or an
+evaluation call; a checkpoint saved at one virtual layout loaded at others; two mutations of the
+side channel (a hop's returned gradient dropped, stale rows sent) that the comparison must catch.
+Without processes: every K/V row reaches a rank at most once per micro-batch, and exactly the rows
+its chunks read that it does not produce.  The side channel's state after each call, counted
+attribute by attribute with the collector off.  Posting orders that NCCL refuses, caught by the
+mode.  Slow: the rest of the matrix (selective recompute, uneven without virtual stages, ...) and
+the 128-layer tiny model over PP=4 x VPP=4 (4 processes), over PP=8 and PP=8 x VPP=2 (8
+processes), the virtual layouts with overlap on and off.  ``test_gpu_defaults.py`` names each of
+megatron's p2p settings on plain gloo and under the mode.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import defaultdict, deque
 from collections.abc import Callable
 from functools import partial
 
@@ -102,7 +104,7 @@ UNEVEN = dict(num_layers_in_first_pipeline_stage=1, num_layers_in_last_pipeline_
 UNEVEN_VIRTUAL = dict(num_layers_in_first_pipeline_stage=2, num_layers_in_last_pipeline_stage=2)  # of 12 layers
 FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1)
 FULL_RECOMPUTE_2 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
-OVERLAP = dict(overlap_p2p_comm=True)  # megatron's default with virtual stages (and the trainer's)
+OVERLAP = dict(overlap_p2p_comm=True, batch_p2p_comm=False)  # megatron's default with virtual stages
 BATCHED = dict(batch_p2p_comm=True)  # megatron's default without overlap: one batch_isend_irecv per exchange
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
     ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4), Layout(pp=4, vpp=2)]),
@@ -111,8 +113,7 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("mha-12-uneven", dict(num_layers=12), [Layout(pp=4, vpp=2)], UNEVEN_VIRTUAL),
     ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)]),
     ("mha-overlap", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)], OVERLAP),
-    ("mha-batched-rebuilt", dict(lime_recompute_routed_kv=True),
-     [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4)], BATCHED),
+    ("mha-rebuilt", dict(lime_recompute_routed_kv=True), [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4)]),
     ("gqa-full-recompute-overlap", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)], OVERLAP),
     ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)]),
     ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4, vpp=2)]),
@@ -189,10 +190,12 @@ def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
 
 def side_channel_accounting(layout: Layout | None = None, model: dict | None = None,
                             keep: Callable | None = None) -> dict:
-    """One training and one evaluation schedule call: the K/V bytes handed to
-    ``torch.distributed.isend`` per hop (this rank's sends, keyed by receiving chunk), what
-    ``pipeline.hop_elements`` says, and what it says without pruning; the rows still kept after
-    each call; both losses.  ``keep``: routes pruned by hand first (``prune_by_hand``)."""
+    """One training and one evaluation schedule call: the K/V elements attached per hop (this
+    rank's sends, keyed by receiving chunk) and those handed to torch (``PointToPoint.post`` for
+    ``isend``, ``PointToPoint.batched`` for ``batch_isend_irecv``), what ``pipeline.hop_elements``
+    says, and what it says without pruning; the rows still kept after each call; both losses;
+    whether every point-to-point operation used megatron's pipeline group.  ``keep``: routes
+    pruned by hand first (``prune_by_hand``)."""
     from megatron.core import parallel_state
 
     from lime_megatron.parallel import pipeline
@@ -208,32 +211,42 @@ def side_channel_accounting(layout: Layout | None = None, model: dict | None = N
     chunks = build_chunks(config)
     if keep is not None:
         prune_by_hand(chunks, keep)
-    sent, isend, attached = defaultdict(int), torch.distributed.isend, pipeline.KeptRows.attached_ops
-    handed = defaultdict(int)  # elements handed to isend on the rows' group, whatever the hop
+    sent, attached = defaultdict(int), pipeline.KeptRows.attached_ops
+    post, batched = pipeline.PointToPoint.post, pipeline.PointToPoint.batched
+    handed = defaultdict(int)  # elements of the attached forward rows handed to torch, whatever the hop
+    forward_rows, groups = set(), set()  # ids of the attached forward rows about to be posted; groups posted on
 
     def counted(self, kind, hidden):  # per hop: the rows attached to the hidden state's send into it
         hop = self.outgoing[kind][0][0][1] + 1 if kind == "send_next" else None  # queued (micro-batch, chunk)
         ops, keep = attached(self, kind, hidden)
         if hop is not None:
             sent[hop] += sum(op.tensor.numel() for op in ops)
+            forward_rows.update(id(op.tensor) for op in ops)
         return ops, keep
 
-    def counted_isend(tensor, dst=None, group=None, tag=0, **kwargs):
-        if group is pipeline._KEPT.rows_group:
-            handed["all"] += tensor.numel()
-        return isend(tensor, dst, group, tag, **kwargs)
+    def handing(handed_to_torch):
+        def hand(op):
+            groups.add(op.group)
+            if id(op.tensor) in forward_rows:
+                forward_rows.discard(id(op.tensor))
+                handed["all"] += op.tensor.numel()
+            return handed_to_torch(op)
+        return hand
 
-    pipeline.KeptRows.attached_ops, torch.distributed.isend = counted, counted_isend
+    pipeline.KeptRows.attached_ops = counted
+    pipeline.PointToPoint.post, pipeline.PointToPoint.batched = handing(post), handing(batched)
     try:
         loss = forward_backward(chunks, batches)
     finally:
-        pipeline.KeptRows.attached_ops, torch.distributed.isend = attached, isend
+        pipeline.KeptRows.attached_ops = attached
+        pipeline.PointToPoint.post, pipeline.PointToPoint.batched = post, batched
     kept_after_training = len(pipeline._KEPT.blocks)
     with torch.no_grad():
         evaluated = run_schedule(chunks, batches, forward_only=True)
     expected = {chunk: len(batches) * pipeline.hop_elements(config, chunk, SEQ, 2)[1] for chunk in hops}
     return dict(sent={chunk: sent[chunk] for chunk in expected}, expected=expected, unpruned=unpruned,
-                handed=handed["all"], loss=(loss, evaluated), kept=(kept_after_training, len(pipeline._KEPT.blocks)))
+                handed=handed["all"], loss=(loss, evaluated), kept=(kept_after_training, len(pipeline._KEPT.blocks)),
+                only_pipeline_group=groups == {parallel_state.get_pipeline_model_parallel_group()})
 
 
 def model_key(model: dict) -> tuple:
@@ -353,7 +366,8 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
         print(f"rank {rank}: K/V elements sent per hop {accounting['sent']}, kept rows after a training and an "
               f"evaluation call {accounting['kept']}")
         assert accounting["sent"] == accounting["expected"] and all(accounting["sent"].values()), rank
-        assert accounting["handed"] == sum(accounting["expected"].values()), rank  # nothing else on the rows' group
+        assert accounting["handed"] == sum(accounting["expected"].values()), rank  # every attached row posted
+        assert accounting["only_pipeline_group"], rank  # no communicator beside megatron's
         assert accounting["kept"] == (0, 0), rank
         assert abs(accounting["loss"][0] - accounting["loss"][1]) <= TOLERANCE, rank
         assert accounting["sent"] == accounting["unpruned"], rank
@@ -438,159 +452,186 @@ def test_layouts_that_cannot_split_fail_clearly():
         make_config(Layout(pp=2, vpp=3), num_layers=8)
 
 
-def live_side_channel_objects() -> tuple[int, int, int, int]:
-    """(live layer-integrated memories, live kept blocks, pending sends and backward steps, bytes the
-    kept blocks hold)
-    on this rank, counted among the objects Python tracks (valid with the collector off)."""
+STATIC_STATE = {"config", "p", "chunks", "rank", "group", "next_peer", "prev_peer", "forwards"}
+"""``KeptRows`` attributes that describe the schedule call, not a micro-batch: everything else is
+state that must be empty once the call ended."""
+
+
+def state_size(value) -> tuple[int, int]:
+    """(entries, tensor bytes) held by ``value``: containers counted entry by entry, through
+    nested dicts, lists, tuples and deques, tensors and kept blocks by their bytes."""
+    from lime_megatron.parallel.pipeline import _KeptBlock
+
+    if isinstance(value, torch.Tensor):
+        return 1, value.numel() * value.element_size()
+    if isinstance(value, _KeptBlock):
+        tensors = [*value.runs, *([value.grad] if value.grad is not None else [])]
+        return 1, sum(state_size(tensor)[1] for tensor in tensors)
+    if isinstance(value, dict):
+        value = list(value.values())
+    if isinstance(value, (list, tuple, deque)):
+        sizes = [state_size(item) for item in value]
+        return sum(count for count, _ in sizes), sum(size for _, size in sizes)
+    return 1, 0
+
+
+def live_side_channel_objects() -> dict:
+    """What the side channel holds on this rank, counted among the objects Python tracks (valid
+    with the collector off): live layer-integrated memories and kept blocks, and per attribute
+    of this call's ``KeptRows`` outside ``STATIC_STATE`` its (entries, tensor bytes); a
+    ``KeptRows`` attribute nobody classified fails the count (new state must be counted)."""
     import gc
 
     from lime_megatron.models.lime.memory import LayerIntegratedMemory
     from lime_megatron.parallel import pipeline
 
     objects = gc.get_objects()
-    blocks = [o for o in objects if isinstance(o, pipeline._KeptBlock)]
-    kept = pipeline._KEPT
-    return (sum(isinstance(o, LayerIntegratedMemory) for o in objects), len(blocks),
-            sum(map(len, kept.sends.values())) + len(kept.grad_sends) + len(kept.backward_state) if kept else 0,
-            sum(b.rows.numel() * b.rows.element_size() for b in blocks))
+    counts = {"memories": sum(isinstance(o, LayerIntegratedMemory) for o in objects),
+              "kept blocks": sum(isinstance(o, pipeline._KeptBlock) for o in objects)}
+    state = vars(pipeline._KEPT) if pipeline._KEPT is not None else {}
+    for name, value in state.items():
+        if name not in STATIC_STATE:
+            counts[name] = state_size(value)
+    return counts
 
 
-def side_channel_residue(steps: int = 3) -> dict:
-    """With Python's cyclic collector off, what the side channel leaves alive after each of
-    ``steps`` training steps and each evaluation call, at PP=2 x VPP=2 and PP=4 (static router)
-    and PP=2 x VPP=2 (dynamic router: its memory also keeps the weights p_m in backward)."""
+def empty_state(counts: dict) -> bool:
+    """Nothing of a micro-batch held: no memory, no kept block, every state attribute empty."""
+    return all(value in (0, (0, 0)) for value in counts.values())
+
+
+def keep_received_rows() -> tuple[str, object]:
+    """Mutation of ``pipeline.KeptRows``: what a hop received stays in ``arrived`` after the
+    chunk took it (the model still gets the right rows).  Returns (method name, replacement)."""
+
+    def take(self, kind, chunk, micro_batch):
+        tensors, works = self.arrived[kind, chunk, micro_batch]
+        for work in works:
+            work.wait()
+        return tensors
+
+    return "_take", take
+
+
+RESIDUE_RUNS = ((Layout(pp=2, vpp=2), {}), (Layout(pp=4), {}), (Layout(pp=2, vpp=2), dict(lime_router="dynamic")))
+
+
+def residue_per_call(layout: Layout, model: dict, steps: int) -> list[dict]:
+    """With Python's cyclic collector off, ``live_side_channel_objects`` after each of ``steps``
+    training steps and each evaluation call."""
     import gc
 
     from lime_megatron.training.trainer import run_schedule, train_step
 
-    residue = {}
-    for layout, model in ((Layout(pp=2, vpp=2), {}), (Layout(pp=4), {}),
-                          (Layout(pp=2, vpp=2), dict(lime_router="dynamic"))):
-        initialize_layout(layout)
-        chunks = build_chunks(make_config(layout, **model))
-        optimizer, scheduler = sgd(chunks, LR, steps)
-        batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
-        gc.collect()
-        gc.disable()
-        try:
-            counts = []
-            for _ in range(steps):
-                train_step(chunks, optimizer, scheduler, batches)
-                counts.append(live_side_channel_objects())
-                with torch.no_grad():
-                    run_schedule(chunks, batches, forward_only=True)
-                counts.append(live_side_channel_objects())
-        finally:
-            gc.enable()
-        residue[" ".join([layout.name, *model.values()])] = counts
-    return residue
+    initialize_layout(layout)
+    chunks = build_chunks(make_config(layout, **model))
+    optimizer, scheduler = sgd(chunks, LR, steps)
+    batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
+    gc.collect()
+    gc.disable()
+    try:
+        counts = []
+        for _ in range(steps):
+            train_step(chunks, optimizer, scheduler, batches)
+            counts.append(live_side_channel_objects())
+            with torch.no_grad():
+                run_schedule(chunks, batches, forward_only=True)
+            counts.append(live_side_channel_objects())
+    finally:
+        gc.enable()
+    return counts
+
+
+def side_channel_residue(steps: int = 3) -> dict:
+    """What the side channel leaves alive after each call, at PP=2 x VPP=2 and PP=4 (static
+    router) and PP=2 x VPP=2 (dynamic router: its memory also keeps the weights p_m in backward);
+    and after one step with received rows kept (``keep_received_rows``), which must show."""
+    from lime_megatron.parallel.pipeline import KeptRows
+
+    residue = {" ".join([layout.name, *model.values()]): residue_per_call(layout, model, steps)
+               for layout, model in RESIDUE_RUNS}
+    name, replacement = keep_received_rows()
+    original = getattr(KeptRows, name)
+    setattr(KeptRows, name, replacement)
+    try:
+        mutated = residue_per_call(Layout(pp=4), {}, 1)
+    finally:
+        setattr(KeptRows, name, original)
+    return dict(residue=residue, mutated=mutated)
 
 
 def test_side_channel_keeps_nothing_alive_without_the_garbage_collector():
     """Nothing of a step's or an evaluation's micro-batches survives the call with the cyclic
-    collector off (a hook closing over its own tensor, or a kept send handle, would grow these)."""
-    residues = run_distributed(side_channel_residue, 4, nccl_rules=True)
-    for rank, residue in enumerate(residues):
-        for layout, counts in residue.items():
-            print(f"rank {rank} {layout}: (memories, kept blocks, pending sends, kept bytes) per call {counts}")
-    for rank, residue in enumerate(residues):
-        for layout, counts in residue.items():
-            assert counts == [(0, 0, 0, 0)] * len(counts), (rank, layout, counts)
+    collector off (a hook closing over its own tensor, a kept send handle or received tensors
+    left in ``arrived`` would grow these), and a side channel that keeps its received rows is
+    caught by the same count."""
+    results = run_distributed(side_channel_residue, 4, nccl_rules=True)
+    for rank, result in enumerate(results):
+        for layout, counts in result["residue"].items():
+            print(f"rank {rank} {layout}: per call {counts}")
+        print(f"rank {rank} with received rows kept: {result['mutated']}")
+    for rank, result in enumerate(results):
+        for layout, counts in result["residue"].items():
+            assert all(map(empty_state, counts)), (rank, layout, counts)
+    assert all(not empty_state(result["mutated"][0]) for result in results[1:])  # rank 0 receives no rows
+    assert all(result["mutated"][0]["arrived"][1] > 0 for result in results[1:])
 
 
 # --------------------------------------------------------------------------- NCCL's rules
 
 
 def rows_after_all_hidden_sends_first(hops: list) -> list:
-    """Mutation of ``SideChannelCommunicator.posting_order``: the rows after every hidden-state
+    """Mutation of ``PipelineCommunicator.posting_order``: the rows after every hidden-state
     operation of the call, sends before receives: two neighbours' row sends face each other."""
     rows = [op for _, _, row_ops, _ in hops for op in row_ops]
     return [hidden_op for _, hidden_op, _, _ in hops] + sorted(rows, key=lambda op: not op.send)
 
 
 def rows_before_the_hidden_send(hops: list) -> list:
-    """Mutation of ``SideChannelCommunicator.posting_order``: a sender posts the rows before the
+    """Mutation of ``PipelineCommunicator.posting_order``: a sender posts the rows before the
     hidden state, its receiver takes the hidden state first."""
     return [op for kind, hidden_op, row_ops, _ in hops
             for op in ((*row_ops, hidden_op) if kind.startswith("send") else (hidden_op, *row_ops))]
 
 
-def receive_when_the_chunk_starts() -> tuple[Callable, Callable]:
-    """Mutation of ``KeptRows``: a hop's rows are received when the receiving chunk starts (the
-    old side channel), not posted with the hidden state's receive.  Returns replacements of
-    (``attached_ops``, ``_take``)."""
-    from lime_megatron.parallel.pipeline import KeptRows
-
-    attached, take = KeptRows.attached_ops, KeptRows._take
-
-    def deferred(self, kind, hidden):
-        ops, keep = attached(self, kind, hidden)
-        if kind != "recv_prev":
-            return ops, keep
-        before = set(self.arrived)
-        keep([])
-        (key,) = set(self.arrived) - before
-        self.arrived[key] = (self.arrived[key][0], [op.post for op in ops])  # posted by ``late``
-        return [], lambda works: None
-
-    def late(self, kind, chunk, micro_batch):
-        tensors, works = self.arrived[kind, chunk, micro_batch]
-        self.arrived[kind, chunk, micro_batch] = (tensors, [work() if callable(work) else work for work in works])
-        return take(self, kind, chunk, micro_batch)
-
-    return deferred, late
-
-
-def lazy_groups(pipeline) -> None:
-    """Side groups set up by their first use (no barrier at creation)."""
-    pipeline.make_ready = lambda group: None
-
-
-def lazy_groups_and_late_receives(pipeline) -> None:
-    """The old side channel's communicator setup: groups set up by their first use, which comes
-    when a chunk starts, while the peer may sit in megatron's receive on another communicator."""
-    lazy_groups(pipeline)
-    pipeline.KeptRows.attached_ops, pipeline.KeptRows._take = receive_when_the_chunk_starts()
-
-
 def facing_row_sends(pipeline) -> None:
-    pipeline.SideChannelCommunicator.posting_order = staticmethod(rows_after_all_hidden_sends_first)
+    pipeline.PipelineCommunicator.posting_order = staticmethod(rows_after_all_hidden_sends_first)
 
 
 def rows_posted_first_by_senders(pipeline) -> None:
-    pipeline.SideChannelCommunicator.posting_order = staticmethod(rows_before_the_hidden_send)
+    pipeline.PipelineCommunicator.posting_order = staticmethod(rows_before_the_hidden_send)
 
 
-DEADLOCKS = {  # the issue's three deadlocks: the layout showing it, the mutation, what the report says
-    "lazy-communicators": (Layout(pp=4), lazy_groups_and_late_receives, "blocked creating communicator"),
-    "facing-row-sends": (Layout(pp=2, vpp=2), facing_row_sends, "blocked waiting for entry"),
-    "rows-before-hidden": (Layout(pp=2, vpp=2), rows_posted_first_by_senders, "blocked waiting for entry"),
+UNBATCHED = dict(batch_p2p_comm=False)  # one operation at a time: each its own queue entry
+POSTING_MUTATIONS = {  # the layout, the mutation, its pipeline options
+    "facing-row-sends": (Layout(pp=2, vpp=2), facing_row_sends, UNBATCHED),
+    "rows-before-hidden-unbatched": (Layout(pp=2, vpp=2), rows_posted_first_by_senders, UNBATCHED),
+    "rows-before-hidden-batched": (Layout(pp=2, vpp=2), rows_posted_first_by_senders, BATCHED),
 }
 
 
-def one_step_with(layout: Layout, mutation: Callable) -> float:
-    """One training step of the 8-layer LIMe model on ``layout`` with ``mutation`` applied to
-    the pipeline module in this process (a fresh rank of the harness)."""
+def one_step_with(layout: Layout, mutation: Callable, stages: dict) -> float:
+    """One training step of the 8-layer LIMe model on ``layout`` with pipeline options
+    ``stages``, ``mutation`` applied to the pipeline module in this process (a fresh rank of the
+    harness)."""
     from lime_megatron.parallel import pipeline
 
     mutation(pipeline)
-    pipeline.reset_side_channel()  # the side groups are made again, under the mutation
-    return train(layout, {}, steps=1)[0][0]
+    return train(layout, {}, steps=1, stages=stages)[0][0]
 
 
-@pytest.mark.parametrize("case", sorted(DEADLOCKS))
-def test_nccl_rules_catch_each_deadlock_of_the_old_side_channel(case):
-    """Each of the three deadlocks, reintroduced into the real side channel, is reported by the
-    NCCL-rules mode (with the pending operations) instead of passing as it does over gloo."""
-    layout, mutation, state = DEADLOCKS[case]
-    with pytest.raises(DistributedTestError, match="NCCL rules: deadlock") as caught:
-        run_distributed(one_step_with, layout.pp, layout, mutation, nccl_rules=True, timeout=120)
-    assert state in str(caught.value)
-    run_distributed(one_step_with, layout.pp, layout, mutation, timeout=120)  # gloo runs it
-
-
-@pytest.mark.parametrize("layout", [Layout(pp=4), Layout(pp=2, vpp=2)], ids=lambda layout: layout.name)
-def test_side_groups_are_first_used_with_megatrons_own(layout):
-    """Even set up lazily, the side groups cannot deadlock now: every rank first uses them in the
-    same call as megatron's pipeline group (the eager setup is a second line of defence)."""
-    run_distributed(one_step_with, layout.pp, layout, lazy_groups, nccl_rules=True, timeout=120)
+@pytest.mark.parametrize("case", sorted(POSTING_MUTATIONS))
+def test_nccl_rules_catch_each_wrong_posting_order(case):
+    """Posting orders that break NCCL, put into the real pipeline communicator, fail under the
+    NCCL-rules mode with a report: facing row sends deadlock (plain gloo buffers them and runs);
+    rows posted before the hidden state by senders are received in its place (in-order matching:
+    a size mismatch, on plain gloo too)."""
+    layout, mutation, stages = POSTING_MUTATIONS[case]
+    with pytest.raises(DistributedTestError) as caught:
+        run_distributed(one_step_with, layout.pp, layout, mutation, stages, nccl_rules=True, timeout=120)
+    print(caught.value)
+    if case == "facing-row-sends":
+        assert "NCCL rules: deadlock" in str(caught.value)
+        run_distributed(one_step_with, layout.pp, layout, mutation, stages, timeout=120)  # gloo runs it
+    else:
+        assert "NCCL rules: size mismatch" in str(caught.value)

@@ -29,7 +29,8 @@ from distributed import (
 
 WORLD_SIZE = 4
 # 8 microbatches: the interleaved schedule (pp2, vpp2, 4 microbatches per data-parallel rank)
-# reaches its steady phase, where gloo's batched p2p would corrupt (see cpu_config_overrides).
+# reaches its steady phase, where megatron's own batched posting order would swap activations and
+# gradients (``pipeline.PipelineCommunicator``, which the trainer hands the schedule, does not).
 VOCAB_SIZE, SEQ_LENGTH, MICRO_BATCH_SIZE, NUM_MICROBATCHES = 128, 16, 2, 8
 # Adam step (the distributed optimizer supports only Adam). With a large epsilon the first Adam
 # update, -lr * g / (|g| + eps) for the clipped gradient g, is nearly linear in g; the learning

@@ -3,11 +3,14 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 from lime_fixtures import BATCH, SEQ, batch, loss_of, megatron_logits, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from lime_megatron.models.lime.routing_blocks import RoutingReads, forward_products, routing_block_size, routing_reads
+from lime_megatron.models.lime.routing_blocks import RoutingReads, routing_reads
+from lime_megatron.planning.routing_block import H100_SXM, forward_products, routing_block_size
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
@@ -42,8 +45,9 @@ def test_counted_reads_match_the_plan(variant, num_layers, block, kv_heads, rebu
 
 
 def test_blocking_reads_less_for_the_same_flops():
-    """16 layers, full router: the plan's B reads about L/(2B) + B/2 of L/2 rows per product."""
-    block = routing_block_size(16, 2, 8)
+    """16 layers, full router: the roofline's B (H100 figures without host time) reads about
+    L/(2B) + B/2 of L/2 rows per product."""
+    block = routing_block_size(range(16), 2, 2 * 2048 * 64, 2, replace(H100_SXM, seconds_per_operator=0.0))
     assert block > 1
     per_layer = counted_step(tiny_model(num_layers=16, num_query_groups=2, lime_routing_block=1))
     blocked = counted_step(tiny_model(num_layers=16, num_query_groups=2, lime_routing_block=block))
@@ -96,19 +100,22 @@ def test_the_roofline_models_the_forward_products_the_memory_runs(num_layers, bl
     model = tiny_model(num_layers=num_layers, num_query_groups=2, lime_routing_block=block)
     counted, _ = counted_step(model)
     row_bytes = 2 * SEQ * BATCH * model.config.kv_channels * 8  # float64 rows
-    assert sum(rows for rows, _ in forward_products(num_layers, 2, block)) * row_bytes == counted.by_kind["forward"]
+    rows = sum(rows for rows, _ in forward_products(range(num_layers), 2, block))
+    assert rows * row_bytes == counted.by_kind["forward"]
 
 
-def test_dry_run_reports_the_block_and_the_bytes_read():
+@pytest.mark.parametrize("fixed", [None, 3], ids=["chosen", "--lime-routing-block"])
+def test_dry_run_reports_the_block_and_the_bytes_read(fixed):
     from lime_megatron.models.config import lime_config
-    from lime_megatron.models.lime.routing_blocks import H100_SXM, chunk_routing_block
     from lime_megatron.planning.estimate import estimate, report_lines
+    from lime_megatron.planning.routing_block import chunk_routing_block
 
     config = lime_config(num_layers=32, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                         num_query_groups=4, use_cpu_initialization=True)
+                         num_query_groups=4, use_cpu_initialization=True, lime_routing_block=fixed)
     result = estimate(config, vocab_size=128, seq_length=64, micro_batch_size=2, num_microbatches=1)
-    block = chunk_routing_block(config, 32, H100_SXM)
+    block = chunk_routing_block(config, range(32), 64, 2)
     per_layer, blocked = (sum(routing_bytes_per_step(config, 64, 2, b).values()) / 2**30 for b in (1, block))
     line = next(line for line in report_lines(result) if line.startswith("LIMe routing"))
-    assert f"block size B [{block}]" in line and block > 1
+    assert f"block size B per chunk layers 0-31: {block} " in line
+    assert fixed is None or block == fixed
     assert f"per layer (B=1) {per_layer:.2f} GiB, blocked {blocked:.2f} GiB" in line

@@ -23,6 +23,31 @@ when layer m's backward finishes its raw rows are dead: they are overwritten wit
 grad(kv_l) is one matrix product over the rows l..stop of consumers.  No second buffer is
 allocated for gradients.
 
+Order.  Every read of layer l's raw rows comes before their overwrite, and every read of a kept
+g_m after its write, by an autograd edge, never by the engine's choice among ready nodes
+(``tests/models/test_backward_ordering.py`` checks the edges and runs the engine with that choice
+inverted):
+
+- a consumer m > l (its weight gradient, a dynamic router's ``token_weight_grad``; its g_m and p_m
+  kept for ``_consumer_grad``): layer m's keys are computed from layer l's output (the residual
+  stream), so the gradient m's ``RouteKeysValues`` returns for them flows down to l's;
+- layer l itself reads its rows (weight gradient, ``token_weight_grad``) in its own backward,
+  before ``kv_grad`` writes g_l;
+- a block's ``routing_blocks.MixEarlierSources``: its input ``key`` (raw keys of the block's first
+  reader, gradient None) makes that reader's QKV projection, and so every earlier layer's
+  backward, wait for it; it runs after the readers' ``RouteKeysValues``, which take its outputs;
+- the rebuild of layer m's dropped routed K/V (``lime_recompute_routed_kv``) runs when a node of
+  m's core attention unpacks a saved tensor: those nodes take the routed K/V, so they lie above
+  m's ``RouteKeysValues`` and every earlier layer's;
+- full activation recompute reruns a chunk's forward, edges included, inside its backward; rows of
+  an earlier chunk are written by that chunk's backward, which needs the gradient of this chunk's
+  input, returned when its backward ends;
+- pipeline stages: external rows received from another rank are never written; those kept from
+  this rank's earlier chunk are written by that chunk's backward, which needs the gradient of
+  its output, the later chunks' input (as above); the own rows' downstream gradient is handed
+  over in a hook on the chunk's output, before any layer's backward
+  (``lime_megatron.parallel.pipeline``).
+
 Dynamic routers (``dynamic_router``).  Their weights are per token, so ``mix_by_token`` is one
 multiply-add per source row (same head only) instead of a product, ``token_weight_grad`` gives
 dL/dp_l, and a source's row gradient is sum_m p_m[..., l] * g_m over the kept g_m
@@ -259,17 +284,19 @@ class LayerIntegratedMemory:
         """The routers of ``block`` that read sources before it."""
         return [self._chunk_routers[m] for m in block if self.blocked(self._chunk_routers[m])]
 
-    def earlier_partial(self, router: LimeRouter) -> tuple[torch.Tensor, torch.Tensor] | None:
+    def earlier_partial(self, router: LimeRouter, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Forward: ``router``'s sums over the sources before its block, keys and values (this rank's
         columns, in the layout of ``routing_blocks.mix_earlier``), from one product for the whole
         block run at its first layer (``routing_blocks.MixEarlierSources``, which carries the
-        router-weight gradient of those columns); None when ``router`` is not blocked."""
+        router-weight gradient of those columns); None when ``router`` is not blocked.  ``key``:
+        the layer's raw keys ``[s, b, local kv heads, d]``; at the block's first reader an input of
+        ``MixEarlierSources`` that orders its backward before every earlier layer's."""
         if not self.blocked(router):
             return None
         if router.layer not in self._partials:  # the block's first reader (or first after a recompute boundary)
             block = self.block_of(router.layer)
             readers = [reader for reader in self._earlier_readers(block) if reader.layer >= router.layer]
-            sums = MixEarlierSources.apply(self, block, readers, *(reader.weight for reader in readers))
+            sums = MixEarlierSources.apply(self, block, readers, key, *(reader.weight for reader in readers))
             self._partials = dict(zip((reader.layer for reader in readers), zip(sums[0::2], sums[1::2])))
         return self._partials.pop(router.layer)
 
@@ -597,7 +624,7 @@ def route_keys_values(
     memory: LayerIntegratedMemory, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed keys and values of ``router``'s layer, ``[s, b, kv_heads, d]`` each."""
-    earlier = memory.earlier_partial(router) or (None, None)
+    earlier = memory.earlier_partial(router, key) or (None, None)
     return RouteKeysValues.apply(router.weight, key, value, *earlier, memory, router)
 
 

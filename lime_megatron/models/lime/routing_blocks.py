@@ -17,9 +17,12 @@ forward's stacked product.  Reads of the N-wide rows fall from about L^2/2 to
 L^2/(2B) + L*B/2 row blocks per product for the same FLOPs; what stays per layer (the in-block
 sources) must, because a layer's own rows exist only once the layer has run.
 
-``routing_block_size`` picks B from a roofline of the machine; ``routing_reads`` counts the bytes
-the products actually read (tests check it against ``planning.routing_bytes.routing_bytes_per_step``),
-their FLOPs and their time (``bench/bench_lime_overhead.py`` reports the rate they run at).
+``lime_megatron.planning.routing_block`` picks B from a cost model; whoever builds a chunk passes
+it (``models.gpt_model.build_model``'s ``routing_block``; the trainer does), else the chunk runs
+``default_routing_block``.  Either way ``recompute_safe_block`` keeps blocks inside recomputed
+chunks.  ``routing_reads`` counts the bytes the products actually read (tests check it against
+``planning.routing_bytes.routing_bytes_per_step``), their FLOPs and their time
+(``bench/bench_lime_overhead.py`` reports the rate they run at).
 """
 
 from __future__ import annotations
@@ -28,83 +31,30 @@ import math
 import time
 from collections.abc import Callable
 from contextlib import contextmanager
-from dataclasses import dataclass
 
 import torch
 
 from lime_megatron.models.lime.router import LimeRouter, contiguous_runs
 
 
-@dataclass(frozen=True)
-class MachineBalance:
-    """A machine's matrix rate and memory bandwidth (the roofline the block size is chosen on)."""
-
-    name: str
-    flops_per_s: float
-    bytes_per_s: float
-
-
-CPU_2_CORE = MachineBalance("2-core AVX2 CPU VM (fp32 peak 160 GFLOP/s, ~4 GB/s shared)", 160e9, 4e9)
-H100_SXM = MachineBalance("H100 SXM (bf16 dense 989 TFLOP/s, HBM3 3.35 TB/s)", 989e12, 3.35e12)
+def recompute_safe_block(config, block: int) -> int:
+    """``block`` or the largest block size below it that no recompute boundary splits: under full
+    activation recompute a block's product over earlier sources runs once per forward of its first
+    layer, so a block must lie inside one recomputed chunk.  ``uniform``: chunks of
+    ``recompute_num_layers`` layers from the chunk's first, so B divides it (gcd); ``block``: each of
+    the first ``recompute_num_layers`` layers is a chunk of its own, so B = 1."""
+    if config.recompute_granularity != "full" or not config.recompute_num_layers:
+        return block
+    return 1 if config.recompute_method == "block" else math.gcd(block, config.recompute_num_layers)
 
 
-def forward_products(num_layers: int, kv_heads: int, block: int) -> list[tuple[int, int]]:
-    """``(rows read, output rows)`` of each forward product of the ``full`` routing as the memory
-    runs it with blocks of ``block`` layers: with ``block > 1`` per block one product over the rows
-    before it (B * kv_heads outputs; none for the first block) and per layer one over its in-block
-    rows; with ``block = 1`` per layer one product over all its sources.  Layer 0 runs none."""
-    products = []
-    for start in range(0, num_layers, block):
-        consumers = range(start, min(start + block, num_layers))
-        if block > 1 and start > 0:
-            products.append((start * kv_heads, len(consumers) * kv_heads))
-        first_source = start if block > 1 else 0
-        products += [((m - first_source + 1) * kv_heads, kv_heads) for m in consumers if m > 0]
-    return products
-
-
-def block_product_seconds(num_layers: int, kv_heads: int, block: int, element_size: int,
-                          machine: MachineBalance, row_length: int = 1) -> float:
-    """Roofline time of one forward pass's routing products (``forward_products``), each costing
-    max(bytes / bandwidth, FLOPs / peak), its outputs written and read once.  Rows of
-    ``row_length`` elements (it scales every term alike)."""
-    seconds = 0.0
-    for rows, outputs in forward_products(num_layers, kv_heads, block):
-        read = (rows + 2 * outputs) * row_length * element_size
-        seconds += max(read / machine.bytes_per_s, 2.0 * rows * outputs * row_length / machine.flops_per_s)
-    return seconds
-
-
-def block_size_limit(num_layers: int) -> int:
-    """The largest block size ``routing_block_size`` considers: 2 * isqrt(L) (at least 1)."""
-    return max(1, math.isqrt(num_layers) * 2)
-
-
-def routing_block_size(num_layers: int, kv_heads: int, element_size: int,
-                       machine: MachineBalance = CPU_2_CORE) -> int:
-    """The block size of least roofline time (``block_product_seconds``) up to
-    ``block_size_limit``, the smallest within 1% of it (a larger block only lengthens the
-    in-block products and the partial sums' life)."""
-    times = {block: block_product_seconds(num_layers, kv_heads, block, element_size, machine)
-             for block in range(1, block_size_limit(num_layers) + 1)}
-    best = min(times.values())
-    return min(block for block, seconds in times.items() if seconds <= 1.01 * best)
-
-
-def chunk_routing_block(config, num_layers: int, machine: MachineBalance | None = None) -> int:
-    """The block size a model chunk of ``num_layers`` layers runs with: ``config.lime_routing_block``
-    or the roofline's choice on ``machine`` (default: ``H100_SXM`` where CUDA is available, else
-    ``CPU_2_CORE``); under full activation recompute it divides the recompute chunk
-    (``recompute_num_layers``) so that no block spans two recomputed chunks.  The dynamic router's
-    per-token products are not blocked: 1."""
-    if config.lime_router == "dynamic":
+def default_routing_block(config) -> int:
+    """The block size of a chunk built without one: ``config.lime_routing_block`` (1 when unset,
+    for the dynamic router, whose per-token products are not blocked, and for the baseline),
+    kept inside recomputed chunks (``recompute_safe_block``)."""
+    if not config.lime or config.lime_router == "dynamic":
         return 1
-    machine = machine or (H100_SXM if torch.cuda.is_available() else CPU_2_CORE)
-    element_size = torch.empty(0, dtype=config.params_dtype).element_size()
-    block = config.lime_routing_block or routing_block_size(num_layers, config.kv_heads, element_size, machine)
-    if config.recompute_granularity == "full" and config.recompute_num_layers:
-        block = math.gcd(block, config.recompute_num_layers)
-    return block
+    return recompute_safe_block(config, config.lime_routing_block or 1)
 
 
 # ----------------------------------------------------------------------------- byte counting
@@ -371,7 +321,7 @@ def mix_earlier(memory, block: range, routers: list[LimeRouter],
 class MixEarlierSources(torch.autograd.Function):
     """``mix_earlier`` with the router-weight gradient of those columns.
 
-    forward(memory, block, routers (those of the block that read earlier rows), *their weights)
+    forward(memory, block, routers (those of the block that read earlier rows), key, *their weights)
         -> per router its keys' and its values' partial sums (``mix_earlier``), flat
     backward: dL/dW_m[:, earlier] = g_m @ buffer[earlier]^T for the whole block in one product per
     row block; float32; returned as router m's whole gradient, placed beside the in-block
@@ -382,17 +332,31 @@ class MixEarlierSources(torch.autograd.Function):
     product reads those kept rows
     (``LayerIntegratedMemory.kept_grad_rows``, the readers' span: a pruned non-reader between
     two readers adds rows whose products are not used), not a restacked copy of
-    ``grad_partials``.  It runs before the backward of any earlier layer overwrites that layer's
-    rows (autograd runs the later-created node first among those ready).
+    ``grad_partials``.  Fixed routers (``average``) have no weight gradient: nothing runs.
+
+    Order (an autograd edge, whatever the engine prefers among ready nodes).  The product reads the
+    raw rows before the block, which the backward of their layer overwrites with its gradient rows
+    (``LayerIntegratedMemory.kv_grad``).  ``key``, the raw keys ``[s, b, local kv heads, d]`` of
+    the block's first reader m0, is an input for that edge alone: nothing saved, its gradient None,
+    which the engine still counts.  So the node giving the gradient of ``key`` (m0's QKV
+    projection) runs after this backward, and every node below it after that: the backward of
+    every earlier layer j that has one (its output reaches m0's input through the residual
+    stream), ``RouteKeysValues`` of j included.
+    Under full activation recompute this node and its edge are rebuilt in the rerun of the chunk
+    holding m0, and an earlier chunk's backward needs that chunk's input gradient, returned when
+    its backward ends.  The readers' ``RouteKeysValues`` take this node's outputs, so they ran
+    (and kept their g_m) before it.
     """
 
     @staticmethod
-    def forward(ctx, memory, block: range, routers: list[LimeRouter], *weights):
+    def forward(ctx, memory, block: range, routers: list[LimeRouter], key, *weights):
         ctx.memory, ctx.block, ctx.routers = memory, block, routers
         return tuple(half for pair in mix_earlier(memory, block, routers) for half in pair)
 
     @staticmethod
     def backward(ctx, *grad_partials):
+        if not any(ctx.needs_input_grad[4:]):
+            return (None,) * len(ctx.needs_input_grad)
         memory, block, routers = ctx.memory, ctx.block, ctx.routers
         # each router's in-block pieces (none: the layer's output fed no loss), then its earlier ones
         pieces = [memory.in_block_weight_grads.pop(router.layer, []) for router in routers]
@@ -405,4 +369,5 @@ class MixEarlierSources(torch.autograd.Function):
                 placed += [(router.columns(a, b),
                             block_grad[top : top + rows, (a - start) * local : (b - start) * local])
                            for a, b in runs_within(router, start, stop)]
-        return None, None, None, *(placed_columns(placed, router.weight) for placed, router in zip(pieces, routers))
+        return None, None, None, None, *(placed_columns(placed, router.weight)
+                                         for placed, router in zip(pieces, routers))

@@ -1,0 +1,271 @@
+"""The routing block size B of a model chunk: the roofline of its routing products plus the host's
+time per operator, on the figures of the machine present (or named by ``--lime-machine``).
+
+A chunk of layers ``[start, stop)`` under pipeline parallelism reads the ``start`` earlier layers'
+rows too (received from earlier stages), so its block products read more than its own layer count
+suggests: the cost, and B, depend on the chunk's absolute layers (``forward_products``).  LIMe's
+routing in one micro-batch's forward and backward of the chunk costs the device
+
+    kernels = 3 * sum over forward products of max(bytes / bandwidth, FLOPs / peak)
+
+(the backward's router-weight and row gradients read the same rows as the forward products) and
+the host ``operators dispatched * host seconds per operator``.  On a machine that runs kernels
+while the host dispatches (a GPU) the chunk's step takes the longer of its host's and its device's
+time, the baseline's work included (``baseline_work``):
+
+    max(baseline host + LIMe host, baseline device + LIMe kernels)
+
+so where the device sets the pace (1B layers at micro batch 4) B is the roofline's, and where the
+host does (narrow layers at micro batch 1) the fewest operators win; on a machine that does one
+after the other (the CPU) the two add (docs/routing.md, "How B is chosen").  The operators are as
+``planning.dispatched_operators`` counted them in one forward+backward (``host_operators``): on
+one stage blocking adds operators, in a later pipeline chunk it saves them (a product runs once
+per received block of rows), and among B > 1 fewer blocks dispatch fewer.  ``chunk_routing_block``
+is the one chooser: the trainer builds each chunk with its choice
+(``training.trainer.build_model_chunks``), the dry run prints it per chunk.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+import warnings
+from dataclasses import dataclass
+
+import torch
+
+from lime_megatron.models.config import LimeConfigError
+from lime_megatron.models.lime.routing_blocks import recompute_safe_block
+from lime_megatron.parallel.pipeline import chunk_layers
+from lime_megatron.planning.flops import layer_flops_per_token
+
+STEP_PRODUCTS_PER_FORWARD = 3
+"""Products per forward product in a step: the forward's, the router-weight gradient's and the row
+gradient's, each reading the same rows (docs/routing.md, the table of products)."""
+
+OPERATORS_PER_LAYER = 39
+"""ATen operators LIMe dispatches per layer in one forward+backward beyond the baseline at B = 1
+(docs/routing.md "Host work per layer"; views included)."""
+
+OPERATORS_PER_BLOCK = 25
+"""Operators of a block's product over its earlier sources, forward and backward
+(``MixEarlierSources``: the stacked router columns, the product, its gradients)."""
+
+OPERATORS_PER_BLOCKED_LAYER = 9
+"""Operators more per layer of a block with earlier sources (its partial sums taken and added, its
+weight-gradient pieces joined).  With the two above: counted at 16 layers, MHA, B = 1, 2, 4, 8, 16
+(625, 926, 808, 722, 625 operators beyond the baseline; the model fits all five exactly)."""
+
+OPERATORS_PER_RECEIVED_BLOCK_PER_LAYER = 20
+"""Operators more per layer at B = 1 for each block of rows a pipeline chunk received (one per
+earlier chunk): each layer's products run once per contiguous block of its sources."""
+
+OPERATORS_PER_RECEIVED_BLOCK_PER_BLOCK = 12
+"""The same per block with earlier sources at B > 1 (its product runs once per received block).
+With the one above: counted per micro-batch on PP = 4 ranks of 8 layers (32 layers, MHA), B = 1,
+2, 4, 8; the model is within 62 operators of every count (docs/routing.md)."""
+
+GPU_HOST_SECONDS_PER_OPERATOR = 17e-6
+"""Host seconds per operator dispatched on a GPU machine (Python, dispatch and kernel launch):
+the H200 machine's host-bound baseline step (BENCHMARKS.md, "On an NVIDIA H200": 492 ms at 128
+layers, hidden 512, micro batch 1, the GPU busy 31%) over its 128 x 226 operators.  Assumed the
+same on every GPU machine (it is the host's, not the GPU's)."""
+
+BASELINE_OPERATORS_PER_LAYER = 226
+"""Operators the baseline dispatches per layer in one forward+backward (the H200's deep-narrow
+profile above: its step is these operators at the host's pace)."""
+
+ACHIEVED_MATRIX_FRACTION = 0.16
+"""Fraction of the matrix peak the baseline's layers run at on a GPU: the H200's 1B MHA step at
+micro batch 4 (megatron's local spec; BENCHMARKS.md): 346 ms of kernels for 56 TFLOP.  A faster
+spec (TransformerEngine) makes steps more host-bound than this assumes."""
+
+CPU_HOST_SECONDS_PER_OPERATOR = 7.5e-6
+"""Host seconds per operator on the 2-core CPU VM (BENCHMARKS.md, "The operator ratio predicts the
+host-bound time ratio")."""
+
+
+@dataclass(frozen=True)
+class MachineBalance:
+    """A machine's figures the block size is chosen on: dense matrix peaks (FLOP/s) for 16-bit and
+    for 32/64-bit operands (no TF32: torch's default for float32 products), memory bandwidth
+    (bytes/s), host seconds per operator dispatched, and whether its kernels run while the host
+    dispatches the next ones (``asynchronous``: a GPU; the CPU runs each operator as it comes)."""
+
+    name: str
+    flops_per_s: float
+    fp32_flops_per_s: float
+    bytes_per_s: float
+    seconds_per_operator: float = GPU_HOST_SECONDS_PER_OPERATOR
+    asynchronous: bool = True
+
+    def peak(self, element_size: int) -> float:
+        """Matrix peak (FLOP/s) for operands of ``element_size`` bytes."""
+        return self.flops_per_s if element_size <= 2 else self.fp32_flops_per_s
+
+
+# Dense (no sparsity) peaks and bandwidths from NVIDIA's data sheets (H100/H200 Tensor Core GPU,
+# A100 Tensor Core GPU); the CPU's assumed (the shared VM's figures vary too much to measure).
+CPU_2_CORE = MachineBalance("2-core AVX2 CPU VM (fp32 peak 160 GFLOP/s, ~4 GB/s shared)", 160e9, 160e9, 4e9,
+                            CPU_HOST_SECONDS_PER_OPERATOR, asynchronous=False)
+H100_SXM = MachineBalance("H100 SXM (bf16 989 TFLOP/s, fp32 67, HBM3 3.35 TB/s)", 989e12, 67e12, 3.35e12)
+H100_PCIE = MachineBalance("H100 PCIe (bf16 756 TFLOP/s, fp32 51, HBM2e 2.0 TB/s)", 756e12, 51e12, 2.0e12)
+H200 = MachineBalance("H200 (bf16 989 TFLOP/s, fp32 67, HBM3e 4.8 TB/s)", 989e12, 67e12, 4.8e12)
+A100_80GB = MachineBalance("A100 80GB (bf16 312 TFLOP/s, fp32 19.5, HBM2e 2.04 TB/s)", 312e12, 19.5e12, 2.039e12)
+A100_40GB = MachineBalance("A100 40GB (bf16 312 TFLOP/s, fp32 19.5, HBM2 1.56 TB/s)", 312e12, 19.5e12, 1.555e12)
+
+MACHINES = {"h100": H100_SXM, "h100-pcie": H100_PCIE, "h200": H200, "a100": A100_80GB,
+            "a100-40gb": A100_40GB, "cpu": CPU_2_CORE}
+"""Machines ``--lime-machine`` names (besides ``auto``: the device present)."""
+
+DEVICE_NAMES = ((("H200",), H200), (("H100", "PCIE"), H100_PCIE), (("H100",), H100_SXM),
+                (("A100", "40GB"), A100_40GB), (("A100",), A100_80GB))
+"""(fragments of ``torch.cuda.get_device_name()``, all present, upper case; machine), first match."""
+
+CAPABILITY_FALLBACK = {9: H100_SXM, 8: A100_80GB}
+"""An unknown GPU's figures by compute capability major (else ``H100_SXM``), with a warning."""
+
+
+def device_machine(device_name: str, capability: tuple[int, int]) -> MachineBalance:
+    """The figures of the GPU named ``device_name`` (``torch.cuda.get_device_name()``) with compute
+    ``capability``: the first ``DEVICE_NAMES`` entry whose fragments it contains, else (warning
+    which figures it assumed) those of its compute capability's generation."""
+    name = device_name.upper()
+    for fragments, machine in DEVICE_NAMES:
+        if all(fragment in name for fragment in fragments):
+            return machine
+    machine = CAPABILITY_FALLBACK.get(capability[0], H100_SXM)
+    warnings.warn(f"routing block size: unknown GPU {device_name!r} (compute capability "
+                  f"{capability[0]}.{capability[1]}); assuming the figures of {machine.name}; "
+                  f"--lime-machine names the machine", stacklevel=2)
+    return machine
+
+
+@functools.cache
+def present_machine() -> MachineBalance:
+    """The figures of the device this process runs on (looked up once): the current CUDA device's
+    (``device_machine``), else ``CPU_2_CORE``."""
+    if not torch.cuda.is_available():
+        return CPU_2_CORE
+    device = torch.cuda.current_device()
+    return device_machine(torch.cuda.get_device_name(device), torch.cuda.get_device_capability(device))
+
+
+def routing_machine(config) -> MachineBalance:
+    """The machine ``config.lime_machine`` names (``MACHINES``), or for ``auto`` the one present."""
+    choice = config.lime_machine
+    if choice == "auto":
+        return present_machine()
+    if choice not in MACHINES:
+        raise LimeConfigError(f"lime_machine must be auto or one of {sorted(MACHINES)}, got {choice!r}")
+    return MACHINES[choice]
+
+
+def blocks_of(layers: range, block: int) -> list[range]:
+    """The chunk's blocks: ``block`` consecutive layers from its first (the last may be shorter)."""
+    return [range(first, min(first + block, layers.stop)) for first in range(layers.start, layers.stop, block)]
+
+
+def forward_products(layers: range, kv_heads: int, block: int) -> list[tuple[int, int]]:
+    """``(rows read, output rows)`` of each forward product of the ``full`` routing of the chunk of
+    global layers ``layers`` with blocks of ``block`` layers from its first: with ``block > 1`` per
+    block one product over all the rows before it (B * kv_heads outputs; none before layer 0) and
+    per layer one over its in-block rows; with ``block = 1`` per layer one product over all its
+    sources.  Layer 0 runs none.  Rows in units of one layer's kv head (2 * s * b * d elements)."""
+    products = []
+    for consumers in blocks_of(layers, block):
+        if block > 1 and consumers.start > 0:
+            products.append((consumers.start * kv_heads, len(consumers) * kv_heads))
+        first_source = consumers.start if block > 1 else 0
+        products += [((m - first_source + 1) * kv_heads, kv_heads) for m in consumers if m > 0]
+    return products
+
+
+def host_operators(layers: range, block: int, received: int = 0) -> int:
+    """Operators LIMe dispatches beyond the baseline in one forward+backward of the chunk's
+    ``layers`` at block size ``block``, the chunk having ``received`` blocks of earlier rows (one
+    per earlier pipeline chunk): per layer ``OPERATORS_PER_LAYER``, at B = 1 plus
+    ``OPERATORS_PER_RECEIVED_BLOCK_PER_LAYER`` per received block; at B > 1 per block with earlier
+    sources ``OPERATORS_PER_BLOCK``, ``OPERATORS_PER_BLOCKED_LAYER`` per layer of it and
+    ``OPERATORS_PER_RECEIVED_BLOCK_PER_BLOCK`` per received block."""
+    if block == 1:
+        return (OPERATORS_PER_LAYER + OPERATORS_PER_RECEIVED_BLOCK_PER_LAYER * received) * len(layers)
+    blocked = [len(consumers) for consumers in blocks_of(layers, block) if consumers.start > 0]
+    per_block = OPERATORS_PER_BLOCK + OPERATORS_PER_RECEIVED_BLOCK_PER_BLOCK * received
+    return OPERATORS_PER_LAYER * len(layers) + per_block * len(blocked) + OPERATORS_PER_BLOCKED_LAYER * sum(blocked)
+
+
+def routing_step_seconds(layers: range, kv_heads: int, block: int, row_elements: int, element_size: int,
+                         machine: MachineBalance, received: int = 0,
+                         baseline: tuple[float, float] = (0.0, 0.0)) -> float:
+    """Seconds of one micro-batch's forward and backward of the chunk's ``layers`` at block size
+    ``block`` on ``machine``: the device's ``STEP_PRODUCTS_PER_FORWARD`` times the roofline of the
+    forward products (``forward_products``, rows of ``row_elements`` elements of ``element_size``
+    bytes, each product max(bytes / bandwidth, FLOPs / peak), its outputs written and read once)
+    and the host's seconds for ``host_operators`` (``received`` blocks of earlier rows); with the
+    baseline's ``(host seconds, device seconds)`` (``baseline_work``) the longer of host and device
+    on an asynchronous machine, their sum on another."""
+    peak = machine.peak(element_size)
+    kernels = sum(max((rows + 2 * outputs) * row_elements * element_size / machine.bytes_per_s,
+                      2.0 * rows * outputs * row_elements / peak)
+                  for rows, outputs in forward_products(layers, kv_heads, block))
+    host = host_operators(layers, block, received) * machine.seconds_per_operator
+    base_host, base_device = baseline
+    if machine.asynchronous:
+        return max(base_host + host, base_device + STEP_PRODUCTS_PER_FORWARD * kernels)
+    return base_host + base_device + STEP_PRODUCTS_PER_FORWARD * kernels + host
+
+
+def baseline_work(config, layers: range, seq_length: int, micro_batch_size: int,
+                  machine: MachineBalance) -> tuple[float, float]:
+    """The baseline's (host seconds, device seconds) in one micro-batch's forward and backward of
+    the chunk's ``layers`` on one tensor-parallel rank: ``BASELINE_OPERATORS_PER_LAYER`` per layer
+    at the machine's pace, and three times the layers' forward FLOPs (``flops.layer_flops_per_token``)
+    at ``ACHIEVED_MATRIX_FRACTION`` of the peak."""
+    element_size = torch.empty(0, dtype=config.params_dtype).element_size()
+    flops = 3 * layer_flops_per_token(config, seq_length) * seq_length * micro_batch_size * len(layers)
+    device = flops / config.tensor_model_parallel_size / (machine.peak(element_size) * ACHIEVED_MATRIX_FRACTION)
+    return BASELINE_OPERATORS_PER_LAYER * len(layers) * machine.seconds_per_operator, device
+
+
+def block_size_limit(layers: range) -> int:
+    """The largest block size considered for the chunk's ``layers``: 2 * isqrt(layers.stop), at
+    most the chunk's length (at least 1)."""
+    return max(1, min(len(layers), 2 * math.isqrt(layers.stop)))
+
+
+def routing_block_size(layers: range, kv_heads: int, row_elements: int, element_size: int,
+                       machine: MachineBalance, received: int = 0,
+                       baseline: tuple[float, float] = (0.0, 0.0)) -> int:
+    """The block size of least ``routing_step_seconds`` up to ``block_size_limit``, the smallest
+    whose time exceeds the best by at most 1% of what LIMe adds to the baseline's there (a larger
+    block only lengthens the in-block products and the partial sums' life)."""
+    times = {block: routing_step_seconds(layers, kv_heads, block, row_elements, element_size, machine, received,
+                                         baseline)
+             for block in range(1, block_size_limit(layers) + 1)}
+    best = min(times.values())
+    baseline_alone = max(baseline) if machine.asynchronous else sum(baseline)
+    return min(block for block, seconds in times.items() if seconds - best <= 0.01 * (best - baseline_alone))
+
+
+def chunk_routing_block(config, layers: range, seq_length: int, micro_batch_size: int,
+                        machine: MachineBalance | None = None) -> int:
+    """The block size the model chunk of global ``layers`` runs with: ``config.lime_routing_block``,
+    else ``routing_block_size`` on ``machine`` (default ``routing_machine(config)``) for this rank's
+    kv heads, rows of ``seq_length * micro_batch_size`` tokens and one received block of rows per
+    earlier pipeline chunk (``parallel.pipeline.chunk_layers``), beside the baseline's work on
+    those layers (``baseline_work``); kept inside recomputed chunks
+    (``routing_blocks.recompute_safe_block``).  The dynamic router's per-token products are not
+    blocked, and the baseline routes nothing: 1."""
+    if not config.lime or config.lime_router == "dynamic":
+        return 1
+    block = config.lime_routing_block
+    if block is None:
+        kv_heads = max(1, config.kv_heads // config.tensor_model_parallel_size)
+        row_elements = 2 * seq_length * micro_batch_size * config.kv_channels
+        element_size = torch.empty(0, dtype=config.params_dtype).element_size()
+        received = sum(1 for chunk in chunk_layers(config) if chunk and chunk.stop <= layers.start)
+        machine = machine or routing_machine(config)
+        baseline = baseline_work(config, layers, seq_length, micro_batch_size, machine)
+        block = routing_block_size(layers, kv_heads, row_elements, element_size, machine, received, baseline)
+    return recompute_safe_block(config, block)
