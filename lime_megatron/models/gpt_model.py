@@ -23,7 +23,6 @@ from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
 from lime_megatron.models.lime.router import LimeRouter
 from lime_megatron.models.lime.routing_blocks import default_routing_block
-from lime_megatron.parallel.pipeline import kept_rows
 
 
 class LimeGPTModel(GPTModel):
@@ -38,6 +37,7 @@ class LimeGPTModel(GPTModel):
     def __init__(self, *args, routing_block: int | None = None, **kwargs):
         super().__init__(*args, **kwargs)
         self._stage_input: torch.Tensor | None = None
+        self.side_channel = None  # the pipeline's KeptRows of the current schedule call (``_side_channel``)
         self.own_layers = self._own_layers()
         pipeline = self.config.pipeline_model_parallel_size
         self.global_chunk = (self.vp_stage or 0) * pipeline + parallel_state.get_pipeline_model_parallel_rank() \
@@ -70,7 +70,7 @@ class LimeGPTModel(GPTModel):
             block=self.routing_block, routers=self._routers_by_layer(),
         )
         pipelined = not (self.pre_process and self.post_process)
-        kept = kept_rows(self.config) if pipelined else None
+        kept = self._side_channel() if pipelined else None
         micro_batch = kept.start_forward(self.global_chunk) if pipelined else 0
         if not self.pre_process:
             stage, self._stage_input = self._stage_input, None
@@ -85,6 +85,16 @@ class LimeGPTModel(GPTModel):
         if pipelined:
             kept.end_forward(self.global_chunk, micro_batch)
         return output
+
+    def _side_channel(self):
+        """This schedule call's pipeline side channel (``parallel.pipeline.KeptRows``), handed to the
+        chunk by ``parallel.pipeline.schedule_arguments``."""
+        kept = self.side_channel
+        if kept is None or kept.config is not self.config:
+            raise RuntimeError("LIMe under pipeline parallelism needs lime_megatron.parallel.pipeline."
+                               "schedule_arguments(config, num_microbatches, forward_only, model_chunks) called "
+                               "for each call of megatron's forward-backward function")
+        return kept
 
     def _routers_by_layer(self) -> dict[int, LimeRouter]:
         """This chunk's routers by global layer index (found once)."""

@@ -76,6 +76,7 @@ import torch
 from megatron.core import parallel_state
 from megatron.core.pipeline_parallel.p2p_communication import P2PCommunicator
 from megatron.core.process_groups_config import ProcessGroupCollection
+from megatron.core.utils import unwrap_model
 
 from lime_megatron.models.config import pipeline_layer_split
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
@@ -511,16 +512,6 @@ def reset_side_channel() -> None:
     _KEPT = None
 
 
-def kept_rows(config) -> KeptRows:
-    """This rank's ``KeptRows`` for the current schedule call."""
-    if _KEPT is None or _KEPT.config is not config:
-        raise RuntimeError(
-            "LIMe under pipeline parallelism needs lime_megatron.parallel.pipeline.schedule_arguments(config) "
-            "called for each call of megatron's forward-backward function"
-        )
-    return _KEPT
-
-
 def finish_schedule() -> None:
     """After a call of megatron's forward-backward function: wait for the side channel's last
     sends and drop their handles, so no micro-batch's rows outlive the call (an evaluation call,
@@ -529,17 +520,20 @@ def finish_schedule() -> None:
         _KEPT.finish_sends()
 
 
-def schedule_arguments(config, num_microbatches: int, forward_only: bool = False) -> dict:
+def schedule_arguments(config, num_microbatches: int, forward_only: bool = False, model: list = ()) -> dict:
     """Prepare one call of megatron's ``get_forward_backward_func()`` over ``num_microbatches``
-    (call it once per schedule call, on every rank: micro-batches are numbered from 0 again;
-    :func:`finish_schedule` after the call) and return the keyword arguments the call needs: under
-    pipeline parallelism a ``PipelineCommunicator`` (for LIMe with its K/V rows attached) and the
-    process groups it goes with; none otherwise."""
+    with the model chunks ``model`` (call it once per schedule call, on every rank: micro-batches
+    are numbered from 0 again; :func:`finish_schedule` after the call) and return the keyword
+    arguments the call needs: under pipeline parallelism a ``PipelineCommunicator`` (for LIMe with
+    its K/V rows attached) and the process groups it goes with; none otherwise.  Each chunk is
+    handed this call's ``KeptRows`` (its ``side_channel``; None without LIMe's pipeline)."""
     global _KEPT
     pipelined = parallel_state.model_parallel_is_initialized() and \
         parallel_state.get_pipeline_model_parallel_world_size() > 1
     lime = getattr(config, "lime", False)
     _KEPT = KeptRows(config, num_microbatches, forward_only) if lime and pipelined else None
+    for chunk in model:
+        unwrap_model(chunk).side_channel = _KEPT
     if not pipelined:
         return {}
     pp_group = parallel_state.get_pipeline_model_parallel_group()

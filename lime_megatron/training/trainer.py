@@ -287,7 +287,7 @@ def run_schedule(model: list, batches: list, forward_only: bool = False) -> floa
         seq_length=seq_length,
         micro_batch_size=micro_batch_size * config.residual_streams,  # Hyper-Connections' stage tensor
         forward_only=forward_only,
-        **schedule_arguments(config, len(batches), forward_only),
+        **schedule_arguments(config, len(batches), forward_only, model),
     )
     finish_schedule()
     counted = bool(reports) and parallel_state.get_tensor_model_parallel_rank() == 0

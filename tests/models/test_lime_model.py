@@ -255,3 +255,24 @@ def test_full_recompute_keeps_its_savings():
             saved[lime, bool(recompute)] = counter.bytes
     assert saved[True, True] <= saved[False, True] + 8
     assert saved[True, True] + buffers[0] < 0.5 * saved[True, False]
+
+
+@pytest.mark.usefixtures("megatron")
+def test_a_pipeline_chunk_runs_only_with_the_side_channel_the_schedule_handed_it():
+    """A chunk before the last stage sends K/V rows on: without this call's side channel (handed to
+    the chunk by ``parallel.pipeline.schedule_arguments``) or with another config's, one message."""
+    from types import SimpleNamespace
+
+    from lime_fixtures import SEQ, VOCAB
+
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.models.gpt_model import build_model
+
+    config = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
+    first_stage = build_model(config, VOCAB, SEQ, post_process=False)
+    tokens, positions, mask = batch()
+    for side_channel in (None, SimpleNamespace(config=lime_config(num_layers=2, hidden_size=32,
+                                                                  num_attention_heads=4))):
+        first_stage.side_channel = side_channel
+        with pytest.raises(RuntimeError, match=r"needs lime_megatron\.parallel\.pipeline\.schedule_arguments"):
+            first_stage(tokens, positions, mask)
