@@ -177,7 +177,7 @@ def distributed(run: RunConfig):
 def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
                        transformer_impl: str = "local", share_embeddings_and_output_weights: bool = True,
                        rotary_base: int = 10000, use_distributed_optimizer: bool = False,
-                       micro_batch_size: int = 1) -> list:
+                       seq_length: int | None = None, micro_batch_size: int = 1) -> list:
     """This rank's model chunks (one per virtual pipeline stage), ``Float16Module`` for bf16/fp16,
     each wrapped in megatron's ``DistributedDataParallel``; ``config`` gets the schedule's hooks
     (gradient finalisation, no-sync).
@@ -185,7 +185,8 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
     ``vocab_size`` is the padded vocabulary; ``transformer_impl`` megatron's layer backend
     (``local`` or ``transformer_engine``).  Each chunk's LIMe routing block size comes from the cost
     model (``planning.routing_block.chunk_routing_block``: the chunk's layers, rows of
-    ``max_sequence_length * micro_batch_size`` tokens)."""
+    ``seq_length * micro_batch_size`` tokens, ``seq_length`` the training sequence, by default
+    ``max_sequence_length``; the dry run chooses with the same)."""
     vpp = parallel_state.get_virtual_pipeline_model_parallel_world_size()
     layers_of_chunk = chunk_layers(config)
     chunks = []
@@ -200,8 +201,8 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
             vp_stage=vp_stage,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             rotary_base=rotary_base,
-            routing_block=chunk_routing_block(config, layers_of_chunk[global_chunk], max_sequence_length,
-                                              micro_batch_size),
+            routing_block=chunk_routing_block(config, layers_of_chunk[global_chunk],
+                                              seq_length or max_sequence_length, micro_batch_size),
         )
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -457,7 +458,7 @@ def build_trainer(run: RunConfig, evaluators: Sequence[Evaluator] = ()) -> Train
         config, tokenizer.vocab_size, run.model.max_sequence_length, transformer_impl=run.model.transformer_impl,
         share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
         rotary_base=run.model.rotary_base, use_distributed_optimizer=run.parallel.use_distributed_optimizer,
-        micro_batch_size=run.training.micro_batch_size or 1)
+        seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size or 1)
     optimizer = build_optimizer(model, optimizer_config(run), router_group(run), run.training.weight_decay_grouping)
     scheduler = build_scheduler(optimizer, lr_schedule(run))
     result = TrainingResult()

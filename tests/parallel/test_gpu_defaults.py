@@ -24,7 +24,7 @@ from __future__ import annotations
 
 import pytest
 from distributed import Layout, run_distributed
-from test_lime_pipeline import train
+from test_lime_pipeline import compare, train
 
 TOLERANCE = 1e-5
 BATCHED_SYNC = dict(batch_p2p_comm=True, batch_p2p_sync=True)  # megatron's default without virtual stages
@@ -50,23 +50,14 @@ MODELS = {"lime": {}, "llama": dict(lime=False)}
 TRANSPORTS = {"gloo": False, "nccl-lazy": "lazy", "nccl-eager": "eager"}  # eager: as with a device_id
 
 
-def differences(layout: Layout, model: dict, stages: dict, reference) -> dict:
-    """Worst loss and relative gradient differences of ``layout`` against ``reference``."""
-    ref_losses, ref_grads, weights = reference
-    losses, grads, _ = train(layout, model, weights, stages=stages)
-    return dict(loss=max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                grad=max(((g[n] - r[n]).norm() / r[n].norm()).item() for g, r in zip(grads, ref_grads) for n in r),
-                names=set(grads[0]) == set(ref_grads[0]))
-
-
 def with_megatrons_communicator(layout: Layout, model: dict, stages: dict, reference) -> dict:
-    """``differences`` with the trainer handing megatron's schedule no communicator of ours."""
+    """``compare`` with the trainer handing megatron's schedule no communicator of ours."""
     from lime_megatron.training import trainer
 
     arguments = trainer.schedule_arguments
     trainer.schedule_arguments = lambda *args, **kwargs: {}
     try:
-        return differences(layout, model, stages, reference)
+        return compare(layout, model, reference, stages=stages)
     finally:
         trainer.schedule_arguments = arguments
 
@@ -79,7 +70,7 @@ def combinations_on(world_size: int) -> dict:
         reference = train(Layout(), model)
         for name, (world, layout, stages) in COMBINATIONS.items():
             if world == world_size:
-                report[model_name, name] = differences(layout, model, stages, reference)
+                report[model_name, name] = compare(layout, model, reference, stages=stages)
         if model_name == "llama" and world_size == 2:
             report["megatron-communicator"] = with_megatrons_communicator(
                 Layout(pp=2, vpp=2), model, NO_OVERLAP, reference)

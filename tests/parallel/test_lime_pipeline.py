@@ -24,6 +24,7 @@ from __future__ import annotations
 
 from collections import defaultdict, deque
 from collections.abc import Callable
+from contextlib import contextmanager
 from functools import partial
 
 import pytest
@@ -174,18 +175,25 @@ def send_stale_rows() -> tuple[str, object]:
     return "attached_ops", _rewrite_queued("send_next", stale)
 
 
-def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
-    """``compare`` with ``mutation`` applied to ``pipeline.KeptRows`` (a test-only monkeypatch in
-    this process, undone afterwards)."""
+@contextmanager
+def kept_rows_mutated(mutation):
+    """``mutation()``'s (method name, replacement) applied to ``pipeline.KeptRows`` inside the
+    ``with`` block (a test-only monkeypatch in this process, undone afterwards)."""
     from lime_megatron.parallel.pipeline import KeptRows
 
     name, replacement = mutation()
     original = getattr(KeptRows, name)
     setattr(KeptRows, name, replacement)
     try:
-        return compare(layout, model, reference)
+        yield
     finally:
         setattr(KeptRows, name, original)
+
+
+def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
+    """``compare`` with ``mutation`` applied to ``pipeline.KeptRows``."""
+    with kept_rows_mutated(mutation):
+        return compare(layout, model, reference)
 
 
 def side_channel_accounting(layout: Layout | None = None, model: dict | None = None,
@@ -546,18 +554,10 @@ def side_channel_residue(steps: int = 3) -> dict:
     """What the side channel leaves alive after each call, at PP=2 x VPP=2 and PP=4 (static
     router) and PP=2 x VPP=2 (dynamic router: its memory also keeps the weights p_m in backward);
     and after one step with received rows kept (``keep_received_rows``), which must show."""
-    from lime_megatron.parallel.pipeline import KeptRows
-
     residue = {" ".join([layout.name, *model.values()]): residue_per_call(layout, model, steps)
                for layout, model in RESIDUE_RUNS}
-    name, replacement = keep_received_rows()
-    original = getattr(KeptRows, name)
-    setattr(KeptRows, name, replacement)
-    try:
-        mutated = residue_per_call(Layout(pp=4), {}, 1)
-    finally:
-        setattr(KeptRows, name, original)
-    return dict(residue=residue, mutated=mutated)
+    with kept_rows_mutated(keep_received_rows):
+        return dict(residue=residue, mutated=residue_per_call(Layout(pp=4), {}, 1))
 
 
 def test_side_channel_keeps_nothing_alive_without_the_garbage_collector():
