@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Export and import throughput of tools/convert_checkpoint.py at the paper's 1B shapes.
+"""Export and import throughput of lime-convert-checkpoint at the paper's 1B shapes.
 
     python bench/bench_convert.py [--num-layers 4] [--models llama-mha lime-gqa8] [--workdir DIR]
 
@@ -25,17 +25,14 @@ import sys
 import tempfile
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+import torch
+from tables import field, print_table
 
-import torch  # noqa: E402
-from tables import field, print_table  # noqa: E402
-
-from lime_megatron.interop.checkpoint_model import new_model, save_model  # noqa: E402
-from lime_megatron.interop.hf_export import export_checkpoint, import_checkpoint  # noqa: E402
-from lime_megatron.models.config import PAPER_1B  # noqa: E402
-from lime_megatron.parallel.process_groups import initialize_parallel  # noqa: E402
-from lime_megatron.training import arguments, checkpointing, data  # noqa: E402
+from lime_megatron.interop.checkpoint_model import new_model, save_model
+from lime_megatron.interop.hf_export import export_checkpoint, import_checkpoint
+from lime_megatron.models.config import PAPER_1B
+from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.training import arguments, checkpointing, data
 
 MODELS = {
     "llama-mha": [],

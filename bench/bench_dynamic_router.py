@@ -1,4 +1,4 @@
-"""Dynamic LIMe (v1, issue 24) against static LIMe and LLaMA: forward+backward time, saved bytes
+"""Dynamic LIMe (v1) against static LIMe and LLaMA: forward+backward time, saved bytes
 and FLOP floors, the three models of one shape built and timed interleaved in one process.
 
 - time: median forward+backward wall time over ``--repeats`` runs (after ``--warmup``), as

@@ -20,9 +20,9 @@ the same process, interleaving the four models:
   counted at half), the time ratio an implementation costing exactly the router's FLOPs would get;
 - copies: bytes written by copy operators (``copy_``, ``clone``, ``_to_copy``, ``stack``:
   ``contiguous`` and copying ``reshape`` included) in one forward+backward, counted by
-  ``planning.copied_bytes``, blocked LIMe minus the baseline, beside the routing reads: the buffer
+  ``testing.copied_bytes``, blocked LIMe minus the baseline, beside the routing reads: the buffer
   rows rearranged to and from attention's ``[s, b, heads, d]`` layout, the store into the buffer
-  and the rotated-key copy (issue 26, item 3).
+  and the rotated-key copy (docs/routing.md, "Copies").
   Counted, not timed: one step's copy time is below this VM's noise.
 
 A second table says where the blocked model's time over the baseline goes, from extra rounds of
@@ -33,7 +33,7 @@ above come from uncounted rounds): per round the products' time and the rest of 
 medians over rounds.  Beside them the rate the products ran at (GFLOP/s, GB/s of rows read) and
 what they would take at the baseline's own rate (its FLOPs over its time), which is what the FLOP
 floor assumes.  Last, the host's work: the ATen operators LIMe dispatches per layer beyond the
-baseline in one forward+backward (``planning.dispatched_operators``; views included), per layer
+baseline in one forward+backward (``testing.dispatched_operators``; views included), per layer
 (B = 1) and blocked, which sets the pace where kernels are short (the deep narrow shape on a GPU)
 and which a tiny shape times on this CPU:
     python bench/bench_lime_overhead.py --depths 32 128 --hidden-size 64 --ffn-hidden-size 128 \
@@ -63,14 +63,14 @@ from tqdm import tqdm
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
-from lime_megatron.models.lime.routing_blocks import RoutingReads, routing_reads, synchronize_device_of
 from lime_megatron.parallel.process_groups import initialize_parallel
-from lime_megatron.planning.copied_bytes import CopiedBytes
-from lime_megatron.planning.dispatched_operators import DispatchedOperators
 from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
 from lime_megatron.planning.routing_block import CPU_2_CORE, MachineBalance, chunk_routing_block, present_machine
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
-from lime_megatron.planning.saved_tensors import SavedTensorBytes
+from lime_megatron.testing.copied_bytes import CopiedBytes
+from lime_megatron.testing.dispatched_operators import DispatchedOperators
+from lime_megatron.testing.routing_reads import RoutingReads, routing_reads, synchronize_device_of
+from lime_megatron.testing.saved_tensors import SavedTensorBytes
 
 
 def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser:
@@ -210,8 +210,9 @@ def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads
     """Forward+backward seconds of each model in each of ``args.repeats`` rounds after
     ``args.warmup``, the models run one after another within a round, their order rotated by one
     each round (what ran just before a model moves its time on a CPU: at 128 layers by as much as
-    LIMe's gap to its FLOP floor, BENCHMARKS.md); with ``untimed_before`` each timed step follows
-    that many untimed steps of the same model (as a training step follows the last).
+    LIMe's gap to its FLOP floor, benchmarks/blocked-routing-cpu-2026-11-26.md); with
+    ``untimed_before`` each timed step follows that many untimed steps of the same model (as a
+    training step follows the last).
     ``products`` (when given) gets each model's ``routing_reads`` counter of each timed round
     (counting synchronises a GPU around each product: rounds for ratios run uncounted)."""
     times = {name: [] for name in models}

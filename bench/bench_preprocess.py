@@ -1,5 +1,5 @@
 #!/usr/bin/env python
-"""Throughput of tools/preprocess_data.py on real English text, 1 and 2 workers.
+"""Throughput of lime-preprocess-data (tools/preprocess_data.py) on real English text, 1 and 2 workers.
 
     python bench/bench_preprocess.py [--cache-dir DIR] [--target-mb 52] [--repeats 5]
 
@@ -24,18 +24,11 @@ import os
 import random
 import re
 import subprocess
-import sys
 import time
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-sys.path.insert(0, str(ROOT / "tools"))
-
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
-
-from lime_megatron.data.tokenizer import build_tokenizer  # noqa: E402
+from lime_megatron.cli import preprocess_data, train_tokenizer
+from lime_megatron.data.tokenizer import build_tokenizer
 
 PACKAGES = ("bible-kjv", "bible-kjv-text", "python3.11-doc")
 # Megatron-LM's tools/preprocess_data.py on this kind of machine, GPT-2 BPE, 52 MB of English

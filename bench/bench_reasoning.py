@@ -28,7 +28,8 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-ROOT = Path(__file__).resolve().parents[1]
+from lime_megatron.cli.main_job import tool_command
+
 MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
 SHAPES = {"aet": "--num-layers 4 --hidden-size 32 --ffn-hidden-size 128 --num-attention-heads 4",
           "prosqa": "--num-layers 4 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4"}
@@ -51,9 +52,10 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def run_tool(command: list[str], log: Path) -> None:
-    """Run one stage with its output to ``log``; stop with the log's tail if it fails."""
+    """Run one stage, ``[tool of lime_megatron.cli, its arguments...]``, with its output to ``log``;
+    stop with the log's tail if it fails."""
     with open(log, "a") as out:
-        code = subprocess.run([sys.executable, *command], cwd=ROOT, stdout=out, stderr=subprocess.STDOUT).returncode
+        code = subprocess.run(tool_command(*command), stdout=out, stderr=subprocess.STDOUT).returncode
     if code:
         tail = "".join(log.read_text().splitlines(True)[-15:])
         sys.exit(f"{' '.join(command[:2])} failed (exit {code}); see {log}:\n{tail}")
@@ -64,21 +66,21 @@ def make_data(args: argparse.Namespace, out: Path) -> tuple[Path, list[str]]:
     log, prefix = out / "data.log", out / "train"
     if args.task == "aet":
         train, test = out / "train.jsonl", out / "test.jsonl"
-        steps = [["tools/make_arithmetic_data.py", "--output", str(train), "--num-samples",
+        steps = [["make_arithmetic_data", "--output", str(train), "--num-samples",
                   str(args.train_samples or 150000), "--min-operands", "4", "--max-operands", "6", "--no-progress",
                   "--test-output", str(test), "--test-samples", str(args.test_samples)]]
     else:
         train, test = out / "prosqa_train.jsonl", out / "prosqa_test.json"
-        steps = [["tools/make_prosqa_data.py", "--output-dir", str(out), "--train-samples",
+        steps = [["make_prosqa_data", "--output-dir", str(out), "--train-samples",
                   str(args.train_samples or 6000), "--test-samples", str(args.test_samples),
                   "--num-concepts", str(args.num_concepts), "--min-hops", str(args.min_hops)]]
     tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
                  str(out / "tokenizer" / "tokenizer.model"), "--make-vocab-size-divisible-by", "64"]
     # AET: the task's 18 characters and merges; ProsQA: byte fallback keeps the newlines between steps.
     vocabulary = ["48", "--no-byte-fallback"] if args.task == "aet" else ["512"]
-    steps += [["tools/train_tokenizer.py", "--input", str(train), "--kind", "sentencepiece", "--vocab-size",
+    steps += [["train_tokenizer", "--input", str(train), "--kind", "sentencepiece", "--vocab-size",
                *vocabulary, "--character-coverage", "1.0", "--output-dir", str(out / "tokenizer"), "--no-progress"],
-              ["tools/preprocess_data.py", "--input", str(train), "--output-prefix", str(prefix), "--prompt-key",
+              ["preprocess_data", "--input", str(train), "--output-prefix", str(prefix), "--prompt-key",
                "prompt", "--json-keys", "response", "--no-progress", *tokenizer]]
     if not Path(f"{prefix}_response_document.idx").exists():
         for step in steps:
@@ -105,7 +107,7 @@ def train_and_score(args, out: Path, name: str, seed: int, data_flags: list[str]
         return json.loads(result_file.read_text())
     log = out / f"{name.lower()}-{seed}.log"
     start = time.perf_counter()
-    run_tool(["pretrain_lime.py", *SHAPES[args.task].split(), *SCHEDULE.split(), *MODELS[name], *data_flags,
+    run_tool(["pretrain", *SHAPES[args.task].split(), *SCHEDULE.split(), *MODELS[name], *data_flags,
               "--seq-length", str(seq), "--micro-batch-size", str(args.batch_size), "--global-batch-size",
               str(args.batch_size), "--train-iters", str(args.train_iters), "--lr-warmup-iters",
               str(max(1, args.train_iters // 20)), "--seed", str(seed), "--save", str(run),
@@ -113,7 +115,7 @@ def train_and_score(args, out: Path, name: str, seed: int, data_flags: list[str]
     seconds = time.perf_counter() - start
     scores = out / f"scores-{name.lower()}-{seed}.json"
     task = ["--task", "prosqa", "--max-new-tokens", "96"] if args.task == "prosqa" else ["--max-new-tokens", "64"]
-    run_tool(["tools/score_generation.py", str(run), "--test-file", str(test), "--output", str(scores),
+    run_tool(["score_generation", str(run), "--test-file", str(test), "--output", str(scores),
               "--no-progress", *task], log)
     last = json.loads((Path(str(run) + ".jsonl")).read_text().splitlines()[-1])
     result = {"tiers": {str(t["group"]): t["accuracy"] for t in json.loads(scores.read_text())["tiers"]},

@@ -1,4 +1,4 @@
-"""Route pruning on a trained deep CPU model (issue 24, v1 §5.4 and Table 5): the share of routes
+"""Route pruning on a trained deep CPU model (v1 §5.4 and Table 5): the share of routes
 top-p masks, the validation loss before and after, and the routing reads per step saved.
 
 The main job's arithmetic-expression data (``python -m lime_megatron``'s data stages) trains a
@@ -10,7 +10,7 @@ iteration (the pruned run just after its masks are set) and at the end, so the t
 - validation loss at the pruning iteration, unpruned ("before") and pruned ("after"), and at the
   end of both runs (pruned routes stay masked while training goes on);
 - the bytes the routing products read in one forward+backward of the final models
-  (``routing_blocks.routing_reads``), unpruned and pruned;
+  (``testing.routing_reads``), unpruned and pruned;
 - the K/V bytes the pipeline's hops would carry per sequence (float32, forward; the backward
   returns as many) if the final models were split over ``--pipeline`` P x V stages
   (``pipeline.hop_elements`` with the layers the masks leave read, ``pruning.share_route_reads``).
@@ -30,12 +30,12 @@ import torch
 from tables import field, print_table
 from tqdm import tqdm
 
-from lime_megatron import __main__ as main_job
+from lime_megatron.cli import main_job
 from lime_megatron.interop.checkpoint_model import load_model
 from lime_megatron.models.lime.pruning import share_route_reads
-from lime_megatron.models.lime.routing_blocks import routing_reads
 from lime_megatron.parallel import pipeline
 from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.testing.routing_reads import routing_reads
 from lime_megatron.training import trainer
 
 

@@ -4,14 +4,14 @@ A routing product is ``narrow [r, k] @ rows [k, N]`` with N = 2*s*b*d (one buffe
 head's keys and values, ``routing_blocks``).  Its result can be written
 
 - as rows ``[r, N]`` (one matrix product; attention then needs a rearranging copy), or
-- in attention's layout ``[2*s*b, r, d]`` (``routing_blocks.routing_product_attention_layout``:
+- in attention's layout ``[2*s*b, r, d]`` (``routing_products.routing_product_attention_layout``:
   one strided-batched product over the 2*s*b positions, no copy after it),
 
 and the router-weight gradient ``g [r, N] @ rows^T`` contracts over N.  Shapes: the bench model's
 (kv 8, d 32, seq 256, batch 2; fp32), r = kv (a layer's in-block product) and B*kv = 80 (a block's
 earlier-source product at B = 10), k from one block to 127 layers of rows.  Median of ``--repeats``.
 
-Run (the table in BENCHMARKS.md, "Blocked routing (issue 26)"):
+Run (the table in BENCHMARKS.md, "Where LIMe's extra time goes"):
     python bench/bench_routing_product_layouts.py
 """
 
@@ -24,7 +24,7 @@ import time
 import torch
 from tables import field, print_table
 
-from lime_megatron.models.lime.routing_blocks import routing_product, routing_product_attention_layout
+from lime_megatron.models.lime.routing_products import routing_product, routing_product_attention_layout
 
 
 def gflops(product, flops: float, repeats: int) -> float:

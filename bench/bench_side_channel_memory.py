@@ -1,5 +1,5 @@
 """What LIMe's pipeline side channel leaves alive from step to step, with Python's cyclic garbage
-collector off (issue 21, item 3).
+collector off: a step must leave no memory, kept rows or pending send behind.
 
 PP 4 on 4 gloo processes (this machine's CPU), LIMe hidden 256, 8 layers, sequence 512, 8
 micro-batches of 1 per step, SGD through the trainer's functions (``build_model_chunks``,

@@ -19,13 +19,10 @@ import argparse
 import os
 import sys
 from collections import Counter
-from pathlib import Path
 
 import torch
 import torch.distributed as dist
 from tables import field, print_table
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
 
 # Counted collectives and their ring cost per rank, as a multiple of (n - 1) / n x tensor bytes.
 _COST = {"all_reduce": 2, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1,
@@ -55,10 +52,9 @@ def count_collectives(counter: Counter):
 
 
 def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int):
-    from distributed import Layout, initialize_layout, layout_config_kwargs
-
     from lime_megatron.models.config import lime_config
     from lime_megatron.models.gpt_model import build_model
+    from lime_megatron.testing.distributed import Layout, initialize_layout, layout_config_kwargs
 
     rows = []
     for lime in (False, True):
@@ -111,7 +107,7 @@ def main(argv=None) -> None:
     parser.add_argument("--seq-length", type=int, default=32)
     parser.add_argument("--micro-batch-size", type=int, default=2)
     args = parser.parse_args(argv)
-    from distributed import run_distributed
+    from lime_megatron.testing.distributed import run_distributed
 
     rows = run_distributed(worker, 2, args)[0]
     print_results(rows, args)

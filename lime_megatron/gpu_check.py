@@ -27,7 +27,7 @@ On one CUDA GPU, in a few minutes, in one process:
    interleaved (LIMe, baseline, LIMe, ...) in bf16 with the TE spec: median step time, LIMe's
    overhead, tokens/s, TFLOP/s and MFU (``flops`` module, routers included, training = 3x
    forward), and peak memory (``torch.cuda.max_memory_allocated`` during the step).  The
-   issue's targets (overhead <= 1% GQA-8 / 3% MHA, memory within 2%, MFU >= 40%) are reported,
+   targets (overhead <= 1% GQA-8 / 3% MHA, memory within 2%, MFU >= 40%) are reported,
    not enforced: timings are not tolerances.
 
 ``--spec local`` runs the same checks with megatron's local spec as the candidate (a GPU without
@@ -44,6 +44,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import dataclasses
+import functools
 import logging
 import math
 import os
@@ -53,6 +54,7 @@ import sys
 import time
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -89,7 +91,7 @@ FP8_MIN_DISTANCE = 1e-6
 FP8_RECIPES = ("delayed", "tensorwise")  # megatron's names: delayed and current (tensorwise) scaling
 CHECK_SHAPE = dict(num_layers=4, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8, num_query_groups=2)
 CHECK_BATCH = (2, 256)  # (micro batch, sequence) of the correctness checks
-BF16_FAMILIES = {
+BF16_FAMILIES: dict[str, dict[str, Any]] = {  # label -> check_config's lime and overrides
     "LIMe": dict(lime=True, lime_recompute_routed_kv=True),  # the routed-K/V drop under TransformerEngine
     "baseline": dict(lime=False),
     "HC": dict(lime=False, hyper_connections=4),
@@ -103,7 +105,7 @@ PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "GH200": 989.4, "A100": 312.0,
 
 @dataclass(frozen=True)
 class TimedShape:
-    """A timed model shape: config fields, micro batch and sequence length, and the issue's
+    """A timed model shape: config fields, micro batch and sequence length, and the
     target for LIMe's step-time overhead over the baseline."""
 
     name: str
@@ -403,7 +405,8 @@ def captured_log_messages() -> Iterator[list[str]]:
     does not propagate to the root logger, so a handler goes on each logger)."""
     messages: list[str] = []
     handler = logging.Handler(logging.DEBUG)
-    handler.emit = lambda record: messages.append(record.getMessage())
+    # a one-off handler: its emit replaced on the instance
+    handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
     loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
                                        if isinstance(logger, logging.Logger)]
     for logger in loggers:
@@ -578,18 +581,18 @@ def all_checks(machine: Machine, skip_timing: bool, peak: float | None, world_si
     legs."""
     rows = []
     for label in BF16_FAMILIES:
-        rows += guarded("bf16 vs fp32", lambda label=label: check_bf16(label, TOLERANCES, machine))
+        rows += guarded("bf16 vs fp32", functools.partial(check_bf16, label, TOLERANCES, machine))
     if machine.te:
         for lime in (True, False):
-            rows += guarded("fp8", lambda lime=lime: check_fp8(lime, TOLERANCES, machine))
+            rows += guarded("fp8", functools.partial(check_fp8, lime, TOLERANCES, machine))
     else:
         rows.append(Row("fp8", "-", "skipped: FP8 and the attention backend need the TransformerEngine spec",
                         math.nan, None))
     if not skip_timing:
         for shape in timed_shapes(machine):
-            rows += guarded(f"speed {shape.name}", lambda shape=shape: time_shape(shape, peak, machine))
+            rows += guarded(f"speed {shape.name}", functools.partial(time_shape, shape, peak, machine))
     for lime in (True, False):  # last: the trainer re-initialises the parallel state
-        rows += guarded("training", lambda lime=lime: training_rows(lime, TOLERANCES, world_size, machine))
+        rows += guarded("training", functools.partial(training_rows, lime, TOLERANCES, world_size, machine))
     return rows
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
-from reference_lime import attention, heads, rms_norm, rope_tables, rotate
+
+from tests.reference_lime import attention, heads, rms_norm, rope_tables, rotate
 
 LAYER_NORM_EPS = 1e-5
 

@@ -11,8 +11,9 @@ first layer repeats the embedding into n streams; the streams' mean enters the f
 from __future__ import annotations
 
 import torch
-from reference_hc import self_attention, swiglu
-from reference_lime import rms_norm, rope_tables
+
+from tests.reference_hc import self_attention, swiglu
+from tests.reference_lime import rms_norm, rope_tables
 
 EPS = 1e-6
 

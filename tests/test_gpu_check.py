@@ -13,16 +13,16 @@ from __future__ import annotations
 import logging
 import math
 
-import distributed as dist
 import pytest
 import torch
-from lime_fixtures import SEQ, VOCAB, batch, loss_of, tiny_model
 from torch import nn
 
 from lime_megatron import gpu_check
 from lime_megatron.gpu_check import Row
 from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
+from lime_megatron.testing import distributed as dist
 from lime_megatron.training import short_runs
+from tests.lime_fixtures import SEQ, VOCAB, batch, loss_of, tiny_model
 
 
 @pytest.fixture(scope="module", autouse=True)

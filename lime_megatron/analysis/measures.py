@@ -38,6 +38,7 @@ import numpy as np
 import torch
 from tqdm import tqdm
 
+from lime_megatron.extras import requires_extra
 from lime_megatron.models.lime.pruning import pruned_counts
 
 DEFAULT_ALPHA = 0.5
@@ -265,10 +266,11 @@ def probe_accuracy(features: np.ndarray, labels: np.ndarray, folds: int = 5,
                    seed: int = 0) -> tuple[float, float]:
     """(mean, std) test accuracy of a linear classifier (standardised features, multinomial
     logistic regression) over ``folds``-fold stratified cross-validation."""
-    from sklearn.linear_model import LogisticRegression
-    from sklearn.model_selection import StratifiedKFold, cross_val_score
-    from sklearn.pipeline import make_pipeline
-    from sklearn.preprocessing import StandardScaler
+    with requires_extra("analysis"):
+        from sklearn.linear_model import LogisticRegression
+        from sklearn.model_selection import StratifiedKFold, cross_val_score
+        from sklearn.pipeline import make_pipeline
+        from sklearn.preprocessing import StandardScaler
 
     counts = np.bincount(labels)
     if np.count_nonzero(counts) < 2:
@@ -283,7 +285,8 @@ def probe_accuracy(features: np.ndarray, labels: np.ndarray, folds: int = 5,
 
 def tsne_embedding(features: np.ndarray, seed: int = 0, iterations: int = 1000) -> np.ndarray:
     """2-D t-SNE of ``features`` [n, d] (perplexity capped for small n)."""
-    from sklearn.manifold import TSNE
+    with requires_extra("analysis"):
+        from sklearn.manifold import TSNE
 
     perplexity = min(30.0, max(2.0, (len(features) - 1) / 3))
     tsne = TSNE(n_components=2, perplexity=perplexity, init="pca", random_state=seed, max_iter=iterations)

@@ -10,12 +10,15 @@ import os
 
 import numpy as np
 
+from lime_megatron.extras import requires_extra
+
 
 def _pyplot():
-    import matplotlib
+    with requires_extra("plots"):
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     return plt
 

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Analyse trained LIMe / LLaMA / Hyper-Connections checkpoints (paper §5.2-5.4) on one CPU process.
 
     python tools/analyze_checkpoint.py LIMe=ckpt/lime LLaMA=ckpt/llama \\
@@ -22,8 +21,6 @@ import time
 
 import numpy as np
 import torch
-
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from lime_megatron.analysis import measures
 from lime_megatron.interop.checkpoint_model import load_model
@@ -72,7 +69,7 @@ def corpus_sequences(prefix: str, num_sequences: int, seq_length: int) -> torch.
     return torch.from_numpy(np.concatenate(pieces)[:needed]).view(num_sequences, seq_length)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     start = time.perf_counter()
     loaded = {name: load_model(path, dtype=torch.float32) for name, path in named_checkpoints(args.checkpoints).items()}
@@ -106,7 +103,8 @@ def main(argv=None) -> None:
                   f"{circuit['position']}): layer {circuit['layer'] + 1} reads layer {circuit['source'] + 1} "
                   f"with head {circuit['head'] + 1} at weight {circuit['weight']:.3f}")
     print(f"  written to {args.output_dir} (total {time.perf_counter() - start:.1f} s)")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

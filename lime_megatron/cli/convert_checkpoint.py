@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Convert between distributed checkpoints and Hugging Face model directories.
 
     python tools/convert_checkpoint.py export ckpt/lime-1b hf/lime-1b [--dtype bfloat16]
@@ -15,15 +14,12 @@ reads at any layout.  See docs/export.md.
 from __future__ import annotations
 
 import argparse
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+import torch
 
-import torch  # noqa: E402
-
-from lime_megatron.interop.hf_export import SHARD_BYTES, export_checkpoint, import_checkpoint  # noqa: E402
-from lime_megatron.training.arguments import UsageError  # noqa: E402
+from lime_megatron.interop.hf_export import SHARD_BYTES, export_checkpoint, import_checkpoint
+from lime_megatron.training.arguments import UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

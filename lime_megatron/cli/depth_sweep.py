@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Depth-scaling sweep (paper §5.5, Fig. 6): LIMe and LLaMA at several depths, one command.
 
     python tools/depth_sweep.py tools/depth_sweep_cpu.yaml          # the CPU-sized default
@@ -13,10 +12,10 @@ tokens / (global batch x sequence length)), ``common`` trainer options, an optio
 ``config`` (a ``pretrain_lime.py --config`` YAML) and ``data``: ``{arithmetic: {num_samples: N}}``
 (the paper's arithmetic task, made once with the project's tools, as ``python -m lime_megatron``
 does) or trainer data options (``data_path``, ``tokenizer_type``, ...).  Keys are trainer flags with
-underscores.
+underscores; relative paths are taken from the current directory, where the runs are launched.
 
 Each run (``<family>-L<depth>``) is launched through ``torch.distributed.run`` and
-``pretrain_lime.py`` with ``--save``/``--load`` on its own checkpoint directory and a metrics file
+``lime_megatron.cli.pretrain`` with ``--save``/``--load`` on its own checkpoint directory and a metrics file
 under ``output_dir/runs/<name>/``.  Nodes: ``--nnodes``/``--node-rank``/``--master-addr``/
 ``--master-port`` come from ``NNODES``, ``NODE_RANK``, ``MASTER_ADDR``, ``MASTER_PORT`` (one node,
 ``--standalone``, when ``NNODES`` is unset or 1); every node runs the same command on a shared file
@@ -37,12 +36,13 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import yaml
 
-ROOT = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(ROOT))
+from lime_megatron.cli.main_job import data_steps, tool_command, trainer_data_flags
+from lime_megatron.extras import requires_extra
 
 LAYOUT_KEYS = ("nproc",)
 """Depth entry keys that are not trainer options."""
@@ -95,7 +95,7 @@ def load_sweep(path: str, output_dir: str | None = None) -> Sweep:
         spec = yaml.safe_load(file)
     for key in ("families", "depths", "tokens"):
         if key not in spec:
-            raise SweepError(f"{path}: missing '{key}' (see tools/depth_sweep.py)")
+            raise SweepError(f"{path}: missing '{key}' (see lime_megatron/cli/depth_sweep.py)")
     out = Path(output_dir or spec.get("output_dir") or "depth_sweep").resolve()
     sweep = Sweep(out, config=spec.get("config"), data=spec.get("data") or {})
     common = dict(spec.get("common") or {})
@@ -141,9 +141,9 @@ def node_flags(env: dict) -> list[str]:
 def run_config(sweep: Sweep, run: Run) -> Path:
     """Write ``run``'s trainer options (the base config, the sweep's data options unless it uses
     the arithmetic task, then the run's own) as a ``pretrain_lime.py --config`` YAML; its path."""
-    options = {}
+    options: dict[str, Any] = {}  # option name -> YAML value
     if sweep.config:
-        with open(ROOT / sweep.config if not os.path.isabs(sweep.config) else sweep.config, encoding="utf-8") as file:
+        with open(sweep.config, encoding="utf-8") as file:
             options.update(yaml.safe_load(file) or {})
     if "arithmetic" not in sweep.data:
         options.update(sweep.data)
@@ -162,7 +162,7 @@ def trainer_argv(sweep: Sweep, run: Run, data: list[str]) -> list[str]:
 def launch_command(sweep: Sweep, run: Run, data: list[str], env: dict) -> list[str]:
     """The torchrun command of ``run``."""
     return [sys.executable, "-m", "torch.distributed.run", *node_flags(env), "--nproc-per-node", str(run.nproc),
-            str(ROOT / "pretrain_lime.py"), *trainer_argv(sweep, run, data)]
+            "-m", "lime_megatron.cli.pretrain", *trainer_argv(sweep, run, data)]
 
 
 # --------------------------------------------------------------------------- data
@@ -173,15 +173,14 @@ def data_flags(sweep: Sweep) -> list[str]:
     the sweep gives its own data options (they go into each run's config)."""
     if "arithmetic" not in sweep.data:
         return []
-    from lime_megatron.__main__ import data_steps, trainer_data_flags
-
     out = sweep.output_dir / "data"
     out.mkdir(parents=True, exist_ok=True)
-    num_samples = int((sweep.data["arithmetic"] or {}).get("num_samples", 20000))
-    if not (out / "arith_text_document.idx").exists():
-        for name, tool, tool_args in data_steps(out, num_samples):
+    spec = sweep.data["arithmetic"] or {}
+    num_samples, test_samples = int(spec.get("num_samples", 20000)), int(spec.get("test_samples", 400))
+    if not (out / "arith_response_document.idx").exists():
+        for name, tool, tool_args in data_steps(out, num_samples, test_samples):
             print(f"=== {name}", flush=True)
-            subprocess.run([sys.executable, str(ROOT / "tools" / tool), *tool_args], cwd=ROOT, check=True)
+            subprocess.run(tool_command(tool, *tool_args), check=True)
     return trainer_data_flags(out)
 
 
@@ -199,7 +198,7 @@ def execute(sweep: Sweep, run: Run, flags: list[str], env: dict, launch=subproce
     command = launch_command(sweep, run, flags, env)
     print(f"\n=== {run.name} ({'resuming' if attempts else 'new'})\n$ {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    completed = launch(command, cwd=ROOT)
+    completed = launch(command)
     attempts.append({"seconds": time.perf_counter() - start, "returncode": completed.returncode})
     attempts_file.write_text(json.dumps(attempts))
     if completed.returncode:
@@ -289,10 +288,11 @@ def write_results(rows: list[dict], out: Path) -> list[Path]:
 
 def plot(rows: list[dict], out: Path) -> list[Path]:
     """Loss against tokens and against FLOPs per depth (Fig. 6); validation loss against depth."""
-    import matplotlib
+    with requires_extra("plots"):
+        import matplotlib
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
 
     depths = sorted({row["depth"] for row in rows})
     families = list(dict.fromkeys(row["family"] for row in rows))
@@ -341,7 +341,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     env = dict(os.environ)
     sweep = load_sweep(args.sweep, args.output_dir)
@@ -353,13 +353,14 @@ def main(argv=None) -> None:
                     if chosen is None or run.name in chosen}
         print("\nruns: " + ", ".join(f"{name} {outcome}" for name, outcome in outcomes.items()))
     if int(env.get("NODE_RANK", 0)) != 0:
-        return
+        return 0
     rows = summarize(sweep, flags, int(env.get("NNODES", 1)))
     paths = write_results(rows, sweep.output_dir)
     print("\n" + markdown_table(rows))
     print(f"\nsweep: {len(rows)} of {len(sweep.runs)} runs finished, {time.perf_counter() - start:.0f} s this "
           f"invocation; written: {', '.join(str(p) for p in paths)}")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """lm-evaluation-harness's command line with the ``lime_megatron`` model registered.
 
     python tools/evaluate.py --model lime_megatron --model_args checkpoint=ckpt/lime-1b --batch_size 16 \\
@@ -6,17 +5,27 @@
     torchrun --nproc-per-node 8 tools/evaluate.py --model lime_megatron ...   # data parallel
 
 Every lm-eval option works as with ``lm_eval`` itself; see ``lime_megatron.inference.lm_eval_adapter`` and
-docs/evaluation.md (offline use, the paper's Table 1 tasks).  Needs ``pip install .[eval]``.
+docs/evaluation.md (offline use, the paper's Table 1 tasks).  Needs the ``eval`` extra.
 """
 
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from lime_megatron.extras import requires_extra
 
-from lm_eval.__main__ import cli_evaluate  # noqa: E402
 
-import lime_megatron.inference.lm_eval_adapter  # noqa: E402,F401  - registers --model lime_megatron
+def main(argv=None) -> int:
+    """lm-eval's command line on ``argv`` (default: this process's arguments) with ``--model
+    lime_megatron`` registered; returns the exit status."""
+    with requires_extra("eval"):
+        from lm_eval.__main__ import cli_evaluate
+
+    import lime_megatron.inference.lm_eval_adapter  # noqa: F401 - registers --model lime_megatron
+
+    if argv is not None:  # lm-eval parses sys.argv itself
+        sys.argv = [sys.argv[0], *argv]
+    cli_evaluate()
+    return 0
+
 
 if __name__ == "__main__":
-    cli_evaluate()
+    sys.exit(main())

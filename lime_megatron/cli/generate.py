@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Generate text from a trained checkpoint (any layout) with the KV cache.
 
     python tools/generate.py ckpt/lime-150m --prompt "The meaning of life is" --max-new-tokens 64
@@ -28,12 +27,10 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lime_megatron.inference.generation import DTYPES, Generator, SamplingOptions  # noqa: E402
-from lime_megatron.interop.checkpoint_model import load_model  # noqa: E402
-from lime_megatron.parallel.process_groups import launch_world_size  # noqa: E402
-from lime_megatron.training.checkpointing import CheckpointError  # noqa: E402
+from lime_megatron.inference.generation import DTYPES, Generator, SamplingOptions
+from lime_megatron.interop.checkpoint_model import load_model
+from lime_megatron.parallel.process_groups import launch_world_size
+from lime_megatron.training.checkpointing import CheckpointError
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -79,7 +76,16 @@ def check_world(tensor_parallel: int) -> None:
 
 
 def main(argv=None) -> int:
-    """Entry point; returns the process exit status."""
+    """The command: :func:`run`, then the process group it started is destroyed; the exit status."""
+    status = run(argv)
+    if torch.distributed.is_initialized():
+        torch.distributed.destroy_process_group()
+    return status
+
+
+def run(argv=None) -> int:
+    """Generate as the command line ``argv`` says, in a process that may go on (tests, ranks of a
+    harness); returns the exit status."""
     args = parse_args(argv)
     printing = int(os.environ.get("RANK", 0)) == 0
     try:
@@ -119,7 +125,4 @@ def _device() -> str:
 
 
 if __name__ == "__main__":
-    status = main()
-    if torch.distributed.is_initialized():
-        torch.distributed.destroy_process_group()
-    sys.exit(status)
+    sys.exit(main())

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Describe a megatron-core indexed dataset: counts, length statistics, histogram, samples.
 
     python tools/inspect_dataset.py data/fwe_text_document --decode 3
@@ -12,10 +11,8 @@ import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lime_megatron.data.corpus import dataset_paths, dataset_prefix, require_dataset  # noqa: E402
-from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs  # noqa: E402,E501
+from lime_megatron.data.corpus import dataset_paths, dataset_prefix, require_dataset
+from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs
 
 BAR_WIDTH = 40
 

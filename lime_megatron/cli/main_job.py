@@ -1,19 +1,22 @@
 """``python -m lime_megatron``: the project's pipeline end to end on data it makes itself.
 
-1. ``tools/make_arithmetic_data.py`` writes the paper's arithmetic-expression task (App. B):
+Each stage is one of the package's commands (``lime_megatron.cli``), run by module name as a
+subprocess, so the job runs wherever the package is installed:
+
+1. ``make_arithmetic_data`` writes the paper's arithmetic-expression task (App. B):
    expressions (the prompt) with their step-by-step solutions (the response), as JSONL;
-2. ``tools/train_tokenizer.py`` trains a tiny SentencePiece tokenizer on it (offline);
-3. ``tools/preprocess_data.py --prompt-key`` turns it into a prompt/response indexed dataset;
-4. ``pretrain_lime.py --sft`` trains a tiny LIMe and the LLaMA baseline on it from scratch, the
+2. ``train_tokenizer`` trains a tiny SentencePiece tokenizer on it (offline);
+3. ``preprocess_data --prompt-key`` turns it into a prompt/response indexed dataset;
+4. ``pretrain --sft`` trains a tiny LIMe and the LLaMA baseline on it from scratch, the
    loss on the solutions only, each launched with ``torch.distributed.run`` on 2 CPU processes over
    gloo, pipeline-parallel (PP=2; ``--layout tp2`` for tensor parallelism), same seed, data,
    schedule and paper optimizer settings;
-5. ``tools/score_generation.py`` scores each trained checkpoint by greedy generation with the KV
+5. ``score_generation`` scores each trained checkpoint by greedy generation with the KV
    cache on held-out expressions (none of them in the training data): exact-match accuracy of
    the final answer per operand count, with 95% Wilson intervals, beside the accuracy of always
    answering the tier's most frequent training answer;
 6. their losses and accuracies are printed side by side with a summary, and plotted to
-   ``loss.png`` and ``accuracy.png``.
+   ``loss.png`` and ``accuracy.png`` (with the ``plots`` extra; without it the job says so once).
 
 Everything is written under ``--output-dir`` (default: a new temporary directory).
 """
@@ -21,6 +24,7 @@ Everything is written under ``--output-dir`` (default: a new temporary directory
 from __future__ import annotations
 
 import argparse
+import importlib.util
 import json
 import subprocess
 import sys
@@ -31,7 +35,8 @@ from pathlib import Path
 
 import numpy as np
 
-ROOT = Path(__file__).resolve().parent.parent
+from lime_megatron.extras import install_command, requires_extra
+
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "tp2": ["--tensor-model-parallel-size", "2"]}
 MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
 
@@ -57,11 +62,16 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
+def tool_command(tool: str, *arguments: str) -> list[str]:
+    """The command line that runs ``lime_megatron.cli.<tool>`` with this Python."""
+    return [sys.executable, "-m", f"lime_megatron.cli.{tool}", *arguments]
+
+
 def _run(step: str, command: list[str]) -> None:
     """Run one stage as a subprocess (its output passes through); exit if it fails."""
     print(f"\n=== {step}\n$ {' '.join(command)}", flush=True)
     start = time.perf_counter()
-    completed = subprocess.run(command, cwd=ROOT)
+    completed = subprocess.run(command)
     if completed.returncode:
         sys.exit(f"{step} failed with exit status {completed.returncode}")
     print(f"({step}: {time.perf_counter() - start:.1f} s)", flush=True)
@@ -71,18 +81,18 @@ TOKENIZER_VOCAB = 48  # SentencePiece pieces: the task's 18 characters and frequ
 
 
 def data_steps(out: Path, num_samples: int, test_samples: int) -> list[tuple[str, str, list[str]]]:
-    """The data stages as ``(name, tool script, its arguments)``: generate (with the held-out
-    test expressions), train the tokenizer, preprocess."""
+    """The data stages as ``(name, tool, its arguments)``, the tool a module of ``lime_megatron.cli``:
+    generate (with the held-out test expressions), train the tokenizer, preprocess."""
     jsonl, tokenizer = out / "arith.jsonl", out / "tokenizer"
     return [
-        ("arithmetic data", "make_arithmetic_data.py",
+        ("arithmetic data", "make_arithmetic_data",
          ["--output", str(jsonl), "--num-samples", str(num_samples), "--seed", "0", "--no-progress",
           "--test-output", str(test_file(out)), "--test-samples", str(test_samples)]),
-        ("tokenizer", "train_tokenizer.py",
+        ("tokenizer", "train_tokenizer",
          ["--input", str(jsonl), "--kind", "sentencepiece", "--vocab-size", str(TOKENIZER_VOCAB),
           "--character-coverage", "1.0", "--no-byte-fallback", "--output-dir", str(tokenizer),
           "--no-progress"]),
-        ("preprocessing", "preprocess_data.py",
+        ("preprocessing", "preprocess_data",
          ["--input", str(jsonl), "--output-prefix", str(out / "arith"), "--prompt-key", "prompt",
           "--json-keys", "response", "--no-progress", *tokenizer_flags(out)]),
     ]
@@ -109,7 +119,7 @@ def trainer_data_flags(out: Path) -> list[str]:
 def prepare_data(out: Path, num_samples: int, test_samples: int) -> list[str]:
     """Run the data stages; the trainer's data flags."""
     for name, tool, tool_args in data_steps(out, num_samples, test_samples):
-        _run(name, [sys.executable, f"tools/{tool}", *tool_args])
+        _run(name, tool_command(tool, *tool_args))
     return trainer_data_flags(out)
 
 
@@ -126,7 +136,7 @@ def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> 
         path.unlink(missing_ok=True)
         _run(f"training {name} ({args.layout}, 2 processes)", [
             sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "pretrain_lime.py", *TRAINER_OPTIONS, *LAYOUTS[args.layout], *data_flags, *model_flags,
+            "-m", "lime_megatron.cli.pretrain", *TRAINER_OPTIONS, *LAYOUTS[args.layout], *data_flags, *model_flags,
             "--train-iters", str(args.train_iters),
             "--lr-warmup-iters", str(warmup_iters(args.train_iters)), "--metrics-file", str(path),
             "--save", str(checkpoint_dir(out, name))])
@@ -144,9 +154,9 @@ def score_models(out: Path, names: list[str]) -> dict[str, list[dict]]:
     scores = {}
     for name in names:
         path = out / f"{name.lower()}_scores.json"
-        _run(f"scoring {name} by generation", [
-            sys.executable, "tools/score_generation.py", str(checkpoint_dir(out, name)),
-            "--test-file", str(test_file(out)), "--output", str(path), "--no-progress"])
+        _run(f"scoring {name} by generation", tool_command(
+            "score_generation", str(checkpoint_dir(out, name)), "--test-file", str(test_file(out)), "--output",
+            str(path), "--no-progress"))
         scores[name] = json.loads(path.read_text())["tiers"]
     return scores
 
@@ -181,16 +191,27 @@ def report(metrics: dict[str, list[dict]], out: Path) -> None:
     if {"LIMe", "LLaMA"} <= set(names):
         print(f"  LIMe - LLaMA validation loss: {final_val['LIMe'] - final_val['LLaMA']:+.4f}; "
               f"LIMe throughput {speed['LIMe'] / speed['LLaMA']:.2f}x LLaMA's")
-    _plot(metrics, out / "loss.png")
-    print(f"  outputs (data, tokenizer, metrics, loss.png): {out}")
+    if can_plot():
+        _plot(metrics, out / "loss.png")
+    print(f"  outputs (data, tokenizer, metrics{', loss.png' if can_plot() else ''}): {out}")
+
+
+def can_plot() -> bool:
+    """Whether matplotlib (the ``plots`` extra) is installed; without it the job plots nothing."""
+    return importlib.util.find_spec("matplotlib") is not None
+
+
+def _pyplot():
+    with requires_extra("plots"):
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    return plt
 
 
 def _plot(metrics: dict[str, list[dict]], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, records in metrics.items():
         line, = axis.plot([r["iteration"] for r in records], [r["lm_loss"] for r in records],
@@ -239,16 +260,13 @@ def report_accuracy(scores: dict[str, list[dict]], out: Path) -> None:
                          f"of {tier['total']:>3}")
         answer, accuracy = constant[count]
         print(f"{count:>8} " + " ".join(f"{cell:>28}" for cell in cells) + f"{accuracy:>8.1%} ({answer:>3})")
-    _plot_accuracy(by_tier, tiers, out / "accuracy.png")
-    print(f"  accuracy plot: {out / 'accuracy.png'}")
+    if can_plot():
+        _plot_accuracy(by_tier, tiers, out / "accuracy.png")
+        print(f"  accuracy plot: {out / 'accuracy.png'}")
 
 
 def _plot_accuracy(by_tier: dict[str, dict[int, dict]], tiers: list[int], path: Path) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+    plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(by_tier)
     for index, (name, tier_scores) in enumerate(by_tier.items()):
@@ -266,10 +284,12 @@ def _plot_accuracy(by_tier: dict[str, dict[int, dict]], tiers: list[int], path: 
     plt.close(figure)
 
 
-def main(argv=None) -> None:
+def main(argv=None) -> int:
     args = parse_args(argv)
     out = Path(args.output_dir or tempfile.mkdtemp(prefix="lime-main-job-")).resolve()
     out.mkdir(parents=True, exist_ok=True)
+    if not can_plot():
+        print(f"matplotlib is not installed: the results are printed, not plotted ({install_command('plots')})")
     start = time.perf_counter()
     data_flags = prepare_data(out, args.num_samples, args.test_samples)
     metrics = train_models(out, data_flags, args)
@@ -277,7 +297,8 @@ def main(argv=None) -> None:
     report(metrics, out)
     report_accuracy(scores, out)
     print(f"  total time {time.perf_counter() - start:.0f} s")
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

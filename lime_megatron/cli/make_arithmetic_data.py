@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Generate the Arithmetic Expression Task (LIMe paper App. B; Feng et al. 2023) as JSONL.
 
     python tools/make_arithmetic_data.py --output data/arith.jsonl --num-samples 100000 --seed 0
@@ -57,9 +56,7 @@ from typing import Union
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lime_megatron.data.arithmetic_task import prompt_of, response_of  # noqa: E402
+from lime_megatron.data.arithmetic_task import prompt_of, response_of
 
 # A parse tree: an int (a number) or (operator, left, right) with operator in "+-*/".
 Node = Union[int, tuple[str, "Node", "Node"]]  # noqa: UP007 - a recursive alias needs the string form
@@ -139,7 +136,7 @@ def _operand(child: Node, parent: str, is_right: bool, symbols: str) -> str:
     return f"({text})" if inner < outer or (is_right and inner == outer) else text
 
 
-def reduce_once(node: Node) -> Node:
+def reduce_once(node: tuple[str, Node, Node]) -> Node:
     """`node` with its first operator in evaluation order replaced by its value."""
     operator, left, right = node
     if not isinstance(left, int):
@@ -355,7 +352,9 @@ def write_jsonl(path: str, records: Iterable[dict], num_samples: int, progress: 
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    operands, answers, expressions = Counter(), [], set()
+    operands: Counter[int] = Counter()
+    answers: list[int] = []
+    expressions: set[str] = set()
     try:
         with open(temporary, "w", encoding="utf-8") as out:
             for record in tqdm(records, total=num_samples, desc="expressions", unit="expr",
@@ -411,7 +410,7 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     progress = not args.no_progress
     try:
-        held_out = frozenset()
+        held_out: frozenset[str] = frozenset()
         if args.test_output:
             test = test_split(args.test_samples, args.seed, args.spec)
             held_out = frozenset(record["expression"] for record in test)

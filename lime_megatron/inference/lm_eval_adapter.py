@@ -30,15 +30,18 @@ metrics on rank 0 with :meth:`LimeMegatronLM.gather_object`; only rank 0 returns
 from __future__ import annotations
 
 import torch
-from lm_eval import utils as lm_eval_utils
-from lm_eval.api.model import LM
-from lm_eval.api.registry import register_model
 from tqdm import tqdm
 
+from lime_megatron.extras import requires_extra
 from lime_megatron.inference.decoding import full_logits
 from lime_megatron.inference.generation import DTYPES, Generator, SamplingOptions
 from lime_megatron.interop.checkpoint_model import load_model
 from lime_megatron.models.gpt_model import LimeGPTModel
+
+with requires_extra("eval"):  # this module is the adapter: importing it is what needs lm-eval
+    from lm_eval import utils as lm_eval_utils
+    from lm_eval.api.model import LM
+    from lm_eval.api.registry import register_model
 
 
 @register_model("lime_megatron")

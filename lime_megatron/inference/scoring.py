@@ -108,7 +108,8 @@ def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list
     if not records:
         raise ValueError("no test records to score")
     continuations = complete([prompt_of(record) for record in records])
-    rows, tiers = [], {}
+    rows: list[dict] = []
+    tiers: dict[int, tuple[int, int]] = {}  # operand count -> (correct, records)
     for record, continuation in zip(records, continuations, strict=True):
         answer = final_answer(continuation)
         correct = answer == str(record["answer"])

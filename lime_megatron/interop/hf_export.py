@@ -31,12 +31,12 @@ import os
 import shutil
 import time
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 from tqdm import tqdm
 
+from lime_megatron.extras import requires_extra
 from lime_megatron.interop.checkpoint_model import load_model, new_model, save_model
 from lime_megatron.interop.hf_layout import (
     DYNAMIC_LIME_ARCHITECTURE,
@@ -100,7 +100,7 @@ class Description:
     def config_json(self, dtype: torch.dtype) -> dict:
         """config.json: transformers' LlamaConfig fields, the official ``lime_config`` and ours."""
         shape = self.shape
-        config = dict(
+        config: dict[str, Any] = dict(
             architectures=[shape.architecture], model_type="llama",
             vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
             num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
@@ -217,6 +217,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], directory: str, shard_by
                       progress: bool = True) -> list[str]:
     """Write ``tensors`` as one ``model.safetensors`` or as shards of at most ``shard_bytes`` with
     transformers' index; returns the file names."""
+    with requires_extra("hf"):
+        from safetensors.torch import save_file
+
     shards: list[dict[str, torch.Tensor]] = [{}]
     size = 0
     for name, tensor in tensors.items():
@@ -240,6 +243,9 @@ def write_safetensors(tensors: dict[str, torch.Tensor], directory: str, shard_by
 
 def read_safetensors(directory: str, progress: bool = True) -> dict[str, torch.Tensor]:
     """Every tensor of the safetensors file(s) in ``directory`` (single file or indexed shards)."""
+    with requires_extra("hf"):
+        from safetensors import safe_open
+
     index = os.path.join(directory, INDEX_FILE)
     if os.path.isfile(index):
         with open(index, encoding="utf-8") as handle:
@@ -282,6 +288,7 @@ def write_tokenizer(tokenizer, directory: str) -> list[str]:
     (none for the mock-data vocabulary)."""
     kind = type(tokenizer).__name__
     sources = getattr(tokenizer, "unique_identifiers", {}).get("files", [])
+    settings: dict[str, str | bool]  # tokenizer_config.json
     if kind == "GPT2BPETokenizer":
         vocab, merges = sources
         shutil.copyfile(vocab, os.path.join(directory, "vocab.json"))

@@ -101,7 +101,7 @@ every pipelined schedule call of the trainer uses, posts in an order that does n
 
 Private and internal APIs the project relies on
 ------------------------------------------------
-Tested range: megatron-core 0.16.1 (CPU machines) to 0.19.x (GPU machines; ``setup.py`` bounds
+Tested range: megatron-core 0.16.1 (CPU machines) to 0.19.x (GPU machines; ``pyproject.toml`` bounds
 it), torch 2.4 and later.  Every private (``_``-prefixed) or internal megatron-core / torch API the
 project touches, what it expects, and who uses it; :func:`private_api_problems` probes each one
 (signatures and small behavioural checks) and names those that differ
@@ -142,7 +142,7 @@ parses the package and fails on a private name it reaches into that is not regis
 - torch's ``torch._C._autograd._top_saved_tensors_default_hooks(False)``: the innermost
   ``saved_tensors_hooks`` pair ``(pack, unpack)``, or None outside any (``recompute``).
 - torch's ``torch.utils._python_dispatch.TorchDispatchMode`` and ``aten._to_copy``
-  (``planning.copied_bytes`` counts copies with them).
+  (``testing.copied_bytes`` counts copies with them).
 - torch's ``distributed_c10d._world.pg_map`` (every live process group) and
   ``distributed_c10d._get_default_group()`` (``parallel.destroy_parallel``).
 - The targets of the patches above: ``tensor_parallel.random._get_cuda_rng_state`` /
@@ -674,8 +674,8 @@ def _probe_argparse() -> list[str | None]:
 # project's code spells, with the probe that checks it (``tests/parallel/test_compat_apis.py``
 # scans the package's source and fails on one missing here, and on an entry no code uses).
 def _probe_copy_counting() -> list[str | None]:
-    """Presence: the copy operator and the dispatch-mode base ``planning.copied_bytes`` (and
-    ``planning.dispatched_operators``) count with
+    """Presence: the copy operator and the dispatch-mode base ``testing.copied_bytes`` (and
+    ``testing.dispatched_operators``) count with
     (what the mode sees is tested by ``tests/models/test_memory.py``'s copy count)."""
     from torch.utils import _python_dispatch
 

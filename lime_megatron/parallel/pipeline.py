@@ -20,14 +20,14 @@ blocks it received at the hop into ``k - 1``.  For a row of chunk ``h`` this is 
 ``h + 1 .. h + p - 1``, one per other rank.
 
 Backward.  The gradient of a row of layer ``l`` is the sum over its consumers ``m`` of
-``W_m[:, block l]^T g_m`` (``memory``).  On each rank a kept block has one gradient accumulator:
+``W_m[:, block l]^T g_m`` (``models.lime.consumer_gradients``).  On each rank a kept block has one gradient accumulator:
 each chunk that read it adds its share when its backward ends (chunks of a rank run backward in
 reverse order, so the later consumers come first), and the gradient returned by the outgoing hop
 that carried it on (the further ranks' shares) is added when the sending chunk's backward starts.
 When the backward of the chunk that received a block ends, the accumulator is complete and goes
 back as the hop's returned gradient, exactly the rows the hop carried; block and accumulator are
 then freed.  A chunk's own rows get their later consumers' shares (same rank and other ranks)
-before its layers' backward runs (``LayerIntegratedMemory.receive_downstream_grad``).
+before its layers' backward runs (``KeptGradients.receive_downstream``).
 
 Design: rows beside megatron's hidden state.  megatron's stage tensor is the plain hidden state
 ``[s', b, hidden]`` (its buffers, ``overlap_p2p_comm``, ``batch_p2p_comm``, ``batch_p2p_sync`` and
@@ -69,7 +69,7 @@ rank's later chunks when the owning chunk's backward starts; without backward (e
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -300,7 +300,9 @@ class KeptRows:
             "recv_prev": deque(key for key in forward_order(config, num_microbatches, self.rank) if key[0] > 0),
             "recv_next": deque((chunk + 1, mb) for chunk, mb in backwards if chunk < last),
         }
-        self.outgoing = {"send_next": deque(), "send_prev": deque()}  # tensors of each hop, in megatron's order
+        # tensors of each hop, in megatron's order: ((micro-batch, chunk), tensors)
+        self.outgoing: dict[str, deque[tuple[tuple[int, int], list[torch.Tensor]]]] = {
+            "send_next": deque(), "send_prev": deque()}
         self.arrived: dict[tuple[str, int, int], tuple[list, list]] = {}  # (kind, chunk, mb) -> (tensors, works)
         self.sends: dict[tuple[int, int], list] = {}
         self.grad_sends: list = []
@@ -375,7 +377,7 @@ class KeptRows:
             if batch == micro_batch:
                 runs = layer_runs(tuple(layer for layer in kept.layers if layer in read))
                 external += [(run, kept.view(run)) for run in runs]
-        memory.receive(external, kv_shape)
+        memory.key_values.receive(external, kv_shape)
         self._on_backward(hidden, self._end_backward, chunk, micro_batch, memory, received)
 
     def send(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, output: torch.Tensor) -> None:
@@ -385,10 +387,10 @@ class KeptRows:
         the hop's returned gradient."""
         own = tuple(layer for layer in carried_layers(self.config, self.chunks[chunk].stop)
                     if layer in self.chunks[chunk])
-        memory.read_later = own
+        memory.kept.read_later = own
         if own:
-            runs = [memory.rows(run.start, run.stop) for run in layer_runs(own)]
-            self.blocks[micro_batch, chunk] = _KeptBlock(own, runs, memory.kv_heads)
+            runs = [memory.key_values.rows(run.start, run.stop) for run in layer_runs(own)]
+            self.blocks[micro_batch, chunk] = _KeptBlock(own, runs, memory.key_values.kv_heads)
         tensors = [self.blocks[micro_batch, block.source].stacked(block.layers)
                    for block in hop_blocks(self.config, chunk + 1)]
         self.outgoing["send_next"].append(((micro_batch, chunk), tensors))
@@ -413,14 +415,14 @@ class KeptRows:
             self.blocks[micro_batch, block.source].add_grad(block.layers, grad)
         kept = self.blocks.pop((micro_batch, chunk), None)
         if kept is not None:
-            memory.receive_downstream_grad(kept.gradient())
+            memory.kept.receive_downstream(kept.gradient())
 
     def _end_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
                       received: list[HopBlock]) -> None:
         """After chunk ``chunk``'s layers ran backward: add its shares of the kept rows'
         gradients, queue the gradient of the rows the hop into it carried for the hidden state's
         gradient, free them."""
-        for layers, share in memory.external_shares():
+        for layers, share in memory.gradients.external_shares():
             source = next(index for index, own in enumerate(self.chunks) if layers.start in own)
             self.blocks[micro_batch, source].add_grad(tuple(layers), share)
         grads = [self.blocks.pop((micro_batch, block.source)).gradient() for block in received]
@@ -520,7 +522,7 @@ def finish_schedule() -> None:
         _KEPT.finish_sends()
 
 
-def schedule_arguments(config, num_microbatches: int, forward_only: bool = False, model: list = ()) -> dict:
+def schedule_arguments(config, num_microbatches: int, forward_only: bool = False, model: Sequence = ()) -> dict:
     """Prepare one call of megatron's ``get_forward_backward_func()`` over ``num_microbatches``
     with the model chunks ``model`` (call it once per schedule call, on every rank: micro-batches
     are numbered from 0 again; :func:`finish_schedule` after the call) and return the keyword

@@ -240,7 +240,7 @@ def router_stack_bytes(config: LimeTransformerConfig, geometry: Geometry, layers
 def forward_builds_router_stack(config: LimeTransformerConfig, layers: range, block: int) -> bool:
     """Whether the forward of the chunk of ``layers`` with routing blocks of ``block`` layers
     builds its ``RouterStack`` (then every micro-batch in flight keeps one until its backward):
-    some routed layer reads a source before its block (``LayerIntegratedMemory.blocked``: the
+    some routed layer reads a source before its block (``StaticRouting.blocked``: the
     block's earlier sums are one product of the stacked routers).  Otherwise only backward builds
     it (the row gradients), for the micro-batch whose backward runs."""
     if block == 1 or not config.lime or config.lime_router == "dynamic":

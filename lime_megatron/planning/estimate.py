@@ -453,7 +453,7 @@ def dry_run_report(config: LimeTransformerConfig, *, vocab_size: int, seq_length
                       micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
                       transformer_impl=transformer_impl,
                       share_embeddings_and_output_weights=share_embeddings_and_output_weights)
-    links = (NVLINK, INFINIBAND)
+    links: tuple[Link, ...] = (NVLINK, INFINIBAND)
     if link_bandwidth_gbps is not None:
         links = (Link("link", link_bandwidth_gbps, link_latency_us),)
     step_times = step_time_lines(config, vocab_size=vocab_size, seq_length=seq_length,

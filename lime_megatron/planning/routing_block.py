@@ -18,7 +18,7 @@ time, the baseline's work included (``baseline_work``):
 so where the device sets the pace (1B layers at micro batch 4) B is the roofline's, and where the
 host does (narrow layers at micro batch 1) the fewest operators win; on a machine that does one
 after the other (the CPU) the two add (docs/routing.md, "How B is chosen").  The operators are as
-``planning.dispatched_operators`` counted them in one forward+backward (``host_operators``): on
+``testing.dispatched_operators`` counted them in one forward+backward (``host_operators``): on
 one stage blocking adds operators, in a later pipeline chunk it saves them (a product runs once
 per received block of rows), and among B > 1 fewer blocks dispatch fewer.  ``chunk_routing_block``
 is the one chooser: the trainer builds each chunk with its choice
@@ -67,7 +67,7 @@ With the one above: counted per micro-batch on PP = 4 ranks of 8 layers (32 laye
 
 GPU_HOST_SECONDS_PER_OPERATOR = 17e-6
 """Host seconds per operator dispatched on a GPU machine (Python, dispatch and kernel launch):
-the H200 machine's host-bound baseline step (BENCHMARKS.md, "On an NVIDIA H200": 492 ms at 128
+the H200 machine's host-bound baseline step (BENCHMARKS.md, "LIMe overhead over the baseline": 492 ms at 128
 layers, hidden 512, micro batch 1, the GPU busy 31%) over its 128 x 226 operators.  Assumed the
 same on every GPU machine (it is the host's, not the GPU's)."""
 
@@ -81,8 +81,8 @@ micro batch 4 (megatron's local spec; BENCHMARKS.md): 346 ms of kernels for 56 T
 spec (TransformerEngine) makes steps more host-bound than this assumes."""
 
 CPU_HOST_SECONDS_PER_OPERATOR = 7.5e-6
-"""Host seconds per operator on the 2-core CPU VM (BENCHMARKS.md, "The operator ratio predicts the
-host-bound time ratio")."""
+"""Host seconds per operator on the 2-core CPU VM (BENCHMARKS.md, "Host-bound steps: the
+operator ratio is the time ratio")."""
 
 
 @dataclass(frozen=True)

@@ -30,7 +30,7 @@ from lime_megatron.models.lime.router import routing_consumers, routing_sources
 
 def chunk_blocks(layers: range, block: int) -> list[range]:
     """The routing blocks of a chunk of ``layers``: ``block`` consecutive layers from its first
-    (``LayerIntegratedMemory.block_of``), the last one shorter where ``block`` does not divide."""
+    (``StaticRouting.block_of``), the last one shorter where ``block`` does not divide."""
     return [range(start, min(start + block, layers.stop)) for start in range(layers.start, layers.stop, block)]
 
 

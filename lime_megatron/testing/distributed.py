@@ -28,15 +28,15 @@ from datetime import timedelta
 
 import torch
 import torch.multiprocessing as mp
-from nccl_rules import MODES, Coordinator, announce_exit, install
 
 from lime_megatron.parallel.compat import distributed_backend, enable_cpu_support
+from lime_megatron.testing.nccl_rules import MODES, Coordinator, announce_exit, install
 
 MASTER_ADDR = "127.0.0.1"
 # Imported once by the fork server that starts every rank, so no launch pays for them again.
 _PRELOAD = (
     __name__,
-    "nccl_rules",
+    "lime_megatron.testing.nccl_rules",
     "megatron.core.distributed",
     "megatron.core.models.gpt",
     "megatron.core.optimizer",
@@ -101,7 +101,8 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
     ]
     for process in processes:
         process.start()
-    results, failures = {}, {}
+    results: dict[int, bytes] = {}  # rank -> its pickled return value
+    failures: dict[int, str] = {}  # rank -> its traceback
     try:
         _collect(processes, messages, timeout, results, failures)
     finally:
@@ -171,7 +172,7 @@ def _worker(rank, world_size, port, fn, args, kwargs, messages, nccl_queues) -> 
         )
         rules = install(rank, *nccl_queues) if nccl_queues else None
         try:
-            message = (rank, True, pickle.dumps(fn(*args, **kwargs)))
+            message: tuple[int, bool, bytes | str] = (rank, True, pickle.dumps(fn(*args, **kwargs)))
         finally:
             if rules is not None:
                 announce_exit(rules)

@@ -83,7 +83,9 @@ import queue
 import sys
 import threading
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from torch.distributed import distributed_c10d as c10d
@@ -168,7 +170,7 @@ class Coordinator:
 
     def __init__(self, world_size: int, inbox, outboxes):
         self.inbox, self.outboxes = inbox, outboxes
-        self.queues = [deque() for _ in range(world_size)]
+        self.queues: list[deque[_Entry]] = [deque() for _ in range(world_size)]
         self.state: list = ["running"] * world_size  # running | ("wait", n) | ("init", key) | exited
         self.finished = [0] * world_size  # number of the last entry each rank completed (in order)
         self.arrived: dict[str, set] = {}  # setup key -> ranks that reached it
@@ -305,9 +307,10 @@ class Coordinator:
         edges = {rank: self.waits_for(rank) for rank, state in enumerate(self.state) if state != "running"}
         final = {rank for rank, targets in edges.items() if targets is None}
         edges = {rank: (targets or set()) & set(edges) for rank, targets in edges.items()}
-        free = True
-        while free:  # drop ranks that wait only for ranks that may still act
+        while True:  # drop ranks that wait only for ranks that may still act
             free = {rank for rank, targets in edges.items() if not targets and rank not in final}
+            if not free:
+                break
             edges = {rank: targets - free for rank, targets in edges.items() if rank not in free}
         return set(edges)
 
@@ -362,7 +365,9 @@ class _RankRules:
         self.done: set = set()
         self.deadlock: str | None = None
         self.inside = False  # in a wrapped call: nested wrapped calls go straight to torch
-        self.isend = self.irecv = None  # the installed wrappers (P2POp.op compares against them)
+        # the installed wrappers (P2POp.op compares against them)
+        self.isend: Callable[..., Any] | None = None
+        self.irecv: Callable[..., Any] | None = None
 
     # messages ------------------------------------------------------------
     def _take(self, message) -> None:

@@ -28,14 +28,13 @@ import yaml
 from megatron.core.transformer.enums import AttnBackend
 
 from lime_megatron.data.tokenizer import add_tokenizer_args
-from lime_megatron.models.config import LimeConfigError, lime_config, validate_router
+from lime_megatron.models.config import LimeConfigError, LimeTransformerConfig, lime_config, validate_router
 from lime_megatron.parallel import fusions
 from lime_megatron.training.run_config import (
     GROUPS,
     NULL_TOKENIZER,
     PAPER_ROUTER_LR,
     DataOptions,
-    PrecisionOptions,
     RunConfig,
 )
 
@@ -62,7 +61,7 @@ class _Parser(argparse.ArgumentParser):
 def _add_flag(group, spec: dataclasses.Field) -> None:
     """Add the flag of the :func:`run_config.option` field ``spec`` to ``group``; booleans
     (``type=bool``) get ``--name`` / ``--no-name``."""
-    kwargs = {key: value for key, value in spec.metadata.items() if key != "flag" and value is not None}
+    kwargs = {key: value for key, value in spec.metadata["argparse"].items() if value is not None}
     flag = f"--{spec.name.replace('_', '-')}"
     if kwargs.get("type") is bool:
         kwargs.pop("type")
@@ -71,8 +70,9 @@ def _add_flag(group, spec: dataclasses.Field) -> None:
         group.add_argument(flag, default=spec.default, **kwargs)
 
 
-def _add_group(parser, options: type) -> None:
-    """One ``--help`` section with the flags of the option group ``options``."""
+def _add_group(parser, options: type[Any]) -> None:
+    """One ``--help`` section with the flags of the option group ``options`` (a dataclass of
+    ``GROUPS``, its class attribute ``group`` the section's title)."""
     if options is DataOptions:
         tokenizer_flags = add_tokenizer_args(parser)
         tokenizer_type = next(action for action in tokenizer_flags._group_actions if action.dest == "tokenizer_type")
@@ -273,7 +273,7 @@ def _check_lime(args, world_size) -> None:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise ArgumentsError(f"{options} only apply to LIMe: add --lime (or drop them)")
         return
-    args.lime_router = args.lime_router or "full"
+    args.lime_router = args.lime_router or LimeTransformerConfig.lime_router
     try:
         validate_router(args.lime_router, args.lime_router_window, flags=True)
     except LimeConfigError as error:
@@ -435,69 +435,27 @@ def parse_run(argv: Sequence[str] | None = None, world_size: int | None = None) 
 
 
 def transformer_config(run: RunConfig):
-    """The run's ``LimeTransformerConfig``: LLaMA architecture, layout, precision, FP8, recompute
-    and LIMe options (CPU overrides merged), fused kernels as ``lime_megatron.parallel.fusions`` decides.
+    """The run's ``LimeTransformerConfig``: the LLaMA architecture, the options the run config
+    declares as ``TransformerConfig`` fields (``RunConfig.transformer_options``) and the values
+    computed from options below; fused kernels as ``lime_megatron.parallel.fusions`` decides.
     Raises :class:`ArgumentsError` for shapes or layouts megatron or LIMe reject."""
-    model, parallel, precision, lime = run.model, run.parallel, run.precision, run.lime
-    dtype = precision.params_dtype
-    kwargs = dict(
-        num_layers=model.num_layers,
-        hidden_size=model.hidden_size,
-        ffn_hidden_size=model.ffn_hidden_size or 4 * model.hidden_size,
-        num_attention_heads=model.num_attention_heads,
-        num_query_groups=model.num_query_groups,
-        kv_channels=model.kv_channels,
-        layernorm_epsilon=model.norm_epsilon,
-        init_method_std=model.init_method_std,
-        hidden_dropout=model.hidden_dropout,
-        attention_dropout=model.attention_dropout,
-        tensor_model_parallel_size=parallel.tensor_model_parallel_size,
-        pipeline_model_parallel_size=parallel.pipeline_model_parallel_size,
-        virtual_pipeline_model_parallel_size=parallel.virtual_pipeline_size,
-        num_layers_in_first_pipeline_stage=parallel.decoder_first_pipeline_num_layers,
-        num_layers_in_last_pipeline_stage=parallel.decoder_last_pipeline_num_layers,
-        sequence_parallel=parallel.sequence_parallel,
-        overlap_p2p_comm=parallel.overlap_p2p_communication,
-        batch_p2p_comm=not parallel.overlap_p2p_communication,  # megatron: one or the other
-        bf16=precision.bf16,
-        fp16=precision.fp16,
+    options = run.transformer_options()
+    if run.precision.fp8_format is None:  # megatron's FP8 settings apply only with FP8: keep its defaults
+        options = {name: value for name, value in options.items() if not name.startswith("fp8")}
+    dtype = run.precision.params_dtype
+    computed = dict(
         params_dtype=dtype,
         pipeline_dtype=dtype,
         autocast_dtype=dtype,
-        recompute_granularity=model.recompute_granularity,
-        recompute_method=model.recompute_method,
-        recompute_num_layers=model.recompute_num_layers,
+        batch_p2p_comm=not run.parallel.overlap_p2p_communication,  # megatron: one or the other
         use_cpu_initialization=not torch.cuda.is_available(),
-        transformer_impl=model.transformer_impl,
-        attention_backend=AttnBackend[model.attention_backend],
-        lime=lime.lime,
-        lime_router=lime.lime_router or "full",
-        lime_router_window=lime.lime_router_window,
-        lime_recompute_routed_kv=lime.lime_recompute_routed_kv,
-        lime_prune_top_p=lime.lime_prune_top_p,
-        hyper_connections=model.hyper_connections,
-        hyper_connections_static=model.hyper_connections_static,
-        hyper_connections_manifold=model.hyper_connections_manifold,
-        hyper_connections_sinkhorn_iterations=model.hyper_connections_sinkhorn_iterations,
-        lime_routing_block=lime.lime_routing_block,
-        lime_machine=lime.lime_machine or "auto",
-        init_style=model.init_style,
-        init_seed=run.training.seed,
+        attention_backend=AttnBackend[run.model.attention_backend],
         # --sft: gradients of the loss reported, the mean over the global batch's response tokens
         # (megatron's default averages the per-microbatch means, which differ when masks do).
         calculate_per_token_loss=run.data.sft,
-        **_fp8_options(precision),
     )
     try:
-        config = lime_config(**kwargs)
+        config = lime_config(**options, **computed)
     except (LimeConfigError, ValueError, AssertionError) as error:
         raise ArgumentsError(f"invalid model configuration: {error}") from None
     return fusions.run_choices(run).apply(config)
-
-
-def _fp8_options(precision: PrecisionOptions) -> dict:
-    if precision.fp8_format is None:
-        return {}
-    return dict(fp8=precision.fp8_format, fp8_recipe=precision.fp8_recipe, fp8_margin=precision.fp8_margin,
-                fp8_amax_history_len=precision.fp8_amax_history_len,
-                fp8_amax_compute_algo=precision.fp8_amax_compute_algo)

@@ -26,9 +26,11 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass
+from typing import Literal, cast
 
 import torch
 
+from lime_megatron.extras import requires_extra
 from lime_megatron.training.run_config import LoggingOptions
 
 PEAK_BF16_TFLOPS = {"H200": 989.4, "H100": 989.4, "A100": 312.0, "B200": 2250.0, "L40S": 362.1}
@@ -94,7 +96,8 @@ class MetricsLogger:
             os.makedirs(os.path.dirname(os.path.abspath(options.metrics_file)), exist_ok=True)
             self._file = open(options.metrics_file, "a", encoding="utf-8")
         if options.tensorboard_dir:
-            from torch.utils.tensorboard import SummaryWriter
+            with requires_extra("logging"):
+                from torch.utils.tensorboard import SummaryWriter
 
             self._tensorboard = SummaryWriter(log_dir=options.tensorboard_dir)
         if options.wandb_project:
@@ -159,9 +162,11 @@ def console_line(metrics: IterationMetrics, train_iters: int, throughput: bool =
 
 def _start_wandb(options: LoggingOptions, name: str, run_options: dict):
     """A wandb run in ``--wandb-mode`` (default ``$WANDB_MODE``, else online)."""
-    import wandb
+    with requires_extra("logging"):
+        import wandb
 
-    mode = options.wandb_mode or os.environ.get("WANDB_MODE", "online")
+    # --wandb-mode's choices, or $WANDB_MODE unchecked (wandb.init refuses an unknown mode itself)
+    mode = cast(Literal["online", "offline", "disabled"], options.wandb_mode or os.environ.get("WANDB_MODE", "online"))
     if options.wandb_save_dir:
         os.makedirs(options.wandb_save_dir, exist_ok=True)
     return wandb.init(project=options.wandb_project, name=options.wandb_exp_name or name,

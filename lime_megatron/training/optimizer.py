@@ -164,7 +164,7 @@ def build_scheduler(optimizer: MegatronOptimizer, schedule: LRSchedule) -> Optim
 def group_learning_rates(optimizer: MegatronOptimizer, max_lr: float) -> dict[str, float]:
     """Current learning rate of the main schedule (``lr``, groups whose peak is ``max_lr``) and
     of the router group if it has its own schedule (``router_lr``)."""
-    rates = {}
+    rates: dict[str, float] = {}
     for group in optimizer.param_groups:
         rates.setdefault("lr" if group["max_lr"] == max_lr else "router_lr", group["lr"])
     return rates

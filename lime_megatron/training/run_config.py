@@ -8,6 +8,12 @@ option is therefore one field in one group (plus its validation rule, if it has 
 with :func:`derived` are not flags: validation fills them from the others (the data-parallel
 size, the number of microbatches, the virtual pipeline size).
 
+A field that sets a field of the model's ``TransformerConfig`` says which (``transformer=True``:
+the config field of its own name; ``transformer="layernorm_epsilon"``: that one), and
+:meth:`RunConfig.transformer_options` collects them all, as Megatron-LM's
+``core_transformer_config_from_args`` does; ``arguments.transformer_config`` adds only the values
+it computes (dtypes, the attention backend, ...).
+
 Modules read the group they need (``run.training.lr``, ``run.parallel.tensor_model_parallel_size``)
 instead of the argparse ``Namespace``.
 """
@@ -22,7 +28,7 @@ from typing import Any
 
 import torch
 
-from lime_megatron.models.config import ROUTER_VARIANTS
+from lime_megatron.models.config import ROUTER_VARIANTS, LimeTransformerConfig
 from lime_megatron.models.initialization import INIT_STYLES
 from lime_megatron.models.lime.recompute import ATTENTION_BACKENDS
 from lime_megatron.planning.routing_block import MACHINES
@@ -35,13 +41,16 @@ NULL_TOKENIZER = "NullTokenizer"
 """``--tokenizer-type`` of Megatron-LM's vocabulary-only tokenizer (ids ``0..--vocab-size - 1``)."""
 
 
-def option(default: Any = None, *, type: Any = None, help: str | None = None, **argparse_kwargs) -> Any:
+def option(default: Any = None, *, type: Any = None, help: str | None = None, transformer: str | bool = False,
+           **argparse_kwargs) -> Any:
     """A field that is also a command-line flag ``--<name-with-dashes>``; ``type=bool`` makes a
-    ``--name`` / ``--no-name`` switch (default False). Other keywords go to ``add_argument``."""
+    ``--name`` / ``--no-name`` switch (default False). Other keywords go to ``add_argument``.
+    ``transformer``: the ``TransformerConfig`` field the option sets (True: the one of its own name;
+    see :func:`transformer_field`)."""
     if type is bool and default is None:
         default = False
-    metadata = dict(flag=True, type=type, help=help, **argparse_kwargs)
-    return field(default=default, metadata=metadata)
+    argparse_kwargs = dict(type=type, help=help, **argparse_kwargs)
+    return field(default=default, metadata=dict(flag=True, transformer=transformer, argparse=argparse_kwargs))
 
 
 def external(default: Any = None) -> Any:
@@ -50,9 +59,15 @@ def external(default: Any = None) -> Any:
     return field(default=default, metadata=dict(flag=False))
 
 
-def derived(default: Any = None) -> Any:
-    """A field filled in by validation from other options (no flag)."""
-    return field(default=default, metadata=dict(flag=False, derived=True))
+def derived(default: Any = None, *, transformer: str | bool = False) -> Any:
+    """A field filled in by validation from other options (no flag); ``transformer`` as in :func:`option`."""
+    return field(default=default, metadata=dict(flag=False, derived=True, transformer=transformer))
+
+
+def transformer_field(spec: dataclasses.Field) -> str | None:
+    """The ``TransformerConfig`` field that the run option ``spec`` sets (None: it sets none)."""
+    target = spec.metadata.get("transformer", False)
+    return spec.name if target is True else target or None
 
 
 @dataclass(frozen=True)
@@ -61,26 +76,27 @@ class ModelOptions:
 
     group = "model"
 
-    num_layers: int | None = option(type=int)
-    hidden_size: int | None = option(type=int)
-    ffn_hidden_size: int | None = option(type=int, help="default 4 * hidden size")
-    num_attention_heads: int | None = option(type=int)
+    num_layers: int | None = option(type=int, transformer=True)
+    hidden_size: int | None = option(type=int, transformer=True)
+    ffn_hidden_size: int | None = option(type=int, help="default 4 * hidden size", transformer=True)
+    num_attention_heads: int | None = option(type=int, transformer=True)
     group_query_attention: bool = option(type=bool, help="grouped-query attention; needs --num-query-groups")
-    num_query_groups: int | None = option(type=int, help="key/value heads (default: attention heads)")
-    kv_channels: int | None = option(type=int, help="head dimension (default hidden / heads)")
+    num_query_groups: int | None = option(type=int, help="key/value heads (default: attention heads)",
+                                          transformer=True)
+    kv_channels: int | None = option(type=int, help="head dimension (default hidden / heads)", transformer=True)
     seq_length: int | None = option(type=int)
     max_position_embeddings: int | None = option(type=int, help="default: --seq-length")
     rotary_base: int = option(10000, type=int)
-    norm_epsilon: float = option(1e-5, type=float)
-    init_method_std: float = option(0.02, type=float)
-    hidden_dropout: float = option(0.0, type=float)
-    attention_dropout: float = option(0.0, type=float)
+    norm_epsilon: float = option(1e-5, type=float, transformer="layernorm_epsilon")
+    init_method_std: float = option(0.02, type=float, transformer=True)
+    hidden_dropout: float = option(0.0, type=float, transformer=True)
+    attention_dropout: float = option(0.0, type=float, transformer=True)
     untie_embeddings_and_output_weights: bool = option(type=bool)
     vocab_size: int | None = option(type=int, help="vocabulary of --mock-data / --tokenizer-type NullTokenizer "
                                                    "(real data: the tokenizer's, padded)")
     transformer_impl: str = option("local", choices=("local", "transformer_engine"),
                                    help="local: megatron-only modules (CPU and GPU); transformer_engine: GPU, "
-                                        "bf16/FP8")
+                                        "bf16/FP8", transformer=True)
     attention_backend: str = option("auto", choices=ATTENTION_BACKENDS,
                                     help="TransformerEngine's attention backend (megatron's config.attention_backend, "
                                          "which sets NVTE_FLASH_ATTN/NVTE_FUSED_ATTN): fused (cuDNN) saves the "
@@ -88,17 +104,21 @@ class ModelOptions:
                                          "lets TransformerEngine choose (estimated as fused, its choice on Hopper)")
     init_style: str = option("megatron", choices=INIT_STYLES,
                              help="initial weight distributions: megatron's defaults or the paper's released "
-                                  "code (lime_megatron.models.initialization); drawn the same at every layout")
+                                  "code (lime_megatron.models.initialization); drawn the same at every layout",
+                             transformer=True)
     hyper_connections: int = option(0, type=int, help="Hyper-Connections with N residual streams (the paper's HC "
-                                                        "baseline; 0: none; needs --no-lime)")
-    hyper_connections_static: bool = option(type=bool, help="static Hyper-Connections (default: dynamic)")
+                                                        "baseline; 0: none; needs --no-lime)", transformer=True)
+    hyper_connections_static: bool = option(type=bool, help="static Hyper-Connections (default: dynamic)",
+                                            transformer=True)
     hyper_connections_manifold: bool = option(type=bool, help="manifold-constrained Hyper-Connections (mHC: "
                                                               "Sinkhorn-projected residual mixing, as megatron-core "
-                                                              "main; default: the paper's dynamic HC)")
-    hyper_connections_sinkhorn_iterations: int = option(20, type=int, help="Sinkhorn-Knopp iterations of mHC")
-    recompute_granularity: str | None = option(choices=("full", "selective"))
-    recompute_method: str | None = option(choices=("uniform", "block"))
-    recompute_num_layers: int | None = option(type=int)
+                                                              "main; default: the paper's dynamic HC)",
+                                              transformer=True)
+    hyper_connections_sinkhorn_iterations: int = option(20, type=int, help="Sinkhorn-Knopp iterations of mHC",
+                                                        transformer=True)
+    recompute_granularity: str | None = option(choices=("full", "selective"), transformer=True)
+    recompute_method: str | None = option(choices=("uniform", "block"), transformer=True)
+    recompute_num_layers: int | None = option(type=int, transformer=True)
 
     @property
     def max_sequence_length(self) -> int:
@@ -108,13 +128,18 @@ class ModelOptions:
 
 @dataclass(frozen=True)
 class LimeOptions:
-    """LIMe's switches (paper §4, App. D) and the routers' optimizer group (Table 2)."""
+    """LIMe's switches (paper §4, App. D) and the routers' optimizer group (Table 2).
+
+    Their meaning and their defaults as model options are ``LimeTransformerConfig``'s: an option
+    left at None here (not given) takes the config's default there."""
 
     group = "LIMe"
 
-    lime: bool = option(type=bool, help="LIMe attention (without it: the LLaMA baseline)")
-    lime_router: str | None = option(choices=ROUTER_VARIANTS, help="router variant (default full)")
-    lime_router_window: int | None = option(type=int, help="window j of the last/first routers")
+    lime: bool = option(type=bool, help="LIMe attention (without it: the LLaMA baseline)", transformer=True)
+    lime_router: str | None = option(choices=ROUTER_VARIANTS,
+                                     help=f"router variant (default {LimeTransformerConfig.lime_router})",
+                                     transformer=True)
+    lime_router_window: int | None = option(type=int, help="window j of the last/first routers", transformer=True)
     lime_router_lr: float | None = option(
         type=float, help=f"router learning rate (default {PAPER_ROUTER_LR}, the paper's); the router schedule "
                          "is the main one scaled by lime-router-lr / lr")
@@ -122,17 +147,19 @@ class LimeOptions:
     lime_routing_block: int | None = option(type=int, help="routing block size B: the routing products of B "
                                             "consecutive layers read each source row once (1: per layer; "
                                             "default: the cost model of the chunk's layers on the machine of "
-                                            "--lime-machine)")
+                                            "--lime-machine)", transformer=True)
     lime_machine: str | None = option(choices=("auto", *MACHINES), help="the machine whose figures (peak, "
                                       "bandwidth, host time per operator) choose the routing block size "
-                                      "(default auto: the GPU present, else the CPU VM's)")
+                                      "(default auto: the GPU present, else the CPU VM's)", transformer=True)
     lime_recompute_routed_kv: bool = option(type=bool,
                                             help="rebuild the routed keys/values in backward instead of saving "
                                                  "them: 2 x kv heads less saved per layer for one more router "
-                                                 "product per layer (default off: saves no more than the baseline)")
+                                                 "product per layer (default off: saves no more than the baseline)",
+                                            transformer=True)
     lime_prune_top_p: float | None = option(type=float, help="route pruning (v1 §5.4): per consumer layer and "
                                             "head keep the largest routes up to this share (|weight|, or the "
-                                            "dynamic prior) and mask the rest, at --lime-prune-iters")
+                                            "dynamic prior) and mask the rest, at --lime-prune-iters",
+                                            transformer=True)
     lime_prune_iters: Sequence[int] | None = option(type=int, nargs="+", help="iterations after whose update "
                                                     "the route masks are set (with --lime-prune-top-p)")
 
@@ -144,21 +171,21 @@ class ParallelOptions:
 
     group = "parallelism"
 
-    tensor_model_parallel_size: int = option(1, type=int)
-    pipeline_model_parallel_size: int = option(1, type=int)
+    tensor_model_parallel_size: int = option(1, type=int, transformer=True)
+    pipeline_model_parallel_size: int = option(1, type=int, transformer=True)
     num_layers_per_virtual_pipeline_stage: int | None = option(type=int)
     num_virtual_stages_per_pipeline_rank: int | None = option(type=int)
-    decoder_first_pipeline_num_layers: int | None = option(type=int)
-    decoder_last_pipeline_num_layers: int | None = option(type=int)
-    sequence_parallel: bool = option(type=bool)
+    decoder_first_pipeline_num_layers: int | None = option(type=int, transformer="num_layers_in_first_pipeline_stage")
+    decoder_last_pipeline_num_layers: int | None = option(type=int, transformer="num_layers_in_last_pipeline_stage")
+    sequence_parallel: bool = option(type=bool, transformer=True)
     overlap_p2p_communication: bool | None = option(
         action=argparse.BooleanOptionalAction,
         help="overlap pipeline sends/receives with compute (megatron's overlap_p2p_comm, interleaved schedule "
-             "only; default: on with virtual stages)")
+             "only; default: on with virtual stages)", transformer="overlap_p2p_comm")
     use_distributed_optimizer: bool = option(type=bool)
     data_parallel_size: int | None = derived()
     """World size / (TP x PP); None for a dry run."""
-    virtual_pipeline_size: int | None = derived()
+    virtual_pipeline_size: int | None = derived(transformer="virtual_pipeline_model_parallel_size")
     """Virtual stages per pipeline rank (None without interleaving)."""
 
 
@@ -172,7 +199,7 @@ class TrainingOptions:
     global_batch_size: int | None = option(type=int, help="default: micro batch x data-parallel size")
     train_iters: int | None = option(type=int)
     exit_interval: int | None = option(type=int, help="stop (and save) after this iteration")
-    seed: int = option(1234, type=int)
+    seed: int = option(1234, type=int, transformer="init_seed")
     optimizer: str = option("adam", choices=("adam", "sgd"), help="adam is AdamW (decoupled weight decay)")
     lr: float | None = option(type=float)
     min_lr: float = option(0.0, type=float)
@@ -204,8 +231,8 @@ class PrecisionOptions:
 
     group = "mixed precision (GPU)"
 
-    bf16: bool = option(type=bool)
-    fp16: bool = option(type=bool)
+    bf16: bool = option(type=bool, transformer=True)
+    fp16: bool = option(type=bool, transformer=True)
     loss_scale: float | None = option(type=float, help="static fp16 loss scale (default: dynamic)")
     initial_loss_scale: float = option(2.0**32, type=float)
     min_loss_scale: float = option(1.0, type=float)
@@ -213,11 +240,11 @@ class PrecisionOptions:
     hysteresis: int = option(2, type=int)
     fp8_format: str | None = option(choices=("e4m3", "hybrid"),
                                     help="FP8 through TransformerEngine (needs --transformer-impl "
-                                         "transformer_engine)")
-    fp8_recipe: str = option("delayed", choices=("delayed", "tensorwise", "mxfp8", "blockwise"))
-    fp8_margin: int = option(0, type=int)
-    fp8_amax_history_len: int = option(1, type=int)
-    fp8_amax_compute_algo: str = option("most_recent", choices=("most_recent", "max"))
+                                         "transformer_engine)", transformer="fp8")
+    fp8_recipe: str = option("delayed", choices=("delayed", "tensorwise", "mxfp8", "blockwise"), transformer=True)
+    fp8_margin: int = option(0, type=int, transformer=True)
+    fp8_amax_history_len: int = option(1, type=int, transformer=True)
+    fp8_amax_compute_algo: str = option("most_recent", choices=("most_recent", "max"), transformer=True)
 
     @property
     def params_dtype(self) -> torch.dtype:
@@ -362,6 +389,15 @@ class RunConfig:
         groups = {name: group(**{f.name: flat[f.name] for f in dataclasses.fields(group) if f.name in flat})
                   for name, group in GROUPS.items()}
         return cls(**groups, dry_run=flat.get("dry_run", False), dry_run_world_size=flat.get("dry_run_world_size"))
+
+    def transformer_options(self) -> dict[str, Any]:
+        """The ``TransformerConfig`` keyword arguments of the options declared with ``transformer=``,
+        by config field; an option at None (not given) is left out, so the config's own default
+        applies (``LimeTransformerConfig``'s ``full`` router, megatron's 4 x hidden MLP)."""
+        groups = [getattr(self, name) for name in GROUPS]
+        return {transformer_field(spec): getattr(group, spec.name) for group in groups
+                for spec in dataclasses.fields(group)
+                if transformer_field(spec) and getattr(group, spec.name) is not None}
 
     def as_flat_dict(self) -> dict[str, Any]:
         """Every option by its flag's name (``num_layers``, ``lr``, ...): for checkpoints and wandb."""

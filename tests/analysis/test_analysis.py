@@ -11,10 +11,10 @@ import math
 import numpy as np
 import pytest
 import torch
-from lime_fixtures import SEQ, VOCAB, tiny_model
 
 from lime_megatron.analysis import measures
 from lime_megatron.parallel.process_groups import initialize_parallel
+from tests.lime_fixtures import SEQ, VOCAB, tiny_model
 
 pytest.importorskip("sklearn")
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),

@@ -5,15 +5,13 @@ from __future__ import annotations
 
 import math
 import random
-import sys
-from pathlib import Path
 
 import pytest
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from tests.bench import load_bench
 
-from bench_floor_target import verdict  # noqa: E402
-from bench_lime_overhead import median_interval  # noqa: E402
+_, lime_overhead, floor_target = load_bench("tables", "bench_lime_overhead", "bench_floor_target")
+median_interval, verdict = lime_overhead.median_interval, floor_target.verdict
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 

@@ -3,12 +3,10 @@ right-aligned under a rule, or a Markdown table."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
+from tests.bench import load_bench
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-
-from tables import field, ratio, table_lines  # noqa: E402
+[tables] = load_bench("tables")
+field, ratio, table_lines = tables.field, tables.ratio, tables.table_lines
 
 ROWS = [dict(layers=8, base_s=0.5, lime_s=0.55, reads=3 * 2**30, name="blocked"),
         dict(layers=128, base_s=12.25, lime_s=15.0, reads=2**29, name="B=1")]

@@ -5,16 +5,12 @@ import ast
 import itertools
 import json
 import re
-import sys
 from collections import Counter
 from fractions import Fraction
-from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import make_arithmetic_data as arith  # noqa: E402
+from lime_megatron.cli import make_arithmetic_data as arith
 
 PAPER_INPUT = "(7 + 5) ÷ (6 + 4 × 3 - 2 × 7)"
 PAPER_SOLUTION = ("(7 + 5) ÷ (6 + 4 × 3 - 2 × 7) = 12 ÷ (6 + 4 × 3 - 2 × 7) = "

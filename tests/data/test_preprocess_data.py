@@ -6,7 +6,6 @@ import json
 import multiprocessing
 import os
 import signal
-import sys
 import time
 from pathlib import Path
 
@@ -16,14 +15,11 @@ import pyarrow.parquet as pq
 import pytest
 import zstandard
 
+from lime_megatron.cli import inspect_dataset, merge_datasets, preprocess_data
 from lime_megatron.data import corpus
 from lime_megatron.data.tokenizer import build_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import inspect_dataset  # noqa: E402
-import merge_datasets  # noqa: E402
-import preprocess_data  # noqa: E402
 
 SAMPLE = (ROOT / "tests" / "data" / "sample.txt").read_text(encoding="utf-8")
 PARAGRAPHS = [p for p in SAMPLE.split("\n\n") if p.strip()]

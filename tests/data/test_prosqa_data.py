@@ -3,17 +3,12 @@ graph by an independent search (reachability, shortest path, facts), the publish
 held-out split, the reader's error, and ProsQA scoring of generators made right and wrong."""
 
 import json
-import sys
-from pathlib import Path
 
 import pytest
 
+from lime_megatron.cli import make_prosqa_data
 from lime_megatron.data import prosqa
 from lime_megatron.inference import scoring
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import make_prosqa_data  # noqa: E402
 
 
 def reachable(edges: list[list[int]], start: int) -> dict[int, int]:

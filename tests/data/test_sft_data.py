@@ -4,19 +4,15 @@ them into samples whose loss mask covers exactly the response, one example per s
 example once per epoch."""
 
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
+from lime_megatron.cli import preprocess_data
 from lime_megatron.data.tokenizer import build_tokenizer
 from lime_megatron.training import arguments, data
 from lime_megatron.training.data import DataError
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import preprocess_data  # noqa: E402
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 PAIRS = [("Question: what is two plus two?", " Four."), ("Name a colour.", " Blue, like the sky."),

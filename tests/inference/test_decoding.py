@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import pytest
 import torch
-from decoding_fixtures import incremental_logits
-from lime_fixtures import VOCAB, relative_error, tiny_model
 
 from lime_megatron.inference.decoding import decode_step, full_logits, kv_cache_context
+from tests.decoding_fixtures import incremental_logits
+from tests.lime_fixtures import VOCAB, relative_error, tiny_model
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -76,7 +76,8 @@ def test_lime_cache_is_the_baselines_and_a_step_buffers_only_new_tokens(router):
     assert shapes["lime"] == shapes["baseline"] == [[(LENGTH, 3, 2, 8)] * 2] * 5
     buffers = []
     last = lime.decoder.layers[-1].self_attention
-    last.register_forward_hook(lambda module, args, output: buffers.append(tuple(module.memory.buffer.shape)))
+    last.register_forward_hook(
+        lambda module, args, output: buffers.append(tuple(module.memory.key_values.buffer.shape)))
     context = kv_cache_context(lime, 3, LENGTH)
     tokens = _tokens(3)
     decode_step(lime, context, tokens[:, :PREFILL])

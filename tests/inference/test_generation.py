@@ -1,4 +1,4 @@
-"""lime_megatron.inference.generation and tools/generate.py: the KV cache generates what recomputing the
+"""lime_megatron.inference.generation and lime_megatron.cli.generate: the KV cache generates what recomputing the
 full sequence per token generates (greedy and sampled), sampling is reproducible with a seed,
 top-k/top-p restrict the choice, generation stops at stop strings and the end of document, and
 the command line generates from a checkpoint what the module generates from the loaded model.
@@ -14,21 +14,17 @@ from __future__ import annotations
 import contextlib
 import io
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
-from decoding_fixtures import incremental_logits, tiny_checkpoint
-from distributed import run_distributed
-from lime_fixtures import relative_error, tiny_model
 
+from lime_megatron.cli import generate as tool
 from lime_megatron.inference.decoding import full_logits
 from lime_megatron.inference.generation import Generator, SamplingOptions, sample_next
 from lime_megatron.interop.checkpoint_model import load_model
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
-import generate as tool  # noqa: E402
+from lime_megatron.testing.distributed import run_distributed
+from tests.decoding_fixtures import incremental_logits, tiny_checkpoint
+from tests.lime_fixtures import relative_error, tiny_model
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -122,14 +118,14 @@ def test_generate_tool_reads_a_checkpoint_and_prompt_file(tmp_path, capsys):
     checkpoint, tokenizer = tiny_checkpoint(tmp_path, "--lime")
     (tmp_path / "prompts.txt").write_text("1 + 2 =\nab\n")
     output = tmp_path / "out.jsonl"
-    status = tool.main([checkpoint, "--prompt", "x = ", "--prompt-file", str(tmp_path / "prompts.txt"),
+    status = tool.run([checkpoint, "--prompt", "x = ", "--prompt-file", str(tmp_path / "prompts.txt"),
                         "--max-new-tokens", "5", "--output", str(output)])
     assert status == 0 and "tokens/s (KV cache" in capsys.readouterr().out
     records = [json.loads(line) for line in output.read_text().splitlines()]
     expected = Generator(load_model(checkpoint).model, tokenizer).generate(
         ["x = ", "1 + 2 =", "ab"], SamplingOptions(max_new_tokens=5))
     assert [record["generation"] for record in records] == expected.texts
-    assert tool.main([checkpoint]) == 1 and "no prompts" in capsys.readouterr().err
+    assert tool.run([checkpoint]) == 1 and "no prompts" in capsys.readouterr().err
 
 
 # --------------------------------------------------------------------------- tensor parallelism
@@ -155,7 +151,7 @@ def _tensor_parallel_decoding(checkpoints: dict[str, str], tokens: torch.Tensor,
         results[name] = result
     printed = io.StringIO()
     with contextlib.redirect_stdout(printed):
-        results["tool"] = (tool.main(tool_argv), printed.getvalue())
+        results["tool"] = (tool.run(tool_argv), printed.getvalue())
     return results
 
 
@@ -196,5 +192,5 @@ def test_tensor_parallel_sizes_that_do_not_fit_fail_with_one_message(tmp_path, c
         load_model(checkpoint, tensor_parallel=3)
     with pytest.raises(ValueError, match="needs a multiple of 2 processes"):
         load_model(checkpoint, tensor_parallel=2)
-    assert tool.main([checkpoint, "--prompt", "a", "--tensor-parallel", "2"]) == 1
+    assert tool.run([checkpoint, "--prompt", "a", "--tensor-parallel", "2"]) == 1
     assert "needs exactly 2 processes (torchrun --nproc-per-node 2); this launch has 1" in capsys.readouterr().err

@@ -1,6 +1,6 @@
 """lime_megatron.inference.lm_eval_adapter: lm-eval's requests answered from the model's own forward (float64;
 LIMe and Hyper-Connections),
-and ``tools/evaluate.py --model lime_megatron`` on a checkpoint with local YAML tasks (offline)
+and ``lime-evaluate --model lime_megatron`` on a checkpoint with local YAML tasks (offline)
 whose answers are known from that forward.
 
 Data parallel (2 gloo ranks, one launch): the answers to each rank's lm-eval share of the
@@ -21,15 +21,15 @@ import pytest
 import torch
 
 pytest.importorskip("lm_eval")
-from decoding_fixtures import tiny_checkpoint  # noqa: E402
-from distributed import run_distributed  # noqa: E402
-from lime_fixtures import tiny_model  # noqa: E402
 from lm_eval import utils as lm_eval_utils  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from lime_megatron.inference.generation import Generator, SamplingOptions  # noqa: E402
 from lime_megatron.inference.lm_eval_adapter import LimeMegatronLM  # noqa: E402
 from lime_megatron.interop.checkpoint_model import load_model  # noqa: E402
+from lime_megatron.testing.distributed import run_distributed  # noqa: E402
+from tests.decoding_fixtures import tiny_checkpoint  # noqa: E402
+from tests.lime_fixtures import tiny_model  # noqa: E402
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -166,12 +166,12 @@ def _responses(samples: dict[str, list[dict]]) -> dict[str, dict[int, list]]:
 
 @pytest.fixture(scope="module")
 def command_line_run(local_tasks, tmp_path_factory) -> tuple[dict, dict]:
-    """(results, responses by task and document) of ``tools/evaluate.py`` on the local tasks, one process."""
+    """(results, responses by task and document) of ``lime_megatron.cli.evaluate`` on the local tasks, one process."""
     checkpoint, directory = local_tasks
     output = tmp_path_factory.mktemp("results")
     inherited = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     environment = {**inherited, **OFFLINE, "PYTHONPATH": str(ROOT), "HF_DATASETS_CACHE": str(output / "hf")}
-    command = [sys.executable, str(ROOT / "tools" / "evaluate.py"), "--model", "lime_megatron",
+    command = [sys.executable, "-m", "lime_megatron.cli.evaluate", "--model", "lime_megatron",
                "--model_args", f"checkpoint={checkpoint},dtype=float64", "--batch_size", "2",
                "--include_path", str(directory), "--tasks", ",".join(TASKS), "--output_path", str(output),
                "--log_samples"]

@@ -3,18 +3,13 @@ against hand-computed values, answer extraction, and per-tier exact-match accura
 made to be right, one made to be wrong and one right on one tier only."""
 
 import re
-import sys
-from pathlib import Path
 
 import pytest
 
+from lime_megatron.cli import make_arithmetic_data as arith
+from lime_megatron.cli import score_generation
 from lime_megatron.inference import scoring
 from lime_megatron.inference.generation import Generation
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
-import make_arithmetic_data as arith  # noqa: E402
-import score_generation  # noqa: E402
 
 EOD = 0
 

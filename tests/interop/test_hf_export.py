@@ -22,16 +22,11 @@
 
 import json
 import os
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 pytest.importorskip("safetensors")  # the hf extra: pip install torch==2.13.0 -e .[hf]
-import reference_hc
-import reference_lime
-from lime_fixtures import SEQ, VOCAB, batch, relative_error, tiny_model
 from safetensors import safe_open  # noqa: E402
 from safetensors.torch import save_file  # noqa: E402
 
@@ -40,11 +35,12 @@ from lime_megatron.interop.hf_export import ConversionError, Description, export
 from lime_megatron.interop.hf_layout import ModelShape
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.training import arguments, checkpointing, data
+from tests import reference_hc, reference_lime
+from tests.lime_fixtures import SEQ, VOCAB, batch, relative_error, tiny_model
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tools"))
 
 TOLERANCE = 1e-10
 EPS, ROPE_BASE = 1e-6, 5000
@@ -396,7 +392,7 @@ ROUND_TRIPS = {
 
 @pytest.mark.parametrize("case", ROUND_TRIPS)
 def test_round_trip_is_bit_exact(tmp_path, case):
-    from convert_checkpoint import main
+    from lime_megatron.cli.convert_checkpoint import main
 
     source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS[case].split())
     assert main(["export", source, str(tmp_path / "hf")]) == 0
@@ -428,7 +424,7 @@ def test_official_style_directory_imports(tmp_path, case):
     lime_config or hc_config block): LIMe is recognised by its kv_proj_weight tensors,
     Hyper-Connections by their hc_attn tensors (n from static_beta, the variant from the dynamic
     tensors); the weights come back bit-exact."""
-    from convert_checkpoint import main
+    from lime_megatron.cli.convert_checkpoint import main
 
     source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS[case].split())
     assert main(["export", source, str(tmp_path / "hf")]) == 0
@@ -449,7 +445,7 @@ def test_official_style_directory_imports(tmp_path, case):
 
 def test_gpt2_tokenizer_files_load_in_transformers(tmp_path):
     transformers = pytest.importorskip("transformers")
-    from convert_checkpoint import main
+    from lime_megatron.cli.convert_checkpoint import main
 
     source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS["llama-gpt2-tied"].split())
     assert main(["export", source, str(tmp_path / "hf")]) == 0
@@ -465,7 +461,7 @@ def test_trainer_starts_from_an_import(tmp_path):
     from lime_megatron.training import trainer
 
     source = _checkpoint(tmp_path / "ckpt", ROUND_TRIPS["lime-gqa-untied-mock"].split())
-    from convert_checkpoint import main
+    from lime_megatron.cli.convert_checkpoint import main
 
     assert main(["export", source, str(tmp_path / "hf")]) == 0
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
@@ -483,7 +479,7 @@ def test_trainer_starts_from_an_import(tmp_path):
 def exported(tmp_path_factory):
     root = tmp_path_factory.mktemp("bad")
     source = _checkpoint(root / "ckpt", ROUND_TRIPS["lime-last2"].split())
-    from convert_checkpoint import main
+    from lime_megatron.cli.convert_checkpoint import main
 
     assert main(["export", source, str(root / "hf")]) == 0
     return root / "hf"

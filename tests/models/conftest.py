@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import pytest
-import te_stand_ins
+
+from tests.models import te_stand_ins
 
 
 @pytest.fixture

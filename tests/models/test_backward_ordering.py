@@ -16,10 +16,10 @@ import threading
 
 import pytest
 import torch
-from lime_fixtures import batch, loss_of, megatron_logits, relative_error, tiny_model
 
 from lime_megatron.models.lime.memory import RouteKeysValues
-from lime_megatron.models.lime.routing_blocks import MixEarlierSources, earlier_runs
+from lime_megatron.models.lime.routing_blocks import MixEarlierSources
+from tests.lime_fixtures import batch, loss_of, megatron_logits, relative_error, tiny_model
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -47,8 +47,7 @@ def earlier_rows_read(node) -> list[int]:
     """The earlier layers whose raw rows the backward of ``node`` reads: a block's earlier sources,
     or a layer's sources before it (none for other nodes)."""
     if isinstance(node, MixEarlierSources._backward_cls):
-        return [layer for start, stop in earlier_runs(node.memory, node.block, node.routers)
-                for layer in range(start, stop)]
+        return [layer for start, stop in node.runs for layer in range(start, stop)]
     router = getattr(node, "router", None)  # RouteKeysValues, RouteKeysValuesByToken
     return [] if router is None else [source for source in router.read_sources if source < router.layer]
 
@@ -133,6 +132,6 @@ def test_block_weight_gradient_reads_raw_rows_whatever_the_engine_prefers(settin
     oldest_route = min(route._sequence_nr() for name, route in log if name == "route")
     for index, node in mixes:
         assert node._sequence_nr() < oldest_route  # among ready nodes the engine runs it last
-        assert all(index < routes[layer] for layer in earlier_rows_read(node)), (node.block, log)
+        assert all(index < routes[layer] for layer in earlier_rows_read(node)), (node.runs, log)
     for name, gradient in gradients.items():
         assert relative_error(gradient, expected[name]) <= 1e-13, name

@@ -7,16 +7,6 @@ from functools import partial
 
 import pytest
 import torch
-from lime_fixtures import (
-    RECOMPUTE,
-    batch,
-    compare_with_reference,
-    megatron_logits,
-    recompute_gradient_errors,
-    tiny_model,
-    twin_errors,
-)
-from reference_lime import forward as reference_forward
 
 from lime_megatron.models.config import LimeConfigError, lime_config
 from lime_megatron.models.gpt_model import build_model
@@ -26,10 +16,20 @@ from lime_megatron.models.lime.router import router_parameter_count
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning.estimate import estimate
 from lime_megatron.planning.flops import forward_flops_per_token
+from tests.lime_fixtures import (
+    RECOMPUTE,
+    batch,
+    compare_with_reference,
+    megatron_logits,
+    recompute_gradient_errors,
+    tiny_model,
+    twin_errors,
+)
+from tests.reference_lime import forward as reference_forward
 
 TOLERANCE = 1e-10
 V1_DYNAMIC_1B = 1_185_583_104
-"""v1 Table 6's Dynamic LIMe, 1.1856B: the issue's count at the v1 shape (LLaMA 1,176,735,744
+"""v1 Table 6's Dynamic LIMe, 1.1856B: the exact count at the v1 shape (LLaMA 1,176,735,744
 plus 2048 * 32 * 135 router weights)."""
 
 
@@ -116,9 +116,8 @@ def test_transformer_engine_spec_unfuses_the_input_norm_and_equals_local(transfo
     ``linear_qkv`` (the plain column-parallel layer) for the layer's ``input_layernorm``; the
     model then has the local spec's parameters (the MLP's norm still fused) and gives its loss and
     gradients."""
-    from te_stand_ins import PlainLinear
-
     from lime_megatron.models.norm import TorchNorm
+    from tests.models.te_stand_ins import PlainLinear
 
     local = tiny_model(lime_router="dynamic", num_query_groups=2)
     spec = lime_layer_spec(local.config, "transformer_engine").submodules

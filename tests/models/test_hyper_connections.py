@@ -10,19 +10,19 @@ from functools import partial
 
 import pytest
 import torch
-from lime_fixtures import (
+
+from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, LimeConfigError, lime_config
+from lime_megatron.models.gpt_model import build_model
+from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
+from tests.lime_fixtures import (
     RECOMPUTE,
     compare_with_reference,
     recompute_gradient_errors,
     tiny_model,
     twin_errors,
 )
-from reference_hc import forward as reference_forward
-from te_stand_ins import PlainLinear
-
-from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, LimeConfigError, lime_config
-from lime_megatron.models.gpt_model import build_model
-from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
+from tests.models.te_stand_ins import PlainLinear
+from tests.reference_hc import forward as reference_forward
 
 TOLERANCE = 1e-10
 

@@ -8,13 +8,13 @@ import math
 
 import pytest
 import torch
-from distributed import ShardRule, run_distributed
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
 from lime_megatron.models.initialization import INIT_STYLES, initialize_weights, local_shard
 from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.testing.distributed import ShardRule, run_distributed
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

@@ -4,12 +4,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lime_fixtures import TABLE_8
 
 from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, LimeConfigError, lime_config
 from lime_megatron.models.gpt_model import build_model
 from lime_megatron.models.lime.router import router_parameter_count
 from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
+from tests.lime_fixtures import TABLE_8
 
 
 @pytest.mark.parametrize("name,lime,kv_heads", list(TABLE_8), ids=[k[0] for k in TABLE_8])

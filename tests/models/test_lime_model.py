@@ -7,7 +7,10 @@ from functools import partial
 
 import pytest
 import torch
-from lime_fixtures import (
+
+from lime_megatron.models.lime.router import routing_sources
+from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
+from tests.lime_fixtures import (
     RECOMPUTE,
     batch,
     loss_of,
@@ -18,11 +21,8 @@ from lime_fixtures import (
     relative_error,
     tiny_model,
 )
-from reference_lime import average_router
-from reference_lime import forward as reference_forward
-
-from lime_megatron.models.lime.router import routing_sources
-from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
+from tests.reference_lime import average_router
+from tests.reference_lime import forward as reference_forward
 
 TOLERANCE = 1e-10
 
@@ -194,7 +194,7 @@ def test_routed_kv_are_rebuilt_not_saved():
     """With the routed K/V rebuilt, autograd keeps neither the rotated keys nor the routed values
     [s, b, h, d] of any layer (the routed keys, a tensor of their own, are saved by no one either
     way), and nothing else changes."""
-    from lime_megatron.planning.saved_tensors import SavedTensorBytes
+    from lime_megatron.testing.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved = {}
@@ -213,7 +213,7 @@ def test_saved_bytes_against_the_baseline(kv_heads):
     """By default LIMe saves what the baseline saves at MHA (its buffer of raw K/V, the rotated keys
     and the routed values in place of the QKV output and the rotated keys); under megatron's local
     GQA attention, which keeps its repeated K/V copies in both, the baseline's plus the buffer."""
-    from lime_megatron.planning.saved_tensors import SavedTensorBytes
+    from lime_megatron.testing.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved = {}
@@ -231,27 +231,27 @@ def test_full_recompute_keeps_its_savings():
     """After the forward under megatron's full recompute, LIMe keeps what the baseline keeps (the
     checkpointed layer inputs; LIMe's memory handle adds 8 bytes) and, outside autograd, its
     buffer of raw K/V, which recomputed layers read: a small part of what full recompute drops."""
-    from lime_megatron.models.lime.memory import LayerIntegratedMemory
-    from lime_megatron.planning.saved_tensors import SavedTensorBytes
+    from lime_megatron.models.lime.key_value_rows import KeyValueRows
+    from lime_megatron.testing.saved_tensors import SavedTensorBytes
 
     tokens, positions, mask = batch()
     saved, buffers = {}, []
-    original_allocate = LayerIntegratedMemory._allocate
+    original_allocate = KeyValueRows._allocate
 
-    def allocate(memory, key):
-        original_allocate(memory, key)
-        buffers.append(memory.buffer.numel() * memory.buffer.element_size())
+    def allocate(key_values, key):
+        original_allocate(key_values, key)
+        buffers.append(key_values.buffer.numel() * key_values.buffer.element_size())
 
     for lime in (False, True):
         for recompute in ({}, RECOMPUTE["full-uniform"]):
             model = tiny_model(num_query_groups=2, lime=lime, **recompute)
-            LayerIntegratedMemory._allocate = allocate
+            KeyValueRows._allocate = allocate
             try:
                 with SavedTensorBytes(model) as counter:
                     logits = megatron_logits(model, tokens, positions, mask)
                 logits.sum().backward()
             finally:
-                LayerIntegratedMemory._allocate = original_allocate
+                KeyValueRows._allocate = original_allocate
             saved[lime, bool(recompute)] = counter.bytes
     assert saved[True, True] <= saved[False, True] + 8
     assert saved[True, True] + buffers[0] < 0.5 * saved[True, False]
@@ -263,10 +263,9 @@ def test_a_pipeline_chunk_runs_only_with_the_side_channel_the_schedule_handed_it
     the chunk by ``parallel.pipeline.schedule_arguments``) or with another config's, one message."""
     from types import SimpleNamespace
 
-    from lime_fixtures import SEQ, VOCAB
-
     from lime_megatron.models.config import lime_config
     from lime_megatron.models.gpt_model import build_model
+    from tests.lime_fixtures import SEQ, VOCAB
 
     config = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
     first_stage = build_model(config, VOCAB, SEQ, post_process=False)

@@ -11,14 +11,14 @@ from functools import partial
 
 import pytest
 import torch
-from lime_fixtures import RECOMPUTE, compare_with_reference, recompute_gradient_errors, tiny_model, twin_errors
-from reference_mhc import forward as reference_forward
-from te_stand_ins import NormFusedLinear
 
 from lime_megatron.models.config import LimeConfigError, lime_config
 from lime_megatron.models.gpt_model import build_model
 from lime_megatron.models.hyper_connections.manifold import ManifoldHyperConnection, sinkhorn
 from lime_megatron.parallel.process_groups import initialize_parallel
+from tests.lime_fixtures import RECOMPUTE, compare_with_reference, recompute_gradient_errors, tiny_model, twin_errors
+from tests.models.te_stand_ins import NormFusedLinear
+from tests.reference_mhc import forward as reference_forward
 
 TOLERANCE = 1e-10
 

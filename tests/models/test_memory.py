@@ -12,15 +12,15 @@ import math
 
 import pytest
 import torch
-from decoding_fixtures import incremental_logits
-from lime_fixtures import BATCH, SEQ, VOCAB, batch, loss_of, megatron_logits, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
 from lime_megatron.inference.decoding import full_logits
 from lime_megatron.models.lime.recompute import routed_kv_log
 from lime_megatron.planning import flops
-from lime_megatron.planning.copied_bytes import CopiedBytes
-from lime_megatron.planning.dispatched_operators import DispatchedOperators
+from lime_megatron.testing.copied_bytes import CopiedBytes
+from lime_megatron.testing.dispatched_operators import DispatchedOperators
+from tests.decoding_fixtures import incremental_logits
+from tests.lime_fixtures import BATCH, SEQ, VOCAB, batch, loss_of, megatron_logits, tiny_model
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -101,7 +101,7 @@ def attention_layout_copies(model) -> int:
 @pytest.mark.parametrize("block", [1, 2])
 def test_routed_products_write_attention_layout_without_a_copy(block):
     """Without tensor parallelism the routing products write attention's keys and values
-    ``[s, b, h, d]`` themselves (issue 26, item 3): in a forward+backward with the routed K/V
+    ``[s, b, h, d]`` themselves (docs/routing.md, "Copies"): in a forward+backward with the routed K/V
     rebuilt, the only copies of that shape beyond the baseline's are layer 0's, whose identity
     routing rearranges its own rows, in forward and in the rebuild."""
     model = tiny_model(num_layers=4, lime_routing_block=block, lime_recompute_routed_kv=True)  # MHA: dropped
@@ -195,7 +195,7 @@ def test_weight_gradient_pieces_are_placed_at_their_columns(name, dtype):
     """``placed_columns`` puts each piece at its columns and zeros elsewhere, in float32 (float64 for
     float64 weights), joining adjoining pieces with one ``cat`` and padding only where they do not
     span the weight (a blocked router's earlier and in-block pieces become one gradient)."""
-    from lime_megatron.models.lime.routing_blocks import placed_columns, weight_grad_dtype
+    from lime_megatron.models.lime.routing_products import placed_columns, weight_grad_dtype
 
     spans, width, expected_operators = PLACEMENTS[name]
     grad_dtype = weight_grad_dtype(torch.empty(0, dtype=dtype))

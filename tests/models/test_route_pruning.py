@@ -5,17 +5,6 @@ from __future__ import annotations
 
 import pytest
 import torch
-from lime_fixtures import (
-    batch,
-    loss_of,
-    megatron_logits,
-    reference_params,
-    reference_spec,
-    relative_error,
-    tiny_model,
-    twin_errors,
-)
-from reference_lime import forward as reference_forward
 
 from lime_megatron.models.config import LimeConfigError, lime_config
 from lime_megatron.models.lime.pruning import (
@@ -26,8 +15,19 @@ from lime_megatron.models.lime.pruning import (
     set_route_masks,
     top_p_mask,
 )
-from lime_megatron.models.lime.routing_blocks import routing_reads
 from lime_megatron.parallel.process_groups import initialize_parallel
+from lime_megatron.testing.routing_reads import routing_reads
+from tests.lime_fixtures import (
+    batch,
+    loss_of,
+    megatron_logits,
+    reference_params,
+    reference_spec,
+    relative_error,
+    tiny_model,
+    twin_errors,
+)
+from tests.reference_lime import forward as reference_forward
 
 TOLERANCE = 1e-10
 

@@ -19,7 +19,6 @@ import logging
 
 import pytest
 import torch
-from lime_fixtures import SEQ, batch, loss_of, relative_error, tiny_model
 from megatron.core.transformer.dot_product_attention import DotProductAttention
 from megatron.core.transformer.enums import AttnBackend
 
@@ -29,7 +28,8 @@ from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.recompute import RoutedKVLog, drops_routed_kv, routed_kv_log
 from lime_megatron.parallel.process_groups import initialize_parallel as init_single_process
 from lime_megatron.planning.activations import Geometry, layer_activation_bytes
-from lime_megatron.planning.saved_tensors import SavedTensorBytes
+from lime_megatron.testing.saved_tensors import SavedTensorBytes
+from tests.lime_fixtures import SEQ, batch, loss_of, relative_error, tiny_model
 
 LAYERS = 5
 

@@ -1,5 +1,5 @@
 """The router weight gradient of bf16 activations is accumulated and returned in float32
-(``routing_blocks.float32_product``), per layer and blocked, and a bf16 run keeps its learned
+(``routing_products.float32_product``), per layer and blocked, and a bf16 run keeps its learned
 routers in float32.
 
 dL/dW_l = g_l @ rows^T reduces over N = 2*s*b*d elements (about 2M at the paper's 1B shape,
@@ -17,10 +17,10 @@ import pytest
 import torch
 
 from lime_megatron.models.config import lime_config
-from lime_megatron.models.lime import routing_blocks
+from lime_megatron.models.lime import routing_products
 from lime_megatron.models.lime.memory import LayerIntegratedMemory, route_keys_values
 from lime_megatron.models.lime.router import LimeRouter
-from lime_megatron.models.lime.routing_blocks import float32_product
+from lime_megatron.models.lime.routing_products import float32_product
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
@@ -42,7 +42,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_router_weight_gradient_of_bf16_rows_is_float32_accurate(monkeypatch):
     grad_rows, rows = bf16_operands()
     reference = grad_rows.double() @ rows.double().t()
-    monkeypatch.setattr("lime_megatron.models.lime.routing_blocks.FLOAT32_CHUNK_BYTES", 2 ** 20)  # 32 chunks of N
+    monkeypatch.setattr("lime_megatron.models.lime.routing_products.FLOAT32_CHUNK_BYTES", 2 ** 20)  # 32 chunks of N
     product = float32_product(grad_rows, rows)
     assert product.dtype == torch.float32
     error = relative_error(product, reference)
@@ -56,7 +56,7 @@ BOUND_CUBLAS = 1.5e-4
 = 1.5e-4 at N = 2^20, still 10x below a bf16 result's 2e-3 (measured on an H200: 3.7e-5)."""
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not routing_blocks.CUBLAS_FLOAT32_OUTPUT,
+@pytest.mark.skipif(not torch.cuda.is_available() or not routing_products.CUBLAS_FLOAT32_OUTPUT,
                     reason="the cuBLAS float32-output product runs on CUDA with torch >= 2.8 only")
 def test_router_weight_gradient_on_cuda_is_one_float32_product():
     grad_rows, rows = (operand.cuda() for operand in bf16_operands())
@@ -82,7 +82,7 @@ def test_router_weight_gradients_of_a_bf16_memory_are_float32_accurate(block, mo
     """The memory's backward (per layer, and blocked: one product per block of consumers) returns
     float32 router gradients of bf16 keys/values within ``BOUND`` of the float64 products (chunks
     of N as in the test above)."""
-    monkeypatch.setattr("lime_megatron.models.lime.routing_blocks.FLOAT32_CHUNK_BYTES", 2 ** 20)
+    monkeypatch.setattr("lime_megatron.models.lime.routing_products.FLOAT32_CHUNK_BYTES", 2 ** 20)
     config = lime_config(num_layers=LAYERS, hidden_size=128, num_attention_heads=2, num_query_groups=KV_HEADS,
                          use_cpu_initialization=True)
     routers = {layer: LimeRouter(config, layer) for layer in range(LAYERS)}

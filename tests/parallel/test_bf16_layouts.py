@@ -33,11 +33,12 @@ from __future__ import annotations
 
 from functools import partial
 
-import distributed as dist
 import pytest
 import torch
-from distributed import Layout
-from test_lime_tensor_parallel import router_rule
+
+from lime_megatron.testing import distributed as dist
+from lime_megatron.testing.distributed import Layout
+from tests.parallel.test_lime_tensor_parallel import router_rule
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 3, 1e-2
 UNIT_ROUNDOFF = 2.0 ** -8
@@ -131,19 +132,19 @@ def differences(run: dict, reference: dict) -> dict:
 
 def single_process_runs() -> dict:
     """fp32 references and the single-process bf16 runs (and the mutation) of both models."""
-    from lime_megatron.models.lime import memory
+    from lime_megatron.models.lime.static_routing import StaticRouting
 
     runs = {}
     for name, model in MODELS.items():
         runs[f"{name} fp32"] = train(Layout(), model, bf16=False)
         weights = runs[f"{name} fp32"]["initial"]
         runs[f"{name} bf16 tp1-pp1"] = train(Layout(), model, bf16=True, weights=weights)
-    mix = memory.LayerIntegratedMemory.mix
-    memory.LayerIntegratedMemory.mix = lambda self, *args: tuple(map(round_to_4_bits, mix(self, *args)))
+    mix = StaticRouting.mix
+    StaticRouting.mix = lambda self, *args: tuple(map(round_to_4_bits, mix(self, *args)))
     try:
         runs["mutation"] = train(Layout(), MODELS["lime"], bf16=True, weights=runs["lime fp32"]["initial"])
     finally:
-        memory.LayerIntegratedMemory.mix = mix
+        StaticRouting.mix = mix
     return runs
 
 

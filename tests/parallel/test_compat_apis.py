@@ -14,7 +14,9 @@ import lime_megatron
 from lime_megatron.parallel import compat
 
 PACKAGE = Path(lime_megatron.__file__).parent
-SOURCES = sorted(PACKAGE.rglob("*.py")) + [PACKAGE.parent / "pretrain_lime.py"]
+# The library's sources: the test harnesses of lime_megatron/testing (the NCCL-rules mode patches
+# torch.distributed's internals) are not what a run relies on.
+SOURCES = sorted(path for path in PACKAGE.rglob("*.py") if path.relative_to(PACKAGE).parts[0] != "testing")
 ATTRIBUTE_LOOKUPS = {"getattr", "hasattr", "setattr", "getattr_static"}
 
 

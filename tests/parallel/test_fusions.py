@@ -5,7 +5,6 @@ config and ``--dry-run`` carry the choices, and a pipeline run with ``deallocate
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import sys
 from functools import partial
@@ -13,13 +12,13 @@ from pathlib import Path
 
 import pytest
 import torch
-from distributed import Layout, run_distributed
-from example_configs import CONFIGS, parsed
 
 from lime_megatron.parallel import fusions
 from lime_megatron.parallel.fusions import Platform
+from lime_megatron.testing.distributed import Layout, run_distributed
 from lime_megatron.training import arguments
 from lime_megatron.training.run_config import RunConfig
+from tests.example_configs import CONFIGS, parsed
 
 H100_TE = Platform(cuda=True, te=True)
 H100_TE_APEX = Platform(cuda=True, te=True, fused_wgrad=True, softmax_kernels=True)
@@ -93,7 +92,8 @@ def deallocated_pipeline_runs() -> dict:
     """PP=2 and PP=2 with virtual stages, stage tensors deallocated after sending, against the
     single-stage run; counts the stage tensors megatron freed."""
     from megatron.core.pipeline_parallel import schedules
-    from test_lime_pipeline import compare, train
+
+    from tests.parallel.test_lime_pipeline import compare, train
 
     freed = []
     deallocate = schedules.deallocate_output_tensor
@@ -114,7 +114,7 @@ def deallocated_pipeline_runs() -> dict:
 
 
 def test_deallocated_stage_tensors_keep_the_pipeline_exact():
-    from test_lime_pipeline import check_report
+    from tests.parallel.test_lime_pipeline import check_report
 
     results = run_distributed(partial(deallocated_pipeline_runs), 2, timeout=600, nccl_rules=True)
     check_report(results[0]["report"])
@@ -134,12 +134,13 @@ def test_detect_says_why_transformer_engine_cannot_be_used(monkeypatch, tmp_path
 
 
 def test_gpu_extra_is_megatron_cores_transformer_engine_requirement():
-    """setup.py's ``gpu`` extra is the ``te`` extra megatron-core 0.19 declares (its metadata)."""
+    """pyproject.toml's ``gpu`` extra is the ``te`` extra megatron-core 0.19 declares (its metadata)."""
     from importlib.metadata import requires, version
+
+    import tomllib
 
     if not version("megatron-core").startswith("0.19."):
         pytest.skip("megatron-core 0.19 is installed by the Python 3.12 CI leg")
     declared = [req.split(";")[0].strip() for req in requires("megatron-core") if 'extra == "te"' in req]
-    setup_py = (Path(__file__).parents[2] / "setup.py").read_text()
-    pinned = ast.literal_eval(setup_py.split("GPU_TRANSFORMER_ENGINE = ")[1].splitlines()[0])
-    assert declared == [pinned]
+    project = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]
+    assert declared == project["optional-dependencies"]["gpu"]

@@ -23,8 +23,9 @@ through megatron's communicator is run to show the difference is real.
 from __future__ import annotations
 
 import pytest
-from distributed import Layout, run_distributed
-from test_lime_pipeline import compare, train
+
+from lime_megatron.testing.distributed import Layout, run_distributed
+from tests.parallel.test_lime_pipeline import compare, train
 
 TOLERANCE = 1e-5
 BATCHED_SYNC = dict(batch_p2p_comm=True, batch_p2p_sync=True)  # megatron's default without virtual stages

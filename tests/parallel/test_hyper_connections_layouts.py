@@ -18,7 +18,8 @@ distributed checkpoint saved at TP=2 x PP=2 x VPP=2 loads at PP=1 and PP=4 x VPP
 from __future__ import annotations
 
 import torch
-from distributed import (
+
+from lime_megatron.testing.distributed import (
     Layout,
     data_parallel_share,
     gather_full,
@@ -27,7 +28,7 @@ from distributed import (
     make_batches,
     run_distributed,
 )
-from test_lime_tensor_parallel import build_chunks, sgd
+from tests.parallel.test_lime_tensor_parallel import build_chunks, sgd
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 2, 0.5
 TOLERANCE = 1e-5
@@ -68,7 +69,7 @@ def make_config(layout: Layout, dtype: torch.dtype = torch.float64, **model):
 def perturbed(chunks) -> None:
     """Move the hyper-connection parameters off their initial values (the same on every rank:
     seeded by name), so the dynamic weights and every mixing coefficient matter."""
-    from distributed import global_names
+    from lime_megatron.testing.distributed import global_names
 
     with torch.no_grad():
         for chunk in chunks:
@@ -137,7 +138,7 @@ def adam_run(layout: Layout, distributed_optimizer: bool, model: dict, weights=N
     if weights is None:
         perturbed(chunks)
     else:
-        from distributed import load_full
+        from lime_megatron.testing.distributed import load_full
 
         load_full(chunks, weights)
     initial = gather_full(chunks)

@@ -29,7 +29,8 @@ from functools import partial
 
 import pytest
 import torch
-from distributed import (
+
+from lime_megatron.testing.distributed import (
     DistributedTestError,
     Layout,
     data_parallel_share,
@@ -39,8 +40,8 @@ from distributed import (
     make_batches,
     run_distributed,
 )
-from lime_fixtures import prune_by_hand
-from test_lime_tensor_parallel import build_chunks, router_rule, sgd
+from tests.lime_fixtures import prune_by_hand
+from tests.parallel.test_lime_tensor_parallel import build_chunks, router_rule, sgd
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 2, 0.5
 TOLERANCE = 1e-5
@@ -485,16 +486,21 @@ def state_size(value) -> tuple[int, int]:
 
 def live_side_channel_objects() -> dict:
     """What the side channel holds on this rank, counted among the objects Python tracks (valid
-    with the collector off): live layer-integrated memories and kept blocks, and per attribute
+    with the collector off): live layer-integrated memories, their key/value rows and kept row
+    gradients (held apart from a memory by a block's autograd node), kept blocks, and per attribute
     of this call's ``KeptRows`` outside ``STATIC_STATE`` its (entries, tensor bytes); a
     ``KeptRows`` attribute nobody classified fails the count (new state must be counted)."""
     import gc
 
+    from lime_megatron.models.lime.kept_gradients import KeptGradients
+    from lime_megatron.models.lime.key_value_rows import KeyValueRows
     from lime_megatron.models.lime.memory import LayerIntegratedMemory
     from lime_megatron.parallel import pipeline
 
     objects = gc.get_objects()
     counts = {"memories": sum(isinstance(o, LayerIntegratedMemory) for o in objects),
+              "key/value rows": sum(isinstance(o, KeyValueRows) for o in objects),
+              "kept gradients": sum(isinstance(o, KeptGradients) for o in objects),
               "kept blocks": sum(isinstance(o, pipeline._KeptBlock) for o in objects)}
     state = vars(pipeline._KEPT) if pipeline._KEPT is not None else {}
     for name, value in state.items():

@@ -7,7 +7,8 @@ from collections.abc import Callable
 from functools import partial
 
 import torch
-from distributed import (
+
+from lime_megatron.testing.distributed import (
     Layout,
     ShardRule,
     data_parallel_share,
@@ -18,7 +19,7 @@ from distributed import (
     make_batches,
     run_distributed,
 )
-from lime_fixtures import prune_by_hand
+from tests.lime_fixtures import prune_by_hand
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 3, 0.5
 

@@ -12,7 +12,8 @@ import math
 
 import pytest
 import torch
-from distributed import (
+
+from lime_megatron.testing.distributed import (
     REPLICATED,
     DistributedTestError,
     Layout,

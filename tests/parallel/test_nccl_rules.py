@@ -1,4 +1,4 @@
-"""The NCCL-rules mode of the distributed harness (``tests/nccl_rules.py``) on small programs:
+"""The NCCL-rules mode of the distributed harness (``lime_megatron.testing.nccl_rules``) on small programs:
 what NCCL deadlocks on is reported as a deadlock (with the pending operations) while plain gloo
 runs it, what NCCL runs passes, messages are matched per communicator and peer in posting order,
 tags ignored, and a slow rank is never mistaken for a deadlock."""
@@ -7,7 +7,8 @@ import time
 
 import pytest
 import torch
-from distributed import DistributedTestError, run_distributed
+
+from lime_megatron.testing.distributed import DistributedTestError, run_distributed
 
 MODES = ("lazy", "eager")
 

@@ -9,7 +9,6 @@ import re
 
 import pytest
 import torch
-from lime_fixtures import TABLE_8
 from megatron.core.pipeline_parallel.schedules import get_schedule_table
 
 from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
@@ -20,8 +19,9 @@ from lime_megatron.models.lime.routing_blocks import RouterStack
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning import activations
 from lime_megatron.planning import estimate as E
-from lime_megatron.planning.saved_tensors import SavedTensorBytes
 from lime_megatron.planning.schedule_model import rank_operations
+from lime_megatron.testing.saved_tensors import SavedTensorBytes
+from tests.lime_fixtures import TABLE_8
 
 VOCAB, SEQ, BATCH = 128, 32, 2
 # Saved bytes the estimate leaves out on purpose: LIMe's 8-byte memory handle and a few scalars.
@@ -343,7 +343,7 @@ TP_STACK_CASES = {  # router stacks a TP=2 forward and backward build per rank (
 
 
 def _layout_config(layout, overrides):
-    from distributed import layout_config_kwargs
+    from lime_megatron.testing.distributed import layout_config_kwargs
 
     settings = {**TINY, "num_layers": 8, **layout_config_kwargs(layout), **overrides}
     return lime_config(**settings)
@@ -353,10 +353,10 @@ def _rank_checks(layouts: dict, activation_cases: dict, stack_cases: dict) -> di
     """On every rank: per layout, (pp rank, vp stage, tp rank, parameters, router parameters)
     of each chunk megatron builds; per TP activation case, this rank's saved bytes; per TP stack
     case, the router stacks this rank built (``router_stacks_built``)."""
-    from distributed import Layout, initialize_layout
     from megatron.core import parallel_state
     from megatron.core.utils import unwrap_model
 
+    from lime_megatron.testing.distributed import Layout, initialize_layout
     from lime_megatron.training.trainer import build_model_chunks
 
     results = {}
@@ -384,7 +384,7 @@ def _rank_checks(layouts: dict, activation_cases: dict, stack_cases: dict) -> di
 
 @pytest.mark.slow
 def test_estimate_equals_every_rank_of_parallel_layouts():
-    from distributed import Layout, run_distributed
+    from lime_megatron.testing.distributed import Layout, run_distributed
 
     per_rank = run_distributed(_rank_checks, 4, LAYOUTS, TP_ACTIVATION_CASES, TP_STACK_CASES)
     for name, (fields, overrides) in LAYOUTS.items():

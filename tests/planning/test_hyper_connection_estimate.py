@@ -5,9 +5,9 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_estimate import SAVED_BYTES_SLACK, one_chunk, saved_bytes, tiny_config
 
 from lime_megatron.parallel.process_groups import initialize_parallel
+from tests.planning.test_estimate import SAVED_BYTES_SLACK, one_chunk, saved_bytes, tiny_config
 
 HC = dict(lime=False, hyper_connections=4)
 MHC = dict(HC, hyper_connections_manifold=True)

@@ -4,10 +4,10 @@ paper's Table 8 HC rows under the official counter's convention."""
 from __future__ import annotations
 
 import pytest
-from test_flops import SEQ, TINY, TOKENS, measured_forward_flops
 
 from lime_megatron.models.config import PAPER_1B, PAPER_VOCAB_SIZE, lime_config
 from lime_megatron.planning import flops
+from tests.planning.test_flops import SEQ, TINY, TOKENS, measured_forward_flops
 
 # Paper Table 8: forward TFLOPs of HC (one sequence of 2048 tokens) and the ratio to LLaMA in percent.
 TABLE_8_HC_TFLOPS = {8: 2.7701, 32: 2.9764}

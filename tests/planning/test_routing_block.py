@@ -52,8 +52,8 @@ def test_host_operators_model_the_operators_blocking_adds():
     """What blocking adds to the operators one forward+backward dispatches (16 layers, MHA,
     counted by ``DispatchedOperators``) is what ``host_operators`` adds: per block with earlier
     sources ``OPERATORS_PER_BLOCK``, per layer of it ``OPERATORS_PER_BLOCKED_LAYER``."""
-    from lime_fixtures import tiny_model
-    from models.test_memory import step_operators
+    from tests.lime_fixtures import tiny_model
+    from tests.models.test_memory import step_operators
 
     counted = {block: step_operators(tiny_model(num_layers=16, lime_routing_block=block, dtype=torch.float32))
                for block in (1, 4, 8)}
@@ -187,10 +187,9 @@ def test_the_trainer_builds_each_chunk_with_the_choosers_block():
     """``build_model_chunks`` (the path ``pretrain_lime.py`` runs) stores the chooser's block for the
     chunk's layers, sequence and micro batch; ``lime_routing_block`` overrides it; a chunk built
     without one runs ``lime_routing_block`` or 1.  The model imports no cost model."""
-    from lime_fixtures import tiny_model
-
     import lime_megatron.models.gpt_model as gpt_model
     from lime_megatron.training.trainer import build_model_chunks
+    from tests.lime_fixtures import tiny_model
 
     config = _config(num_layers=16, hidden_size=64, num_attention_heads=4, num_query_groups=4,
                      params_dtype=torch.float32, bf16=False, lime_machine="cpu")

@@ -6,12 +6,12 @@ from __future__ import annotations
 from dataclasses import replace
 
 import pytest
-from lime_fixtures import BATCH, SEQ, batch, loss_of, megatron_logits, tiny_model
 from torch.utils.flop_counter import FlopCounterMode
 
-from lime_megatron.models.lime.routing_blocks import RoutingReads, routing_reads
 from lime_megatron.planning.routing_block import H100_SXM, forward_products, routing_block_size
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
+from lime_megatron.testing.routing_reads import RoutingReads, routing_reads
+from tests.lime_fixtures import BATCH, SEQ, batch, loss_of, megatron_logits, tiny_model
 
 pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]

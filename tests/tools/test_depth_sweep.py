@@ -1,21 +1,19 @@
-"""tools/depth_sweep.py: the plan of a sweep YAML, torchrun's node flags, skipping finished and
-resuming interrupted runs, and the results table and plots (no training: launches are faked)."""
+"""lime_megatron.cli.depth_sweep (``tools/depth_sweep.py``): the plan of a sweep YAML, torchrun's node
+flags, skipping finished and resuming interrupted runs, and the results table and plots (no
+training: launches are faked)."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import yaml
 
+from lime_megatron.cli import depth_sweep
+
 ROOT = Path(__file__).resolve().parents[2]
-spec = importlib.util.spec_from_file_location("depth_sweep", ROOT / "tools" / "depth_sweep.py")
-depth_sweep = sys.modules["depth_sweep"] = importlib.util.module_from_spec(spec)
-spec.loader.exec_module(depth_sweep)
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -103,16 +101,16 @@ def test_interrupted_runs_resume_and_finished_runs_are_skipped(tmp_path):
     run = sweep.runs[0]
     launches = []
 
-    def interrupted(command, cwd):
+    def interrupted(command):
         launches.append(command)
         return subprocess.CompletedProcess(command, 1)
 
-    def stopped(command, cwd):  # a SIGTERM: the trainer saves a checkpoint and exits 0 early
+    def stopped(command):  # a SIGTERM: the trainer saves a checkpoint and exits 0 early
         launches.append(command)
         _metrics(run, [(1, 4.0), (2, 3.9)])
         return subprocess.CompletedProcess(command, 0)
 
-    def finishing(command, cwd):
+    def finishing(command):
         launches.append(command)
         _metrics(run, [(i, 4.0 - 0.1 * i) for i in range(3, run.options["train_iters"] + 1)])
         return subprocess.CompletedProcess(command, 0)

@@ -11,18 +11,17 @@ import sys
 from pathlib import Path
 
 import pytest
-from example_configs import CONFIGS, parsed, world_size
-from lime_fixtures import TABLE_8
 
+from lime_megatron.cli import pretrain
 from lime_megatron.planning import estimate
 from lime_megatron.training import arguments
 from lime_megatron.training.data import tokenizer_of
 from lime_megatron.training.run_config import RunConfig
+from tests.example_configs import CONFIGS, parsed, world_size
+from tests.lime_fixtures import TABLE_8
 
 ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
-sys.path.insert(0, str(ROOT))
-import pretrain_lime  # noqa: E402
 
 # Paper Table 2 (and App. A for the router), as the trainer's parsed options.
 TABLE_2 = dict(optimizer="adam", lr=1e-3, min_lr=1e-6, lr_decay_style="cosine", lr_warmup_iters=200,
@@ -129,7 +128,7 @@ def test_deep_configs_pair_lime_and_llama_with_pipeline_layouts(configs):
 
 def dry_run(path: Path, capsys) -> str:
     argv = ["--config", str(path), "--dry-run", "--dry-run-world-size", str(world_size(path))]
-    assert pretrain_lime.main(argv) == 0
+    assert pretrain.main(argv) == 0
     report = capsys.readouterr().out
     assert "parameters:" in report and "peak activation memory per GPU" in report
     return report
@@ -223,8 +222,9 @@ def test_prosqa_finetune_launches_the_papers_schedule_and_scores(stub_torchrun, 
     checkpoint (the stub torchrun trains nothing) and says so."""
     env, log = stub_torchrun
     published = tmp_path / "published"
-    assert subprocess.run([sys.executable, str(ROOT / "tools" / "make_prosqa_data.py"), "--output-dir", str(published),
-                           "--train-samples", "300", "--test-samples", "5"], capture_output=True).returncode == 0
+    made = subprocess.run([sys.executable, "-m", "lime_megatron.cli.make_prosqa_data", "--output-dir", str(published),
+                           "--train-samples", "300", "--test-samples", "5"], cwd=ROOT, capture_output=True)
+    assert made.returncode == 0
     out = tmp_path / "out"
     script = ["bash", str(EXAMPLES / "prosqa_finetune.sh"), "lime", str(tmp_path / "base"), "3", str(out)]
     result = subprocess.run(script, env=dict(env, PUBLISHED=str(published), EPOCHS="2"), capture_output=True,

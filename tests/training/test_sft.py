@@ -14,19 +14,17 @@ megatron's default normalisation (the mean of per-microbatch means) would give o
 
 import importlib
 import json
-import sys
 from pathlib import Path
 
 import pytest
 import torch
-from distributed import run_distributed
 
 from lime_megatron.inference import scoring
 from lime_megatron.inference.scoring import generation_evaluator, score_model
+from lime_megatron.testing.distributed import run_distributed
 from lime_megatron.training import arguments, data, trainer
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
 LOSS_TOLERANCE = 1e-6  # float32, absolute on a mean of ~3 nats
@@ -51,7 +49,7 @@ def sft_data(tmp_path_factory) -> list[str]:
              ("preprocess_data", ["--input", str(out / "a.jsonl"), "--output-prefix", str(out / "a"),
                                   "--prompt-key", "prompt", "--json-keys", "response", "--no-progress", *tokenizer])]
     for tool, tool_args in steps:
-        assert importlib.import_module(tool).main(tool_args) in (0, None)
+        assert importlib.import_module(f"lime_megatron.cli.{tool}").main(tool_args) in (0, None)
     return ["--sft", "--data-path", str(out / "a_response_document"), "--data-cache-path", str(out / "cache"),
             *tokenizer]
 
@@ -116,10 +114,10 @@ def test_layouts_reproduce_the_single_process_losses(sft_data, tmp_path):
 
 def test_generation_accuracy_at_evaluations_equals_the_scoring_tool(sft_data, tmp_path, monkeypatch):
     """``--eval-generation-file`` through ``pretrain_lime.py``'s evaluator: the generations and the
-    accuracy per tier the trainer logs at its last evaluation are what ``tools/score_generation.py``
+    accuracy per tier the trainer logs at its last evaluation are what ``lime_megatron.cli.score_generation``
     finds on the checkpoint saved at that iteration (same weights, greedy, new tokens capped at the
     sequence length)."""
-    import score_generation
+    from lime_megatron.cli import score_generation
 
     generated = []
 

@@ -17,7 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lime_megatron import __main__ as main_job
+from lime_megatron.cli import main_job
 from lime_megatron.training import arguments, trainer
 from lime_megatron.training.arguments import ArgumentsError, parse_args
 from lime_megatron.training.checkpointing import TRACKER, CheckpointError, published_iterations
@@ -32,7 +32,6 @@ from lime_megatron.training.run_config import RunConfig
 from lime_megatron.training.trainer import optimizer_config, router_group
 
 ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "tools"))
 # megatron-core's notices on CPU (no apex/TE, deprecated defaults) repeat for every model built.
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
               pytest.mark.filterwarnings("ignore::DeprecationWarning")]
@@ -258,7 +257,7 @@ def arithmetic_data(tmp_path_factory):
     """The main job's data (fewer samples), made in-process by the real tools."""
     out = tmp_path_factory.mktemp("arith")
     for _, tool, tool_args in main_job.data_steps(out, num_samples=3000, test_samples=60):
-        module = importlib.import_module(tool[:-3])
+        module = importlib.import_module(f"lime_megatron.cli.{tool}")
         assert module.main(tool_args) in (0, None)
     return out
 

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import psutil
 import pytest
-from distributed import run_distributed
 
+from lime_megatron.testing.distributed import run_distributed
 from lime_megatron.training.checkpointing import published_iterations
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -172,8 +172,8 @@ class LimeSelfAttention(SelfAttention):
 
         def rebuild():
             if router.dynamic:
-                return memory.mix_by_token(router, kept_probs, "rebuild")
-            return memory.mix(router, memory.rebuilt_earlier_partial(router), "rebuild")
+                return memory.by_token.mix_by_token(router, kept_probs, "rebuild")
+            return memory.routing.mix(router, memory.stacked.rebuilt_earlier_partial(router), "rebuild")
 
         return rebuild
 

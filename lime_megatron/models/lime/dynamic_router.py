@@ -14,9 +14,9 @@ collective at all.  ``tau_l = ln(9 l)`` is a fixed offset (a constant, not a par
 ``W_l = 0`` at initialisation the own layer's weight is 0.9 and each earlier one 0.1 / l, so the
 model starts near the plain transformer; the parameter count is v1's (Table 6: 1.1856B).
 
-The products live in ``memory`` (``LayerIntegratedMemory.mix_by_token``, ``token_weight_grad``
-and the row gradient ``sum_m p_m[..., l] * g_m``); ``RouteKeysValuesByToken`` connects them to
-autograd, which differentiates the softmax and ``W_l``.
+The products live beside this module in ``token_routing`` (``TokenRouting.mix_by_token``,
+``token_weight_grad`` and the row gradient ``sum_m p_m[..., l] * g_m``), over the memory's rows;
+``RouteKeysValuesByToken`` connects them to autograd, which differentiates the softmax and ``W_l``.
 """
 
 from __future__ import annotations
@@ -31,6 +31,7 @@ from torch import nn
 
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.lime.head_parallel import HeadSharding
+from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
 from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR, add_route_mask, refresh_read_sources
 
@@ -128,25 +129,26 @@ class RouteKeysValuesByToken(torch.autograd.Function):
     forward(probs [s, b, h, l+1], key [s, b, h, d], value [s, b, h, d], memory, router)
         -> routed keys [s, b, h, d], routed values [s, b, h, d]
     backward: dL/dprobs [s, b, h, l+1] (read from the rows before they are overwritten with g_l)
-    and the gradient of the layer's keys/values from all its consumers (``memory.kv_grad``).
+    and the gradient of the layer's keys/values from all its consumers
+    (``ConsumerGradients.kv_grad``).
     """
 
     @staticmethod
     def forward(ctx, probs, key, value, memory: LayerIntegratedMemory, router: DynamicLimeRouter):
-        own_rows = memory.store(router.layer, key, value)
-        memory.register(router)
+        own_rows = memory.key_values.store(router.layer, key, value)
+        memory.gradients.register(router)
         ctx.save_for_backward(own_rows, probs)
         ctx.memory, ctx.router = memory, router
-        return memory.mix_by_token(router, probs)
+        return memory.by_token.mix_by_token(router, probs)
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
         _, probs = ctx.saved_tensors
         memory, router = ctx.memory, ctx.router
-        grad_rows = memory.to_rows(grad_keys, grad_values)
-        grad_probs = memory.token_weight_grad(router, grad_rows) if ctx.needs_input_grad[0] else None
-        memory.keep_token_weights(router.layer, probs)
-        grad_key, grad_value = memory.kv_grad(router, grad_rows)
+        grad_rows = KeyValueRows.to_rows(grad_keys, grad_values)
+        grad_probs = memory.by_token.token_weight_grad(router, grad_rows) if ctx.needs_input_grad[0] else None
+        memory.by_token.keep_token_weights(router.layer, probs)
+        grad_key, grad_value = memory.gradients.kv_grad(router, grad_rows)
         return grad_probs, grad_key, grad_value, None, None
 
 
@@ -164,5 +166,5 @@ def route_new_tokens_by_token(memory: LayerIntegratedMemory, router: DynamicLime
     if torch.is_grad_enabled():
         raise RuntimeError("LIMe KV-cache decoding runs without autograd: call the model under torch.no_grad()")
     probs = router(hidden_states)
-    memory.store(router.layer, key, value)
-    return memory.mix_by_token(router, probs)
+    memory.key_values.store(router.layer, key, value)
+    return memory.by_token.mix_by_token(router, probs)

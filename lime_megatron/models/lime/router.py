@@ -189,7 +189,7 @@ class LimeRouter(nn.Module):
         self.identity = not self.learned and len(self.sources) == 1
         """Whether the routing is the fixed identity over the layer's own keys/values (layer 0 of
         every variant): Eq. 2 returns them unchanged, so no product is run
-        (``LayerIntegratedMemory.mix``)."""
+        (``StaticRouting.mix``)."""
         if not self.learned:
             fixed = fixed_routing_weight(len(self.sources), config.kv_heads, config.lime_router, config.params_dtype)
             self.register_buffer("weight", self._local_columns(fixed), persistent=False)

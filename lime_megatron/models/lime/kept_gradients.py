@@ -1,0 +1,98 @@
+"""The row gradients a chunk's backward keeps until every reader of them has run.
+
+g_m.  Layer m's backward turns the gradient of its routed keys/values into rows g_m
+``[kv_heads, 2 * s * b * d]`` (all kv heads: under tensor parallelism gathered from every rank).
+Each source l of layer m takes its share W_m[:, block l]^T g_m later, when autograd reaches l's
+backward (``consumer_gradients``), and a block's earlier-source weight gradient reads g_m too
+(``routing_blocks.MixEarlierSources``).  Autograd runs layer l's backward only after every later
+layer's (later layers depend on layer l through the residual stream), so when layer m's
+backward finishes its raw rows are dead: without tensor parallelism g_m overwrites them
+(``KeyValueRows.writer``) and no second buffer is allocated; under tensor parallelism, where
+g_m has more rows than the rank's raw rows, it goes to a buffer of its own.  A layer with the
+identity routing (layer 0) keeps nothing: no other layer reads its g.
+
+Also kept here until their reader runs: a blocked router's in-block weight-gradient pieces
+(``memory.RouteKeysValues`` leaves them for ``MixEarlierSources``, which places them beside the
+earlier columns'), and under pipeline parallelism the gradient of the own rows read by later
+chunks, handed over before this chunk's layers run backward (``lime_megatron.parallel.pipeline``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from lime_megatron.models.lime.key_value_rows import KeyValueRows
+from lime_megatron.models.lime.router import LimeRouter
+
+
+class KeptGradients:
+    """g_m of the own layers, in-block weight-gradient pieces and the downstream gradient.
+
+    ``read_later``: the own layers that later pipeline chunks read (set by the pipeline), the
+    order of the rows of ``receive_downstream``'s gradient.
+    """
+
+    def __init__(self, key_values: KeyValueRows):
+        self.key_values = key_values
+        self._separate: torch.Tensor | None = None  # g_m under tensor parallelism
+        self._kept = [False] * len(key_values.layers)
+        self._in_block: dict[int, list[tuple[slice, torch.Tensor]]] = {}
+        self.read_later: tuple[int, ...] = ()
+        self._downstream: torch.Tensor | None = None
+
+    def buffer(self, kv_heads: int) -> torch.Tensor:
+        """Where g_l (``kv_heads`` rows) of every own layer l is kept, ``[len(layers) * kv_heads,
+        2*s*b*d]``: the dead own raw rows when g_l has as many rows as they do, else a buffer."""
+        rows = self.key_values
+        if kv_heads == rows.kv_heads:
+            return rows.writer
+        if self._separate is None:
+            self._separate = rows.buffer.new_empty(len(rows.layers) * kv_heads, rows.buffer.shape[1])
+        return self._separate
+
+    def keep(self, router: LimeRouter, grad_rows: torch.Tensor) -> None:
+        """Keep g_l ``grad_rows`` ``[kv_heads, 2*s*b*d]`` of ``router``'s layer l (nothing for the
+        identity routing) and mark l's backward as run."""
+        local = router.layer - self.key_values.layers.start
+        if not router.identity:
+            kv_heads = grad_rows.shape[0]
+            self.buffer(kv_heads)[local * kv_heads : (local + 1) * kv_heads].copy_(grad_rows)
+        self._kept[local] = True
+
+    def grad_rows(self, layers: range, kv_heads: int) -> torch.Tensor:
+        """The kept g_m of own layers ``layers``, stacked as rows: a view
+        ``[len(layers) * kv_heads, 2*s*b*d]``."""
+        first = self.key_values.layers.start
+        return self.buffer(kv_heads)[(layers.start - first) * kv_heads : (layers.stop - first) * kv_heads]
+
+    def require(self, layer: int, consumers: range) -> None:
+        """Fail unless every own layer of ``consumers`` kept its g_m before ``layer``'s backward."""
+        first = self.key_values.layers.start
+        missing = [m for m in consumers if not self._kept[m - first]]
+        if missing:
+            raise RuntimeError(f"LIMe backward reached layer {layer} before that of its consumer layers {missing}")
+
+    def leave_in_block(self, layer: int, pieces: list[tuple[slice, torch.Tensor]]) -> None:
+        """Keep a blocked router's in-block weight-gradient pieces ``(columns, [kv_heads,
+        len(columns)])`` until its block's ``MixEarlierSources`` places them."""
+        self._in_block[layer] = pieces
+
+    def take_in_block(self, layer: int) -> list[tuple[slice, torch.Tensor]]:
+        """The in-block pieces of ``layer``'s router (none when its output fed no loss)."""
+        return self._in_block.pop(layer, [])
+
+    def receive_downstream(self, grad_rows: torch.Tensor) -> None:
+        """Gradient of the own rows of ``read_later`` from later chunks, stacked in that order:
+        the share sum_{m later} W_m[:, block l]^T g_m of each own layer l read after this chunk."""
+        self._downstream = grad_rows
+
+    def downstream_rows(self, layer: int) -> torch.Tensor | None:
+        """The downstream gradient's rows ``[kv_heads, 2*s*b*d]`` of own layer ``layer``; None when
+        no later chunk reads it."""
+        if layer not in self.read_later:
+            return None
+        if self._downstream is None:
+            raise RuntimeError(f"the gradient of layer {layer}'s keys/values from later pipeline stages is missing")
+        kv_heads = self.key_values.kv_heads
+        offset = self.read_later.index(layer) * kv_heads
+        return self._downstream[offset : offset + kv_heads]
