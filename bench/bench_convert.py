@@ -53,8 +53,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 def make_checkpoint(root: Path, flags: list[str], num_layers: int) -> tuple[str, int]:
     """A weights-only checkpoint of the 1B shape; returns (directory, parameter count)."""
     shape = [f"--{key.replace('_', '-')}={value}" for key, value in {**PAPER_1B, "num_layers": num_layers}.items()]
-    options = arguments.parse_run(shape + flags + "--seq-length 2048 --micro-batch-size 1 --train-iters 1 "
-                                  "--lr 1e-3 --mock-data --vocab-size 50257".split())
+    options = arguments.parse_run(
+        shape
+        + flags
+        + "--seq-length 2048 --micro-batch-size 1 --train-iters 1 --lr 1e-3 --mock-data --vocab-size 50257".split()
+    )
     tokenizer = data.tokenizer_of(options.data, options.model.vocab_size)
     run = checkpointing.run_description(options, arguments.transformer_config(options), tokenizer)
     model = new_model(run, torch.float32)
@@ -99,8 +102,9 @@ def main(argv=None) -> int:
         if not args.workdir:
             shutil.rmtree(workdir, ignore_errors=True)
     print(f"\n1B shapes at {args.num_layers} layers, float32, 1 process\n")
-    print("export s = read checkpoint + map and write safetensors; "
-          "import s = read safetensors + map + write checkpoint\n")
+    print(
+        "export s = read checkpoint + map and write safetensors; import s = read safetensors + map + write checkpoint\n"
+    )
     print_table(COLUMNS, rows, markdown=True)
     return 0
 

@@ -43,8 +43,12 @@ def parse_args(argv=None) -> argparse.Namespace:
 def build(args, lime: bool):
     torch.manual_seed(0)
     config = lime_config(
-        num_layers=args.num_layers, hidden_size=args.hidden_size, ffn_hidden_size=args.ffn_hidden_size,
-        num_attention_heads=args.num_attention_heads, num_query_groups=args.kv_heads, lime=lime,
+        num_layers=args.num_layers,
+        hidden_size=args.hidden_size,
+        ffn_hidden_size=args.ffn_hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=args.kv_heads,
+        lime=lime,
         use_cpu_initialization=True,
     )
     return build_model(config, args.vocab_size, args.prompt_length + args.new_tokens).eval()
@@ -54,8 +58,9 @@ def main(argv=None) -> None:
     args = parse_args(argv)
     initialize_parallel()
     models = {"LIMe": build(args, True), "baseline": build(args, False)}
-    prompts = torch.randint(0, args.vocab_size, (args.batch_size, args.prompt_length),
-                            generator=torch.Generator().manual_seed(0)).tolist()
+    prompts = torch.randint(
+        0, args.vocab_size, (args.batch_size, args.prompt_length), generator=torch.Generator().manual_seed(0)
+    ).tolist()
     options = SamplingOptions(max_new_tokens=args.new_tokens, stop_at_eod=False)
     rates = {(name, cache): [] for name in models for cache in (True, False)}
     tokens = {}
@@ -65,17 +70,41 @@ def main(argv=None) -> None:
         rates[name, cache].append(result.tokens_per_second)
         tokens.setdefault((name, cache), result.tokens)
     median = {key: statistics.median(values) for key, values in rates.items()}
-    print(f"\n{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads / "
-          f"{args.kv_heads} kv heads, batch {args.batch_size}, prompt {args.prompt_length}, "
-          f"{args.new_tokens} new tokens, "
-          f"median of {args.repeats}, {torch.get_num_threads()} threads")
-    rows = [dict(model=name, cached=f"{median[name, True]:.1f}", full=f"{median[name, False]:.1f}",
-                 speedup=f"{median[name, True] / median[name, False]:.2f}x",
-                 same=str(tokens[name, True] == tokens[name, False])) for name in models]
-    rows.append(dict(model="LIMe/base", cached=f"{median['LIMe', True] / median['baseline', True]:.2f}",
-                     full=f"{median['LIMe', False] / median['baseline', False]:.2f}", speedup="", same=""))
-    print_table([("model", field("model")), ("KV cache tok/s", field("cached")), ("recompute tok/s", field("full")),
-                 ("cache speed-up", field("speedup")), ("same tokens", field("same"))], rows)
+    print(
+        f"\n{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads / "
+        f"{args.kv_heads} kv heads, batch {args.batch_size}, prompt {args.prompt_length}, "
+        f"{args.new_tokens} new tokens, "
+        f"median of {args.repeats}, {torch.get_num_threads()} threads"
+    )
+    rows = [
+        dict(
+            model=name,
+            cached=f"{median[name, True]:.1f}",
+            full=f"{median[name, False]:.1f}",
+            speedup=f"{median[name, True] / median[name, False]:.2f}x",
+            same=str(tokens[name, True] == tokens[name, False]),
+        )
+        for name in models
+    ]
+    rows.append(
+        dict(
+            model="LIMe/base",
+            cached=f"{median['LIMe', True] / median['baseline', True]:.2f}",
+            full=f"{median['LIMe', False] / median['baseline', False]:.2f}",
+            speedup="",
+            same="",
+        )
+    )
+    print_table(
+        [
+            ("model", field("model")),
+            ("KV cache tok/s", field("cached")),
+            ("recompute tok/s", field("full")),
+            ("cache speed-up", field("speedup")),
+            ("same tokens", field("same")),
+        ],
+        rows,
+    )
 
 
 if __name__ == "__main__":

@@ -24,8 +24,11 @@ def parse_args(argv=None) -> argparse.Namespace:
 
 
 def measure(args, num_layers: int, kv_heads: int) -> dict:
-    models = {"base": build(args, num_layers, kv_heads, False), "static": build(args, num_layers, kv_heads, True),
-              "dynamic": build(args, num_layers, kv_heads, True, router="dynamic")}
+    models = {
+        "base": build(args, num_layers, kv_heads, False),
+        "static": build(args, num_layers, kv_heads, True),
+        "dynamic": build(args, num_layers, kv_heads, True, router="dynamic"),
+    }
     batch = make_batch(args)
     times = median_times(args, models, batch)
     row = dict(layers=num_layers, kv_heads=kv_heads)
@@ -55,9 +58,11 @@ def main(argv=None) -> list[dict]:
     rows = measure_cases(parse_args(argv), measure)
     print_table(COLUMNS, rows)
     worst = max(rows, key=lambda r: r["dynamic_s"] / r["static_s"])
-    print(f"\nsummary: {len(rows)} settings; dynamic over static LIMe time at most "
-          f"{worst['dynamic_s'] / worst['static_s']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}); dynamic saved "
-          f"bytes at most {max(r['dynamic_saved'] / r['base_saved'] for r in rows):.3f}x the baseline's")
+    print(
+        f"\nsummary: {len(rows)} settings; dynamic over static LIMe time at most "
+        f"{worst['dynamic_s'] / worst['static_s']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}); dynamic saved "
+        f"bytes at most {max(r['dynamic_saved'] / r['base_saved'] for r in rows):.3f}x the baseline's"
+    )
     return rows
 
 

@@ -62,17 +62,27 @@ def verdict(low: float, high: float, target: float = TIME_TARGET) -> str:
 
 def measure(args, num_layers: int, kv_heads: int) -> dict:
     block = chosen_block(args, num_layers, kv_heads)
-    models = {"base": build(args, num_layers, kv_heads, False),
-              "blocked": build(args, num_layers, kv_heads, True, block)}
+    models = {
+        "base": build(args, num_layers, kv_heads, False),
+        "blocked": build(args, num_layers, kv_heads, True, block),
+    }
     batch = make_batch(args)
     times = round_times(args, models, batch, untimed_before=1)
     floor = flop_floor(args, models["blocked"].config)
     over_floor = [lime / base / floor for lime, base in zip(times["blocked"], times["base"])]
     low, high = median_interval(over_floor)
-    return dict(layers=num_layers, kv_heads=kv_heads, block=block, base_s=statistics.median(times["base"]),
-                floor=floor, over_floor=statistics.median(over_floor), low=low, high=high,
-                verdict=verdict(low, high),
-                saved_x=saved_bytes(models["blocked"], batch) / saved_bytes(models["base"], batch))
+    return dict(
+        layers=num_layers,
+        kv_heads=kv_heads,
+        block=block,
+        base_s=statistics.median(times["base"]),
+        floor=floor,
+        over_floor=statistics.median(over_floor),
+        low=low,
+        high=high,
+        verdict=verdict(low, high),
+        saved_x=saved_bytes(models["blocked"], batch) / saved_bytes(models["base"], batch),
+    )
 
 
 COLUMNS = SHAPE_COLUMNS + [
@@ -91,9 +101,11 @@ def main(argv=None) -> list[dict]:
     rows = measure_cases(args, measure)
     print_table(COLUMNS, rows)
     counts = {name: sum(r["verdict"] == name for r in rows) for name in ("met", "open", "missed")}
-    print(f"\nsummary: {len(rows)} settings, {args.repeats} rounds each; time within {TIME_TARGET}x of the "
-          f"FLOP floor: met {counts['met']}, open {counts['open']}, missed {counts['missed']}; saved bytes "
-          f"within {SAVED_TARGET}x of the baseline in {sum(r['saved_x'] <= SAVED_TARGET for r in rows)}")
+    print(
+        f"\nsummary: {len(rows)} settings, {args.repeats} rounds each; time within {TIME_TARGET}x of the "
+        f"FLOP floor: met {counts['met']}, open {counts['open']}, missed {counts['missed']}; saved bytes "
+        f"within {SAVED_TARGET}x of the baseline in {sum(r['saved_x'] <= SAVED_TARGET for r in rows)}"
+    )
     return rows
 
 

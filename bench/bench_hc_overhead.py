@@ -28,12 +28,20 @@ from tqdm import tqdm
 from lime_megatron.parallel.pipeline import hop_bytes
 from lime_megatron.parallel.process_groups import initialize_parallel
 
-MODELS = {"LLaMA": dict(lime=False), "LIMe": dict(lime=True), "HC": dict(lime=False, hyper_connections=4),
-          "mHC": dict(lime=False, hyper_connections=4, hyper_connections_manifold=True)}
+MODELS = {
+    "LLaMA": dict(lime=False),
+    "LIMe": dict(lime=True),
+    "HC": dict(lime=False, hyper_connections=4),
+    "mHC": dict(lime=False, hyper_connections=4, hyper_connections_manifold=True),
+}
 OTHERS = [name for name in MODELS if name != "LLaMA"]
 # Paper Table 9 (default mode): step time and peak memory over LLaMA, GQA and full attention.
-TABLE_9 = {("LIMe", "time"): "+1.57% / +10.46%", ("LIMe", "memory"): "+0.00% / +0.01%",
-           ("HC", "time"): "+25.39% / +22.85%", ("HC", "memory"): "+5.88% / +2.87%"}
+TABLE_9 = {
+    ("LIMe", "time"): "+1.57% / +10.46%",
+    ("LIMe", "memory"): "+0.00% / +0.01%",
+    ("HC", "time"): "+25.39% / +22.85%",
+    ("HC", "memory"): "+5.88% / +2.87%",
+}
 PIPELINE_STAGES = 4
 ELEMENT_BYTES = 2  # bf16 stage tensors, as on GPU
 
@@ -47,18 +55,28 @@ def parse_args(argv=None) -> argparse.Namespace:
 def measure(args, num_layers: int, kv_heads: int) -> dict:
     models = {name: build_shape(args, num_layers, kv_heads, **overrides) for name, overrides in MODELS.items()}
     batch = make_batch(args)
-    return dict(layers=num_layers, kv_heads=kv_heads, time=median_times(args, models, batch),
-                saved={name: saved_bytes(model, batch) for name, model in models.items()})
+    return dict(
+        layers=num_layers,
+        kv_heads=kv_heads,
+        time=median_times(args, models, batch),
+        saved={name: saved_bytes(model, batch) for name, model in models.items()},
+    )
 
 
 def received_bytes(args, num_layers: int, kv_heads: int) -> dict[str, list[int]]:
     """Bytes each pipeline rank 1..3 receives per micro-batch at PP=4 (rank 0 receives nothing)."""
     stage = args.seq_length * args.micro_batch_size * args.hidden_size * ELEMENT_BYTES
     lime = shape_config(args, num_layers, kv_heads, **MODELS["LIMe"], pipeline_model_parallel_size=PIPELINE_STAGES)
-    received = {name: [stage * shape_config(args, num_layers, kv_heads, **MODELS[name]).residual_streams]
-                * (PIPELINE_STAGES - 1) for name in MODELS if name != "LIMe"}
-    received["LIMe"] = [hop_bytes(lime, rank, args.seq_length, args.micro_batch_size, ELEMENT_BYTES)
-                        for rank in range(1, PIPELINE_STAGES)]
+    received = {
+        name: [stage * shape_config(args, num_layers, kv_heads, **MODELS[name]).residual_streams]
+        * (PIPELINE_STAGES - 1)
+        for name in MODELS
+        if name != "LIMe"
+    }
+    received["LIMe"] = [
+        hop_bytes(lime, rank, args.seq_length, args.micro_batch_size, ELEMENT_BYTES)
+        for rank in range(1, PIPELINE_STAGES)
+    ]
     return received
 
 
@@ -68,21 +86,30 @@ def over_llama(measure: str, name: str):
 
 
 def print_tables(rows: list[dict], args) -> None:
-    print(f"forward+backward on {args.device} in {args.dtype}, hidden {args.hidden_size}, {args.num_attention_heads} "
-          f"heads, seq {args.seq_length}, micro batch {args.micro_batch_size}; ratios over LLaMA")
-    columns = [("layers", field("layers")), ("kv", field("kv_heads")),
-               ("LLaMA s", lambda row: f"{row['time']['LLaMA']:.3f}")]
+    print(
+        f"forward+backward on {args.device} in {args.dtype}, hidden {args.hidden_size}, {args.num_attention_heads} "
+        f"heads, seq {args.seq_length}, micro batch {args.micro_batch_size}; ratios over LLaMA"
+    )
+    columns = [
+        ("layers", field("layers")),
+        ("kv", field("kv_heads")),
+        ("LLaMA s", lambda row: f"{row['time']['LLaMA']:.3f}"),
+    ]
     columns += [(f"{name} x", over_llama("time", name)) for name in OTHERS]
     columns += [("LLaMA MiB", lambda row: f"{row['saved']['LLaMA'] / 2**20:.1f}")]
     columns += [(f"{name} x", over_llama("saved", name)) for name in OTHERS]
     print_table(columns, rows)
-    print("paper Table 9 (1B, H100, default mode; GQA / full): "
-          + "; ".join(f"{model} {kind} {value}" for (model, kind), value in TABLE_9.items()))
+    print(
+        "paper Table 9 (1B, H100, default mode; GQA / full): "
+        + "; ".join(f"{model} {kind} {value}" for (model, kind), value in TABLE_9.items())
+    )
     print(f"\nbytes received per micro-batch at PP={PIPELINE_STAGES} (bf16; ranks 1..{PIPELINE_STAGES - 1}), MiB")
     for r in rows:
         received = received_bytes(args, r["layers"], r["kv_heads"])
-        print(f"{r['layers']:>6} layers, kv {r['kv_heads']}: " + "; ".join(
-            f"{name} {', '.join(f'{b / 2**20:.2f}' for b in values)}" for name, values in received.items()))
+        print(
+            f"{r['layers']:>6} layers, kv {r['kv_heads']}: "
+            + "; ".join(f"{name} {', '.join(f'{b / 2**20:.2f}' for b in values)}" for name, values in received.items())
+        )
 
 
 def main(argv=None) -> list[dict]:
@@ -94,9 +121,14 @@ def main(argv=None) -> list[dict]:
         rows.append(measure(args, layers, kv_heads))
         tqdm.write(f"L{layers} kv {kv_heads}: seconds {rows[-1]['time']}, saved bytes {rows[-1]['saved']}")
     print_tables(rows, args)
-    print(f"\nsummary: {len(rows)} settings; over LLaMA, time / saved bytes up to: " + "; ".join(
-        f"{name} {max(r['time'][name] / r['time']['LLaMA'] for r in rows):.3f} / "
-        f"{max(r['saved'][name] / r['saved']['LLaMA'] for r in rows):.3f}" for name in OTHERS))
+    print(
+        f"\nsummary: {len(rows)} settings; over LLaMA, time / saved bytes up to: "
+        + "; ".join(
+            f"{name} {max(r['time'][name] / r['time']['LLaMA'] for r in rows):.3f} / "
+            f"{max(r['saved'][name] / r['saved']['LLaMA'] for r in rows):.3f}"
+            for name in OTHERS
+        )
+    )
     return rows
 
 

@@ -83,13 +83,15 @@ def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser
     parser.add_argument("--ffn-hidden-size", type=int, default=1024)
     parser.add_argument("--seq-length", type=int, default=256)
     parser.add_argument("--micro-batch-size", type=int, default=2)
-    parser.add_argument("--vocab-size", type=int, default=256,
-                        help="small so that the transformer layers, not the logits, dominate")
+    parser.add_argument(
+        "--vocab-size", type=int, default=256, help="small so that the transformer layers, not the logits, dominate"
+    )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
-    parser.add_argument("--dtype", choices=("float32", "bfloat16"), default="float32",
-                        help="the parameters' and activations' dtype")
+    parser.add_argument(
+        "--dtype", choices=("float32", "bfloat16"), default="float32", help="the parameters' and activations' dtype"
+    )
     return parser
 
 
@@ -109,10 +111,18 @@ def shape_config(args, num_layers: int, kv_heads: int, **overrides):
     """The config of ``args``' shape and dtype with ``num_layers`` layers and ``kv_heads`` kv heads;
     ``overrides`` choose the model (``lime``, ``hyper_connections``, the routing options...)."""
     dtype = getattr(torch, args.dtype)
-    return lime_config(num_layers=num_layers, hidden_size=args.hidden_size,
-                       num_attention_heads=args.num_attention_heads, num_query_groups=kv_heads,
-                       ffn_hidden_size=args.ffn_hidden_size, bf16=dtype is torch.bfloat16, params_dtype=dtype,
-                       pipeline_dtype=dtype, use_cpu_initialization=args.device == "cpu", **overrides)
+    return lime_config(
+        num_layers=num_layers,
+        hidden_size=args.hidden_size,
+        num_attention_heads=args.num_attention_heads,
+        num_query_groups=kv_heads,
+        ffn_hidden_size=args.ffn_hidden_size,
+        bf16=dtype is torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=args.device == "cpu",
+        **overrides,
+    )
 
 
 def build_shape(args, num_layers: int, kv_heads: int, **overrides):
@@ -122,14 +132,28 @@ def build_shape(args, num_layers: int, kv_heads: int, **overrides):
     return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length).to(args.device)
 
 
-def build(args, num_layers: int, kv_heads: int, lime: bool, block: int | None = None, router: str = "full",
-          rebuild: bool = False):
+def build(
+    args,
+    num_layers: int,
+    kv_heads: int,
+    lime: bool,
+    block: int | None = None,
+    router: str = "full",
+    rebuild: bool = False,
+):
     """The baseline (``lime=False``) or LIMe with ``router``, routing blocks of ``block`` layers
     (None: the cost model's, ``chosen_block``) and the routed K/V kept or rebuilt in backward."""
     if lime and block is None:
         block = chosen_block(args, num_layers, kv_heads, lime_router=router)
-    return build_shape(args, num_layers, kv_heads, lime=lime, lime_router=router, lime_routing_block=block,
-                       lime_recompute_routed_kv=rebuild)
+    return build_shape(
+        args,
+        num_layers,
+        kv_heads,
+        lime=lime,
+        lime_router=router,
+        lime_routing_block=block,
+        lime_recompute_routed_kv=rebuild,
+    )
 
 
 def element_size(args) -> int:
@@ -152,8 +176,7 @@ def chosen_block(args, num_layers: int, kv_heads: int, **overrides) -> int:
     """The block size the trainer builds ``num_layers`` layers on one stage with at the bench's
     shape and device (``routing_block.chunk_routing_block``)."""
     config = shape_config(args, num_layers, kv_heads, lime=True, **overrides)
-    return chunk_routing_block(config, range(num_layers), args.seq_length, args.micro_batch_size,
-                               machine_balance(args))
+    return chunk_routing_block(config, range(num_layers), args.seq_length, args.micro_batch_size, machine_balance(args))
 
 
 def make_batch(args):
@@ -205,8 +228,9 @@ def measure_cases(args, measure) -> list:
     return [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
 
 
-def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads]] | None = None,
-                untimed_before: int = 0) -> dict[str, list[float]]:
+def round_times(
+    args, models: dict, batch, products: dict[str, list[RoutingReads]] | None = None, untimed_before: int = 0
+) -> dict[str, list[float]]:
     """Forward+backward seconds of each model in each of ``args.repeats`` rounds after
     ``args.warmup``, the models run one after another within a round, their order rotated by one
     each round (what ran just before a model moves its time on a CPU: at 128 layers by as much as
@@ -218,7 +242,7 @@ def round_times(args, models: dict, batch, products: dict[str, list[RoutingReads
     times = {name: [] for name in models}
     names = list(models)
     for run in range(args.warmup + args.repeats):
-        for name in names[run % len(names):] + names[:run % len(names)]:
+        for name in names[run % len(names) :] + names[: run % len(names)]:
             model = models[name]
             for _ in range(untimed_before):
                 train_step(model, batch)
@@ -293,9 +317,12 @@ def flop_floor(args, config) -> float:
 
 def measure(args, num_layers: int, kv_heads: int) -> dict:
     block = chosen_block(args, num_layers, kv_heads)
-    models = {"base": build(args, num_layers, kv_heads, False), "per_layer": build(args, num_layers, kv_heads, True, 1),
-              "blocked": build(args, num_layers, kv_heads, True, block),
-              "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True)}
+    models = {
+        "base": build(args, num_layers, kv_heads, False),
+        "per_layer": build(args, num_layers, kv_heads, True, 1),
+        "blocked": build(args, num_layers, kv_heads, True, block),
+        "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True),
+    }
     batch = make_batch(args)
     times = round_times(args, models, batch)
     operators = {name: dispatched_operators(models[name], batch) for name in ("base", "per_layer", "blocked")}
@@ -303,8 +330,9 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     counted = round_times(args, {name: models[name] for name in ("base", "blocked")}, batch, products)
     ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
     config = models["blocked"].config
-    reads = {b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values())
-             for b in (1, block)}
+    reads = {
+        b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values()) for b in (1, block)
+    }
     return dict(
         layers=num_layers,
         kv_heads=kv_heads,
@@ -321,8 +349,9 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         reads_per_layer=reads[1],
         reads_blocked=reads[block],
         extra_copies=copied_bytes(models["blocked"], batch) - copied_bytes(models["base"], batch),
-        **{f"{name}_operators": (operators[name] - operators["base"]) / num_layers
-           for name in ("per_layer", "blocked")},
+        **{
+            f"{name}_operators": (operators[name] - operators["base"]) / num_layers for name in ("per_layer", "blocked")
+        },
         **time_split(args, config, counted, products["blocked"]),
     )
 

@@ -55,16 +55,21 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--micro-batches", type=int, default=None, help="default: the pipeline size")
     parser.add_argument("--vocab-size", type=int, default=256)
     parser.add_argument("--time", action="store_true", help="measure step time at PP4 x VPP2 instead")
-    parser.add_argument("--planned", action="store_true",
-                        help="no processes: the same table from pipeline.hop_elements (which "
-                             "tests/parallel/test_lime_pipeline.py checks against the bytes handed to isend)")
+    parser.add_argument(
+        "--planned",
+        action="store_true",
+        help="no processes: the same table from pipeline.hop_elements (which "
+        "tests/parallel/test_lime_pipeline.py checks against the bytes handed to isend)",
+    )
     parser.add_argument("--time-layers", type=int, default=16)
     parser.add_argument("--iterations", type=int, default=5)
     args = parser.parse_args(argv)
     if not args.time and not args.planned and min(args.pipeline) < 3:
-        parser.error("--pipeline sizes must be >= 3 when counting: at PP=2 the previous and next rank are one "
-                     "peer (and megatron sends half the traffic over the world group), so forward and backward "
-                     "transfers cannot be told apart")
+        parser.error(
+            "--pipeline sizes must be >= 3 when counting: at PP=2 the previous and next rank are one "
+            "peer (and megatron sends half the traffic over the world group), so forward and backward "
+            "transfers cannot be told apart"
+        )
     return args
 
 
@@ -150,8 +155,9 @@ class P2PCounter:
             for op in ops:
                 sending = op.op in (distributed.isend, self._originals["isend"])
                 self._record(sending, op.tensor, op.peer, op.group, op.tag)  # peer: a global rank
-                real.append(original_op(self._originals["isend" if sending else "irecv"], op.tensor, op.peer,
-                                        op.group, op.tag))
+                real.append(
+                    original_op(self._originals["isend" if sending else "irecv"], op.tensor, op.peer, op.group, op.tag)
+                )
             return original_batch(real)
 
         distributed.P2POp = BatchedOp  # torch's P2POp refuses functions other than its own isend/irecv
@@ -168,18 +174,29 @@ class P2PCounter:
 
 def make_config(layers: int, attention: str, pp: int, vpp: int | None, lime: bool, **options):
     from lime_megatron.models.config import lime_config
-    return lime_config(lime=lime, num_layers=layers, num_query_groups=KV_HEADS[attention], **HIDDEN,
-                       use_cpu_initialization=True, pipeline_model_parallel_size=pp,
-                       virtual_pipeline_model_parallel_size=vpp, pipeline_dtype=torch.float32,
-                       deallocate_pipeline_outputs=True, **options)
+
+    return lime_config(
+        lime=lime,
+        num_layers=layers,
+        num_query_groups=KV_HEADS[attention],
+        **HIDDEN,
+        use_cpu_initialization=True,
+        pipeline_model_parallel_size=pp,
+        virtual_pipeline_model_parallel_size=vpp,
+        pipeline_dtype=torch.float32,
+        deallocate_pipeline_outputs=True,
+        **options,
+    )
 
 
 def _batches(args, count: int) -> list[dict]:
     generator = torch.Generator().manual_seed(0)
     shape = (args.micro_batch_size, args.seq_length)
     tokens = [torch.randint(args.vocab_size, shape, generator=generator) for _ in range(count)]
-    return [dict(tokens=t, labels=t, position_ids=torch.arange(args.seq_length).expand(shape),
-                 loss_mask=torch.ones(shape)) for t in tokens]
+    return [
+        dict(tokens=t, labels=t, position_ids=torch.arange(args.seq_length).expand(shape), loss_mask=torch.ones(shape))
+        for t in tokens
+    ]
 
 
 def _build(config, args) -> list:
@@ -200,8 +217,10 @@ def count_setting(layers: int, attention: str, vpp: int | None, lime: bool, args
     per = args.micro_batches or pp
     with P2PCounter() as counter:
         forward_backward(model, _batches(args, per))
-    return dict(bytes={key: value / per for key, value in counter.bytes.items()},
-                hops={key: value / per for key, value in counter.hops.items()})
+    return dict(
+        bytes={key: value / per for key, value in counter.bytes.items()},
+        hops={key: value / per for key, value in counter.hops.items()},
+    )
 
 
 def _bytes_worker(rank: int, world: int, port: int, settings: list, args, results) -> None:
@@ -234,8 +253,12 @@ def received_bound(config, rank: int, seq: int, batch: int) -> int:
     chunks = chunk_layers(config)
     mine = range(rank, len(chunks), config.pipeline_model_parallel_size)
     produced = {layer for chunk in mine for layer in chunks[chunk]}
-    read = {source for chunk in mine for layer in chunks[chunk]
-            for source in routing_sources(layer, config.lime_router, config.lime_router_window)}
+    read = {
+        source
+        for chunk in mine
+        for layer in chunks[chunk]
+        for source in routing_sources(layer, config.lime_router, config.lime_router_window)
+    }
     hops = sum(1 for chunk in mine if chunk > 0)
     row = 2 * seq * batch * config.kv_heads * config.kv_channels
     return 4 * (len(read - produced) * row + hops * seq * batch * config.hidden_size)
@@ -268,11 +291,20 @@ def table_row(args, layers, attention, pp, vpp, received, sent, base, widest_hop
     config = make_config(layers, attention, pp, vpp, True, perform_initialization=False)
     seq, batch = args.seq_length, args.micro_batch_size
     bounds = [received_bound(config, rank, seq, batch) for rank in range(pp)]
-    return dict(layers=layers, attention=attention, pp=pp, vpp=vpp or 1, widest_hop=widest_hop,
-                lime=max(received), sent=max(sent), base=base, bound=max(bounds),
-                worst=max(got / bound for got, bound in zip(received, bounds) if bound),
-                old=max(old_padded_received(config, rank, seq, batch) for rank in range(pp)),
-                backward_equal=backward_equal)
+    return dict(
+        layers=layers,
+        attention=attention,
+        pp=pp,
+        vpp=vpp or 1,
+        widest_hop=widest_hop,
+        lime=max(received),
+        sent=max(sent),
+        base=base,
+        bound=max(bounds),
+        worst=max(got / bound for got, bound in zip(received, bounds) if bound),
+        old=max(old_padded_received(config, rank, seq, batch) for rank in range(pp)),
+        backward_equal=backward_equal,
+    )
 
 
 def _total(result: dict, phase: str, direction: str) -> float:
@@ -292,13 +324,20 @@ def measure_bytes(args) -> list[dict]:
             lime = [results[(layers, attention, pp, vpp, True, rank)] for rank in range(pp)]
             base = [results[(layers, attention, pp, vpp, False, rank)] for rank in range(pp)]
             hidden_per_hop = lime[-1]["bytes"][("forward", "hidden", "received")] / (vpp or 1)
-            rows.append(table_row(
-                args, layers, attention, pp, vpp,
-                received=[_total(r, "forward", "received") for r in lime],
-                sent=[_total(r, "forward", "sent") for r in lime],
-                base=max(_total(r, "forward", "received") for r in base),
-                widest_hop=hidden_per_hop + max(h for r in lime for h in r["hops"].values()),
-                backward_equal=all(_total(r, "backward", "received") == _total(r, "forward", "sent") for r in lime)))
+            rows.append(
+                table_row(
+                    args,
+                    layers,
+                    attention,
+                    pp,
+                    vpp,
+                    received=[_total(r, "forward", "received") for r in lime],
+                    sent=[_total(r, "forward", "sent") for r in lime],
+                    base=max(_total(r, "forward", "received") for r in base),
+                    widest_hop=hidden_per_hop + max(h for r in lime for h in r["hops"].values()),
+                    backward_equal=all(_total(r, "backward", "received") == _total(r, "forward", "sent") for r in lime),
+                )
+            )
     return rows
 
 
@@ -310,12 +349,20 @@ def planned_bytes(args) -> list[dict]:
         config = make_config(layers, attention, pp, vpp, True, perform_initialization=False)
         chunks = pp * (vpp or 1)
         hops = {chunk: 4 * sum(pipeline.hop_elements(config, chunk, seq, batch)) for chunk in range(1, chunks)}
-        rows.append(table_row(
-            args, layers, attention, pp, vpp,
-            received=[sum(hops.get(chunk, 0) for chunk in range(rank, chunks, pp)) for rank in range(pp)],
-            sent=[sum(hops.get(chunk + 1, 0) for chunk in range(rank, chunks, pp)) for rank in range(pp)],
-            base=4 * seq * batch * config.hidden_size * (vpp or 1), widest_hop=max(hops.values()),
-            backward_equal=True))
+        rows.append(
+            table_row(
+                args,
+                layers,
+                attention,
+                pp,
+                vpp,
+                received=[sum(hops.get(chunk, 0) for chunk in range(rank, chunks, pp)) for rank in range(pp)],
+                sent=[sum(hops.get(chunk + 1, 0) for chunk in range(rank, chunks, pp)) for rank in range(pp)],
+                base=4 * seq * batch * config.hidden_size * (vpp or 1),
+                widest_hop=max(hops.values()),
+                backward_equal=True,
+            )
+        )
     return rows
 
 
@@ -356,9 +403,13 @@ def _time_worker(rank: int, world: int, port: int, args, results) -> None:
     torch.set_num_threads(1)
     initialize_parallel(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2)
     batches = _batches(args, args.micro_batches or 8)
-    models = {(overlap, lime): _build(make_config(args.time_layers, "mha", 4, 2, lime, overlap_p2p_comm=overlap,
-                                            batch_p2p_comm=not overlap), args)
-              for overlap in (False, True) for lime in (False, True)}
+    models = {
+        (overlap, lime): _build(
+            make_config(args.time_layers, "mha", 4, 2, lime, overlap_p2p_comm=overlap, batch_p2p_comm=not overlap), args
+        )
+        for overlap in (False, True)
+        for lime in (False, True)
+    }
     times = defaultdict(list)
     for _ in range(args.iterations + 1):
         for key, model in models.items():
@@ -374,14 +425,36 @@ def _time_worker(rank: int, world: int, port: int, args, results) -> None:
 def measure_time(args) -> None:
     results = mp.Manager().dict()
     mp.spawn(_time_worker, args=(4, _free_port(), args, results), nprocs=4)
-    print(f"PP4 x VPP2, {args.time_layers} layers, hidden 256, MHA, seq {args.seq_length}, "
-          f"{args.micro_batches or 8} micro-batches: median s per forward+backward of {args.iterations}")
-    rows = [dict(overlap=str(overlap), base=f"{results[(overlap, False)]:.3f}", lime=f"{results[(overlap, True)]:.3f}",
-                 ratio=f"{results[(overlap, True)] / results[(overlap, False)]:.2f}") for overlap in (False, True)]
-    rows.append(dict(overlap="on / off", base=f"{results[(True, False)] / results[(False, False)]:.2f}",
-                     lime=f"{results[(True, True)] / results[(False, True)]:.2f}", ratio=""))
-    print_table([("overlap_p2p_comm", field("overlap")), ("baseline s", field("base")), ("LIMe s", field("lime")),
-                 ("LIMe/base", field("ratio"))], rows)
+    print(
+        f"PP4 x VPP2, {args.time_layers} layers, hidden 256, MHA, seq {args.seq_length}, "
+        f"{args.micro_batches or 8} micro-batches: median s per forward+backward of {args.iterations}"
+    )
+    rows = [
+        dict(
+            overlap=str(overlap),
+            base=f"{results[(overlap, False)]:.3f}",
+            lime=f"{results[(overlap, True)]:.3f}",
+            ratio=f"{results[(overlap, True)] / results[(overlap, False)]:.2f}",
+        )
+        for overlap in (False, True)
+    ]
+    rows.append(
+        dict(
+            overlap="on / off",
+            base=f"{results[(True, False)] / results[(False, False)]:.2f}",
+            lime=f"{results[(True, True)] / results[(False, True)]:.2f}",
+            ratio="",
+        )
+    )
+    print_table(
+        [
+            ("overlap_p2p_comm", field("overlap")),
+            ("baseline s", field("base")),
+            ("LIMe s", field("lime")),
+            ("LIMe/base", field("ratio")),
+        ],
+        rows,
+    )
 
 
 def main(argv=None):
@@ -391,11 +464,16 @@ def main(argv=None):
     rows = planned_bytes(args) if args.planned else measure_bytes(args)
     print_bytes(rows)
     worst = max(r["worst"] for r in rows if r["vpp"] > 1)
-    print(f"\nsummary: with virtual stages every rank receives at most {worst:.3f} x its bound; backward "
-          f"returns what forward sent on every rank: {all(r['backward_equal'] for r in rows)}; "
-          f"128 layers MHA PP4xVPP4 new/old padded: "
-          + ", ".join(f"{r['lime'] / r['old']:.2f}" for r in rows
-                      if (r["layers"], r["attention"], r["pp"], r["vpp"]) == (128, "mha", 4, 4)))
+    print(
+        f"\nsummary: with virtual stages every rank receives at most {worst:.3f} x its bound; backward "
+        f"returns what forward sent on every rank: {all(r['backward_equal'] for r in rows)}; "
+        f"128 layers MHA PP4xVPP4 new/old padded: "
+        + ", ".join(
+            f"{r['lime'] / r['old']:.2f}"
+            for r in rows
+            if (r["layers"], r["attention"], r["pp"], r["vpp"]) == (128, "mha", 4, 4)
+        )
+    )
     return rows
 
 

@@ -48,8 +48,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--workers", type=int, nargs="+", default=[1, 2])
     parser.add_argument("--tokenizers", nargs="+", default=list(TOKENIZERS), choices=TOKENIZERS)
     parser.add_argument("--sp-vocab", type=int, default=32000)
-    parser.add_argument("--chunk-mb", type=float, default=None,
-                        help="preprocess_data.py --chunk-mb (default: the tool's)")
+    parser.add_argument(
+        "--chunk-mb", type=float, default=None, help="preprocess_data.py --chunk-mb (default: the tool's)"
+    )
     return parser.parse_args(argv)
 
 
@@ -68,8 +69,12 @@ def unpack_packages(cache: Path) -> Path:
 
 def kjv_chapters(root: Path) -> list:
     """The King James Bible, one text per chapter, via the package's own decoder."""
-    out = subprocess.run([str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f",
-                          "gen1:1-rev22:21"], check=True, capture_output=True, text=True).stdout
+    out = subprocess.run(
+        [str(root / "usr/bin/bible"), "-p", str(root / "usr/lib"), "-f", "gen1:1-rev22:21"],
+        check=True,
+        capture_output=True,
+        text=True,
+    ).stdout
     chapters = {}
     for line in out.splitlines():
         match = re.match(r"(\w+?\d+):\d+ (.*)", line)
@@ -107,16 +112,40 @@ def sentencepiece_model(cache: Path, corpus: Path, vocab: int) -> str:
     """A SentencePiece BPE trained with tools/train_tokenizer.py on 20 MB of the corpus (once)."""
     out = cache / f"sp{vocab}"
     if not (out / "tokenizer.model").exists():
-        assert train_tokenizer.main(["--input", str(corpus), "--vocab-size", str(vocab),
-                                     "--output-dir", str(out), "--max-mb", "20", "--workers", "2",
-                                     "--no-progress"]) == 0
+        assert (
+            train_tokenizer.main(
+                [
+                    "--input",
+                    str(corpus),
+                    "--vocab-size",
+                    str(vocab),
+                    "--output-dir",
+                    str(out),
+                    "--max-mb",
+                    "20",
+                    "--workers",
+                    "2",
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
     return str(out / "tokenizer.model")
 
 
 def preprocess_rate(corpus: Path, out: Path, flags: list, workers: int, args) -> dict:
     """Best of --repeats end-to-end runs of preprocess_data."""
-    argv = ["--input", str(corpus), "--output-prefix", str(out / f"w{workers}"), "--append-eod",
-            "--workers", str(workers), "--no-progress", *flags]
+    argv = [
+        "--input",
+        str(corpus),
+        "--output-prefix",
+        str(out / f"w{workers}"),
+        "--append-eod",
+        "--workers",
+        str(workers),
+        "--no-progress",
+        *flags,
+    ]
     argv += ["--chunk-mb", str(args.chunk_mb)] if args.chunk_mb else []
     runs = [preprocess_data.run(preprocess_data.parse_args(argv)) for _ in range(args.repeats)]
     return min(runs, key=lambda r: r["seconds"])
@@ -136,31 +165,42 @@ def main(argv=None) -> None:
     corpus = build_corpus(cache, args.target_mb)
     texts = [json.loads(line)["text"] for line in corpus.open(encoding="utf-8")]
     text_mb = sum(len(t.encode("utf-8")) for t in texts) / 1e6
-    print(f"corpus: {corpus} ({text_mb:.1f} MB of text in {corpus.stat().st_size / 1e6:.1f} MB "
-          f"of JSONL, {len(texts):,} documents); "
-          f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
-    rows = ["| tokenizer | workers | tokens | seconds | M tokens/s | input MB/s | docs/s | "
-            "x Megatron-LM | library alone, M tokens/s |", "|---" * 9 + "|"]
+    print(
+        f"corpus: {corpus} ({text_mb:.1f} MB of text in {corpus.stat().st_size / 1e6:.1f} MB "
+        f"of JSONL, {len(texts):,} documents); "
+        f"machine: {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}"
+    )
+    rows = [
+        "| tokenizer | workers | tokens | seconds | M tokens/s | input MB/s | docs/s | "
+        "x Megatron-LM | library alone, M tokens/s |",
+        "|---" * 9 + "|",
+    ]
     for name in args.tokenizers:
         kwargs = dict(TOKENIZERS[name])
         if name == "sentencepiece":
             kwargs["tokenizer_model"] = sentencepiece_model(cache, corpus, args.sp_vocab)
         flags = ["--tokenizer-type", kwargs["kind"]]
-        flags += ["--tokenizer-model", kwargs["tokenizer_model"]] if "tokenizer_model" in kwargs \
-            else []
+        flags += ["--tokenizer-model", kwargs["tokenizer_model"]] if "tokenizer_model" in kwargs else []
         out = cache / "out" / name
         for workers in args.workers:
             best = preprocess_rate(corpus, out, flags, workers, args)
             rate = best["tokens"] / best["seconds"] / 1e6
-            ratio = f"{rate / MEGATRON_LM_REFERENCE[workers]:.1f}x" \
-                if name == "gpt2" and workers in MEGATRON_LM_REFERENCE else "-"
-            rows.append(f"| {name} | {workers} | {best['tokens']:,} | {best['seconds']:.2f} | "
-                        f"{rate:.2f} | {best['input_bytes'] / best['seconds'] / 1e6:.1f} | "
-                        f"{best['documents'] / best['seconds']:,.0f} | {ratio} | "
-                        f"{library_rate(kwargs, texts, workers):.2f} |")
-        same = all(filecmp.cmp(out / f"w{args.workers[0]}_text_document{s}",
-                               out / f"w{w}_text_document{s}", shallow=False)
-                   for w in args.workers[1:] for s in (".bin", ".idx"))
+            ratio = (
+                f"{rate / MEGATRON_LM_REFERENCE[workers]:.1f}x"
+                if name == "gpt2" and workers in MEGATRON_LM_REFERENCE
+                else "-"
+            )
+            rows.append(
+                f"| {name} | {workers} | {best['tokens']:,} | {best['seconds']:.2f} | "
+                f"{rate:.2f} | {best['input_bytes'] / best['seconds'] / 1e6:.1f} | "
+                f"{best['documents'] / best['seconds']:,.0f} | {ratio} | "
+                f"{library_rate(kwargs, texts, workers):.2f} |"
+            )
+        same = all(
+            filecmp.cmp(out / f"w{args.workers[0]}_text_document{s}", out / f"w{w}_text_document{s}", shallow=False)
+            for w in args.workers[1:]
+            for s in (".bin", ".idx")
+        )
         print(f"{name}: outputs for workers {args.workers} byte-identical: {same}")
     print("\n".join(rows))
     print(f"load average after: {os.getloadavg()[0]:.1f}")

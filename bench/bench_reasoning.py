@@ -31,10 +31,14 @@ from tqdm import tqdm
 from lime_megatron.cli.main_job import tool_command
 
 MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
-SHAPES = {"aet": "--num-layers 4 --hidden-size 32 --ffn-hidden-size 128 --num-attention-heads 4",
-          "prosqa": "--num-layers 4 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4"}
-SCHEDULE = ("--lr 1e-3 --min-lr 0 --lr-decay-style linear --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 "
-            "--clip-grad 1.0 --split 100,0,0 --eval-iters 0 --log-interval 100")
+SHAPES = {
+    "aet": "--num-layers 4 --hidden-size 32 --ffn-hidden-size 128 --num-attention-heads 4",
+    "prosqa": "--num-layers 4 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4",
+}
+SCHEDULE = (
+    "--lr 1e-3 --min-lr 0 --lr-decay-style linear --weight-decay 0.1 --adam-beta1 0.9 --adam-beta2 0.95 "
+    "--clip-grad 1.0 --split 100,0,0 --eval-iters 0 --log-interval 100"
+)
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -66,27 +70,91 @@ def make_data(args: argparse.Namespace, out: Path) -> tuple[Path, list[str]]:
     log, prefix = out / "data.log", out / "train"
     if args.task == "aet":
         train, test = out / "train.jsonl", out / "test.jsonl"
-        steps = [["make_arithmetic_data", "--output", str(train), "--num-samples",
-                  str(args.train_samples or 150000), "--min-operands", "4", "--max-operands", "6", "--no-progress",
-                  "--test-output", str(test), "--test-samples", str(args.test_samples)]]
+        steps = [
+            [
+                "make_arithmetic_data",
+                "--output",
+                str(train),
+                "--num-samples",
+                str(args.train_samples or 150000),
+                "--min-operands",
+                "4",
+                "--max-operands",
+                "6",
+                "--no-progress",
+                "--test-output",
+                str(test),
+                "--test-samples",
+                str(args.test_samples),
+            ]
+        ]
     else:
         train, test = out / "prosqa_train.jsonl", out / "prosqa_test.json"
-        steps = [["make_prosqa_data", "--output-dir", str(out), "--train-samples",
-                  str(args.train_samples or 6000), "--test-samples", str(args.test_samples),
-                  "--num-concepts", str(args.num_concepts), "--min-hops", str(args.min_hops)]]
-    tokenizer = ["--tokenizer-type", "SentencePieceTokenizer", "--tokenizer-model",
-                 str(out / "tokenizer" / "tokenizer.model"), "--make-vocab-size-divisible-by", "64"]
+        steps = [
+            [
+                "make_prosqa_data",
+                "--output-dir",
+                str(out),
+                "--train-samples",
+                str(args.train_samples or 6000),
+                "--test-samples",
+                str(args.test_samples),
+                "--num-concepts",
+                str(args.num_concepts),
+                "--min-hops",
+                str(args.min_hops),
+            ]
+        ]
+    tokenizer = [
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        str(out / "tokenizer" / "tokenizer.model"),
+        "--make-vocab-size-divisible-by",
+        "64",
+    ]
     # AET: the task's 18 characters and merges; ProsQA: byte fallback keeps the newlines between steps.
     vocabulary = ["48", "--no-byte-fallback"] if args.task == "aet" else ["512"]
-    steps += [["train_tokenizer", "--input", str(train), "--kind", "sentencepiece", "--vocab-size",
-               *vocabulary, "--character-coverage", "1.0", "--output-dir", str(out / "tokenizer"), "--no-progress"],
-              ["preprocess_data", "--input", str(train), "--output-prefix", str(prefix), "--prompt-key",
-               "prompt", "--json-keys", "response", "--no-progress", *tokenizer]]
+    steps += [
+        [
+            "train_tokenizer",
+            "--input",
+            str(train),
+            "--kind",
+            "sentencepiece",
+            "--vocab-size",
+            *vocabulary,
+            "--character-coverage",
+            "1.0",
+            "--output-dir",
+            str(out / "tokenizer"),
+            "--no-progress",
+        ],
+        [
+            "preprocess_data",
+            "--input",
+            str(train),
+            "--output-prefix",
+            str(prefix),
+            "--prompt-key",
+            "prompt",
+            "--json-keys",
+            "response",
+            "--no-progress",
+            *tokenizer,
+        ],
+    ]
     if not Path(f"{prefix}_response_document.idx").exists():
         for step in steps:
             run_tool(step, log)
-    return test, ["--sft", "--data-path", f"{prefix}_response_document", "--data-cache-path", str(out / "cache"),
-                  *tokenizer]
+    return test, [
+        "--sft",
+        "--data-path",
+        f"{prefix}_response_document",
+        "--data-cache-path",
+        str(out / "cache"),
+        *tokenizer,
+    ]
 
 
 def sequence_length(prefix: str) -> tuple[int, int]:
@@ -107,19 +175,45 @@ def train_and_score(args, out: Path, name: str, seed: int, data_flags: list[str]
         return json.loads(result_file.read_text())
     log = out / f"{name.lower()}-{seed}.log"
     start = time.perf_counter()
-    run_tool(["pretrain", *SHAPES[args.task].split(), *SCHEDULE.split(), *MODELS[name], *data_flags,
-              "--seq-length", str(seq), "--micro-batch-size", str(args.batch_size), "--global-batch-size",
-              str(args.batch_size), "--train-iters", str(args.train_iters), "--lr-warmup-iters",
-              str(max(1, args.train_iters // 20)), "--seed", str(seed), "--save", str(run),
-              "--metrics-file", str(run) + ".jsonl"], log)
+    run_tool(
+        [
+            "pretrain",
+            *SHAPES[args.task].split(),
+            *SCHEDULE.split(),
+            *MODELS[name],
+            *data_flags,
+            "--seq-length",
+            str(seq),
+            "--micro-batch-size",
+            str(args.batch_size),
+            "--global-batch-size",
+            str(args.batch_size),
+            "--train-iters",
+            str(args.train_iters),
+            "--lr-warmup-iters",
+            str(max(1, args.train_iters // 20)),
+            "--seed",
+            str(seed),
+            "--save",
+            str(run),
+            "--metrics-file",
+            str(run) + ".jsonl",
+        ],
+        log,
+    )
     seconds = time.perf_counter() - start
     scores = out / f"scores-{name.lower()}-{seed}.json"
     task = ["--task", "prosqa", "--max-new-tokens", "96"] if args.task == "prosqa" else ["--max-new-tokens", "64"]
-    run_tool(["score_generation", str(run), "--test-file", str(test), "--output", str(scores),
-              "--no-progress", *task], log)
+    run_tool(
+        ["score_generation", str(run), "--test-file", str(test), "--output", str(scores), "--no-progress", *task], log
+    )
     last = json.loads((Path(str(run) + ".jsonl")).read_text().splitlines()[-1])
-    result = {"tiers": {str(t["group"]): t["accuracy"] for t in json.loads(scores.read_text())["tiers"]},
-              "seconds": seconds, "loss": last["lm_loss"], "epoch": last.get("epoch")}
+    result = {
+        "tiers": {str(t["group"]): t["accuracy"] for t in json.loads(scores.read_text())["tiers"]},
+        "seconds": seconds,
+        "loss": last["lm_loss"],
+        "epoch": last.get("epoch"),
+    }
     result_file.write_text(json.dumps(result))
     return result
 
@@ -133,8 +227,9 @@ def report(results: dict, seeds: list[int]) -> None:
     """Per group (tier, or answer/steps): each model's accuracy per seed, mean ± sample standard
     deviation over seeds, and the LIMe - LLaMA gap of the means."""
     groups = list(next(iter(results.values()))["tiers"])
-    print(f"\n{'group':>8} {'model':>6} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds)
-          + f" {'mean ± sd (%)':>14}")
+    print(
+        f"\n{'group':>8} {'model':>6} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds) + f" {'mean ± sd (%)':>14}"
+    )
     for group in groups:
         means = {}
         for name in MODELS:
@@ -144,8 +239,12 @@ def report(results: dict, seeds: list[int]) -> None:
         print(f"{group:>8} {'gap':>6} {'':>{9 * len(seeds)}}{100 * (means['LIMe'] - means['LLaMA']):+6.1f} points")
     for name in MODELS:
         runs = [results[(name, seed)] for seed in seeds]
-        print(f"{name:>6}: final train loss " + ", ".join(f"{r['loss']:.3f}" for r in runs)
-              + f"; epochs {runs[0]['epoch']:.2f}; training " + ", ".join(f"{r['seconds']:.0f} s" for r in runs))
+        print(
+            f"{name:>6}: final train loss "
+            + ", ".join(f"{r['loss']:.3f}" for r in runs)
+            + f"; epochs {runs[0]['epoch']:.2f}; training "
+            + ", ".join(f"{r['seconds']:.0f} s" for r in runs)
+        )
 
 
 def main(argv=None) -> None:
@@ -154,8 +253,10 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     test, data_flags = make_data(args, out)
     seq, examples = sequence_length(data_flags[2])
-    print(f"{args.task}: {examples:,} training examples, sequence {seq}, {args.train_iters} iterations of "
-          f"{args.batch_size} ({args.train_iters * args.batch_size / examples:.2f} epochs) per run")
+    print(
+        f"{args.task}: {examples:,} training examples, sequence {seq}, {args.train_iters} iterations of "
+        f"{args.batch_size} ({args.train_iters * args.batch_size / examples:.2f} epochs) per run"
+    )
     runs = [(name, seed) for seed in args.seeds for name in MODELS]
     results = {}
     for name, seed in tqdm(runs, desc="runs", unit="run"):

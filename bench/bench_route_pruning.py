@@ -47,8 +47,14 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-iters", type=int, default=200)
     parser.add_argument("--prune-iter", type=int, default=100)
     parser.add_argument("--num-samples", type=int, default=20000)
-    parser.add_argument("--pipeline", type=int, nargs=2, default=[4, 2], metavar=("P", "V"),
-                        help="pipeline and virtual stages of the split whose hop bytes are reported")
+    parser.add_argument(
+        "--pipeline",
+        type=int,
+        nargs=2,
+        default=[4, 2],
+        metavar=("P", "V"),
+        help="pipeline and virtual stages of the split whose hop bytes are reported",
+    )
     parser.add_argument("--output-dir", default=None)
     return parser.parse_args(argv)
 
@@ -57,9 +63,23 @@ def trainer_flags(args, data_flags: list[str], router: str, save: Path) -> list[
     options = list(main_job.TRAINER_OPTIONS)
     options[options.index("--num-layers") + 1] = str(args.num_layers)
     options[options.index("--eval-interval") + 1] = str(args.prune_iter)
-    return [*options, *data_flags, "--lime", "--lime-router", router, "--train-iters", str(args.train_iters),
-            "--lr-warmup-iters", str(main_job.warmup_iters(args.train_iters)), "--lime-routing-block", "1",
-            "--save", str(save), "--save-interval", str(args.train_iters)]
+    return [
+        *options,
+        *data_flags,
+        "--lime",
+        "--lime-router",
+        router,
+        "--train-iters",
+        str(args.train_iters),
+        "--lr-warmup-iters",
+        str(main_job.warmup_iters(args.train_iters)),
+        "--lime-routing-block",
+        "1",
+        "--save",
+        str(save),
+        "--save-interval",
+        str(args.train_iters),
+    ]
 
 
 def final_model_bytes(checkpoint: Path, pipeline_split: tuple[int, int]) -> tuple[int, int]:
@@ -89,12 +109,22 @@ def measure(args, data_flags: list[str], out: Path, router: str) -> dict:
         runs[pruned] = (trainer.train(trainer_flags(args, data_flags, router, save) + prune), save)
     (plain, plain_dir), (pruned, pruned_dir) = runs[False], runs[True]
     routes, masked = pruned.pruned_routes
-    (reads_plain, hops_plain), (reads_pruned, hops_pruned) = (final_model_bytes(save, tuple(args.pipeline))
-                                                              for save in (plain_dir, pruned_dir))
-    return dict(router=router, share=masked / routes, routes=routes,
-                before=plain.validation[args.prune_iter], after=pruned.validation[args.prune_iter],
-                end_plain=plain.validation[args.train_iters], end_pruned=pruned.validation[args.train_iters],
-                reads_plain=reads_plain, reads_pruned=reads_pruned, hops_plain=hops_plain, hops_pruned=hops_pruned)
+    (reads_plain, hops_plain), (reads_pruned, hops_pruned) = (
+        final_model_bytes(save, tuple(args.pipeline)) for save in (plain_dir, pruned_dir)
+    )
+    return dict(
+        router=router,
+        share=masked / routes,
+        routes=routes,
+        before=plain.validation[args.prune_iter],
+        after=pruned.validation[args.prune_iter],
+        end_plain=plain.validation[args.train_iters],
+        end_pruned=pruned.validation[args.train_iters],
+        reads_plain=reads_plain,
+        reads_pruned=reads_pruned,
+        hops_plain=hops_plain,
+        hops_pruned=hops_pruned,
+    )
 
 
 COLUMNS = [
@@ -114,8 +144,10 @@ COLUMNS = [
 
 
 def print_results(rows: list[dict], args) -> None:
-    print(f"\n{args.num_layers} layers, top-p {args.top_p} after iteration {args.prune_iter} of {args.train_iters}; "
-          f"hops: K/V per sequence over PP{args.pipeline[0]} x VPP{args.pipeline[1]}, forward")
+    print(
+        f"\n{args.num_layers} layers, top-p {args.top_p} after iteration {args.prune_iter} of {args.train_iters}; "
+        f"hops: K/V per sequence over PP{args.pipeline[0]} x VPP{args.pipeline[1]}, forward"
+    )
     print_table(COLUMNS, rows)
 
 
@@ -128,8 +160,10 @@ def main(argv=None) -> list[dict]:
     masked = ", ".join(f"{r['router']} {100 * r['share']:.1f}%" for r in rows)
     change = ", ".join(f"{r['router']} {r['after'] - r['before']:+.4f}" for r in rows)
     saved = ", ".join(f"{r['router']} {100 * (1 - r['hops_pruned'] / r['hops_plain']):.1f}%" for r in rows)
-    print(f"\nsummary: masked {masked} of the routes; validation loss change at pruning {change}; pipeline "
-          f"K/V bytes saved {saved}; written under {out}")
+    print(
+        f"\nsummary: masked {masked} of the routes; validation loss change at pruning {change}; pipeline "
+        f"K/V bytes saved {saved}; written under {out}"
+    )
     return rows
 
 

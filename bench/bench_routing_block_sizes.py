@@ -55,8 +55,9 @@ def candidate_blocks(num_layers: int, chosen: int) -> list[int]:
 def measure(args, num_layers: int, kv_heads: int) -> list[dict]:
     chosen = chosen_block(args, num_layers, kv_heads)
     layers, row, size, machine = range(num_layers), row_elements(args), element_size(args), machine_balance(args)
-    baseline = baseline_work(shape_config(args, num_layers, kv_heads, lime=True), layers, args.seq_length,
-                             args.micro_batch_size, machine)
+    baseline = baseline_work(
+        shape_config(args, num_layers, kv_heads, lime=True), layers, args.seq_length, args.micro_batch_size, machine
+    )
     blocks = candidate_blocks(num_layers, chosen)
     models = {"base": build(args, num_layers, kv_heads, False)}
     models.update({block: build(args, num_layers, kv_heads, True, block) for block in blocks})
@@ -66,8 +67,17 @@ def measure(args, num_layers: int, kv_heads: int) -> list[dict]:
     for block in blocks:
         ratio, spread = paired_ratio(times, block)
         roofline = routing_step_seconds(layers, kv_heads, block, row, size, machine, baseline=baseline) / per_layer
-        rows.append(dict(layers=num_layers, kv_heads=kv_heads, block=block, ratio=ratio, spread=spread,
-                         roofline=roofline, chosen=block == chosen))
+        rows.append(
+            dict(
+                layers=num_layers,
+                kv_heads=kv_heads,
+                block=block,
+                ratio=ratio,
+                spread=spread,
+                roofline=roofline,
+                chosen=block == chosen,
+            )
+        )
     fastest = min(rows, key=lambda row: row["ratio"])
     for row in rows:
         row["fastest"] = row is fastest
@@ -95,9 +105,11 @@ def main(argv=None) -> list[dict]:
     chosen = {(r["layers"], r["kv_heads"]): r for r in rows if r["chosen"]}
     fastest = {(r["layers"], r["kv_heads"]): r for r in rows if r["fastest"]}
     close = [key for key in settings if chosen[key]["ratio"] - fastest[key]["ratio"] <= chosen[key]["spread"]]
-    print(f"\nsummary: {len(settings)} settings; the roofline's B is the fastest or within one IQR of it "
-          f"in {len(close)}; worst gap {max(chosen[k]['ratio'] - fastest[k]['ratio'] for k in settings):.3f} "
-          "of the baseline's time")
+    print(
+        f"\nsummary: {len(settings)} settings; the roofline's B is the fastest or within one IQR of it "
+        f"in {len(close)}; worst gap {max(chosen[k]['ratio'] - fastest[k]['ratio'] for k in settings):.3f} "
+        "of the baseline's time"
+    )
     return rows
 
 

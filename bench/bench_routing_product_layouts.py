@@ -44,7 +44,8 @@ def measure(outputs: int, sources: int, kv: int, head_dim: int, positions: int, 
     grad = torch.randn(outputs, positions * head_dim)
     flops = 2.0 * outputs * sources * kv * positions * head_dim
     return dict(
-        outputs=outputs, sources=sources,
+        outputs=outputs,
+        sources=sources,
         rows=gflops(lambda: routing_product("bench", narrow, rows), flops, repeats),
         attention=gflops(lambda: routing_product_attention_layout("bench", narrow, rows, head_dim), flops, repeats),
         weight_grad=gflops(lambda: grad @ rows.t(), flops, repeats),
@@ -58,15 +59,29 @@ def main(argv=None) -> list[dict]:
     parser.add_argument("--positions", type=int, default=2 * 256 * 2, help="2 * seq * batch")
     parser.add_argument("--repeats", type=int, default=7)
     args = parser.parse_args(argv)
-    cases = [(args.kv_heads, 10), (args.kv_heads, 127), (10 * args.kv_heads, 10), (10 * args.kv_heads, 64),
-             (10 * args.kv_heads, 127)]
+    cases = [
+        (args.kv_heads, 10),
+        (args.kv_heads, 127),
+        (10 * args.kv_heads, 10),
+        (10 * args.kv_heads, 64),
+        (10 * args.kv_heads, 127),
+    ]
     rows = [measure(r, k, args.kv_heads, args.head_dim, args.positions, args.repeats) for r, k in cases]
-    print_table([("outputs r", field("outputs")), ("source layers", field("sources")),
-                 ("rows [r,N] GF/s", field("rows", ".1f")), ("attention [2sb,r,d] GF/s", field("attention", ".1f")),
-                 ("weight grad GF/s", field("weight_grad", ".1f"))], rows)
+    print_table(
+        [
+            ("outputs r", field("outputs")),
+            ("source layers", field("sources")),
+            ("rows [r,N] GF/s", field("rows", ".1f")),
+            ("attention [2sb,r,d] GF/s", field("attention", ".1f")),
+            ("weight grad GF/s", field("weight_grad", ".1f")),
+        ],
+        rows,
+    )
     gains = [row["attention"] / row["rows"] for row in rows]
-    print(f"\nsummary: attention layout / rows {min(gains):.2f}-{max(gains):.2f}x over {len(rows)} shapes "
-          f"({torch.get_num_threads()} threads)")
+    print(
+        f"\nsummary: attention layout / rows {min(gains):.2f}-{max(gains):.2f}x over {len(rows)} shapes "
+        f"({torch.get_num_threads()} threads)"
+    )
     return rows
 
 

@@ -43,8 +43,10 @@ def live_counts() -> tuple[int, int, int]:
 
 def batches(generator: torch.Generator) -> list[dict]:
     tokens = torch.randint(VOCAB, (MICRO_BATCHES, 1, SEQ + 1), generator=generator)
-    return [dict(tokens=t[:, :-1], labels=t[:, 1:], position_ids=torch.arange(SEQ)[None],
-                 loss_mask=torch.ones(1, SEQ)) for t in tokens]
+    return [
+        dict(tokens=t[:, :-1], labels=t[:, 1:], position_ids=torch.arange(SEQ)[None], loss_mask=torch.ones(1, SEQ))
+        for t in tokens
+    ]
 
 
 def rank_main(rank: int, port: int, steps: int, out) -> None:
@@ -62,9 +64,16 @@ def rank_main(rank: int, port: int, steps: int, out) -> None:
     store = torch.distributed.TCPStore("127.0.0.1", port, is_master=False, timeout=timedelta(minutes=5))
     torch.distributed.init_process_group("gloo", store=store, rank=rank, world_size=WORLD)
     initialize_parallel(pipeline_model_parallel_size=WORLD)
-    config = lime_config(num_layers=LAYERS, hidden_size=HIDDEN, num_attention_heads=8, lime=True,
-                         pipeline_model_parallel_size=WORLD, pipeline_dtype=torch.float32,
-                         deallocate_pipeline_outputs=True, use_cpu_initialization=True)
+    config = lime_config(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        num_attention_heads=8,
+        lime=True,
+        pipeline_model_parallel_size=WORLD,
+        pipeline_dtype=torch.float32,
+        deallocate_pipeline_outputs=True,
+        use_cpu_initialization=True,
+    )
     chunks = build_model_chunks(config, VOCAB, SEQ)
     optimizer = build_optimizer(chunks, OptimizerConfig(optimizer="sgd", lr=1e-3, weight_decay=0.0, clip_grad=0.0))
     scheduler = build_scheduler(optimizer, LRSchedule(max_lr=1e-3, decay_iters=steps, decay_style="constant"))
@@ -94,12 +103,22 @@ def main(argv=None) -> None:
     rows = out.get()
     for process in processes:
         process.join()
-    print(f"PP{WORLD}, LIMe {LAYERS} layers x hidden {HIDDEN}, seq {SEQ}, {MICRO_BATCHES} micro-batches/step, "
-          "gc disabled; rank 0 after each step\n")
+    print(
+        f"PP{WORLD}, LIMe {LAYERS} layers x hidden {HIDDEN}, seq {SEQ}, {MICRO_BATCHES} micro-batches/step, "
+        "gc disabled; rank 0 after each step\n"
+    )
     keys = ("step", "memories", "kept", "sends", "resident")
-    print_table([("step", field("step")), ("live memories", field("memories")), ("kept blocks", field("kept")),
-                 ("pending sends", field("sends")), ("resident MiB", field("resident", ",.0f"))],
-                [dict(zip(keys, row)) for row in rows], markdown=True)
+    print_table(
+        [
+            ("step", field("step")),
+            ("live memories", field("memories")),
+            ("kept blocks", field("kept")),
+            ("pending sends", field("sends")),
+            ("resident MiB", field("resident", ",.0f")),
+        ],
+        [dict(zip(keys, row)) for row in rows],
+        markdown=True,
+    )
     first, last = rows[len(rows) // 2][-1], rows[-1][-1]
     print(f"\nresident memory over the second half of the run: {last - first:+,.0f} MiB")
 

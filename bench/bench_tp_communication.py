@@ -25,10 +25,20 @@ import torch.distributed as dist
 from tables import field, print_table
 
 # Counted collectives and their ring cost per rank, as a multiple of (n - 1) / n x tensor bytes.
-_COST = {"all_reduce": 2, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1,
-         "all_gather_into_tensor": 1, "_all_gather_base": 1}
-_SIZE_ARG = {"all_reduce": 0, "reduce_scatter_tensor": 1, "_reduce_scatter_base": 1,
-             "all_gather_into_tensor": 0, "_all_gather_base": 0}
+_COST = {
+    "all_reduce": 2,
+    "reduce_scatter_tensor": 1,
+    "_reduce_scatter_base": 1,
+    "all_gather_into_tensor": 1,
+    "_all_gather_base": 1,
+}
+_SIZE_ARG = {
+    "all_reduce": 0,
+    "reduce_scatter_tensor": 1,
+    "_reduce_scatter_base": 1,
+    "all_gather_into_tensor": 0,
+    "_all_gather_base": 0,
+}
 
 
 def count_collectives(counter: Counter):
@@ -44,6 +54,7 @@ def count_collectives(counter: Counter):
             owner = "lime" if caller.startswith("lime_megatron.models.lime.") else "megatron"
             counter[owner] += _COST[name] * (n - 1) / n * tensor.numel() * tensor.element_size()
             return function(*args, **kwargs)
+
         return counted
 
     for name, function in originals.items():
@@ -61,9 +72,15 @@ def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int
         for depth in depths:
             layout = Layout(tp=2)
             initialize_layout(layout)
-            config = lime_config(num_layers=depth, hidden_size=hidden, num_attention_heads=heads,
-                                 num_query_groups=kv_heads, use_cpu_initialization=True, lime=lime,
-                                 **layout_config_kwargs(layout))
+            config = lime_config(
+                num_layers=depth,
+                hidden_size=hidden,
+                num_attention_heads=heads,
+                num_query_groups=kv_heads,
+                use_cpu_initialization=True,
+                lime=lime,
+                **layout_config_kwargs(layout),
+            )
             model = build_model(config, vocab_size=128, max_sequence_length=seq)
             tokens = torch.randint(0, 128, (batch, seq))
             positions = torch.arange(seq).expand(batch, seq)
@@ -74,27 +91,35 @@ def measure(depths, hidden: int, heads: int, kv_heads: int, seq: int, batch: int
             finally:
                 for name, function in originals.items():
                     setattr(dist, name, function)
-            rows.append(dict(lime=lime, depth=depth, megatron=counter["megatron"] / depth,
-                             routing=counter["lime"] / depth))
+            rows.append(
+                dict(lime=lime, depth=depth, megatron=counter["megatron"] / depth, routing=counter["lime"] / depth)
+            )
     return rows
 
 
 def print_results(rows: list[dict], args) -> None:
     base = {r["depth"]: r["megatron"] for r in rows if not r["lime"]}
-    print(f"TP=2, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
-          f"{args.kv_heads} kv heads, seq {args.seq_length}, batch {args.micro_batch_size}, fp32; "
-          "KiB sent per rank per layer, forward+backward")
-    print_table([("layers", field("depth")),
-                 ("baseline TP", lambda row: f"{base[row['depth']] / 1024:.1f}"),
-                 ("LIMe: megatron", field("megatron", ".1f", 1024)),
-                 ("LIMe: routing", field("routing", ".1f", 1024)),
-                 ("routing/base", lambda row: f"{row['routing'] / base[row['depth']]:.3f}")],
-                [r for r in rows if r["lime"]])
+    print(
+        f"TP=2, hidden {args.hidden_size}, {args.num_attention_heads} heads, "
+        f"{args.kv_heads} kv heads, seq {args.seq_length}, batch {args.micro_batch_size}, fp32; "
+        "KiB sent per rank per layer, forward+backward"
+    )
+    print_table(
+        [
+            ("layers", field("depth")),
+            ("baseline TP", lambda row: f"{base[row['depth']] / 1024:.1f}"),
+            ("LIMe: megatron", field("megatron", ".1f", 1024)),
+            ("LIMe: routing", field("routing", ".1f", 1024)),
+            ("routing/base", lambda row: f"{row['routing'] / base[row['depth']]:.3f}"),
+        ],
+        [r for r in rows if r["lime"]],
+    )
 
 
 def worker(args):
-    rows = measure(args.depths, args.hidden_size, args.num_attention_heads, args.kv_heads,
-                   args.seq_length, args.micro_batch_size)
+    rows = measure(
+        args.depths, args.hidden_size, args.num_attention_heads, args.kv_heads, args.seq_length, args.micro_batch_size
+    )
     return rows
 
 
@@ -111,9 +136,11 @@ def main(argv=None) -> None:
 
     rows = run_distributed(worker, 2, args)[0]
     print_results(rows, args)
-    print("\nsummary: LIMe routing sends one reduce-scatter of the partial routed K/V per layer "
-          "(forward, and again when backward rebuilds them) and one all-gather of their gradient; "
-          "the amount per layer does not depend on depth.")
+    print(
+        "\nsummary: LIMe routing sends one reduce-scatter of the partial routed K/V per layer "
+        "(forward, and again when backward rebuilds them) and one all-gather of their gradient; "
+        "the amount per layer does not depend on depth."
+    )
 
 
 if __name__ == "__main__":

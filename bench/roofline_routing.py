@@ -32,11 +32,19 @@ KERNEL_BOUND_H100 = replace(H100_SXM, seconds_per_operator=0.0)
 PAPER_TABLE_9 = {(16, 32): "+10.5%", (16, 8): "+1.2-1.6%"}  # LIMe step-time overhead over LLaMA, H100
 
 
-def projected_overhead(num_layers: int, kv_heads: int, block: int, seq: int, mfu: float,
-                       rebuild: bool = False) -> float:
-    config = lime_config(num_layers=num_layers, hidden_size=2048, num_attention_heads=32, num_query_groups=kv_heads,
-                         ffn_hidden_size=8192, params_dtype=torch.bfloat16, use_cpu_initialization=True,
-                         lime_recompute_routed_kv=rebuild)
+def projected_overhead(
+    num_layers: int, kv_heads: int, block: int, seq: int, mfu: float, rebuild: bool = False
+) -> float:
+    config = lime_config(
+        num_layers=num_layers,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=kv_heads,
+        ffn_hidden_size=8192,
+        params_dtype=torch.bfloat16,
+        use_cpu_initialization=True,
+        lime_recompute_routed_kv=rebuild,
+    )
     vocab = 50304
     routing_flops = router_flops_per_token(config)
     base_flops = forward_flops_per_token(config, seq, vocab) - routing_flops
@@ -60,11 +68,29 @@ def main(argv=None) -> None:
             block = routing_block_size(range(layers), kv, 2 * args.seq_length * 64, 2, KERNEL_BOUND_H100)  # head dim 64
             per_layer, blocked = (projected_overhead(layers, kv, b, args.seq_length, args.mfu) for b in (1, block))
             rebuilt = projected_overhead(layers, kv, block, args.seq_length, args.mfu, rebuild=True)
-            rows.append(dict(layers=layers, kv_heads=kv, block=block, per_layer=per_layer, blocked=blocked,
-                             rebuilt=rebuilt, paper=PAPER_TABLE_9.get((layers, kv), "-")))
-    print_table([("layers", field("layers")), ("kv", field("kv_heads")), ("B", field("block")),
-                 ("B=1 overhead", field("per_layer", ".1%")), ("blocked", field("blocked", ".1%")),
-                 ("blocked, rebuilt", field("rebuilt", ".1%")), ("paper Table 9", field("paper"))], rows)
+            rows.append(
+                dict(
+                    layers=layers,
+                    kv_heads=kv,
+                    block=block,
+                    per_layer=per_layer,
+                    blocked=blocked,
+                    rebuilt=rebuilt,
+                    paper=PAPER_TABLE_9.get((layers, kv), "-"),
+                )
+            )
+    print_table(
+        [
+            ("layers", field("layers")),
+            ("kv", field("kv_heads")),
+            ("B", field("block")),
+            ("B=1 overhead", field("per_layer", ".1%")),
+            ("blocked", field("blocked", ".1%")),
+            ("blocked, rebuilt", field("rebuilt", ".1%")),
+            ("paper Table 9", field("paper")),
+        ],
+        rows,
+    )
 
 
 if __name__ == "__main__":

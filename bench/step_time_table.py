@@ -46,8 +46,14 @@ def parse_args(argv=None) -> argparse.Namespace:
 def run_config(model: str, depth: int, world_size: int, layout: tuple[int, int] | None) -> RunConfig:
     """The run of examples/{model}_deep{depth}.yaml at ``layout`` (PP, VPP; layers split
     evenly), or at the example's own layout (None)."""
-    argv = ["--config", str(EXAMPLES / f"{model}_deep{depth}.yaml"), "--dry-run", "--mock-data",
-            "--dry-run-world-size", str(world_size)]
+    argv = [
+        "--config",
+        str(EXAMPLES / f"{model}_deep{depth}.yaml"),
+        "--dry-run",
+        "--mock-data",
+        "--dry-run-world-size",
+        str(world_size),
+    ]
     if layout is not None:
         pp, vpp = layout
         argv += ["--pipeline-model-parallel-size", str(pp), "--num-virtual-stages-per-pipeline-rank", str(vpp)]
@@ -63,9 +69,14 @@ def pipeline_of(model: str, depth: int, world_size: int, layout, compute_tflops:
     run = run_config(model, depth, world_size, layout)
     config = arguments.transformer_config(run)
     m = run.training.num_microbatches
-    work = pipeline_work(config, vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
-                         seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size,
-                         num_microbatches=m, compute_tflops=compute_tflops)
+    work = pipeline_work(
+        config,
+        vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
+        seq_length=run.model.seq_length,
+        micro_batch_size=run.training.micro_batch_size,
+        num_microbatches=m,
+        compute_tflops=compute_tflops,
+    )
     return config, m, work
 
 
@@ -97,12 +108,24 @@ def main(argv=None) -> None:
         for link in (NVLINK, INFINIBAND):
             (lime, exposed), (llama, _) = (step_time(work, link).as_run(overlapped) for work in (lime_work, llama_work))
             bubble = step_time(lime_work, link).bubble
-            rows.append(dict(layers=depth, layout=name, microbatches=m,
-                             transfers="overlapped" if overlapped else "blocking", link=link.name,
-                             llama=1e3 * llama, lime=1e3 * lime, over=100 * (lime / llama - 1),
-                             bubble=100 * bubble, exposed=1e3 * exposed))
-    print(f"world {options.world_size} GPUs, {options.compute_tflops:g} TFLOP/s per GPU; iteration times in ms, "
-          "transfers as the run does them\n")
+            rows.append(
+                dict(
+                    layers=depth,
+                    layout=name,
+                    microbatches=m,
+                    transfers="overlapped" if overlapped else "blocking",
+                    link=link.name,
+                    llama=1e3 * llama,
+                    lime=1e3 * lime,
+                    over=100 * (lime / llama - 1),
+                    bubble=100 * bubble,
+                    exposed=1e3 * exposed,
+                )
+            )
+    print(
+        f"world {options.world_size} GPUs, {options.compute_tflops:g} TFLOP/s per GPU; iteration times in ms, "
+        "transfers as the run does them\n"
+    )
     print_table(COLUMNS, rows, markdown=True)
 
 

@@ -38,5 +38,6 @@ def requires_extra(extra: str) -> Iterator[None]:
     except MissingExtraError:
         raise
     except ModuleNotFoundError as error:
-        raise MissingExtraError(f"{error.name} is not installed; it comes with lime-megatron's {extra} extra: "
-                                f"{command}", name=error.name) from error
+        raise MissingExtraError(
+            f"{error.name} is not installed; it comes with lime-megatron's {extra} extra: {command}", name=error.name
+        ) from error

@@ -118,8 +118,9 @@ class TimedShape:
 TIMED_SHAPES = (
     TimedShape("1B GQA-8", dict(PAPER_1B, num_query_groups=8), 4, 2048, 0.01),
     TimedShape("1B MHA", dict(PAPER_1B, num_query_groups=32), 4, 2048, 0.03),
-    TimedShape("deep-128", dict(num_layers=128, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8),
-               4, 2048, 0.03),
+    TimedShape(
+        "deep-128", dict(num_layers=128, hidden_size=512, ffn_hidden_size=2048, num_attention_heads=8), 4, 2048, 0.03
+    ),
 )
 LOCAL_SPEC_MICRO_BATCH = 1
 """The micro batch of the timed shapes with ``--spec local``: megatron's unfused attention keeps each
@@ -158,9 +159,11 @@ def copy_weights(source: torch.nn.Module, target: torch.nn.Module) -> None:
     Raises ValueError naming the parameters that do not match one to one, or differ in shape."""
     sources, targets = local_named(source.named_parameters()), local_named(target.named_parameters())
     if sources.keys() != targets.keys():
-        raise ValueError(f"parameters differ between the specs: only in the source "
-                         f"{sorted(sources.keys() - targets.keys())}, only in the target "
-                         f"{sorted(targets.keys() - sources.keys())}")
+        raise ValueError(
+            f"parameters differ between the specs: only in the source "
+            f"{sorted(sources.keys() - targets.keys())}, only in the target "
+            f"{sorted(targets.keys() - sources.keys())}"
+        )
     shapes = [name for name in sources if sources[name].shape != targets[name].shape]
     if shapes:
         differ = [(name, tuple(sources[name].shape), tuple(targets[name].shape)) for name in shapes]
@@ -212,15 +215,19 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return diff / scale if scale > 0 else diff
 
 
-def compare_gradients(check: str, model: str, actual: dict[str, torch.Tensor],
-                      expected: dict[str, torch.Tensor], tolerance: float) -> list[Row]:
+def compare_gradients(
+    check: str, model: str, actual: dict[str, torch.Tensor], expected: dict[str, torch.Tensor], tolerance: float
+) -> list[Row]:
     """One row per parameter: relative error of ``actual`` against ``expected`` (same names).
     Raises ValueError naming the parameters missing on either side."""
     if actual.keys() != expected.keys():
-        raise ValueError(f"gradients differ in names: missing {sorted(expected.keys() - actual.keys())}, "
-                         f"unexpected {sorted(actual.keys() - expected.keys())}")
-    return [Row(check, model, f"grad {name}", relative_error(actual[name], expected[name]), tolerance)
-            for name in expected]
+        raise ValueError(
+            f"gradients differ in names: missing {sorted(expected.keys() - actual.keys())}, "
+            f"unexpected {sorted(actual.keys() - expected.keys())}"
+        )
+    return [
+        Row(check, model, f"grad {name}", relative_error(actual[name], expected[name]), tolerance) for name in expected
+    ]
 
 
 POOLED_HYPER_CONNECTIONS = "hyper-connection parameters (one vector)"
@@ -244,17 +251,29 @@ def summarize_gradients(rows: list[Row]) -> list[Row]:
         if group:
             worst = max(group, key=lambda row: row.value if math.isfinite(row.value) else math.inf)
             if worst not in kept:
-                kept.append(dataclasses.replace(worst, quantity=f"worst of {len(group)} {'router ' if routers else ''}"
-                                                f"grads: {worst.quantity[5:]}"))
+                kept.append(
+                    dataclasses.replace(
+                        worst,
+                        quantity=f"worst of {len(group)} {'router ' if routers else ''}grads: {worst.quantity[5:]}",
+                    )
+                )
     return kept
 
 
 def format_table(rows: list[Row]) -> str:
     """The rows as one fixed-width table."""
     header = ("check", "model", "quantity", "value", "limit", "status")
-    cells = [header] + [(row.check, row.model, row.quantity, _number(row.value),
-                         "" if row.limit is None else (">= " if row.lower_bound else "<= ") + _number(row.limit),
-                         row.status) for row in rows]
+    cells = [header] + [
+        (
+            row.check,
+            row.model,
+            row.quantity,
+            _number(row.value),
+            "" if row.limit is None else (">= " if row.lower_bound else "<= ") + _number(row.limit),
+            row.status,
+        )
+        for row in rows
+    ]
     widths = [max(len(line[i]) for line in cells) for i in range(len(header))]
     lines = ["  ".join(cell.ljust(width) for cell, width in zip(line, widths)).rstrip() for line in cells]
     return "\n".join([lines[0], "-" * len(lines[0])] + lines[1:])
@@ -304,9 +323,15 @@ def check_config(lime: bool, *, te: bool, bf16: bool, fusions_on: bool, machine:
     stays off: the checks run without DDP's ``main_grad``."""
     dtype = torch.bfloat16 if bf16 else torch.float32
     shape = {**CHECK_SHAPE, **overrides}
-    config = lime_config(lime=lime, bf16=bf16, params_dtype=dtype, pipeline_dtype=dtype,
-                         transformer_impl="transformer_engine" if te else "local",
-                         use_cpu_initialization=machine.device == "cpu", **shape)
+    config = lime_config(
+        lime=lime,
+        bf16=bf16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        transformer_impl="transformer_engine" if te else "local",
+        use_cpu_initialization=machine.device == "cpu",
+        **shape,
+    )
     platform = machine.platform() if fusions_on else Platform(cuda=False)
     choices = fusions.resolve(platform, config.transformer_impl, 1)
     choices = dataclasses.replace(choices, gradient_accumulation_fusion=Choice(False, "no DDP main_grad"))
@@ -374,8 +399,10 @@ def routed_kv_rows(label: str, config, drops: dict) -> list[Row]:
     routed K/V, ``lime_recompute_routed_kv``)."""
     predicted = drops_routed_kv(config, config.transformer_impl)
     wrong = [layer for layer, counts in drops.items() if bool(counts.dropped and not counts.kept) != predicted]
-    quantity = (f"layers whose routed K/V were {'kept' if predicted else 'dropped'} against the dry run's "
-                f"'{'dropped' if predicted else 'kept'}' ({len(drops)} logged)")
+    quantity = (
+        f"layers whose routed K/V were {'kept' if predicted else 'dropped'} against the dry run's "
+        f"'{'dropped' if predicted else 'kept'}' ({len(drops)} logged)"
+    )
     return [Row("routed K/V", label, quantity, len(wrong) if drops else math.inf, 0)]
 
 
@@ -407,8 +434,9 @@ def captured_log_messages() -> Iterator[list[str]]:
     handler = logging.Handler(logging.DEBUG)
     # a one-off handler: its emit replaced on the instance
     handler.emit = lambda record: messages.append(record.getMessage())  # type: ignore[method-assign]
-    loggers = [logging.getLogger()] + [logger for logger in logging.Logger.manager.loggerDict.values()
-                                       if isinstance(logger, logging.Logger)]
+    loggers = [logging.getLogger()] + [
+        logger for logger in logging.Logger.manager.loggerDict.values() if isinstance(logger, logging.Logger)
+    ]
     for logger in loggers:
         logger.addHandler(handler)
     try:
@@ -430,8 +458,9 @@ def train_losses(model, batches, lr: float = 1e-3) -> list[float]:
     return losses
 
 
-def check_fp8(lime: bool, tolerances: Tolerances, machine: Machine = GPU,
-              capability: tuple[int, int] | None = None) -> list[Row]:
+def check_fp8(
+    lime: bool, tolerances: Tolerances, machine: Machine = GPU, capability: tuple[int, int] | None = None
+) -> list[Row]:
     """FP8_STEPS steps with each FP8 recipe against bf16, from the same weights and batches
     (``capability``: the GPU's compute capability, asked from CUDA when None)."""
     label = "LIMe" if lime else "baseline"
@@ -445,8 +474,9 @@ def check_fp8(lime: bool, tolerances: Tolerances, machine: Machine = GPU,
     reference = train_losses(bf16, batches)
     rows = []
     for recipe in FP8_RECIPES:
-        config = check_config(lime, te=machine.te, bf16=True, fusions_on=True, machine=machine, fp8="hybrid",
-                              fp8_recipe=recipe)
+        config = check_config(
+            lime, te=machine.te, bf16=True, fusions_on=True, machine=machine, fp8="hybrid", fp8_recipe=recipe
+        )
         model = build(config, seq, machine)
         with torch.no_grad():
             for name, param in model.named_parameters():
@@ -462,26 +492,43 @@ def fp8_rows(check: str, label: str, losses: list[float], reference: list[float]
     never applied: the same losses as bf16)."""
     distance = max(abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(losses, reference))
     steps = len(losses)
-    return [Row(check, label, f"max rel. loss distance to bf16 over {steps} steps", distance, tolerances.fp8_loss),
-            Row(check, label, "FP8 changed the losses (distance to bf16)", distance, FP8_MIN_DISTANCE,
-                lower_bound=True)]
+    return [
+        Row(check, label, f"max rel. loss distance to bf16 over {steps} steps", distance, tolerances.fp8_loss),
+        Row(check, label, "FP8 changed the losses (distance to bf16)", distance, FP8_MIN_DISTANCE, lower_bound=True),
+    ]
 
 
-def training_rows(lime: bool, tolerances: Tolerances, world_size: int, machine: Machine = GPU,
-                  run: ShortRun = TRAINING_RUN) -> list[Row]:
+def training_rows(
+    lime: bool, tolerances: Tolerances, world_size: int, machine: Machine = GPU, run: ShortRun = TRAINING_RUN
+) -> list[Row]:
     """The training legs (``short_runs``): bf16 + distributed optimizer against float32 (the
     machine's spec), and with a world of 2 or more processes TP2 + SP and PP2 against data
     parallelism (float32, local spec); one skipped row for the layouts on a world of one."""
     label = "LIMe" if lime else "baseline"
     distance = short_runs.mixed_precision_difference(run, lime, machine.transformer_impl)
-    rows = [Row("bf16 training", label, f"Float16Module + dist. optimizer vs fp32, max rel. loss diff over "
-                f"{run.iterations} its", distance, tolerances.loss_bf16)]
+    rows = [
+        Row(
+            "bf16 training",
+            label,
+            f"Float16Module + dist. optimizer vs fp32, max rel. loss diff over {run.iterations} its",
+            distance,
+            tolerances.loss_bf16,
+        )
+    ]
     if world_size < 2 or world_size % 2:
-        return rows + [Row("layouts", label, f"skipped: TP2/PP2 need torchrun on 2k GPUs (world {world_size})",
-                           math.nan, None)]
+        return rows + [
+            Row("layouts", label, f"skipped: TP2/PP2 need torchrun on 2k GPUs (world {world_size})", math.nan, None)
+        ]
     for leg, difference in short_runs.layout_differences(run, lime).items():
-        rows.append(Row("layouts", label, f"{leg} vs DP{world_size} fp32, max rel. loss diff over "
-                        f"{run.iterations} its", difference, tolerances.layout_loss))
+        rows.append(
+            Row(
+                "layouts",
+                label,
+                f"{leg} vs DP{world_size} fp32, max rel. loss diff over {run.iterations} its",
+                difference,
+                tolerances.layout_loss,
+            )
+        )
     return rows
 
 
@@ -499,8 +546,9 @@ def _timed_step(model, batch) -> tuple[float, int]:
     return seconds, peak
 
 
-def time_shape(shape: TimedShape, peak_tflops: float | None, machine: Machine = GPU, warmup: int = 3,
-               repeats: int = 10) -> list[Row]:
+def time_shape(
+    shape: TimedShape, peak_tflops: float | None, machine: Machine = GPU, warmup: int = 3, repeats: int = 10
+) -> list[Row]:
     """LIMe and the baseline at ``shape`` with ``machine``'s spec, timed interleaved; rows of speed
     and memory."""
     models = {}
@@ -522,18 +570,31 @@ def time_shape(shape: TimedShape, peak_tflops: float | None, machine: Machine = 
         seconds = statistics.median(times[name])
         tflops = flops.training_flops_per_iteration(config, shape.seq, VOCAB, shape.micro_batch) / seconds / 1e12
         label = f"{shape.name} {name}"
-        rows += [Row("speed", label, "fwd+bwd ms (median)", seconds * 1e3),
-                 Row("speed", label, "tokens/s", tokens / seconds),
-                 Row("speed", label, "TFLOP/s (routers included)", tflops),
-                 Row("memory", label, "peak GiB (both models' weights resident)", peaks[name] / 2**30)]
+        rows += [
+            Row("speed", label, "fwd+bwd ms (median)", seconds * 1e3),
+            Row("speed", label, "tokens/s", tokens / seconds),
+            Row("speed", label, "TFLOP/s (routers included)", tflops),
+            Row("memory", label, "peak GiB (both models' weights resident)", peaks[name] / 2**30),
+        ]
         if peak_tflops:
             mfu = tflops / peak_tflops
-            rows.append(Row("speed", label, "MFU", mfu, MFU_TARGET if name == "LIMe" and "1B" in shape.name else None,
-                            lower_bound=True, enforced=False))
+            rows.append(
+                Row(
+                    "speed",
+                    label,
+                    "MFU",
+                    mfu,
+                    MFU_TARGET if name == "LIMe" and "1B" in shape.name else None,
+                    lower_bound=True,
+                    enforced=False,
+                )
+            )
     overhead = statistics.median(times["LIMe"]) / statistics.median(times["baseline"]) - 1
     memory = peaks["LIMe"] / peaks["baseline"] - 1
-    rows += [Row("speed", shape.name, "LIMe step-time overhead", overhead, shape.overhead_target, enforced=False),
-             Row("memory", shape.name, "LIMe peak memory over baseline", memory, MEMORY_TARGET, enforced=False)]
+    rows += [
+        Row("speed", shape.name, "LIMe step-time overhead", overhead, shape.overhead_target, enforced=False),
+        Row("memory", shape.name, "LIMe peak memory over baseline", memory, MEMORY_TARGET, enforced=False),
+    ]
     del models
     torch.cuda.empty_cache()
     return rows
@@ -561,9 +622,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--peak-tflops", type=float, help="dense bf16 peak of the GPU (default: from its name)")
     parser.add_argument("--skip-timing", action="store_true", help="correctness checks only")
-    parser.add_argument("--spec", choices=SPECS, default="transformer_engine",
-                        help="the candidates' layer spec: 'local' checks a GPU without TransformerEngine (megatron's "
-                             "own layers and fused kernels; the FP8 and attention-backend checks are skipped)")
+    parser.add_argument(
+        "--spec",
+        choices=SPECS,
+        default="transformer_engine",
+        help="the candidates' layer spec: 'local' checks a GPU without TransformerEngine (megatron's "
+        "own layers and fused kernels; the FP8 and attention-backend checks are skipped)",
+    )
     return parser.parse_args(argv)
 
 
@@ -571,8 +636,10 @@ def timed_shapes(machine: Machine) -> list[TimedShape]:
     """``TIMED_SHAPES``, at ``LOCAL_SPEC_MICRO_BATCH`` on the local spec (named so in the table)."""
     if machine.te:
         return list(TIMED_SHAPES)
-    return [dataclasses.replace(shape, name=f"{shape.name} mb{LOCAL_SPEC_MICRO_BATCH}",
-                                micro_batch=LOCAL_SPEC_MICRO_BATCH) for shape in TIMED_SHAPES]
+    return [
+        dataclasses.replace(shape, name=f"{shape.name} mb{LOCAL_SPEC_MICRO_BATCH}", micro_batch=LOCAL_SPEC_MICRO_BATCH)
+        for shape in TIMED_SHAPES
+    ]
 
 
 def all_checks(machine: Machine, skip_timing: bool, peak: float | None, world_size: int) -> list[Row]:
@@ -586,8 +653,9 @@ def all_checks(machine: Machine, skip_timing: bool, peak: float | None, world_si
         for lime in (True, False):
             rows += guarded("fp8", functools.partial(check_fp8, lime, TOLERANCES, machine))
     else:
-        rows.append(Row("fp8", "-", "skipped: FP8 and the attention backend need the TransformerEngine spec",
-                        math.nan, None))
+        rows.append(
+            Row("fp8", "-", "skipped: FP8 and the attention backend need the TransformerEngine spec", math.nan, None)
+        )
     if not skip_timing:
         for shape in timed_shapes(machine):
             rows += guarded(f"speed {shape.name}", functools.partial(time_shape, shape, peak, machine))
@@ -610,11 +678,21 @@ def main(argv=None) -> int:
     peak = args.peak_tflops or device_peak_tflops(name)
     platform = Platform.detect()
     machine = Machine(te=args.spec == "transformer_engine")
-    print(f"gpu_check on {name} (bf16 peak {peak or 'unknown'} TFLOP/s), {machine.transformer_impl} spec; "
-          f"{platform.describe()}", flush=True)
+    print(
+        f"gpu_check on {name} (bf16 peak {peak or 'unknown'} TFLOP/s), {machine.transformer_impl} spec; "
+        f"{platform.describe()}",
+        flush=True,
+    )
     if machine.te and not platform.te:
-        rows = [Row("setup", "-", f"TransformerEngine: {platform.te_problem} (--spec local checks without it)",
-                    math.nan, math.inf)]
+        rows = [
+            Row(
+                "setup",
+                "-",
+                f"TransformerEngine: {platform.te_problem} (--spec local checks without it)",
+                math.nan,
+                math.inf,
+            )
+        ]
     else:
         rows = all_checks(machine, args.skip_timing, peak, launch_world_size())
     if torch.distributed.get_rank() != 0:

@@ -29,15 +29,32 @@ def char_tokenizer(directory: Path) -> HuggingFaceTokenizer:
         "version": "1.0",
         "truncation": None,
         "padding": None,
-        "added_tokens": [{"id": len(CHARACTERS), "content": GPT2_EOD_TOKEN, "single_word": False, "lstrip": False,
-                          "rstrip": False, "normalized": False, "special": True}],
+        "added_tokens": [
+            {
+                "id": len(CHARACTERS),
+                "content": GPT2_EOD_TOKEN,
+                "single_word": False,
+                "lstrip": False,
+                "rstrip": False,
+                "normalized": False,
+                "special": True,
+            }
+        ],
         "normalizer": None,
         "pre_tokenizer": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
         "post_processor": None,
         "decoder": {"type": "ByteLevel", "add_prefix_space": False, "trim_offsets": True, "use_regex": False},
-        "model": {"type": "BPE", "dropout": None, "unk_token": None, "continuing_subword_prefix": None,
-                  "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False, "vocab": vocab,
-                  "merges": []},
+        "model": {
+            "type": "BPE",
+            "dropout": None,
+            "unk_token": None,
+            "continuing_subword_prefix": None,
+            "end_of_word_suffix": None,
+            "fuse_unk": False,
+            "byte_fallback": False,
+            "vocab": vocab,
+            "merges": [],
+        },
     }
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / "tokenizer.json"
@@ -45,9 +62,11 @@ def char_tokenizer(directory: Path) -> HuggingFaceTokenizer:
     return HuggingFaceTokenizer(str(path), divisible_by=32)
 
 
-TINY_RUN = ("--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 "
-            "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data --train-iters 1 "
-            "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 32").split()
+TINY_RUN = (
+    "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data --train-iters 1 "
+    "--tokenizer-type HuggingFaceTokenizer --make-vocab-size-divisible-by 32"
+).split()
 
 
 def tiny_checkpoint(root: Path, *extra: str) -> tuple[str, HuggingFaceTokenizer]:

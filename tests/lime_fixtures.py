@@ -62,9 +62,7 @@ def reference_params(model: LimeGPTModel) -> tuple[dict, dict[str, torch.Tensor]
     """Leaf copies of the megatron parameters (by megatron name) and the reference-layout
     parameter dict built from them differentiably, so reference gradients land on the leaves."""
     cfg = model.config
-    leaves = {
-        name: param.detach().clone().requires_grad_(True) for name, param in model.named_parameters()
-    }
+    leaves = {name: param.detach().clone().requires_grad_(True) for name, param in model.named_parameters()}
     heads, kv_heads, d = cfg.num_attention_heads, cfg.kv_heads, cfg.kv_channels
     layers = []
     for i in range(cfg.num_layers):
@@ -86,7 +84,7 @@ def reference_params(model: LimeGPTModel) -> tuple[dict, dict[str, torch.Tensor]
         )
         for connection in ("hc_attn", "hc_mlp"):  # Hyper-Connections: the official parameter names
             start = prefix + connection + "."
-            named = {name[len(start):]: leaf for name, leaf in leaves.items() if name.startswith(start)}
+            named = {name[len(start) :]: leaf for name, leaf in leaves.items() if name.startswith(start)}
             if named:
                 layer[connection] = named
         router = leaves.get(prefix + "self_attention.router.weight")
@@ -124,9 +122,7 @@ def reference_spec(model: LimeGPTModel) -> dict:
 
 def loss_of(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     """Next-token cross-entropy of logits [b, s, V] against tokens shifted by one."""
-    return torch.nn.functional.cross_entropy(
-        logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1)
-    )
+    return torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
 def compare_with_reference(model: LimeGPTModel, reference_forward) -> dict:
@@ -142,10 +138,16 @@ def compare_with_reference(model: LimeGPTModel, reference_forward) -> dict:
     ref_logits = reference_forward(params, tokens, reference_spec(model))
     ref_loss = loss_of(ref_logits, tokens)
     ref_loss.backward()
-    grads = {name: (relative_error(param.grad, leaves[name].grad), param.grad.abs().sum().item())
-             for name, param in model.named_parameters()}
-    return dict(logits=relative_error(logits, ref_logits), loss=abs(loss.item() - ref_loss.item()) / ref_loss.item(),
-                grads=grads, reference_grads={name: leaf.grad for name, leaf in leaves.items()})
+    grads = {
+        name: (relative_error(param.grad, leaves[name].grad), param.grad.abs().sum().item())
+        for name, param in model.named_parameters()
+    }
+    return dict(
+        logits=relative_error(logits, ref_logits),
+        loss=abs(loss.item() - ref_loss.item()) / ref_loss.item(),
+        grads=grads,
+        reference_grads={name: leaf.grad for name, leaf in leaves.items()},
+    )
 
 
 def twin_errors(model: LimeGPTModel, twin: LimeGPTModel, name_in_twin=lambda name: name) -> tuple[float, dict]:
@@ -158,7 +160,8 @@ def twin_errors(model: LimeGPTModel, twin: LimeGPTModel, name_in_twin=lambda nam
         losses[-1].backward()
     twins = dict(twin.named_parameters())
     return relative_error(losses[1], losses[0]), {
-        name: relative_error(twins[name_in_twin(name)].grad, param.grad) for name, param in model.named_parameters()}
+        name: relative_error(twins[name_in_twin(name)].grad, param.grad) for name, param in model.named_parameters()
+    }
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -184,8 +187,10 @@ def recompute_gradient_errors(build, recompute: dict) -> dict[str, float]:
     tokens, positions, mask = batch()
     for model in (plain, recomputed):
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
-    return {name: relative_error(b.grad, a.grad)
-            for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters())}
+    return {
+        name: relative_error(b.grad, a.grad)
+        for (name, a), (_, b) in zip(plain.named_parameters(), recomputed.named_parameters())
+    }
 
 
 def prune_by_hand(chunks: list, keep: Callable[[int, int], bool]) -> None:

@@ -74,8 +74,9 @@ def route(router: torch.Tensor | None, buffer: list[torch.Tensor], srcs: list[in
     return torch.stack(out_heads, dim=1)
 
 
-def dynamic_route(router: torch.Tensor, h: torch.Tensor, buffer: list[torch.Tensor], layer: int,
-                  mask: torch.Tensor | None = None) -> torch.Tensor:
+def dynamic_route(
+    router: torch.Tensor, h: torch.Tensor, buffer: list[torch.Tensor], layer: int, mask: torch.Tensor | None = None
+) -> torch.Tensor:
     """Dynamic LIMe (v1): per token t and head c, weights p = softmax over sources j of
     (router @ h_t)[c * (layer+1) + j], plus the fixed offset ln(0.9 * layer / 0.1) on the own layer;
     head c of the result = sum over j of p[t, c, j] * buffer[j][:, c] at token t.

@@ -36,8 +36,8 @@ def mappings(hc: dict, h: torch.Tensor, iterations: int):
     rms = torch.sqrt((x * x).mean(-1, keepdim=True))
     projected = torch.einsum("blk,ok->blo", x, hc["mapping_proj.weight"]) / (rms + EPS)
     pre_logits = projected[..., :n] * hc["alpha_pre"] + hc["bias"][:n]
-    post_logits = projected[..., n:2 * n] * hc["alpha_post"] + hc["bias"][n:2 * n]
-    res_logits = projected[..., 2 * n:] * hc["alpha_res"] + hc["bias"][2 * n:]
+    post_logits = projected[..., n : 2 * n] * hc["alpha_post"] + hc["bias"][n : 2 * n]
+    res_logits = projected[..., 2 * n :] * hc["alpha_res"] + hc["bias"][2 * n :]
     pre = 1 / (1 + torch.exp(-pre_logits)) + EPS
     post = 2 / (1 + torch.exp(-post_logits))
     return pre, post, sinkhorn(res_logits.reshape(*res_logits.shape[:-1], n, n), iterations)
@@ -60,8 +60,13 @@ def forward(params: dict, tokens: torch.Tensor, spec: dict) -> torch.Tensor:
     h = torch.stack([x] * spec["hyper_connections"], dim=-2)
     iterations, eps = spec["sinkhorn_iterations"], spec["eps"]
     for layer in params["layers"]:
-        h = connect(layer["hc_attn"], h, lambda y, layer=layer: self_attention(
-            layer, rms_norm(y, layer["attn_norm"], eps), spec, cos, sin), iterations)
-        h = connect(layer["hc_mlp"], h, lambda y, layer=layer: swiglu(layer, rms_norm(y, layer["mlp_norm"], eps)),
-                    iterations)
+        h = connect(
+            layer["hc_attn"],
+            h,
+            lambda y, layer=layer: self_attention(layer, rms_norm(y, layer["attn_norm"], eps), spec, cos, sin),
+            iterations,
+        )
+        h = connect(
+            layer["hc_mlp"], h, lambda y, layer=layer: swiglu(layer, rms_norm(y, layer["mlp_norm"], eps)), iterations
+        )
     return rms_norm(h.mean(-2), params["final_norm"], eps) @ params["embedding"].t()

@@ -7,8 +7,22 @@ from pathlib import Path
 PACKAGE = Path(__file__).resolve().parents[1] / "lime_megatron"
 
 # Lowest first: each may import from itself and from anything before it.
-LAYERS = ["extras", "data", "models.config", "models.lime", "models.hyper_connections", "models", "parallel",
-          "planning", "training", "interop", "inference", "analysis", "testing", "cli"]
+LAYERS = [
+    "extras",
+    "data",
+    "models.config",
+    "models.lime",
+    "models.hyper_connections",
+    "models",
+    "parallel",
+    "planning",
+    "training",
+    "interop",
+    "inference",
+    "analysis",
+    "testing",
+    "cli",
+]
 
 
 def _layer(module: str) -> int:
@@ -44,8 +58,11 @@ def test_subpackages_import_downwards():
 
 
 def test_layers_cover_every_subpackage():
-    folders = {".".join(p.relative_to(PACKAGE).parts) for p in PACKAGE.rglob("*") if p.is_dir()
-               and (p / "__init__.py").exists()}
+    folders = {
+        ".".join(p.relative_to(PACKAGE).parts)
+        for p in PACKAGE.rglob("*")
+        if p.is_dir() and (p / "__init__.py").exists()
+    }
     assert folders <= set(LAYERS), f"subpackages missing from the layer order: {folders - set(LAYERS)}"
 
 

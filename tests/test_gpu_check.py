@@ -36,8 +36,11 @@ CPU = gpu_check.Machine("cpu", te=False)  # the GPU checks' code paths with the 
 @pytest.fixture
 def small_checks(monkeypatch):
     """The checks' model, batch and FP8 run shrunk to a CPU test's size."""
-    monkeypatch.setattr(gpu_check, "CHECK_SHAPE", dict(num_layers=2, hidden_size=64, ffn_hidden_size=128,
-                                                       num_attention_heads=4, num_query_groups=2))
+    monkeypatch.setattr(
+        gpu_check,
+        "CHECK_SHAPE",
+        dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2),
+    )
     monkeypatch.setattr(gpu_check, "CHECK_BATCH", (2, 16))
     monkeypatch.setattr(gpu_check, "VOCAB", VOCAB)
     monkeypatch.setattr(gpu_check, "FP8_STEPS", 2)
@@ -58,8 +61,12 @@ def test_all_checks_run_on_the_spec_asked_for(monkeypatch, te):
     def recorder(check):
         return lambda *args: calls.append((check, args[-1] if check != "training" else args[3])) or []
 
-    for check, function in (("bf16", "check_bf16"), ("fp8", "check_fp8"), ("speed", "time_shape"),
-                            ("training", "training_rows")):
+    for check, function in (
+        ("bf16", "check_bf16"),
+        ("fp8", "check_fp8"),
+        ("speed", "time_shape"),
+        ("training", "training_rows"),
+    ):
         monkeypatch.setattr(gpu_check, function, recorder(check))
     machine = gpu_check.Machine(te=te)
     for skip_timing in (False, True):
@@ -108,10 +115,12 @@ def te_style(local: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 
 def test_te_names_map_to_local_names():
-    names = {"decoder.layers.3.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.3.input_layernorm.weight",
-             "decoder.layers.3.mlp.linear_fc1.layer_norm_weight": "decoder.layers.3.pre_mlp_layernorm.weight",
-             "decoder.layers.3.self_attention.linear_qkv.weight": "decoder.layers.3.self_attention.linear_qkv.weight",
-             "decoder.layers.3.self_attention.router.weight": "decoder.layers.3.self_attention.router.weight"}
+    names = {
+        "decoder.layers.3.self_attention.linear_qkv.layer_norm_weight": "decoder.layers.3.input_layernorm.weight",
+        "decoder.layers.3.mlp.linear_fc1.layer_norm_weight": "decoder.layers.3.pre_mlp_layernorm.weight",
+        "decoder.layers.3.self_attention.linear_qkv.weight": "decoder.layers.3.self_attention.linear_qkv.weight",
+        "decoder.layers.3.self_attention.router.weight": "decoder.layers.3.self_attention.router.weight",
+    }
     assert {te: gpu_check.local_name(te) for te in names} == names
     assert list(gpu_check.local_named([("a.linear_qkv._extra_state", torch.zeros(1))])) == []
 
@@ -148,10 +157,12 @@ def test_gradient_comparison_finds_the_wrong_parameter():
 
 
 def test_table_and_exit_code():
-    rows = [Row("bf16 vs fp32", "LIMe", "loss", 2e-3, 1e-2),
-            Row("speed", "1B GQA-8", "LIMe step-time overhead", 0.05, 0.01, enforced=False),
-            Row("speed", "1B GQA-8 LIMe", "MFU", 0.45, 0.40, lower_bound=True, enforced=False),
-            Row("speed", "1B GQA-8 LIMe", "tokens/s", 123456.0)]
+    rows = [
+        Row("bf16 vs fp32", "LIMe", "loss", 2e-3, 1e-2),
+        Row("speed", "1B GQA-8", "LIMe step-time overhead", 0.05, 0.01, enforced=False),
+        Row("speed", "1B GQA-8 LIMe", "MFU", 0.45, 0.40, lower_bound=True, enforced=False),
+        Row("speed", "1B GQA-8 LIMe", "tokens/s", 123456.0),
+    ]
     table = gpu_check.format_table(rows)
     lines = table.splitlines()
     assert len(lines) == 2 + len(rows) and "target missed" in lines[3] and "target met" in lines[4]
@@ -194,8 +205,15 @@ def test_check_configs_and_the_training_loop_on_cpu(small_checks):
     """The pieces the GPU runs share with CPU: configs (no fusions for the fp32 reference, no
     gradient-accumulation fusion without DDP), loss and local-named gradients, AdamW steps."""
     reference = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False)
-    assert not any(getattr(reference, name) for name in ("apply_rope_fusion", "bias_activation_fusion",
-                                                         "bias_dropout_fusion", "gradient_accumulation_fusion"))
+    assert not any(
+        getattr(reference, name)
+        for name in (
+            "apply_rope_fusion",
+            "bias_activation_fusion",
+            "bias_dropout_fusion",
+            "gradient_accumulation_fusion",
+        )
+    )
     assert reference.params_dtype == torch.float32 and reference.num_query_groups == 2
     model = tiny_model(dtype=torch.float32, seed=5)
     batch_ = gpu_check.make_batch(2, SEQ, seed=0, device="cpu")
@@ -219,19 +237,24 @@ def test_hyper_connection_gradients_are_compared_pooled():
     """HC/mHC gates are sums that cancel: compared as one vector with the other hyper-connection
     gradients, and a wrong large one (a dynamic weight's) still fails that vector."""
     generator = torch.Generator().manual_seed(0)
-    expected = {"decoder.layers.0.hc_attn.alpha_res": torch.tensor([1e-9]),
-                "decoder.layers.0.hc_attn.mapping_proj.weight": torch.randn(4, 8, generator=generator),
-                "decoder.layers.0.mlp.linear_fc2.weight": torch.randn(8, 8, generator=generator)}
+    expected = {
+        "decoder.layers.0.hc_attn.alpha_res": torch.tensor([1e-9]),
+        "decoder.layers.0.hc_attn.mapping_proj.weight": torch.randn(4, 8, generator=generator),
+        "decoder.layers.0.mlp.linear_fc2.weight": torch.randn(8, 8, generator=generator),
+    }
     actual = {**expected, "decoder.layers.0.hc_attn.alpha_res": torch.tensor([-1e-9])}  # 200% off, rounding-sized
     pooled = gpu_check.pooled_hyper_connections(actual)
     assert sorted(pooled) == ["decoder.layers.0.mlp.linear_fc2.weight", gpu_check.POOLED_HYPER_CONNECTIONS]
     assert pooled[gpu_check.POOLED_HYPER_CONNECTIONS].numel() == 33
     rows = gpu_check.compare_gradients("bf16", "mHC", pooled, gpu_check.pooled_hyper_connections(expected), 0.05)
     assert all(row.passed for row in rows)
-    wrong = {**actual, "decoder.layers.0.hc_attn.mapping_proj.weight": 1.2 * expected[
-        "decoder.layers.0.hc_attn.mapping_proj.weight"]}
-    rows = gpu_check.compare_gradients("bf16", "mHC", gpu_check.pooled_hyper_connections(wrong),
-                                       gpu_check.pooled_hyper_connections(expected), 0.05)
+    wrong = {
+        **actual,
+        "decoder.layers.0.hc_attn.mapping_proj.weight": 1.2 * expected["decoder.layers.0.hc_attn.mapping_proj.weight"],
+    }
+    rows = gpu_check.compare_gradients(
+        "bf16", "mHC", gpu_check.pooled_hyper_connections(wrong), gpu_check.pooled_hyper_connections(expected), 0.05
+    )
     assert [row.quantity for row in rows if not row.passed] == [f"grad {gpu_check.POOLED_HYPER_CONNECTIONS}"]
 
 
@@ -240,8 +263,12 @@ def test_bf16_check_catches_a_wrong_routed_kv_prediction(small_checks, monkeypat
     monkeypatch.setattr(gpu_check, "drops_routed_kv", lambda config, impl: True)
     routed = [row for row in gpu_check.check_bf16("LIMe", gpu_check.TOLERANCES, CPU) if row.check == "routed K/V"]
     assert routed[0].status == "FAILED" and routed[0].value == 2  # both layers differ
-    assert gpu_check.routed_kv_rows("LIMe", gpu_check.check_config(True, te=False, bf16=False, fusions_on=False),
-                                    {})[0].status == "FAILED"  # nothing logged: LIMe's attention never ran
+    assert (
+        gpu_check.routed_kv_rows("LIMe", gpu_check.check_config(True, te=False, bf16=False, fusions_on=False), {})[
+            0
+        ].status
+        == "FAILED"
+    )  # nothing logged: LIMe's attention never ran
 
 
 def test_fp8_that_changes_nothing_fails(small_checks):
@@ -259,8 +286,10 @@ def test_fp8_that_changes_nothing_fails(small_checks):
 def test_attention_backend_row_names_the_selection_and_fails_on_another():
     auto = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False)
     flash = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False, attention_backend="flash")
-    fused_log = ["Available backends = {FlashAttention=True, FusedAttention=True (sub-backend 1)}",
-                 "Selected backend = FusedAttention (sub-backend 1)"]
+    fused_log = [
+        "Available backends = {FlashAttention=True, FusedAttention=True (sub-backend 1)}",
+        "Selected backend = FusedAttention (sub-backend 1)",
+    ]
     flash_log = ["Selected backend = FlashAttention"]
     assert [row.status for row in gpu_check.attention_backend_rows("LIMe", auto, fused_log)] == ["ok"]
     assert [row.status for row in gpu_check.attention_backend_rows("LIMe", flash, flash_log)] == ["ok"]
@@ -278,16 +307,18 @@ def test_log_capture_reaches_a_logger_that_does_not_propagate():
     assert messages == ["Selected backend = FusedAttention"]
 
 
-SMALL_RUN = short_runs.ShortRun(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128,
-                                iterations=3)
+SMALL_RUN = short_runs.ShortRun(
+    num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128, iterations=3
+)
 OTHER_LR = {"other-lr": ["--lr", "2e-3"]}  # a leg that trains something else: the check must fail it
 
 
 def layout_rows(lime: bool, extra_legs: dict) -> list[Row]:
     """``training_rows`` on a rank of the 2-process world (``extra_legs`` added to the layouts)."""
     short_runs.LAYOUT_LEGS.update(extra_legs)
-    return [row for row in gpu_check.training_rows(lime, gpu_check.TOLERANCES, 2, CPU, SMALL_RUN)
-            if row.check == "layouts"]
+    return [
+        row for row in gpu_check.training_rows(lime, gpu_check.TOLERANCES, 2, CPU, SMALL_RUN) if row.check == "layouts"
+    ]
 
 
 @pytest.mark.parametrize("lime", [True, False], ids=["lime", "llama"])

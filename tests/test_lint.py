@@ -34,6 +34,7 @@ def test_pre_commit_runs_the_same_checks():
     config = yaml.safe_load((ROOT / ".pre-commit-config.yaml").read_text(encoding="utf-8"))
     hooks = [hook for repo in config["repos"] for hook in repo["hooks"]]
     assert {repo["repo"] for repo in config["repos"]} == {"local"}, "hooks must not download tools"
-    entries = {" ".join(hook["entry"].split()[:2]) if hook["entry"].startswith("ruff") else hook["entry"]
-               for hook in hooks}
+    entries = {
+        " ".join(hook["entry"].split()[:2]) if hook["entry"].startswith("ruff") else hook["entry"] for hook in hooks
+    }
     assert entries == set(CHECKS), f"pre-commit runs {sorted(entries)}, the lint test {sorted(CHECKS)}"

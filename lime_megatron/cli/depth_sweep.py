@@ -108,8 +108,11 @@ def load_sweep(path: str, output_dir: str | None = None) -> Sweep:
             options = {**common, **(family_options or {}), **depth}
             options["train_iters"] = train_iterations(spec["tokens"], options)
             directory = out / "runs" / f"{family}-L{depth['num_layers']}"
-            options.update(save=str(directory / "checkpoints"), load=str(directory / "checkpoints"),
-                           metrics_file=str(directory / "metrics.jsonl"))
+            options.update(
+                save=str(directory / "checkpoints"),
+                load=str(directory / "checkpoints"),
+                metrics_file=str(directory / "metrics.jsonl"),
+            )
             sweep.runs.append(Run(family, int(depth["num_layers"]), nproc, options, directory))
     return sweep
 
@@ -134,8 +137,16 @@ def node_flags(env: dict) -> list[str]:
     missing = [name for name in ("NODE_RANK", "MASTER_ADDR") if name not in env]
     if missing:
         raise SweepError(f"NNODES={nnodes} needs {' and '.join(missing)} in the environment")
-    return ["--nnodes", str(nnodes), "--node-rank", env["NODE_RANK"], "--master-addr", env["MASTER_ADDR"],
-            "--master-port", env.get("MASTER_PORT", "29500")]
+    return [
+        "--nnodes",
+        str(nnodes),
+        "--node-rank",
+        env["NODE_RANK"],
+        "--master-addr",
+        env["MASTER_ADDR"],
+        "--master-port",
+        env.get("MASTER_PORT", "29500"),
+    ]
 
 
 def run_config(sweep: Sweep, run: Run) -> Path:
@@ -161,8 +172,17 @@ def trainer_argv(sweep: Sweep, run: Run, data: list[str]) -> list[str]:
 
 def launch_command(sweep: Sweep, run: Run, data: list[str], env: dict) -> list[str]:
     """The torchrun command of ``run``."""
-    return [sys.executable, "-m", "torch.distributed.run", *node_flags(env), "--nproc-per-node", str(run.nproc),
-            "-m", "lime_megatron.cli.pretrain", *trainer_argv(sweep, run, data)]
+    return [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        *node_flags(env),
+        "--nproc-per-node",
+        str(run.nproc),
+        "-m",
+        "lime_megatron.cli.pretrain",
+        *trainer_argv(sweep, run, data),
+    ]
 
 
 # --------------------------------------------------------------------------- data
@@ -205,11 +225,14 @@ def execute(sweep: Sweep, run: Run, flags: list[str], env: dict, launch=subproce
         raise SystemExit(f"{run.name} failed (exit status {completed.returncode}); rerun the sweep to resume it")
     trained = read_metrics(run.metrics_file)[-1]["iteration"] if run.metrics_file.exists() else 0
     if trained < run.options["train_iters"]:
-        raise SystemExit(f"{run.name} stopped at iteration {trained} of {run.options['train_iters']} (signal?); "
-                         "rerun the sweep to resume it")
+        raise SystemExit(
+            f"{run.name} stopped at iteration {trained} of {run.options['train_iters']} (signal?); "
+            "rerun the sweep to resume it"
+        )
     if int(env.get("NODE_RANK", 0)) == 0:
-        run.done_file.write_text(json.dumps({"wall_seconds": sum(a["seconds"] for a in attempts),
-                                             "attempts": len(attempts)}))
+        run.done_file.write_text(
+            json.dumps({"wall_seconds": sum(a["seconds"] for a in attempts), "attempts": len(attempts)})
+        )
     return "resumed" if len(attempts) > 1 else "finished"
 
 
@@ -235,8 +258,9 @@ def flops_per_iteration(sweep: Sweep, run: Run, flags: list[str], world_size: in
 
     options = arguments.parse_run(trainer_argv(sweep, run, flags), world_size=world_size)
     vocab = data.tokenizer_of(options.data, options.model.vocab_size).vocab_size
-    return flops.training_flops_per_iteration(arguments.transformer_config(options), options.model.seq_length,
-                                              vocab, options.training.global_batch_size)
+    return flops.training_flops_per_iteration(
+        arguments.transformer_config(options), options.model.seq_length, vocab, options.training.global_batch_size
+    )
 
 
 def summarize(sweep: Sweep, flags: list[str], nnodes: int = 1) -> list[dict]:
@@ -250,31 +274,43 @@ def summarize(sweep: Sweep, flags: list[str], nnodes: int = 1) -> list[dict]:
         validation = [r["validation_loss"] for r in records if "validation_loss" in r]
         per_iteration = int(run.options["global_batch_size"]) * int(run.options["seq_length"])
         flops = flops_per_iteration(sweep, run, flags, run.nproc * nnodes)
-        rows.append(dict(
-            family=run.family, depth=run.depth, nproc=run.nproc,
-            final_validation_loss=validation[-1] if validation else None,
-            best_validation_loss=min(validation) if validation else None,
-            final_train_loss=records[-1]["lm_loss"], iterations=records[-1]["iteration"],
-            tokens=records[-1]["iteration"] * per_iteration,
-            training_flops=flops * records[-1]["iteration"], wall_seconds=done["wall_seconds"],
-            tokens_per_sec=float(np.median([r["tokens_per_sec"] for r in records[1:] or records])),
-            curve=[(r["iteration"] * per_iteration, r["iteration"] * flops, r["lm_loss"], r.get("validation_loss"))
-                   for r in records],
-        ))
+        rows.append(
+            dict(
+                family=run.family,
+                depth=run.depth,
+                nproc=run.nproc,
+                final_validation_loss=validation[-1] if validation else None,
+                best_validation_loss=min(validation) if validation else None,
+                final_train_loss=records[-1]["lm_loss"],
+                iterations=records[-1]["iteration"],
+                tokens=records[-1]["iteration"] * per_iteration,
+                training_flops=flops * records[-1]["iteration"],
+                wall_seconds=done["wall_seconds"],
+                tokens_per_sec=float(np.median([r["tokens_per_sec"] for r in records[1:] or records])),
+                curve=[
+                    (r["iteration"] * per_iteration, r["iteration"] * flops, r["lm_loss"], r.get("validation_loss"))
+                    for r in records
+                ],
+            )
+        )
     return rows
 
 
 def markdown_table(rows: list[dict]) -> str:
     """The results as a markdown table."""
-    header = ("| family | layers | processes | final val loss | best val loss | final train loss | tokens | "
-              "training FLOPs | wall time (s) | tokens/s |")
+    header = (
+        "| family | layers | processes | final val loss | best val loss | final train loss | tokens | "
+        "training FLOPs | wall time (s) | tokens/s |"
+    )
     lines = [header, "|---|---:|---:|---:|---:|---:|---:|---:|---:|---:|"]
     for row in rows:
         val = f"{row['final_validation_loss']:.4f}" if row["final_validation_loss"] is not None else "-"
         best = f"{row['best_validation_loss']:.4f}" if row["best_validation_loss"] is not None else "-"
-        lines.append(f"| {row['family']} | {row['depth']} | {row['nproc']} | {val} | {best} | "
-                     f"{row['final_train_loss']:.4f} | {row['tokens']:,} | {row['training_flops']:.3g} | "
-                     f"{row['wall_seconds']:.0f} | {row['tokens_per_sec']:,.0f} |")
+        lines.append(
+            f"| {row['family']} | {row['depth']} | {row['nproc']} | {val} | {best} | "
+            f"{row['final_train_loss']:.4f} | {row['tokens']:,} | {row['training_flops']:.3g} | "
+            f"{row['wall_seconds']:.0f} | {row['tokens_per_sec']:,.0f} |"
+        )
     return "\n".join(lines)
 
 
@@ -302,7 +338,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         for axis, depth in zip(axes[0], depths):
             for row in (r for r in rows if r["depth"] == depth):
                 curve = np.array([(c[axis_index], c[2]) for c in row["curve"]])
-                line, = axis.plot(curve[:, 0], curve[:, 1], label=f"{row['family']} train", alpha=0.8)
+                (line,) = axis.plot(curve[:, 0], curve[:, 1], label=f"{row['family']} train", alpha=0.8)
                 val = [(c[axis_index], c[3]) for c in row["curve"] if c[3] is not None]
                 if val:
                     axis.plot(*zip(*val), "o--", color=line.get_color(), label=f"{row['family']} validation")
@@ -315,8 +351,11 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
         plt.close(figure)
     figure, axis = plt.subplots(figsize=(5.5, 4))
     for family in families:
-        points = sorted((r["depth"], r["final_validation_loss"]) for r in rows
-                        if r["family"] == family and r["final_validation_loss"] is not None)
+        points = sorted(
+            (r["depth"], r["final_validation_loss"])
+            for r in rows
+            if r["family"] == family and r["final_validation_loss"] is not None
+        )
         if points:
             axis.plot(*zip(*points), "o-", label=family)
     axis.set(xscale="log", xlabel="layers", ylabel="final validation loss", title="validation loss against depth")
@@ -349,16 +388,19 @@ def main(argv=None) -> int:
     start = time.perf_counter()
     if not args.report_only:
         chosen = set(args.only.split(",")) if args.only else None
-        outcomes = {run.name: execute(sweep, run, flags, env) for run in sweep.runs
-                    if chosen is None or run.name in chosen}
+        outcomes = {
+            run.name: execute(sweep, run, flags, env) for run in sweep.runs if chosen is None or run.name in chosen
+        }
         print("\nruns: " + ", ".join(f"{name} {outcome}" for name, outcome in outcomes.items()))
     if int(env.get("NODE_RANK", 0)) != 0:
         return 0
     rows = summarize(sweep, flags, int(env.get("NNODES", 1)))
     paths = write_results(rows, sweep.output_dir)
     print("\n" + markdown_table(rows))
-    print(f"\nsweep: {len(rows)} of {len(sweep.runs)} runs finished, {time.perf_counter() - start:.0f} s this "
-          f"invocation; written: {', '.join(str(p) for p in paths)}")
+    print(
+        f"\nsweep: {len(rows)} of {len(sweep.runs)} runs finished, {time.perf_counter() - start:.0f} s this "
+        f"invocation; written: {', '.join(str(p) for p in paths)}"
+    )
     return 0
 
 

@@ -47,8 +47,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--stop", action="append", default=[], help="stop string (repeatable, backslash escapes)")
     parser.add_argument("--batch-size", type=int, default=8)
     parser.add_argument("--dtype", choices=DTYPES, help="weights' dtype (default: as trained)")
-    parser.add_argument("--tensor-parallel", type=int, default=1, metavar="N",
-                        help="tensor-parallel ranks (launch with torchrun --nproc-per-node N)")
+    parser.add_argument(
+        "--tensor-parallel",
+        type=int,
+        default=1,
+        metavar="N",
+        help="tensor-parallel ranks (launch with torchrun --nproc-per-node N)",
+    )
     parser.add_argument("--no-cache", action="store_true", help="recompute the full sequence per token")
     parser.add_argument("--output", help="also write one JSON line per prompt here")
     return parser.parse_args(argv)
@@ -71,8 +76,10 @@ def check_world(tensor_parallel: int) -> None:
     world = launch_world_size()
     if world != tensor_parallel:
         processes = f"{tensor_parallel} process" + ("es" if tensor_parallel > 1 else "")
-        raise ValueError(f"--tensor-parallel {tensor_parallel} needs exactly {processes} "
-                         f"(torchrun --nproc-per-node {tensor_parallel}); this launch has {world}")
+        raise ValueError(
+            f"--tensor-parallel {tensor_parallel} needs exactly {processes} "
+            f"(torchrun --nproc-per-node {tensor_parallel}); this launch has {world}"
+        )
 
 
 def main(argv=None) -> int:
@@ -91,8 +98,13 @@ def run(argv=None) -> int:
     try:
         prompts = read_prompts(args)
         options = SamplingOptions(
-            max_new_tokens=args.max_new_tokens, temperature=args.temperature, top_k=args.top_k, top_p=args.top_p,
-            seed=args.seed, stop_strings=tuple(codecs.decode(stop, "unicode_escape") for stop in args.stop))
+            max_new_tokens=args.max_new_tokens,
+            temperature=args.temperature,
+            top_k=args.top_k,
+            top_p=args.top_p,
+            seed=args.seed,
+            stop_strings=tuple(codecs.decode(stop, "unicode_escape") for stop in args.stop),
+        )
         check_world(args.tensor_parallel)
         loaded = load_model(args.checkpoint, dtype=DTYPES.get(args.dtype), tensor_parallel=args.tensor_parallel)
         generator = Generator(loaded.model.to(_device()), loaded.tokenizer(), use_cache=not args.no_cache)
@@ -114,9 +126,11 @@ def run(argv=None) -> int:
     if args.output:
         with open(args.output, "w", encoding="utf-8") as handle:
             handle.writelines(json.dumps(record) + "\n" for record in records)
-    print(f"{len(prompts)} prompts, {tokens} new tokens in {seconds:.2f} s: {tokens / max(seconds, 1e-9):.1f} tokens/s "
-          f"({'full recomputation' if args.no_cache else 'KV cache'}, TP={args.tensor_parallel}, "
-          f"iteration {loaded.iteration} of {loaded.directory})")
+    print(
+        f"{len(prompts)} prompts, {tokens} new tokens in {seconds:.2f} s: {tokens / max(seconds, 1e-9):.1f} tokens/s "
+        f"({'full recomputation' if args.no_cache else 'KV cache'}, TP={args.tensor_parallel}, "
+        f"iteration {loaded.iteration} of {loaded.directory})"
+    )
     return 0
 
 

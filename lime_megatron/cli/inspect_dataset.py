@@ -21,10 +21,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("prefix", help="dataset prefix (a .bin/.idx suffix is accepted)")
-    parser.add_argument("--decode", type=int, default=0, metavar="N",
-                        help="print the text of the first N documents")
-    parser.add_argument("--max-chars", type=int, default=1000,
-                        help="cut each decoded document to this many characters")
+    parser.add_argument("--decode", type=int, default=0, metavar="N", help="print the text of the first N documents")
+    parser.add_argument("--max-chars", type=int, default=1000, help="cut each decoded document to this many characters")
     add_tokenizer_args(parser)
     return parser.parse_args(argv)
 
@@ -49,18 +47,20 @@ def describe(prefix: str) -> list[str]:
 
     dataset = IndexedDataset(prefix)
     docs = dataset.document_indices
-    doc_lengths = np.add.reduceat(dataset.sequence_lengths, docs[:-1]) if len(docs) > 1 else \
-        np.zeros(0, dtype=np.int64)
+    doc_lengths = np.add.reduceat(dataset.sequence_lengths, docs[:-1]) if len(docs) > 1 else np.zeros(0, dtype=np.int64)
     bin_size = os.path.getsize(dataset_paths(prefix)[0])
-    lines = [f"dataset: {prefix}",
-             f"token dtype: {dataset.index.dtype.__name__}, .bin size: {bin_size / 1e6:,.1f} MB",
-             f"documents: {len(docs) - 1:,}, sequences: {len(dataset):,}, "
-             f"tokens: {int(dataset.sequence_lengths.sum()):,}"]
+    lines = [
+        f"dataset: {prefix}",
+        f"token dtype: {dataset.index.dtype.__name__}, .bin size: {bin_size / 1e6:,.1f} MB",
+        f"documents: {len(docs) - 1:,}, sequences: {len(dataset):,}, tokens: {int(dataset.sequence_lengths.sum()):,}",
+    ]
     if len(doc_lengths):
         q = np.percentile(doc_lengths, [50, 90, 99])
-        lines.append(f"tokens per document: min {doc_lengths.min():,}, median {q[0]:,.0f}, "
-                     f"mean {doc_lengths.mean():,.1f}, p90 {q[1]:,.0f}, p99 {q[2]:,.0f}, "
-                     f"max {doc_lengths.max():,}")
+        lines.append(
+            f"tokens per document: min {doc_lengths.min():,}, median {q[0]:,.0f}, "
+            f"mean {doc_lengths.mean():,.1f}, p90 {q[1]:,.0f}, p99 {q[2]:,.0f}, "
+            f"max {doc_lengths.max():,}"
+        )
         lines.append("length histogram (tokens per document):")
         lines += histogram(doc_lengths)
     return lines

@@ -42,13 +42,46 @@ MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
 
 # The tiny model and schedule (paper optimizer settings of Table 2, shorter and smaller).
 TRAINER_OPTIONS = [
-    "--num-layers", "6", "--hidden-size", "64", "--ffn-hidden-size", "256",
-    "--num-attention-heads", "4", "--seq-length", "48",
-    "--micro-batch-size", "16", "--global-batch-size", "64",
-    "--lr", "3e-3", "--min-lr", "1e-5", "--lr-decay-style", "cosine",
-    "--weight-decay", "0.1", "--adam-beta1", "0.9", "--adam-beta2", "0.95", "--adam-eps", "1e-8",
-    "--clip-grad", "1.0", "--split", "95,5,0", "--eval-interval", "100", "--eval-iters", "2",
-    "--log-interval", "100", "--seed", "1234",
+    "--num-layers",
+    "6",
+    "--hidden-size",
+    "64",
+    "--ffn-hidden-size",
+    "256",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "48",
+    "--micro-batch-size",
+    "16",
+    "--global-batch-size",
+    "64",
+    "--lr",
+    "3e-3",
+    "--min-lr",
+    "1e-5",
+    "--lr-decay-style",
+    "cosine",
+    "--weight-decay",
+    "0.1",
+    "--adam-beta1",
+    "0.9",
+    "--adam-beta2",
+    "0.95",
+    "--adam-eps",
+    "1e-8",
+    "--clip-grad",
+    "1.0",
+    "--split",
+    "95,5,0",
+    "--eval-interval",
+    "100",
+    "--eval-iters",
+    "2",
+    "--log-interval",
+    "100",
+    "--seed",
+    "1234",
 ]
 
 
@@ -85,16 +118,57 @@ def data_steps(out: Path, num_samples: int, test_samples: int) -> list[tuple[str
     generate (with the held-out test expressions), train the tokenizer, preprocess."""
     jsonl, tokenizer = out / "arith.jsonl", out / "tokenizer"
     return [
-        ("arithmetic data", "make_arithmetic_data",
-         ["--output", str(jsonl), "--num-samples", str(num_samples), "--seed", "0", "--no-progress",
-          "--test-output", str(test_file(out)), "--test-samples", str(test_samples)]),
-        ("tokenizer", "train_tokenizer",
-         ["--input", str(jsonl), "--kind", "sentencepiece", "--vocab-size", str(TOKENIZER_VOCAB),
-          "--character-coverage", "1.0", "--no-byte-fallback", "--output-dir", str(tokenizer),
-          "--no-progress"]),
-        ("preprocessing", "preprocess_data",
-         ["--input", str(jsonl), "--output-prefix", str(out / "arith"), "--prompt-key", "prompt",
-          "--json-keys", "response", "--no-progress", *tokenizer_flags(out)]),
+        (
+            "arithmetic data",
+            "make_arithmetic_data",
+            [
+                "--output",
+                str(jsonl),
+                "--num-samples",
+                str(num_samples),
+                "--seed",
+                "0",
+                "--no-progress",
+                "--test-output",
+                str(test_file(out)),
+                "--test-samples",
+                str(test_samples),
+            ],
+        ),
+        (
+            "tokenizer",
+            "train_tokenizer",
+            [
+                "--input",
+                str(jsonl),
+                "--kind",
+                "sentencepiece",
+                "--vocab-size",
+                str(TOKENIZER_VOCAB),
+                "--character-coverage",
+                "1.0",
+                "--no-byte-fallback",
+                "--output-dir",
+                str(tokenizer),
+                "--no-progress",
+            ],
+        ),
+        (
+            "preprocessing",
+            "preprocess_data",
+            [
+                "--input",
+                str(jsonl),
+                "--output-prefix",
+                str(out / "arith"),
+                "--prompt-key",
+                "prompt",
+                "--json-keys",
+                "response",
+                "--no-progress",
+                *tokenizer_flags(out),
+            ],
+        ),
     ]
 
 
@@ -105,15 +179,26 @@ def test_file(out: Path) -> Path:
 
 def tokenizer_flags(out: Path) -> list[str]:
     """Tokenizer flags shared by the preprocessing tool and the trainer."""
-    return ["--tokenizer-type", "SentencePieceTokenizer",
-            "--tokenizer-model", str(out / "tokenizer" / "tokenizer.model"),
-            "--make-vocab-size-divisible-by", "64"]
+    return [
+        "--tokenizer-type",
+        "SentencePieceTokenizer",
+        "--tokenizer-model",
+        str(out / "tokenizer" / "tokenizer.model"),
+        "--make-vocab-size-divisible-by",
+        "64",
+    ]
 
 
 def trainer_data_flags(out: Path) -> list[str]:
     """The trainer's data and tokenizer flags for the data of :func:`data_steps`."""
-    return ["--sft", "--data-path", str(out / "arith_response_document"), "--data-cache-path",
-            str(out / "cache"), *tokenizer_flags(out)]
+    return [
+        "--sft",
+        "--data-path",
+        str(out / "arith_response_document"),
+        "--data-cache-path",
+        str(out / "cache"),
+        *tokenizer_flags(out),
+    ]
 
 
 def prepare_data(out: Path, num_samples: int, test_samples: int) -> list[str]:
@@ -134,12 +219,31 @@ def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> 
     for name, model_flags in MODELS.items():
         path = out / f"{name.lower()}.jsonl"
         path.unlink(missing_ok=True)
-        _run(f"training {name} ({args.layout}, 2 processes)", [
-            sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-            "-m", "lime_megatron.cli.pretrain", *TRAINER_OPTIONS, *LAYOUTS[args.layout], *data_flags, *model_flags,
-            "--train-iters", str(args.train_iters),
-            "--lr-warmup-iters", str(warmup_iters(args.train_iters)), "--metrics-file", str(path),
-            "--save", str(checkpoint_dir(out, name))])
+        _run(
+            f"training {name} ({args.layout}, 2 processes)",
+            [
+                sys.executable,
+                "-m",
+                "torch.distributed.run",
+                "--standalone",
+                "--nproc-per-node",
+                "2",
+                "-m",
+                "lime_megatron.cli.pretrain",
+                *TRAINER_OPTIONS,
+                *LAYOUTS[args.layout],
+                *data_flags,
+                *model_flags,
+                "--train-iters",
+                str(args.train_iters),
+                "--lr-warmup-iters",
+                str(warmup_iters(args.train_iters)),
+                "--metrics-file",
+                str(path),
+                "--save",
+                str(checkpoint_dir(out, name)),
+            ],
+        )
         metrics[name] = [json.loads(line) for line in path.read_text().splitlines()]
     return metrics
 
@@ -154,9 +258,18 @@ def score_models(out: Path, names: list[str]) -> dict[str, list[dict]]:
     scores = {}
     for name in names:
         path = out / f"{name.lower()}_scores.json"
-        _run(f"scoring {name} by generation", tool_command(
-            "score_generation", str(checkpoint_dir(out, name)), "--test-file", str(test_file(out)), "--output",
-            str(path), "--no-progress"))
+        _run(
+            f"scoring {name} by generation",
+            tool_command(
+                "score_generation",
+                str(checkpoint_dir(out, name)),
+                "--test-file",
+                str(test_file(out)),
+                "--output",
+                str(path),
+                "--no-progress",
+            ),
+        )
         scores[name] = json.loads(path.read_text())["tiers"]
     return scores
 
@@ -170,27 +283,39 @@ def report(metrics: dict[str, list[dict]], out: Path) -> None:
     names = list(metrics)
     iterations = len(metrics[names[0]])
     step = max(1, iterations // 12)
-    shown = sorted(set(range(step, iterations + 1, step)) | {iterations} | {
-        r["iteration"] for r in metrics[names[0]] if "validation_loss" in r})
-    print(f"\n{'iteration':>9} " + " ".join(f"{n + ' loss':>11}" for n in names)
-          + " " + " ".join(f"{n + ' val':>10}" for n in names))
+    shown = sorted(
+        set(range(step, iterations + 1, step))
+        | {iterations}
+        | {r["iteration"] for r in metrics[names[0]] if "validation_loss" in r}
+    )
+    print(
+        f"\n{'iteration':>9} "
+        + " ".join(f"{n + ' loss':>11}" for n in names)
+        + " "
+        + " ".join(f"{n + ' val':>10}" for n in names)
+    )
     for iteration in shown:
         rows = [metrics[n][iteration - 1] for n in names]
         losses = " ".join(f"{r['lm_loss']:>11.4f}" for r in rows)
-        vals = " ".join(f"{r['validation_loss']:>10.4f}" if "validation_loss" in r else f"{'':>10}"
-                        for r in rows)
+        vals = " ".join(f"{r['validation_loss']:>10.4f}" if "validation_loss" in r else f"{'':>10}" for r in rows)
         print(f"{iteration:>9} {losses} {vals}")
     speed = {n: float(np.median([r["tokens_per_sec"] for r in metrics[n][1:]])) for n in names}
-    final_val = {n: next((r["validation_loss"] for r in reversed(metrics[n]) if "validation_loss" in r), float("nan"))
-                 for n in names}
+    final_val = {
+        n: next((r["validation_loss"] for r in reversed(metrics[n]) if "validation_loss" in r), float("nan"))
+        for n in names
+    }
     print("\nsummary (arithmetic-expression task, App. B; 2 CPU processes):")
     for n in names:
-        print(f"  {n:>5}: train loss (mean of last 10 iterations) {_smoothed(metrics[n]):.4f}, "
-              f"validation loss {final_val[n]:.4f} (ppl {np.exp(final_val[n]):.3f}), "
-              f"median {speed[n]:,.0f} tokens/s")
+        print(
+            f"  {n:>5}: train loss (mean of last 10 iterations) {_smoothed(metrics[n]):.4f}, "
+            f"validation loss {final_val[n]:.4f} (ppl {np.exp(final_val[n]):.3f}), "
+            f"median {speed[n]:,.0f} tokens/s"
+        )
     if {"LIMe", "LLaMA"} <= set(names):
-        print(f"  LIMe - LLaMA validation loss: {final_val['LIMe'] - final_val['LLaMA']:+.4f}; "
-              f"LIMe throughput {speed['LIMe'] / speed['LLaMA']:.2f}x LLaMA's")
+        print(
+            f"  LIMe - LLaMA validation loss: {final_val['LIMe'] - final_val['LLaMA']:+.4f}; "
+            f"LIMe throughput {speed['LIMe'] / speed['LLaMA']:.2f}x LLaMA's"
+        )
     if can_plot():
         _plot(metrics, out / "loss.png")
     print(f"  outputs (data, tokenizer, metrics{', loss.png' if can_plot() else ''}): {out}")
@@ -214,8 +339,9 @@ def _plot(metrics: dict[str, list[dict]], path: Path) -> None:
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 4))
     for name, records in metrics.items():
-        line, = axis.plot([r["iteration"] for r in records], [r["lm_loss"] for r in records],
-                          label=f"{name} train", alpha=0.8)
+        (line,) = axis.plot(
+            [r["iteration"] for r in records], [r["lm_loss"] for r in records], label=f"{name} train", alpha=0.8
+        )
         val = [(r["iteration"], r["validation_loss"]) for r in records if "validation_loss" in r]
         axis.plot(*zip(*val), "o--", color=line.get_color(), label=f"{name} validation")
     axis.set(xlabel="iteration", ylabel="loss (nats/token)", title="LIMe vs LLaMA, arithmetic task")
@@ -249,15 +375,18 @@ def report_accuracy(scores: dict[str, list[dict]], out: Path) -> None:
     tiers = sorted({tier["group"] for name in names for tier in scores[name]})
     by_tier = {name: {tier["group"]: tier for tier in scores[name]} for name in names}
     constant = constant_answer_accuracy(_records(out / "arith.jsonl"), _records(test_file(out)))
-    print("\ngeneration accuracy on held-out expressions (greedy, KV cache; exact match of the final answer, "
-          "95% Wilson interval; constant: always the tier's most frequent training answer):")
+    print(
+        "\ngeneration accuracy on held-out expressions (greedy, KV cache; exact match of the final answer, "
+        "95% Wilson interval; constant: always the tier's most frequent training answer):"
+    )
     print(f"{'operands':>8} " + " ".join(f"{name + ' accuracy':>28}" for name in names) + f"{'constant':>16}")
     for count in tiers:
         cells = []
         for name in names:
             tier = by_tier[name][count]
-            cells.append(f"{tier['accuracy']:>7.1%} [{tier['ci95_low']:.1%}, {tier['ci95_high']:.1%}] "
-                         f"of {tier['total']:>3}")
+            cells.append(
+                f"{tier['accuracy']:>7.1%} [{tier['ci95_low']:.1%}, {tier['ci95_high']:.1%}] of {tier['total']:>3}"
+            )
         answer, accuracy = constant[count]
         print(f"{count:>8} " + " ".join(f"{cell:>28}" for cell in cells) + f"{accuracy:>8.1%} ({answer:>3})")
     if can_plot():
@@ -273,11 +402,20 @@ def _plot_accuracy(by_tier: dict[str, dict[int, dict]], tiers: list[int], path: 
         rows = [tier_scores[count] for count in tiers]
         accuracy = np.array([row["accuracy"] for row in rows])
         errors = [accuracy - [row["ci95_low"] for row in rows], [row["ci95_high"] for row in rows] - accuracy]
-        axis.bar(np.arange(len(tiers)) + index * width, 100 * accuracy, width, yerr=100 * np.array(errors),
-                 capsize=3, label=name)
+        axis.bar(
+            np.arange(len(tiers)) + index * width,
+            100 * accuracy,
+            width,
+            yerr=100 * np.array(errors),
+            capsize=3,
+            label=name,
+        )
     axis.set_xticks(np.arange(len(tiers)) + width * (len(by_tier) - 1) / 2, [str(count) for count in tiers])
-    axis.set(xlabel="operands", ylabel="exact-match accuracy (%)",
-             title="LIMe vs LLaMA, arithmetic task: generation accuracy (95% Wilson CI)")
+    axis.set(
+        xlabel="operands",
+        ylabel="exact-match accuracy (%)",
+        title="LIMe vs LLaMA, arithmetic task: generation accuracy (95% Wilson CI)",
+    )
     axis.legend()
     figure.tight_layout()
     figure.savefig(path, dpi=120)

@@ -63,8 +63,7 @@ Node = Union[int, tuple[str, "Node", "Node"]]  # noqa: UP007 - a recursive alias
 
 OPERATORS = ("+", "-", "*", "/")
 PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
-SYMBOLS = {"ascii": {"+": "+", "-": "-", "*": "*", "/": "/"},
-           "paper": {"+": "+", "-": "-", "*": "×", "/": "÷"}}
+SYMBOLS = {"ascii": {"+": "+", "-": "-", "*": "*", "/": "/"}, "paper": {"+": "+", "-": "-", "*": "×", "/": "÷"}}
 # Skeletons drawn for one expression before the bounds are declared too tight.
 MAX_SKELETON_DRAWS = 1000
 TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/×÷()]))")
@@ -89,11 +88,9 @@ class ArithmeticSpec:
     def problem(self) -> str:
         """The first thing wrong with this spec, or ''."""
         if self.min_operands < 2:
-            return f"min_operands must be at least 2 (got {self.min_operands}): a solution " \
-                   "needs at least one operator"
+            return f"min_operands must be at least 2 (got {self.min_operands}): a solution needs at least one operator"
         if self.max_operands < self.min_operands:
-            return f"max_operands ({self.max_operands}) is below min_operands " \
-                   f"({self.min_operands})"
+            return f"max_operands ({self.max_operands}) is below min_operands ({self.min_operands})"
         if self.min_operand < 0:
             return f"min_operand must be >= 0 (got {self.min_operand}): values are never negative"
         if self.max_operand < self.min_operand:
@@ -123,8 +120,10 @@ def render(node: Node, symbols: str = "ascii") -> str:
     if isinstance(node, int):
         return str(node)
     operator, left, right = node
-    return (f"{_operand(left, operator, False, symbols)} {SYMBOLS[symbols][operator]} "
-            f"{_operand(right, operator, True, symbols)}")
+    return (
+        f"{_operand(left, operator, False, symbols)} {SYMBOLS[symbols][operator]} "
+        f"{_operand(right, operator, True, symbols)}"
+    )
 
 
 def _operand(child: Node, parent: str, is_right: bool, symbols: str) -> str:
@@ -219,7 +218,7 @@ class ExpressionSampler:
         self.spec = spec
         top = spec.max_value
         self.leaf = np.zeros(top + 1)
-        self.leaf[spec.min_operand:spec.max_operand + 1] = 1.0
+        self.leaf[spec.min_operand : spec.max_operand + 1] = 1.0
         # Every (x, y) in [0, max_value]^2 with x * y <= max_value: products x*y, quotients x.
         pairs = [(x, y) for x in range(top + 1) for y in range(top // x + 1 if x else top + 1)]
         self.x, self.y = np.array(pairs, dtype=np.int64).T
@@ -233,7 +232,7 @@ class ExpressionSampler:
         operator, left, right = skeleton
         a, b, top = self.counts(left), self.counts(right), self.spec.max_value
         if operator == "+":
-            return np.convolve(a, b)[:top + 1]
+            return np.convolve(a, b)[: top + 1]
         if operator == "-":  # index x + (top - y) holds x - y + top
             return np.convolve(a, b[::-1])[top:]
         if operator == "*":
@@ -267,9 +266,11 @@ class ExpressionSampler:
             counts = np.cumsum(self.counts(skeleton))
             if counts[-1] > 0:
                 return self._fill(rng, skeleton, _pick(rng, counts))
-        raise ValueError(f"{MAX_SKELETON_DRAWS} random operator trees of {num_operands} operands "
-                         f"in a row cannot keep every value in [0, {self.spec.max_value}]: "
-                         "raise max_value or lower max_operand")
+        raise ValueError(
+            f"{MAX_SKELETON_DRAWS} random operator trees of {num_operands} operands "
+            f"in a row cannot keep every value in [0, {self.spec.max_value}]: "
+            "raise max_value or lower max_operand"
+        )
 
     def _skeleton(self, rng: random.Random, k: int):
         """A skeleton of k operands: split point and operator uniform at every node."""
@@ -284,8 +285,7 @@ class ExpressionSampler:
             return v
         a, b, cumulative = self.children(skeleton, v)
         i = _pick(rng, cumulative)
-        return (skeleton[0], self._fill(rng, skeleton[1], int(a[i])),
-                self._fill(rng, skeleton[2], int(b[i])))
+        return (skeleton[0], self._fill(rng, skeleton[1], int(a[i])), self._fill(rng, skeleton[2], int(b[i])))
 
 
 def _pick(rng: random.Random, cumulative: np.ndarray) -> int:
@@ -293,8 +293,9 @@ def _pick(rng: random.Random, cumulative: np.ndarray) -> int:
     return int(np.searchsorted(cumulative, rng.random() * cumulative[-1], side="right"))
 
 
-def generate(num_samples: int, seed: int, spec: ArithmeticSpec = ArithmeticSpec(),
-             exclude: frozenset[str] = frozenset()) -> Iterator[dict]:
+def generate(
+    num_samples: int, seed: int, spec: ArithmeticSpec = ArithmeticSpec(), exclude: frozenset[str] = frozenset()
+) -> Iterator[dict]:
     """Yield `num_samples` records (text, expression, answer, num_operands, prompt, response); same seed, same
     records. The operand count of each is uniform in [min_operands, max_operands]. A drawn
     expression in `exclude` (a held-out test set) is skipped and another one drawn."""
@@ -308,8 +309,12 @@ def generate(num_samples: int, seed: int, spec: ArithmeticSpec = ArithmeticSpec(
         if steps[0] in exclude:
             continue
         produced += 1
-        record = {"text": " = ".join(steps), "expression": steps[0], "answer": int(steps[-1]),
-                  "num_operands": num_operands}
+        record = {
+            "text": " = ".join(steps),
+            "expression": steps[0],
+            "answer": int(steps[-1]),
+            "num_operands": num_operands,
+        }
         yield {**record, "prompt": prompt_of(record), "response": response_of(record)}
 
 
@@ -339,11 +344,11 @@ class Summary:
 
     def lines(self, path: str) -> list[str]:
         counts = ", ".join(f"{k}: {n:,}" for k, n in sorted(self.operands.items()))
-        return [f"wrote {self.samples:,} samples ({self.bytes / 1e6:.2f} MB) to {path} in "
-                f"{self.seconds:.1f} s",
-                f"operands per expression: {counts}",
-                f"answers in [{self.answers[0]}, {self.answers[1]}]; "
-                f"{self.distinct:,} distinct expressions"]
+        return [
+            f"wrote {self.samples:,} samples ({self.bytes / 1e6:.2f} MB) to {path} in {self.seconds:.1f} s",
+            f"operands per expression: {counts}",
+            f"answers in [{self.answers[0]}, {self.answers[1]}]; {self.distinct:,} distinct expressions",
+        ]
 
 
 def write_jsonl(path: str, records: Iterable[dict], num_samples: int, progress: bool = True) -> Summary:
@@ -357,8 +362,7 @@ def write_jsonl(path: str, records: Iterable[dict], num_samples: int, progress: 
     expressions: set[str] = set()
     try:
         with open(temporary, "w", encoding="utf-8") as out:
-            for record in tqdm(records, total=num_samples, desc="expressions", unit="expr",
-                               disable=not progress):
+            for record in tqdm(records, total=num_samples, desc="expressions", unit="expr", disable=not progress):
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
                 operands[record["num_operands"]] += 1
                 answers.append(record["answer"])
@@ -367,8 +371,14 @@ def write_jsonl(path: str, records: Iterable[dict], num_samples: int, progress: 
     finally:
         if os.path.exists(temporary):
             os.remove(temporary)
-    return Summary(num_samples, os.path.getsize(path), time.perf_counter() - start, operands,
-                   (min(answers), max(answers)), len(expressions))
+    return Summary(
+        num_samples,
+        os.path.getsize(path),
+        time.perf_counter() - start,
+        operands,
+        (min(answers), max(answers)),
+        len(expressions),
+    )
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -380,22 +390,27 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--min-operands", type=int, default=defaults.min_operands)
     parser.add_argument("--max-operands", type=int, default=defaults.max_operands)
-    parser.add_argument("--min-operand", type=int, default=defaults.min_operand,
-                        help="smallest operand")
-    parser.add_argument("--max-operand", type=int, default=defaults.max_operand,
-                        help="largest operand")
-    parser.add_argument("--max-value", type=int, default=defaults.max_value,
-                        help="bound of every intermediate value and answer (all are >= 0)")
-    parser.add_argument("--symbols", choices=sorted(SYMBOLS), default=defaults.symbols,
-                        help="ascii: * and /; paper: × and ÷")
-    parser.add_argument("--test-output", help="also write held-out test expressions here; no training "
-                        "expression equals one of them")
+    parser.add_argument("--min-operand", type=int, default=defaults.min_operand, help="smallest operand")
+    parser.add_argument("--max-operand", type=int, default=defaults.max_operand, help="largest operand")
+    parser.add_argument(
+        "--max-value",
+        type=int,
+        default=defaults.max_value,
+        help="bound of every intermediate value and answer (all are >= 0)",
+    )
+    parser.add_argument(
+        "--symbols", choices=sorted(SYMBOLS), default=defaults.symbols, help="ascii: * and /; paper: × and ÷"
+    )
+    parser.add_argument(
+        "--test-output", help="also write held-out test expressions here; no training expression equals one of them"
+    )
     parser.add_argument("--test-samples", type=int, default=0, help="distinct test expressions (with --test-output)")
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     args = parser.parse_args(argv)
     try:
-        args.spec = ArithmeticSpec(args.min_operands, args.max_operands, args.min_operand,
-                                   args.max_operand, args.max_value, args.symbols)
+        args.spec = ArithmeticSpec(
+            args.min_operands, args.max_operands, args.min_operand, args.max_operand, args.max_value, args.symbols
+        )
     except ValueError as err:
         parser.error(str(err).replace("_", "-"))
     if args.num_samples < 1:

@@ -26,8 +26,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--train-samples", type=int)
     parser.add_argument("--test-samples", type=int)
-    parser.add_argument("--from-json", help="write the training JSONL of this ProsQA JSON file "
-                        "instead of generating questions")
+    parser.add_argument(
+        "--from-json", help="write the training JSONL of this ProsQA JSON file instead of generating questions"
+    )
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--num-concepts", type=int, default=defaults.num_concepts)
     parser.add_argument("--max-parents", type=int, default=defaults.max_parents)
@@ -50,8 +51,17 @@ def parse_args(argv=None) -> argparse.Namespace:
 def write_training_jsonl(records: list[dict], path: str) -> None:
     """One ``{"text", "prompt", "response"}`` line per record."""
     with open(path, "w", encoding="utf-8") as out:
-        out.writelines(json.dumps({"text": prosqa.text_of(record), "prompt": prosqa.prompt_of(record),
-                                   "response": prosqa.response_of(record)}) + "\n" for record in records)
+        out.writelines(
+            json.dumps(
+                {
+                    "text": prosqa.text_of(record),
+                    "prompt": prosqa.prompt_of(record),
+                    "response": prosqa.response_of(record),
+                }
+            )
+            + "\n"
+            for record in records
+        )
 
 
 def main(argv=None) -> int:
@@ -68,14 +78,19 @@ def main(argv=None) -> int:
         return 0
     test = prosqa.generate(args.test_samples, -1 - args.seed, args.spec)
     held_out = {record["question"] for record in test}
-    train = [record for record in prosqa.generate(args.train_samples, args.seed, args.spec)
-             if record["question"] not in held_out]
+    train = [
+        record
+        for record in prosqa.generate(args.train_samples, args.seed, args.spec)
+        if record["question"] not in held_out
+    ]
     for split, records in (("train", train), ("test", test)):
         with open(os.path.join(args.output_dir, f"prosqa_{split}.json"), "w", encoding="utf-8") as out:
             json.dump(records, out)
     write_training_jsonl(train, os.path.join(args.output_dir, "prosqa_train.jsonl"))
-    print(f"wrote {len(train):,} training and {len(test):,} test questions to {args.output_dir} "
-          f"({args.train_samples - len(train)} training draws equal to a test question dropped)")
+    print(
+        f"wrote {len(train):,} training and {len(test):,} test questions to {args.output_dir} "
+        f"({args.train_samples - len(train)} training draws equal to a test question dropped)"
+    )
     return 0
 
 

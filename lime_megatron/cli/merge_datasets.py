@@ -20,8 +20,7 @@ from lime_megatron.data.corpus import DatasetWriter, dataset_prefix, require_dat
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags (Megatron-LM names)."""
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--input", nargs="+", required=True,
-                        help="dataset prefixes or directories of .bin/.idx pairs")
+    parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories of .bin/.idx pairs")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
@@ -32,8 +31,7 @@ def find_prefixes(inputs: list[str]) -> list[str]:
     prefixes = []
     for path in inputs:
         if os.path.isdir(path):
-            found = sorted(dataset_prefix(os.path.join(path, f)) for f in os.listdir(path)
-                           if f.endswith(".idx"))
+            found = sorted(dataset_prefix(os.path.join(path, f)) for f in os.listdir(path) if f.endswith(".idx"))
             if not found:
                 raise FileNotFoundError(f"no .idx files in directory {path}")
             prefixes += found
@@ -55,15 +53,21 @@ def run(args: argparse.Namespace) -> dict:
     datasets = [IndexedDataset(prefix) for prefix in prefixes]
     dtypes = {ds.index.dtype for ds in datasets}
     if len(dtypes) > 1:
-        raise ValueError("inputs have different token dtypes: " + ", ".join(
-            f"{p} ({ds.index.dtype.__name__})" for p, ds in zip(prefixes, datasets)))
+        raise ValueError(
+            "inputs have different token dtypes: "
+            + ", ".join(f"{p} ({ds.index.dtype.__name__})" for p, ds in zip(prefixes, datasets))
+        )
     counts = [(len(ds.document_indices) - 1, int(ds.sequence_lengths.sum())) for ds in datasets]
     with DatasetWriter([output], dtypes.pop()) as writer:
         for prefix in tqdm(prefixes, desc="merging", unit="dataset", disable=args.no_progress):
             writer.add_dataset(0, prefix)
         writer.commit()
-    return dict(inputs=list(zip(prefixes, counts)), output=output,
-                documents=sum(d for d, _ in counts), tokens=sum(t for _, t in counts))
+    return dict(
+        inputs=list(zip(prefixes, counts)),
+        output=output,
+        documents=sum(d for d, _ in counts),
+        tokens=sum(t for _, t in counts),
+    )
 
 
 def main(argv=None) -> int:
@@ -76,8 +80,10 @@ def main(argv=None) -> int:
         return 1
     for prefix, (documents, tokens) in result["inputs"]:
         print(f"  {prefix}: {documents:,} documents, {tokens:,} tokens")
-    print(f"wrote {result['output']}.bin / .idx: {len(result['inputs'])} datasets, "
-          f"{result['documents']:,} documents, {result['tokens']:,} tokens")
+    print(
+        f"wrote {result['output']}.bin / .idx: {len(result['inputs'])} datasets, "
+        f"{result['documents']:,} documents, {result['tokens']:,} tokens"
+    )
     return 0
 
 

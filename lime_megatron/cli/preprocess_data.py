@@ -51,8 +51,12 @@ from lime_megatron.data.corpus import (
 from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs
 
 # Megatron-LM flags that change nothing here (progress is a bar, order is always kept).
-IGNORED_MEGATRON_FLAGS: dict[str, dict[str, Any]] = {"--log-interval": {}, "--partitions": {}, "--dataset-impl": {},
-                          "--keep-sequential-samples": {"action": "store_true"}}
+IGNORED_MEGATRON_FLAGS: dict[str, dict[str, Any]] = {
+    "--log-interval": {},
+    "--partitions": {},
+    "--dataset-impl": {},
+    "--keep-sequential-samples": {"action": "store_true"},
+}
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -60,23 +64,26 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     add_input_args(parser)
     group = add_tokenizer_args(parser)
-    group.add_argument("--tensor-model-parallel-size", type=int, default=1,
-                       help="vocabulary padding multiple (only the token dtype depends on it)")
-    group.add_argument("--append-eod", action="store_true",
-                       help="append the end-of-document token to every document")
-    group.add_argument("--prompt-key", help="SFT data: the field holding each record's prompt; the "
-                       "single --json-keys field is its response (end-of-document token appended)")
+    group.add_argument(
+        "--tensor-model-parallel-size",
+        type=int,
+        default=1,
+        help="vocabulary padding multiple (only the token dtype depends on it)",
+    )
+    group.add_argument("--append-eod", action="store_true", help="append the end-of-document token to every document")
+    group.add_argument(
+        "--prompt-key",
+        help="SFT data: the field holding each record's prompt; the "
+        "single --json-keys field is its response (end-of-document token appended)",
+    )
     group = parser.add_argument_group("output")
     group.add_argument("--output-prefix", required=True)
     group = parser.add_argument_group("runtime")
-    group.add_argument("--workers", type=int, default=1,
-                       help="tokenizing processes (one encoding thread each)")
-    group.add_argument("--chunk-mb", type=float, default=4.0,
-                       help="input handed to a worker at a time, in MB")
+    group.add_argument("--workers", type=int, default=1, help="tokenizing processes (one encoding thread each)")
+    group.add_argument("--chunk-mb", type=float, default=4.0, help="input handed to a worker at a time, in MB")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     for flag, kwargs in IGNORED_MEGATRON_FLAGS.items():
-        group.add_argument(flag, default=None, help="Megatron-LM flag, accepted and ignored",
-                           **kwargs)
+        group.add_argument(flag, default=None, help="Megatron-LM flag, accepted and ignored", **kwargs)
     args = parser.parse_args(argv)
     if args.workers < 1:
         parser.error("--workers must be at least 1")
@@ -107,20 +114,19 @@ def _tokenizer(build_kwargs: dict):
     return _WORKER["tokenizer"]
 
 
-def _init_worker(build_kwargs: dict, keys: Sequence[str], dtype: type, append_eod: bool,
-                 prompt_response: bool) -> None:
+def _init_worker(build_kwargs: dict, keys: Sequence[str], dtype: type, append_eod: bool, prompt_response: bool) -> None:
     """Get this worker's tokenizer (one encoding thread) and remember the job settings.
 
     Ctrl-C is left to the main process, which stops the workers and removes partial output.
     """
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     tokenizer = _tokenizer(build_kwargs)
-    _WORKER.update(keys=list(keys), dtype=dtype, eod=tokenizer.eod if append_eod else None,
-                   prompt_response=prompt_response)
+    _WORKER.update(
+        keys=list(keys), dtype=dtype, eod=tokenizer.eod if append_eod else None, prompt_response=prompt_response
+    )
 
 
-def _drop_tokenless(records: list[Record], per_key: list[list], chunk: Chunk,
-                    report: InputReport) -> list[list]:
+def _drop_tokenless(records: list[Record], per_key: list[list], chunk: Chunk, report: InputReport) -> list[list]:
     """Remove (and report) documents that encode to no tokens under any key."""
     empty = np.zeros(len(records), dtype=bool)
     for seqs in per_key:
@@ -141,8 +147,14 @@ def _pack(seqs: list, eod, dtype: type):
     return tokens, lengths
 
 
-def _prompt_response_tokens(records: list[Record], tokenizer, prompts: Sequence[str],
-                            responses: Sequence[str], chunk: Chunk, report: InputReport) -> list[list]:
+def _prompt_response_tokens(
+    records: list[Record],
+    tokenizer,
+    prompts: Sequence[str],
+    responses: Sequence[str],
+    chunk: Chunk,
+    report: InputReport,
+) -> list[list]:
     """``[prompt tokens, response tokens]`` of the records: the prompt tokenized alone, the
     response as the tokens of ``prompt + response`` after the prompt's. A record whose joint
     tokens do not start with the prompt's, or with an empty prompt or response, is reported and
@@ -151,12 +163,12 @@ def _prompt_response_tokens(records: list[Record], tokenizer, prompts: Sequence[
     columns: tuple[list, list] = ([], [])
     joint = tokenizer.tokenize_batch([p + r for p, r in zip(prompts, responses)])
     for record, prompt, tokens in zip(records, tokenizer.tokenize_batch(prompts), joint):
-        if list(tokens[:len(prompt)]) != list(prompt):
+        if list(tokens[: len(prompt)]) != list(prompt):
             report.add("prompt_boundary", location(chunk, record[0]), "a token spans the prompt's end")
             continue
         kept.append(record)
         columns[0].append(prompt)
-        columns[1].append(tokens[len(prompt):])
+        columns[1].append(tokens[len(prompt) :])
     return _drop_tokenless(kept, list(columns), chunk, report)
 
 
@@ -182,8 +194,9 @@ def encode_chunk(chunk: Chunk) -> Encoded:
     else:
         per_key = _drop_tokenless(records, [tokenizer.tokenize_batch(texts) for texts in columns], chunk, report)
         packed = [_pack(seqs, _WORKER["eod"], _WORKER["dtype"]) for seqs in per_key]
-    return Encoded([t for t, _ in packed], [n for _, n in packed], len(per_key[0]),
-                   chunk.nbytes, chunk.disk_bytes, report)
+    return Encoded(
+        [t for t, _ in packed], [n for _, n in packed], len(per_key[0]), chunk.nbytes, chunk.disk_bytes, report
+    )
 
 
 def encode_in_workers(chunks: Iterator[Chunk], workers: int, initargs: tuple) -> Iterator[Encoded]:
@@ -193,8 +206,7 @@ def encode_in_workers(chunks: Iterator[Chunk], workers: int, initargs: tuple) ->
     and spawned elsewhere.
     """
     method = "fork" if sys.platform.startswith("linux") else "spawn"
-    with multiprocessing.get_context(method).Pool(
-            workers, initializer=_init_worker, initargs=initargs) as pool:
+    with multiprocessing.get_context(method).Pool(workers, initializer=_init_worker, initargs=initargs) as pool:
         pending: deque[AsyncResult[Encoded]] = deque()
         for chunk in chunks:
             pending.append(pool.apply_async(encode_chunk, (chunk,)))
@@ -225,8 +237,10 @@ class Throughput:
     def rates(self) -> str:
         """docs/s, tokens/s and MB/s of (uncompressed) input so far."""
         s = max(self.seconds, 1e-9)
-        return (f"{self.documents / s:,.0f} docs/s, {self.tokens / s / 1e6:.2f}M tok/s, "
-                f"{self.input_bytes / s / 1e6:.1f} MB/s")
+        return (
+            f"{self.documents / s:,.0f} docs/s, {self.tokens / s / 1e6:.2f}M tok/s, "
+            f"{self.input_bytes / s / 1e6:.1f} MB/s"
+        )
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -241,9 +255,12 @@ def run(args: argparse.Namespace) -> dict:
     report, reading, totals = InputReport(), InputReport(), Throughput()
     initargs = (build_kwargs, keys, dtype, args.append_eod, bool(args.prompt_key))
     chunks = iter_chunks(sources, keys, int(args.chunk_mb * 1e6), reading)
-    with DatasetWriter(prefixes, dtype) as writer, tqdm(
-            total=total_disk_bytes(sources), unit="B", unit_scale=True, desc="tokenizing",
-            disable=args.no_progress) as bar:
+    with (
+        DatasetWriter(prefixes, dtype) as writer,
+        tqdm(
+            total=total_disk_bytes(sources), unit="B", unit_scale=True, desc="tokenizing", disable=args.no_progress
+        ) as bar,
+    ):
         for result in encode_in_workers(chunks, args.workers, initargs):
             for index, (tokens, lengths) in enumerate(zip(result.tokens, result.lengths)):
                 writer.add_documents(index, tokens, lengths)
@@ -258,22 +275,31 @@ def run(args: argparse.Namespace) -> dict:
         if not totals.documents:
             raise BadInputError("no documents to write: every input record was skipped")
         writer.commit()
-    return dict(documents=totals.documents, tokens=totals.tokens,
-                input_bytes=totals.input_bytes, seconds=totals.seconds, rates=totals.rates(),
-                report=report, ignored=ignored, tokenizer=tokenizer, outputs=prefixes,
-                sources=len(sources))
+    return dict(
+        documents=totals.documents,
+        tokens=totals.tokens,
+        input_bytes=totals.input_bytes,
+        seconds=totals.seconds,
+        rates=totals.rates(),
+        report=report,
+        ignored=ignored,
+        tokenizer=tokenizer,
+        outputs=prefixes,
+        sources=len(sources),
+    )
 
 
 def summary(args: argparse.Namespace, result: dict) -> list[str]:
     """Closing summary lines of a run."""
-    lines = [f"wrote {result['documents']:,} documents, {result['tokens']:,} tokens from "
-             f"{result['input_bytes'] / 1e6:,.1f} MB of input in {result['seconds']:.1f} s "
-             f"({result['sources']} input files)",
-             f"throughput: {result['rates']} (workers={args.workers}, {result['tokenizer'].name})"]
+    lines = [
+        f"wrote {result['documents']:,} documents, {result['tokens']:,} tokens from "
+        f"{result['input_bytes'] / 1e6:,.1f} MB of input in {result['seconds']:.1f} s "
+        f"({result['sources']} input files)",
+        f"throughput: {result['rates']} (workers={args.workers}, {result['tokenizer'].name})",
+    ]
     lines += result["report"].lines()
     if result["ignored"]:
-        lines.append(f"ignored {len(result['ignored'])} files of no known format, e.g. "
-                     f"{result['ignored'][0]}")
+        lines.append(f"ignored {len(result['ignored'])} files of no known format, e.g. {result['ignored'][0]}")
     lines += [f"output: {prefix}.bin / .idx" for prefix in result["outputs"]]
     return lines
 

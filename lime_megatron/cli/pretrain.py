@@ -13,8 +13,7 @@ import warnings
 
 # megatron-core's notices that it falls back to torch where apex/TE are missing (every process
 # prints them on import), and 0.16's notice about its own default CUDA-graph scope.
-for notice in ("Transformer Engine and Apex are not installed", "Apex is not installed",
-               "full scope is deprecated"):
+for notice in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated"):
     warnings.filterwarnings("ignore", message=notice)
 
 from lime_megatron.inference.scoring import generation_evaluator  # noqa: E402

@@ -25,8 +25,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a --save directory (newest checkpoint) or one iter_NNNNNNN directory")
     parser.add_argument("--task", choices=scoring.TASKS, default="arithmetic")
-    parser.add_argument("--test-file", required=True,
-                        help="arithmetic: JSONL with expression, answer, num_operands per line; prosqa: ProsQA JSON")
+    parser.add_argument(
+        "--test-file",
+        required=True,
+        help="arithmetic: JSONL with expression, answer, num_operands per line; prosqa: ProsQA JSON",
+    )
     parser.add_argument("--max-new-tokens", type=int, default=160)
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--output", help="write the accuracies and every generation here (JSON)")
@@ -39,8 +42,9 @@ def table(tiers: list[scoring.Accuracy], group: str = "operands") -> str:
     lines = [f"{group:>8} {'correct':>8} {'total':>6} {'accuracy':>9} {'95% Wilson CI':>16}"]
     for tier in tiers:
         low, high = tier.interval
-        lines.append(f"{tier.group:>8} {tier.correct:>8} {tier.total:>6} {tier.accuracy:>9.1%} "
-                     f"{f'[{low:.1%}, {high:.1%}]':>16}")
+        lines.append(
+            f"{tier.group:>8} {tier.correct:>8} {tier.total:>6} {tier.accuracy:>9.1%} {f'[{low:.1%}, {high:.1%}]':>16}"
+        )
     return "\n".join(lines)
 
 
@@ -53,13 +57,22 @@ def main(argv=None) -> int:
     except (OSError, ValueError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)
         return 1
-    tiers, rows = scoring.score_model(loaded.model, loaded.tokenizer(), args.task, records, args.max_new_tokens,
-                                      args.batch_size, not args.no_progress)
+    tiers, rows = scoring.score_model(
+        loaded.model, loaded.tokenizer(), args.task, records, args.max_new_tokens, args.batch_size, not args.no_progress
+    )
     print(f"{loaded.directory} (iteration {loaded.iteration}) on {args.test_file}:\n{table(tiers, group)}")
     if args.output:
         with open(args.output, "w", encoding="utf-8") as out:
-            json.dump({"checkpoint": loaded.directory, "iteration": loaded.iteration,
-                       "tiers": [tier.as_dict() for tier in tiers], "generations": rows}, out, indent=1)
+            json.dump(
+                {
+                    "checkpoint": loaded.directory,
+                    "iteration": loaded.iteration,
+                    "tiers": [tier.as_dict() for tier in tiers],
+                    "generations": rows,
+                },
+                out,
+                indent=1,
+            )
     return 0
 
 

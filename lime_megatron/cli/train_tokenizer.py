@@ -31,10 +31,8 @@ from lime_megatron.data.corpus import (
 from lime_megatron.data.tokenizer import GPT2_EOD_TOKEN
 
 KINDS = {  # kind: (output file, how to load it)
-    "sentencepiece": ("tokenizer.model", "--tokenizer-type SentencePieceTokenizer "
-                                         "--tokenizer-model {output}"),
-    "byte-bpe": ("tokenizer.json", "--tokenizer-type HuggingFaceTokenizer "
-                                   "--tokenizer-model {output}"),
+    "sentencepiece": ("tokenizer.model", "--tokenizer-type SentencePieceTokenizer --tokenizer-model {output}"),
+    "byte-bpe": ("tokenizer.json", "--tokenizer-type HuggingFaceTokenizer --tokenizer-model {output}"),
 }
 
 
@@ -46,14 +44,20 @@ def parse_args(argv=None) -> argparse.Namespace:
     group.add_argument("--kind", default="sentencepiece", choices=KINDS)
     group.add_argument("--vocab-size", type=int, required=True)
     group.add_argument("--sentencepiece-model-type", default="bpe", choices=("bpe", "unigram"))
-    group.add_argument("--character-coverage", type=float, default=0.9995,
-                       help="SentencePiece: share of characters covered by the vocabulary")
-    group.add_argument("--no-byte-fallback", action="store_true",
-                       help="SentencePiece: map unknown characters to <unk>, not to bytes")
+    group.add_argument(
+        "--character-coverage",
+        type=float,
+        default=0.9995,
+        help="SentencePiece: share of characters covered by the vocabulary",
+    )
+    group.add_argument(
+        "--no-byte-fallback", action="store_true", help="SentencePiece: map unknown characters to <unk>, not to bytes"
+    )
     group = parser.add_argument_group("run")
     group.add_argument("--output-dir", required=True)
-    group.add_argument("--max-mb", type=float, default=100.0,
-                       help="train on at most this many MB of text (the first ones)")
+    group.add_argument(
+        "--max-mb", type=float, default=100.0, help="train on at most this many MB of text (the first ones)"
+    )
     group.add_argument("--workers", type=int, default=1, help="SentencePiece training threads")
     group.add_argument("--no-progress", action="store_true", help="no progress bar")
     return parser.parse_args(argv)
@@ -96,12 +100,23 @@ def train_sentencepiece(texts: Iterator[str], args: argparse.Namespace) -> bytes
 
     model = io.BytesIO()
     sentencepiece.SentencePieceTrainer.train(
-        sentence_iterator=_lines(texts), model_writer=model, vocab_size=args.vocab_size,
-        model_type=args.sentencepiece_model_type, character_coverage=args.character_coverage,
-        byte_fallback=not args.no_byte_fallback, max_sentence_length=1 << 14,
-        num_threads=max(1, args.workers), unk_id=0, bos_id=1, eos_id=2, pad_id=-1,
-        normalization_rule_name="identity", remove_extra_whitespaces=False,
-        allow_whitespace_only_pieces=True, minloglevel=1)
+        sentence_iterator=_lines(texts),
+        model_writer=model,
+        vocab_size=args.vocab_size,
+        model_type=args.sentencepiece_model_type,
+        character_coverage=args.character_coverage,
+        byte_fallback=not args.no_byte_fallback,
+        max_sentence_length=1 << 14,
+        num_threads=max(1, args.workers),
+        unk_id=0,
+        bos_id=1,
+        eos_id=2,
+        pad_id=-1,
+        normalization_rule_name="identity",
+        remove_extra_whitespaces=False,
+        allow_whitespace_only_pieces=True,
+        minloglevel=1,
+    )
     return model.getvalue()
 
 
@@ -113,8 +128,11 @@ def train_byte_bpe(texts: Iterator[str], args: argparse.Namespace) -> bytes:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
     trainer = trainers.BpeTrainer(
-        vocab_size=args.vocab_size, special_tokens=[GPT2_EOD_TOKEN], show_progress=False,
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+        vocab_size=args.vocab_size,
+        special_tokens=[GPT2_EOD_TOKEN],
+        show_progress=False,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
     tokenizer.train_from_iterator(texts, trainer=trainer)
     return tokenizer.to_str().encode("utf-8")
 
@@ -136,8 +154,7 @@ def run(args: argparse.Namespace) -> dict:
         text_bytes = bar.n
     output = os.path.join(args.output_dir, KINDS[args.kind][0])
     write_atomic(output, model)
-    return dict(output=output, report=report, text_bytes=text_bytes,
-                seconds=time.perf_counter() - start)
+    return dict(output=output, report=report, text_bytes=text_bytes, seconds=time.perf_counter() - start)
 
 
 def main(argv=None) -> int:
@@ -148,12 +165,16 @@ def main(argv=None) -> int:
     except (OSError, ValueError, RuntimeError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 1
-    print(f"trained a {args.kind} tokenizer (vocab {args.vocab_size}) on "
-          f"{result['text_bytes'] / 1e6:,.1f} MB of text in {result['seconds']:.1f} s")
+    print(
+        f"trained a {args.kind} tokenizer (vocab {args.vocab_size}) on "
+        f"{result['text_bytes'] / 1e6:,.1f} MB of text in {result['seconds']:.1f} s"
+    )
     print("\n".join(result["report"].lines()))
     print(f"output: {result['output']}")
-    print("use it with: " + KINDS[args.kind][1].format(
-        output=result["output"] if args.kind == "sentencepiece" else args.output_dir))
+    print(
+        "use it with: "
+        + KINDS[args.kind][1].format(output=result["output"] if args.kind == "sentencepiece" else args.output_dir)
+    )
     return 0
 
 

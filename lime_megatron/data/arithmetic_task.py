@@ -16,4 +16,4 @@ def response_of(record: dict) -> str:
     prompt = prompt_of(record)
     if not record["text"].startswith(prompt):
         raise ValueError(f"record text {record['text']!r} does not start with its prompt {prompt!r}")
-    return record["text"][len(prompt):]
+    return record["text"][len(prompt) :]

@@ -39,8 +39,7 @@ if TYPE_CHECKING:  # an optional dependency (the ``data`` extra)
 JSONL, PARQUET, TEXT, LINES = "jsonl", "parquet", "text", "lines"
 INPUT_FORMATS = ("auto", JSONL, PARQUET, TEXT)
 TEXT_UNITS = ("file", "line")
-EXTENSIONS = {".jsonl": JSONL, ".json": JSONL, ".ndjson": JSONL, ".parquet": PARQUET,
-              ".txt": TEXT, ".text": TEXT}
+EXTENSIONS = {".jsonl": JSONL, ".json": JSONL, ".ndjson": JSONL, ".parquet": PARQUET, ".txt": TEXT, ".text": TEXT}
 COMPRESSION_SUFFIXES = (".gz", ".zst", ".zstd")
 GZIP_MAGIC, ZSTD_MAGIC = b"\x1f\x8b", b"\x28\xb5\x2f\xfd"
 READ_ERRORS = (OSError, EOFError, zlib.error)
@@ -81,7 +80,7 @@ class InputReport:
         for kind, count in other.counts.items():
             self.counts[kind] += count
             room = MAX_EXAMPLES - len(self.examples.setdefault(kind, []))
-            self.examples[kind].extend(other.examples.get(kind, [])[:max(0, room)])
+            self.examples[kind].extend(other.examples.get(kind, [])[: max(0, room)])
 
     @property
     def total(self) -> int:
@@ -172,8 +171,9 @@ def _format_in(file: str, input_format: str, searched: bool) -> str | None:
     return input_format if not searched or fmt is None else None
 
 
-def find_sources(inputs: Sequence[str], input_format: str = "auto",
-                 text_unit: str = "file") -> tuple[list[Source], list[str]]:
+def find_sources(
+    inputs: Sequence[str], input_format: str = "auto", text_unit: str = "file"
+) -> tuple[list[Source], list[str]]:
     """Resolve input paths into sources, plus the directory/glob members that were ignored.
 
     A file named explicitly must have a known format unless `input_format` forces one.
@@ -184,8 +184,9 @@ def find_sources(inputs: Sequence[str], input_format: str = "auto",
         for file in files:
             fmt = _format_in(file, input_format, searched)
             if fmt is None and not searched:
-                raise ValueError(f"cannot tell the format of {file} from its name; "
-                                 f"pass --input-format {'|'.join(INPUT_FORMATS[1:])}")
+                raise ValueError(
+                    f"cannot tell the format of {file} from its name; pass --input-format {'|'.join(INPUT_FORMATS[1:])}"
+                )
             if fmt is None:
                 ignored.append(file)
             else:
@@ -198,17 +199,21 @@ def find_sources(inputs: Sequence[str], input_format: str = "auto",
 def add_input_args(parser: argparse.ArgumentParser) -> argparse.ArgumentParser:
     """Add the input flags shared by the data tools (Megatron-LM names where they exist)."""
     group = parser.add_argument_group("input")
-    group.add_argument("--input", nargs="+", required=True,
-                       help="files, directories or glob patterns")
-    group.add_argument("--input-format", default="auto", choices=INPUT_FORMATS,
-                       help="auto: from the file names (.jsonl/.json/.ndjson, .parquet, "
-                            ".txt/.text, each optionally .gz/.zst)")
-    group.add_argument("--json-keys", nargs="+", default=["text"],
-                       help="JSON keys / parquet columns to read")
-    group.add_argument("--text-unit", default="file", choices=TEXT_UNITS,
-                       help="plain text inputs: one document per file or per non-blank line")
-    group.add_argument("--strict", action="store_true",
-                       help="fail on the first bad input instead of skipping it")
+    group.add_argument("--input", nargs="+", required=True, help="files, directories or glob patterns")
+    group.add_argument(
+        "--input-format",
+        default="auto",
+        choices=INPUT_FORMATS,
+        help="auto: from the file names (.jsonl/.json/.ndjson, .parquet, .txt/.text, each optionally .gz/.zst)",
+    )
+    group.add_argument("--json-keys", nargs="+", default=["text"], help="JSON keys / parquet columns to read")
+    group.add_argument(
+        "--text-unit",
+        default="file",
+        choices=TEXT_UNITS,
+        help="plain text inputs: one document per file or per non-blank line",
+    )
+    group.add_argument("--strict", action="store_true", help="fail on the first bad input instead of skipping it")
     return parser
 
 
@@ -263,7 +268,7 @@ class _ZstdReader:
                 self._buffer, self._pos = self._decompress(compressed), 0
             except self._error as err:
                 raise OSError(str(err)) from err
-        out = self._buffer[self._pos:self._pos + size]
+        out = self._buffer[self._pos : self._pos + size]
         self._pos += len(out)
         return out
 
@@ -366,8 +371,7 @@ def _parquet_schema_problem(schema, keys: Sequence[str]) -> tuple[str, str] | No
     return None
 
 
-def _parquet_chunks(source: Source, keys: Sequence[str], chunk_bytes: int,
-                    report: InputReport) -> Iterator[Chunk]:
+def _parquet_chunks(source: Source, keys: Sequence[str], chunk_bytes: int, report: InputReport) -> Iterator[Chunk]:
     """Record batches of about `chunk_bytes` (by the file's own size statistics)."""
     with requires_extra("data"):
         import pyarrow as pa
@@ -390,8 +394,9 @@ def _parquet_chunks(source: Source, keys: Sequence[str], chunk_bytes: int,
         report.add("unreadable_file", f"{source.path} row {row}", str(err))
 
 
-def iter_chunks(sources: Sequence[Source], keys: Sequence[str], chunk_bytes: int,
-                report: InputReport) -> Iterator[Chunk]:
+def iter_chunks(
+    sources: Sequence[Source], keys: Sequence[str], chunk_bytes: int, report: InputReport
+) -> Iterator[Chunk]:
     """All chunks of all sources in order; unreadable files are recorded in `report`."""
     for source in sources:
         if source.fmt == PARQUET:
@@ -409,8 +414,9 @@ def location(chunk: Chunk, number: int) -> str:
     return f"{chunk.source.path}:{number}"
 
 
-def _checked(values: Sequence, keys: Sequence[str], chunk: Chunk, number: int,
-             report: InputReport) -> tuple[str, ...] | None:
+def _checked(
+    values: Sequence, keys: Sequence[str], chunk: Chunk, number: int, report: InputReport
+) -> tuple[str, ...] | None:
     """`values` as a tuple of texts, or None (reported) when one is missing, bad or empty."""
     for key, value in zip(keys, values):
         problem = None
@@ -461,8 +467,7 @@ def _parse_jsonl(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list
             report.add("malformed_json", location(chunk, number), str(err))
             continue
         if not isinstance(obj, dict):
-            report.add("malformed_json", location(chunk, number),
-                       f"a JSON {type(obj).__name__}, not an object")
+            report.add("malformed_json", location(chunk, number), f"a JSON {type(obj).__name__}, not an object")
             continue
         texts = _checked([obj.get(key) for key in keys], keys, chunk, number, report)
         if texts:
@@ -471,8 +476,7 @@ def _parse_jsonl(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list
 
 
 def _parse_lines(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[Record]:
-    return [(number, (line.rstrip("\r"),)) for number, line in _decoded_lines(chunk, report)
-            if line.strip()]
+    return [(number, (line.rstrip("\r"),)) for number, line in _decoded_lines(chunk, report) if line.strip()]
 
 
 def _parse_text(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[Record]:
@@ -508,8 +512,9 @@ def parse_chunk(chunk: Chunk, keys: Sequence[str], report: InputReport) -> list[
     return _PARSERS[chunk.source.fmt](chunk, keys, report)
 
 
-def iter_documents(sources: Sequence[Source], keys: Sequence[str], report: InputReport,
-                   chunk_bytes: int = 4 << 20) -> Iterator[tuple[str, ...]]:
+def iter_documents(
+    sources: Sequence[Source], keys: Sequence[str], report: InputReport, chunk_bytes: int = 4 << 20
+) -> Iterator[tuple[str, ...]]:
     """Texts (one per key) of every good record of `sources`, read in this process."""
     for chunk in iter_chunks(sources, keys, chunk_bytes, report):
         for _, texts in parse_chunk(chunk, keys, report):

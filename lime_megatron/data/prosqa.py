@@ -51,8 +51,10 @@ class ProsQASpec:
 
     def __post_init__(self):
         if self.num_concepts < self.min_hops + 2:
-            raise ValueError(f"num_concepts ({self.num_concepts}) must be at least min_hops + 2 "
-                             f"({self.min_hops + 2}): a path of min_hops concepts and a negative")
+            raise ValueError(
+                f"num_concepts ({self.num_concepts}) must be at least min_hops + 2 "
+                f"({self.min_hops + 2}): a path of min_hops concepts and a negative"
+            )
         if self.max_parents < 1 or self.min_hops < 1:
             raise ValueError("max_parents and min_hops must be at least 1")
 
@@ -136,10 +138,16 @@ def sample(rng: random.Random, spec: ProsQASpec) -> dict:
     candidates = [names[target], names[negative]]
     rng.shuffle(candidates)
     path = paths[target]
-    return {"question": " ".join(facts) + f" Is {names[0]} a {candidates[0]} or {candidates[1]}?",
-            "steps": [fact(names, parent, child, 0) for parent, child in zip(path, path[1:])],
-            "answer": f"{names[0]} is a {names[target]}.",
-            "idx_to_symbol": names, "edges": edges, "root": 0, "target": target, "neg_target": negative}
+    return {
+        "question": " ".join(facts) + f" Is {names[0]} a {candidates[0]} or {candidates[1]}?",
+        "steps": [fact(names, parent, child, 0) for parent, child in zip(path, path[1:])],
+        "answer": f"{names[0]} is a {names[target]}.",
+        "idx_to_symbol": names,
+        "edges": edges,
+        "root": 0,
+        "target": target,
+        "neg_target": negative,
+    }
 
 
 def generate(num_samples: int, seed: int, spec: ProsQASpec = ProsQASpec()) -> list[dict]:

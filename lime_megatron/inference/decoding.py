@@ -76,8 +76,10 @@ def decode_step(model: LimeGPTModel, context: StaticInferenceContext, tokens: to
     if offset + new > context.max_sequence_length:
         raise ValueError(f"decoding past the cache: positions up to {offset + new} of {context.max_sequence_length}")
     if offset > 0 and new != 1:
-        raise ValueError(f"decode_step after the prefill takes one new token per sequence, got {new} "
-                         f"(at offset {offset}); feed them one step at a time")
+        raise ValueError(
+            f"decode_step after the prefill takes one new token per sequence, got {new} "
+            f"(at offset {offset}); feed them one step at a time"
+        )
     if offset > 0:
         context.enable_decode_mode()
     positions = torch.arange(offset, offset + new, device=tokens.device).expand(batch, new)

@@ -110,8 +110,15 @@ class Generator:
         use_cache: KV-cache decoding (default) or recomputing the full sequence per token.
     """
 
-    def __init__(self, model: LimeGPTModel, tokenizer=None, *, vocab_size: int | None = None,
-                 eod: int | None = None, use_cache: bool = True):
+    def __init__(
+        self,
+        model: LimeGPTModel,
+        tokenizer=None,
+        *,
+        vocab_size: int | None = None,
+        eod: int | None = None,
+        use_cache: bool = True,
+    ):
         self.model = model.eval()
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size or getattr(tokenizer, "unpadded_vocab_size", None)
@@ -157,8 +164,13 @@ class Generator:
             position += 1
             if position < total and not state.all_done:
                 logits = forward(sequence, position - 1, position)
-        return Generation(state.tokens, state.stopped_by, time.perf_counter() - started,
-                          state.texts() if self.tokenizer is not None else None, prompts)
+        return Generation(
+            state.tokens,
+            state.stopped_by,
+            time.perf_counter() - started,
+            state.texts() if self.tokenizer is not None else None,
+            prompts,
+        )
 
     def _forward(self, batch: int, total: int):
         """``forward(sequence, start, stop)`` -> logits ``[b, >=1, vocab]`` whose last row

@@ -57,9 +57,18 @@ class LimeMegatronLM(LM):
         model, tokenizer: an already built model and tokenizer instead of a checkpoint.
     """
 
-    def __init__(self, checkpoint: str | None = None, *, dtype: str | None = None, batch_size: int | str = 8,
-                 max_length: int | None = None, max_gen_toks: int = 256, model: LimeGPTModel | None = None,
-                 tokenizer=None, **_ignored):
+    def __init__(
+        self,
+        checkpoint: str | None = None,
+        *,
+        dtype: str | None = None,
+        batch_size: int | str = 8,
+        max_length: int | None = None,
+        max_gen_toks: int = 256,
+        model: LimeGPTModel | None = None,
+        tokenizer=None,
+        **_ignored,
+    ):
         super().__init__()
         if model is None:
             if checkpoint is None:
@@ -90,7 +99,7 @@ class LimeMegatronLM(LM):
     def _score(self, pairs: list[tuple[list[int], list[int]]], progress: str | None = None) -> list[tuple[float, bool]]:
         """``(sum of log p(continuation | context), all greedy)`` per (context ids, continuation
         ids) pair, in batches of ``batch_size`` sorted longest first."""
-        windows = [(context + continuation)[-(self.max_length + 1):][:-1] for context, continuation in pairs]
+        windows = [(context + continuation)[-(self.max_length + 1) :][:-1] for context, continuation in pairs]
         order = sorted(range(len(pairs)), key=lambda index: -len(windows[index]))
         results: list[tuple[float, bool] | None] = [None] * len(pairs)
         device = next(self.model.parameters()).device
@@ -104,8 +113,10 @@ class LimeMegatronLM(LM):
                 continuation = torch.tensor(pairs[index][1], device=device)
                 end = len(windows[index])
                 scored = log_probs[row, end - len(continuation) : end]
-                results[index] = (float(scored.gather(1, continuation[:, None]).sum()),
-                                  bool((scored.argmax(dim=-1) == continuation).all()))
+                results[index] = (
+                    float(scored.gather(1, continuation[:, None]).sum()),
+                    bool((scored.argmax(dim=-1) == continuation).all()),
+                )
         return results
 
     def loglikelihood(self, requests, disable_tqdm: bool = False) -> list[tuple[float, bool]]:
@@ -118,8 +129,12 @@ class LimeMegatronLM(LM):
     def loglikelihood_rolling(self, requests, disable_tqdm: bool = False) -> list[float]:
         per_request, pairs = [], []
         for request in requests:
-            windows = [lm_eval_utils.make_disjoint_window(window) for window in lm_eval_utils.get_rolling_token_windows(
-                self.tokenizer.tokenize(request.args[0]), self.tokenizer.eod, self.max_length, 1)]
+            windows = [
+                lm_eval_utils.make_disjoint_window(window)
+                for window in lm_eval_utils.get_rolling_token_windows(
+                    self.tokenizer.tokenize(request.args[0]), self.tokenizer.eod, self.max_length, 1
+                )
+            ]
             per_request.append(len(windows))
             pairs.extend(windows)
         scores = iter(self._score(pairs, None if disable_tqdm else "loglikelihood_rolling"))
@@ -136,8 +151,10 @@ class LimeMegatronLM(LM):
         return SamplingOptions(
             max_new_tokens=int(gen_kwargs.get("max_gen_toks", self.max_gen_toks)),
             temperature=float(gen_kwargs.get("temperature", 1.0) or 1.0) if sampled else 0.0,
-            top_k=int(gen_kwargs.get("top_k") or 0), top_p=float(gen_kwargs.get("top_p") or 1.0),
-            seed=int(gen_kwargs.get("seed", 0)), stop_strings=tuple([until] if isinstance(until, str) else until),
+            top_k=int(gen_kwargs.get("top_k") or 0),
+            top_p=float(gen_kwargs.get("top_p") or 1.0),
+            seed=int(gen_kwargs.get("seed", 0)),
+            stop_strings=tuple([until] if isinstance(until, str) else until),
         )
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:

@@ -80,8 +80,9 @@ Completer = Callable[[Sequence[str]], list[str]]
 """Prompts (text) -> the generated continuation of each."""
 
 
-def greedy_completer(generator: Generator, max_new_tokens: int, batch_size: int = 64,
-                     progress: bool = False) -> Completer:
+def greedy_completer(
+    generator: Generator, max_new_tokens: int, batch_size: int = 64, progress: bool = False
+) -> Completer:
     """A :data:`Completer` decoding greedily with ``generator`` (its KV cache unless built with
     ``use_cache=False``): each prompt is tokenized after the end-of-document token, batches of
     ``batch_size`` prompts, stop at end of document."""
@@ -93,8 +94,9 @@ def greedy_completer(generator: Generator, max_new_tokens: int, batch_size: int 
         texts = []
         batches = range(0, len(prompts), batch_size)
         for start in tqdm(batches, desc="generating", unit="batch", disable=not progress):
-            batch = [[generator.eod, *generator.tokenizer.tokenize(prompt)]
-                     for prompt in prompts[start:start + batch_size]]
+            batch = [
+                [generator.eod, *generator.tokenizer.tokenize(prompt)] for prompt in prompts[start : start + batch_size]
+            ]
             texts += generator.generate(batch, options).texts
         return texts
 
@@ -113,8 +115,16 @@ def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list
     for record, continuation in zip(records, continuations, strict=True):
         answer = final_answer(continuation)
         correct = answer == str(record["answer"])
-        rows.append({"prompt": prompt_of(record), "generated": continuation, "answer": answer,
-                     "expected": record["answer"], "num_operands": record["num_operands"], "correct": correct})
+        rows.append(
+            {
+                "prompt": prompt_of(record),
+                "generated": continuation,
+                "answer": answer,
+                "expected": record["answer"],
+                "num_operands": record["num_operands"],
+                "correct": correct,
+            }
+        )
         hits, total = tiers.get(record["num_operands"], (0, 0))
         tiers[record["num_operands"]] = (hits + correct, total + 1)
     return [Accuracy(tier, *tiers[tier]) for tier in sorted(tiers)], rows
@@ -128,8 +138,10 @@ def read_arithmetic(path: str) -> list[dict]:
             record = json.loads(line)
             missing = {"expression", "answer", "num_operands"} - set(record)
             if missing:
-                raise ValueError(f"{path} line {number} lacks {sorted(missing)} (write it with "
-                                 "tools/make_arithmetic_data.py --test-output)")
+                raise ValueError(
+                    f"{path} line {number} lacks {sorted(missing)} (write it with "
+                    "tools/make_arithmetic_data.py --test-output)"
+                )
             records.append(record)
     return records
 
@@ -141,16 +153,21 @@ def score_prosqa(complete: Completer, records: Sequence[dict]) -> tuple[list[Acc
     continuations = complete([prosqa.prompt_of(record) for record in records])
     rows = []
     for record, continuation in zip(records, continuations, strict=True):
-        rows.append({"generated": continuation, "answer": prosqa.final_answer(continuation),
-                     "expected": record["answer"],
-                     "answer_correct": prosqa.final_answer(continuation) == record["answer"],
-                     "steps_correct": prosqa.generated_steps(continuation) == record["steps"]})
-    return [Accuracy(group, sum(row[f"{group}_correct"] for row in rows), len(rows))
-            for group in ("answer", "steps")], rows
+        rows.append(
+            {
+                "generated": continuation,
+                "answer": prosqa.final_answer(continuation),
+                "expected": record["answer"],
+                "answer_correct": prosqa.final_answer(continuation) == record["answer"],
+                "steps_correct": prosqa.generated_steps(continuation) == record["steps"],
+            }
+        )
+    return [
+        Accuracy(group, sum(row[f"{group}_correct"] for row in rows), len(rows)) for group in ("answer", "steps")
+    ], rows
 
 
-TASKS = {"arithmetic": (read_arithmetic, score_arithmetic, "operands"),
-         "prosqa": (prosqa.read, score_prosqa, "scored")}
+TASKS = {"arithmetic": (read_arithmetic, score_arithmetic, "operands"), "prosqa": (prosqa.read, score_prosqa, "scored")}
 """Task name: (reader of its test file, scorer, what a group is)."""
 
 
@@ -165,14 +182,26 @@ def generation_evaluator(trainer) -> dict[str, float]:
         return {}
     read = TASKS[logging.eval_generation_task][0]
     model = unwrap_model(trainer.model[0])
-    tiers, _ = score_model(model, trainer.tokenizer, logging.eval_generation_task,
-                           read(logging.eval_generation_file), trainer.run.model.seq_length)
+    tiers, _ = score_model(
+        model,
+        trainer.tokenizer,
+        logging.eval_generation_task,
+        read(logging.eval_generation_file),
+        trainer.run.model.seq_length,
+    )
     model.train()
     return {f"generation_accuracy/{tier.group}": tier.accuracy for tier in tiers}
 
 
-def score_model(model, tokenizer, task: str, records: Sequence[dict], max_new_tokens: int,
-                batch_size: int = 64, progress: bool = False) -> tuple[list[Accuracy], list[dict]]:
+def score_model(
+    model,
+    tokenizer,
+    task: str,
+    records: Sequence[dict],
+    max_new_tokens: int,
+    batch_size: int = 64,
+    progress: bool = False,
+) -> tuple[list[Accuracy], list[dict]]:
     """Score ``model`` (a ``LimeGPTModel`` of this process, or of every rank of a tensor-parallel
     group) on ``task``'s test ``records`` by greedy KV-cache generation; the model is left in eval
     mode."""

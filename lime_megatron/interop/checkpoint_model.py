@@ -38,10 +38,16 @@ from lime_megatron.training import arguments, checkpointing, data
 from lime_megatron.training.run_config import RunConfig
 
 INFERENCE_LAYOUT = dict(
-    pipeline_model_parallel_size=1, virtual_pipeline_size=None,
-    decoder_first_pipeline_num_layers=None, decoder_last_pipeline_num_layers=None,
-    sequence_parallel=False, recompute_granularity=None, recompute_method=None,
-    recompute_num_layers=None, fp8_format=None, transformer_impl="local",
+    pipeline_model_parallel_size=1,
+    virtual_pipeline_size=None,
+    decoder_first_pipeline_num_layers=None,
+    decoder_last_pipeline_num_layers=None,
+    sequence_parallel=False,
+    recompute_granularity=None,
+    recompute_method=None,
+    recompute_num_layers=None,
+    fp8_format=None,
+    transformer_impl="local",
 )
 """Run options replaced when a checkpoint is read for inference (the tensor-parallel size is
 :func:`load_model`'s ``tensor_parallel``)."""
@@ -79,19 +85,26 @@ def resolve_checkpoint(path: str) -> tuple[int, str]:
     if found is not None:
         return found
     name = os.path.basename(os.path.normpath(path))
-    digits = name[len("iter_"):]
+    digits = name[len("iter_") :]
     if name.startswith("iter_") and digits.isdigit():
         return int(digits), path
     raise checkpointing.CheckpointError(
         f"no checkpoint at {path}: neither a --save directory (no {checkpointing.TRACKER}) nor an "
-        "iter_NNNNNNN checkpoint directory")
+        "iter_NNNNNNN checkpoint directory"
+    )
 
 
 def inference_config(run: dict, dtype: torch.dtype, tensor_parallel: int = 1) -> LimeTransformerConfig:
     """The model config of ``run`` (a checkpoint's run description) at ``INFERENCE_LAYOUT`` with
     ``tensor_parallel`` tensor-parallel ranks."""
-    options = {**run["args"], **INFERENCE_LAYOUT, "tensor_model_parallel_size": tensor_parallel,
-               "dry_run": False, "bf16": dtype == torch.bfloat16, "fp16": dtype == torch.float16}
+    options = {
+        **run["args"],
+        **INFERENCE_LAYOUT,
+        "tensor_model_parallel_size": tensor_parallel,
+        "dry_run": False,
+        "bf16": dtype == torch.bfloat16,
+        "fp16": dtype == torch.float16,
+    }
     return arguments.transformer_config(RunConfig.from_flat_dict(options))
 
 
@@ -101,15 +114,22 @@ def check_tensor_parallel(run: dict, size: int) -> None:
     if size < 1:
         raise ValueError(f"the tensor-parallel size must be >= 1, got {size}")
     shape, padded = run["shape"], run["vocab"]["padded"]
-    problems = [f"{count} {what} are not divisible by {size}" for what, count in (
-        ("attention heads", shape["num_attention_heads"]), ("MLP channels", shape["ffn_hidden_size"]),
-        ("padded vocabulary entries", padded)) if count % size]
+    problems = [
+        f"{count} {what} are not divisible by {size}"
+        for what, count in (
+            ("attention heads", shape["num_attention_heads"]),
+            ("MLP channels", shape["ffn_hidden_size"]),
+            ("padded vocabulary entries", padded),
+        )
+        if count % size
+    ]
     kv_heads = shape["num_query_groups"]
     if kv_heads % size and size % kv_heads:
         problems.append(f"{kv_heads} key/value heads neither divide nor are divisible by {size}")
     if problems:
-        raise ValueError(f"the checkpoint's model cannot be split over {size} tensor-parallel ranks: "
-                         + "; ".join(problems))
+        raise ValueError(
+            f"the checkpoint's model cannot be split over {size} tensor-parallel ranks: " + "; ".join(problems)
+        )
 
 
 def _initialize_tensor_parallel(size: int) -> None:
@@ -118,14 +138,20 @@ def _initialize_tensor_parallel(size: int) -> None:
     the world does not fit or megatron's state was initialised with another layout."""
     world = launch_world_size()
     if world % size:
-        raise ValueError(f"tensor_parallel={size} needs a multiple of {size} processes "
-                         f"(torchrun --nproc-per-node {size}); this world has {world}")
+        raise ValueError(
+            f"tensor_parallel={size} needs a multiple of {size} processes "
+            f"(torchrun --nproc-per-node {size}); this world has {world}"
+        )
     if parallel_state.model_parallel_is_initialized():
-        layout = (parallel_state.get_tensor_model_parallel_world_size(),
-                  parallel_state.get_pipeline_model_parallel_world_size())
+        layout = (
+            parallel_state.get_tensor_model_parallel_world_size(),
+            parallel_state.get_pipeline_model_parallel_world_size(),
+        )
         if layout != (size, 1):
-            raise ValueError(f"megatron's parallel state is initialised with TP={layout[0]}, PP={layout[1]}; "
-                             f"reading a model at TP={size}, PP=1 needs that layout")
+            raise ValueError(
+                f"megatron's parallel state is initialised with TP={layout[0]}, PP={layout[1]}; "
+                f"reading a model at TP={size}, PP=1 needs that layout"
+            )
     if torch.cuda.is_available() and not torch.distributed.is_initialized():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     initialize_parallel(tensor_model_parallel_size=size)
@@ -153,7 +179,8 @@ def load_model(path: str, *, dtype: torch.dtype | None = None, tensor_parallel: 
         loaded = dist_checkpointing.load(template, directory)
     except Exception as error:  # noqa: BLE001 - say which checkpoint and why
         raise checkpointing.CheckpointError(
-            f"cannot read the model of checkpoint {directory}: {checkpointing.cause(error)}") from None
+            f"cannot read the model of checkpoint {directory}: {checkpointing.cause(error)}"
+        ) from None
     model.load_state_dict(loaded["model0"])
     if dtype is not None and dtype != saved_dtype:
         model.to(dtype)
@@ -167,7 +194,9 @@ def _build(config: LimeTransformerConfig, run: dict) -> LimeGPTModel:
     vocabulary, RoPE base and tying as trained)."""
     options = run["args"]
     return build_model(
-        config, run["vocab"]["padded"], options["max_position_embeddings"] or options["seq_length"],
+        config,
+        run["vocab"]["padded"],
+        options["max_position_embeddings"] or options["seq_length"],
         share_embeddings_and_output_weights=not options["untie_embeddings_and_output_weights"],
         rotary_base=options["rotary_base"],
     )
@@ -187,15 +216,19 @@ def save_model(model: LimeGPTModel, run: dict, root: str, iteration: int = 0) ->
     and tracked like the trainer's) with the run description ``run``; returns its directory.
     ``pretrain_lime.py --load root --no-load-optim`` starts from it at any layout."""
     initialize_parallel()
-    run = {**run, "layout": dict(tp=1, pp=1, vpp=None, dp=1), "weights_only": True,
-           "distributed_optimizer": False}
+    run = {**run, "layout": dict(tp=1, pp=1, vpp=None, dp=1), "weights_only": True, "distributed_optimizer": False}
     directory = checkpointing.checkpoint_dir(root, iteration)
     if os.path.exists(directory):
         raise checkpointing.CheckpointError(f"{directory} exists already: refusing to overwrite it")
     staging = directory + ".tmp"
     os.makedirs(staging)
-    state = {"model0": model.sharded_state_dict(), "iteration": iteration, "consumed_samples": 0,
-             "run": run, "format_version": checkpointing.FORMAT_VERSION}
+    state = {
+        "model0": model.sharded_state_dict(),
+        "iteration": iteration,
+        "consumed_samples": 0,
+        "run": run,
+        "format_version": checkpointing.FORMAT_VERSION,
+    }
     dist_checkpointing.save(state, staging)
     os.rename(staging, directory)
     checkpointing.write_tracker(root, iteration)

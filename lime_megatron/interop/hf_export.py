@@ -60,8 +60,7 @@ SHARD_BYTES = 4 * 2**30
 """Default largest safetensors file; bigger models are split with an index (transformers' format)."""
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
-DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16",
-               torch.float64: "float64"}
+DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
 
 
 class ConversionError(checkpointing.CheckpointError):
@@ -90,35 +89,62 @@ class Description:
         """What a checkpoint's run description ``run`` says about its model."""
         args = run["args"]
         pad = getattr(tokenizer, "pad", None)
-        return cls(shape, args["rotary_base"], args["norm_epsilon"],
-                   args["max_position_embeddings"] or args["seq_length"], run["vocab"]["size"],
-                   args["make_vocab_size_divisible_by"], tokenizer.eod,
-                   pad if pad is not None and 0 <= pad < shape.vocab_size else None,
-                   None if args["vocab_size"] is not None else args["tokenizer_type"],
-                   args.get("lime_router_lr") if shape.lime else None, args["init_method_std"])
+        return cls(
+            shape,
+            args["rotary_base"],
+            args["norm_epsilon"],
+            args["max_position_embeddings"] or args["seq_length"],
+            run["vocab"]["size"],
+            args["make_vocab_size_divisible_by"],
+            tokenizer.eod,
+            pad if pad is not None and 0 <= pad < shape.vocab_size else None,
+            None if args["vocab_size"] is not None else args["tokenizer_type"],
+            args.get("lime_router_lr") if shape.lime else None,
+            args["init_method_std"],
+        )
 
     def config_json(self, dtype: torch.dtype) -> dict:
         """config.json: transformers' LlamaConfig fields, the official ``lime_config`` and ours."""
         shape = self.shape
         config: dict[str, Any] = dict(
-            architectures=[shape.architecture], model_type="llama",
-            vocab_size=shape.vocab_size, hidden_size=shape.hidden_size, intermediate_size=shape.ffn_hidden_size,
-            num_hidden_layers=shape.num_layers, num_attention_heads=shape.num_attention_heads,
-            num_key_value_heads=shape.kv_heads, head_dim=shape.head_dim, hidden_act="silu",
-            max_position_embeddings=self.max_positions, rms_norm_eps=self.norm_epsilon,
-            rope_theta=self.rope_base, rope_parameters=dict(rope_type="default", rope_theta=self.rope_base),
-            tie_word_embeddings=shape.tied, attention_bias=False, attention_dropout=0.0, mlp_bias=False,
-            initializer_range=self.init_std, bos_token_id=None, eos_token_id=self.eos_token_id,
-            pad_token_id=self.pad_token_id, use_cache=not shape.lime, torch_dtype=DTYPE_NAMES[dtype],
+            architectures=[shape.architecture],
+            model_type="llama",
+            vocab_size=shape.vocab_size,
+            hidden_size=shape.hidden_size,
+            intermediate_size=shape.ffn_hidden_size,
+            num_hidden_layers=shape.num_layers,
+            num_attention_heads=shape.num_attention_heads,
+            num_key_value_heads=shape.kv_heads,
+            head_dim=shape.head_dim,
+            hidden_act="silu",
+            max_position_embeddings=self.max_positions,
+            rms_norm_eps=self.norm_epsilon,
+            rope_theta=self.rope_base,
+            rope_parameters=dict(rope_type="default", rope_theta=self.rope_base),
+            tie_word_embeddings=shape.tied,
+            attention_bias=False,
+            attention_dropout=0.0,
+            mlp_bias=False,
+            initializer_range=self.init_std,
+            bos_token_id=None,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.pad_token_id,
+            use_cache=not shape.lime,
+            torch_dtype=DTYPE_NAMES[dtype],
         )
         if shape.lime:
             config["lime_config"] = dict(router_lr=self.router_lr)
         if shape.hyper_connections:
             config["hc_config"] = dict(rate=shape.hyper_connections, dynamic=not shape.hyper_connections_static)
-        config[EXTRA] = dict(format_version=FORMAT_VERSION, unpadded_vocab_size=self.unpadded_vocab_size,
-                             make_vocab_size_divisible_by=self.divisible_by, tokenizer_type=self.tokenizer_type,
-                             lime_router=shape.router, lime_router_window=shape.router_window,
-                             lime_prune_top_p=shape.prune_top_p)
+        config[EXTRA] = dict(
+            format_version=FORMAT_VERSION,
+            unpadded_vocab_size=self.unpadded_vocab_size,
+            make_vocab_size_divisible_by=self.divisible_by,
+            tokenizer_type=self.tokenizer_type,
+            lime_router=shape.router,
+            lime_router_window=shape.router_window,
+            lime_prune_top_p=shape.prune_top_p,
+        )
         if shape.dynamic_router:
             config[EXTRA]["lime_dynamic_own_weight"] = OWN_WEIGHT_AT_INIT
         return config
@@ -131,31 +157,53 @@ class Description:
         the variant when ``hc_config`` is."""
         architecture = _architecture(config, set(tensor_shapes))
         lime = architecture in (LIME_ARCHITECTURE, DYNAMIC_LIME_ARCHITECTURE)
-        streams, static = (_hyper_connections(config, tensor_shapes) if architecture == HC_ARCHITECTURE
-                           else (0, False))
+        streams, static = _hyper_connections(config, tensor_shapes) if architecture == HC_ARCHITECTURE else (0, False)
         extra = config.get(EXTRA) or {}
         for name, allowed in (("hidden_act", ("silu",)), ("attention_bias", (False,)), ("mlp_bias", (False,))):
             if config.get(name, allowed[0]) not in allowed:
                 raise ConversionError(
-                    f"config.json: {name}={config[name]!r} is not supported (LLaMA uses {allowed[0]})")
+                    f"config.json: {name}={config[name]!r} is not supported (LLaMA uses {allowed[0]})"
+                )
         heads, hidden = _required(config, "num_attention_heads"), _required(config, "hidden_size")
-        router = ("dynamic" if architecture == DYNAMIC_LIME_ARCHITECTURE else extra.get("lime_router") or "full"
-                  if lime else None)
+        router = (
+            "dynamic"
+            if architecture == DYNAMIC_LIME_ARCHITECTURE
+            else extra.get("lime_router") or "full"
+            if lime
+            else None
+        )
         if router == "dynamic" and extra.get("lime_dynamic_own_weight", OWN_WEIGHT_AT_INIT) != OWN_WEIGHT_AT_INIT:
-            raise ConversionError(f"config.json: lime_dynamic_own_weight={extra['lime_dynamic_own_weight']} is not "
-                                  f"supported (the dynamic router's own-layer offset is fixed at {OWN_WEIGHT_AT_INIT})")
+            raise ConversionError(
+                f"config.json: lime_dynamic_own_weight={extra['lime_dynamic_own_weight']} is not "
+                f"supported (the dynamic router's own-layer offset is fixed at {OWN_WEIGHT_AT_INIT})"
+            )
         shape = ModelShape(
-            _required(config, "num_hidden_layers"), hidden, _required(config, "intermediate_size"), heads,
-            config.get("num_key_value_heads") or heads, config.get("head_dim") or hidden // heads,
-            _required(config, "vocab_size"), config.get("tie_word_embeddings", True), lime, router,
-            extra.get("lime_router_window") if lime else None, streams, static,
-            extra.get("lime_prune_top_p") if lime else None)
-        return cls(shape, _rope_base(config), config.get("rms_norm_eps", 1e-6),
-                   _required(config, "max_position_embeddings"),
-                   extra.get("unpadded_vocab_size") or shape.vocab_size, extra.get("make_vocab_size_divisible_by"),
-                   tokenizer_type=extra.get("tokenizer_type"),
-                   router_lr=(config.get("lime_config") or {}).get("router_lr"),
-                   init_std=config.get("initializer_range", 0.02))
+            _required(config, "num_hidden_layers"),
+            hidden,
+            _required(config, "intermediate_size"),
+            heads,
+            config.get("num_key_value_heads") or heads,
+            config.get("head_dim") or hidden // heads,
+            _required(config, "vocab_size"),
+            config.get("tie_word_embeddings", True),
+            lime,
+            router,
+            extra.get("lime_router_window") if lime else None,
+            streams,
+            static,
+            extra.get("lime_prune_top_p") if lime else None,
+        )
+        return cls(
+            shape,
+            _rope_base(config),
+            config.get("rms_norm_eps", 1e-6),
+            _required(config, "max_position_embeddings"),
+            extra.get("unpadded_vocab_size") or shape.vocab_size,
+            extra.get("make_vocab_size_divisible_by"),
+            tokenizer_type=extra.get("tokenizer_type"),
+            router_lr=(config.get("lime_config") or {}).get("router_lr"),
+            init_std=config.get("initializer_range", 0.02),
+        )
 
 
 def _required(config: dict, name: str):
@@ -170,12 +218,16 @@ def _architecture(config: dict, tensor_names: set[str]) -> str:
     architectures = config.get("architectures")
     if architectures:
         if architectures[0] not in known:
-            raise ConversionError(f"unknown model type {architectures[0]!r} in config.json architectures: "
-                                  f"expected one of {', '.join(known)}")
+            raise ConversionError(
+                f"unknown model type {architectures[0]!r} in config.json architectures: "
+                f"expected one of {', '.join(known)}"
+            )
         return architectures[0]
     if config.get("model_type") != "llama":
-        raise ConversionError(f"unknown model type {config.get('model_type')!r} in config.json: expected "
-                              "'llama' (LLaMA, LIMe or Hyper-Connections)")
+        raise ConversionError(
+            f"unknown model type {config.get('model_type')!r} in config.json: expected "
+            "'llama' (LLaMA, LIMe or Hyper-Connections)"
+        )
     if any(name.endswith("lime_router.dynamic_weights") for name in tensor_names):
         return DYNAMIC_LIME_ARCHITECTURE
     if any(name.endswith("self_attn.kv_proj_weight") for name in tensor_names):
@@ -213,8 +265,9 @@ def _rope_base(config: dict) -> int:
 # --------------------------------------------------------------------------- safetensors files
 
 
-def write_safetensors(tensors: dict[str, torch.Tensor], directory: str, shard_bytes: int = SHARD_BYTES,
-                      progress: bool = True) -> list[str]:
+def write_safetensors(
+    tensors: dict[str, torch.Tensor], directory: str, shard_bytes: int = SHARD_BYTES, progress: bool = True
+) -> list[str]:
     """Write ``tensors`` as one ``model.safetensors`` or as shards of at most ``shard_bytes`` with
     transformers' index; returns the file names."""
     with requires_extra("hf"):
@@ -229,13 +282,18 @@ def write_safetensors(tensors: dict[str, torch.Tensor], directory: str, shard_by
             size = 0
         shards[-1][name] = tensor
         size += nbytes
-    names = [SINGLE_FILE] if len(shards) == 1 else [
-        f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    names = (
+        [SINGLE_FILE]
+        if len(shards) == 1
+        else [f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors" for k in range(len(shards))]
+    )
     for name, shard in zip(tqdm(names, desc="write safetensors", unit="file", disable=not progress), shards):
         save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
     if len(shards) > 1:
-        index = dict(metadata=dict(total_size=sum(t.numel() * t.element_size() for t in tensors.values())),
-                     weight_map={tensor: name for name, shard in zip(names, shards) for tensor in shard})
+        index = dict(
+            metadata=dict(total_size=sum(t.numel() * t.element_size() for t in tensors.values())),
+            weight_map={tensor: name for name, shard in zip(names, shards) for tensor in shard},
+        )
         _write_json(os.path.join(directory, INDEX_FILE), index)
         names.append(INDEX_FILE)
     return names
@@ -293,8 +351,12 @@ def write_tokenizer(tokenizer, directory: str) -> list[str]:
         vocab, merges = sources
         shutil.copyfile(vocab, os.path.join(directory, "vocab.json"))
         shutil.copyfile(merges, os.path.join(directory, "merges.txt"))
-        settings = dict(tokenizer_class="GPT2Tokenizer", eos_token="<|endoftext|>", bos_token="<|endoftext|>",
-                        unk_token="<|endoftext|>")
+        settings = dict(
+            tokenizer_class="GPT2Tokenizer",
+            eos_token="<|endoftext|>",
+            bos_token="<|endoftext|>",
+            unk_token="<|endoftext|>",
+        )
         files = ["vocab.json", "merges.txt"]
     elif kind == "HuggingFaceTokenizer":
         source = os.path.dirname(sources[0])
@@ -320,18 +382,30 @@ def write_tokenizer(tokenizer, directory: str) -> list[str]:
 def _tokenizer_flags(directory: str, description: Description) -> list[str]:
     """Trainer flags for the tokenizer files in ``directory`` (``--vocab-size``, the mock-data
     vocabulary, if there are none)."""
-    present = {name for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
-               if os.path.isfile(os.path.join(directory, name))}
-    kinds = [("HuggingFaceTokenizer", {"tokenizer.json"}), ("GPT2BPETokenizer", {"vocab.json", "merges.txt"}),
-             ("SentencePieceTokenizer", {"tokenizer.model"})]
+    present = {
+        name
+        for name in ("tokenizer.json", "vocab.json", "merges.txt", "tokenizer.model")
+        if os.path.isfile(os.path.join(directory, name))
+    }
+    kinds = [
+        ("HuggingFaceTokenizer", {"tokenizer.json"}),
+        ("GPT2BPETokenizer", {"vocab.json", "merges.txt"}),
+        ("SentencePieceTokenizer", {"tokenizer.model"}),
+    ]
     if description.tokenizer_type:  # ours: the type exported first
         kinds.sort(key=lambda kind: kind[0] != description.tokenizer_type)
     for kind, needs in kinds:
         if needs <= present:
             path = {name: os.path.abspath(os.path.join(directory, name)) for name in needs}
             if kind == "GPT2BPETokenizer":
-                return ["--tokenizer-type", kind, "--vocab-file", path["vocab.json"], "--merge-file",
-                        path["merges.txt"]]
+                return [
+                    "--tokenizer-type",
+                    kind,
+                    "--vocab-file",
+                    path["vocab.json"],
+                    "--merge-file",
+                    path["merges.txt"],
+                ]
             return ["--tokenizer-type", kind, "--tokenizer-model", next(iter(path.values()))]
     return ["--vocab-size", str(description.unpadded_vocab_size)]
 
@@ -344,8 +418,10 @@ def _divisible_by(description: Description, unpadded: int) -> int:
     for multiple in (128, 64, 32, 16, 8, 4, 2, 1):
         if -(-unpadded // multiple) * multiple == description.shape.vocab_size:
             return multiple
-    raise ConversionError(f"the tokenizer has {unpadded} tokens, more than model.embed_tokens.weight's "
-                          f"{description.shape.vocab_size} rows")
+    raise ConversionError(
+        f"the tokenizer has {unpadded} tokens, more than model.embed_tokens.weight's "
+        f"{description.shape.vocab_size} rows"
+    )
 
 
 # --------------------------------------------------------------------------- export / import
@@ -370,10 +446,12 @@ class Summary:
         return self.bytes / 1e9 / max(self.seconds, 1e-9)
 
     def __str__(self) -> str:
-        return (f"{self.source} -> {self.destination}: {self.architecture}, {self.tensors} tensors, "
-                f"{self.bytes / 1e9:.3f} GB in {self.seconds:.1f} s ({self.gigabytes_per_second:.2f} GB/s: "
-                f"{', '.join(f'{step} {seconds:.1f} s' for step, seconds in self.phases.items())}); "
-                f"files: {', '.join(self.files)}")
+        return (
+            f"{self.source} -> {self.destination}: {self.architecture}, {self.tensors} tensors, "
+            f"{self.bytes / 1e9:.3f} GB in {self.seconds:.1f} s ({self.gigabytes_per_second:.2f} GB/s: "
+            f"{', '.join(f'{step} {seconds:.1f} s' for step, seconds in self.phases.items())}); "
+            f"files: {', '.join(self.files)}"
+        )
 
 
 class Stopwatch:
@@ -393,8 +471,15 @@ class Stopwatch:
         return self.last - self.start
 
 
-def write_hf(model, description: Description, directory: str, *, dtype: torch.dtype | None = None,
-             shard_bytes: int = SHARD_BYTES, progress: bool = True) -> tuple[dict[str, torch.Tensor], list[str]]:
+def write_hf(
+    model,
+    description: Description,
+    directory: str,
+    *,
+    dtype: torch.dtype | None = None,
+    shard_bytes: int = SHARD_BYTES,
+    progress: bool = True,
+) -> tuple[dict[str, torch.Tensor], list[str]]:
     """Write the single-process ``model`` (config.json + safetensors) into ``directory`` (created;
     it must not hold a model yet), tensors in ``dtype`` (default: the model's)."""
     os.makedirs(directory, exist_ok=True)
@@ -410,8 +495,14 @@ def write_hf(model, description: Description, directory: str, *, dtype: torch.dt
     return tensors, ["config.json", *files]
 
 
-def export_checkpoint(checkpoint: str, directory: str, *, dtype: torch.dtype | None = None,
-                      shard_bytes: int = SHARD_BYTES, progress: bool = True) -> Summary:
+def export_checkpoint(
+    checkpoint: str,
+    directory: str,
+    *,
+    dtype: torch.dtype | None = None,
+    shard_bytes: int = SHARD_BYTES,
+    progress: bool = True,
+) -> Summary:
     """Checkpoint (any layout; a ``--save`` root or an ``iter_NNNNNNN`` directory) -> Hugging Face
     directory with the run's tokenizer."""
     watch = Stopwatch()
@@ -419,15 +510,26 @@ def export_checkpoint(checkpoint: str, directory: str, *, dtype: torch.dtype | N
     tokenizer = loaded.tokenizer()
     watch.lap("read checkpoint")
     if loaded.model.config.hyper_connections_manifold:
-        raise ConversionError("mHC (--hyper-connections-manifold) has no Hugging Face layout to write: the paper's "
-                              "code (the layouts here) has only Hyper-Connections; the checkpoint is left as it is")
+        raise ConversionError(
+            "mHC (--hyper-connections-manifold) has no Hugging Face layout to write: the paper's "
+            "code (the layouts here) has only Hyper-Connections; the checkpoint is left as it is"
+        )
     description = Description.of_run(loaded.run, ModelShape.of_model(loaded.model), tokenizer)
-    tensors, files = write_hf(loaded.model, description, directory, dtype=dtype, shard_bytes=shard_bytes,
-                              progress=progress)
+    tensors, files = write_hf(
+        loaded.model, description, directory, dtype=dtype, shard_bytes=shard_bytes, progress=progress
+    )
     files += write_tokenizer(tokenizer, directory)
     watch.lap("map and write safetensors")
-    return Summary(loaded.directory, directory, description.shape.architecture, len(tensors), _nbytes(tensors),
-                   watch.total, files, watch.laps)
+    return Summary(
+        loaded.directory,
+        directory,
+        description.shape.architecture,
+        len(tensors),
+        _nbytes(tensors),
+        watch.total,
+        files,
+        watch.laps,
+    )
 
 
 def _nbytes(tensors: dict[str, torch.Tensor]) -> int:
@@ -438,12 +540,25 @@ def import_run(directory: str, description: Description, dtype: torch.dtype) -> 
     """The run description of a model read from the Hugging Face ``directory``: the trainer's
     options for its shape, RoPE, norm, tokenizer and padding (validated by the trainer's parser)."""
     shape = description.shape
-    flags = [f"--{key.replace('_', '-')}={value}" for key, value in dict(
-        num_layers=shape.num_layers, hidden_size=shape.hidden_size, ffn_hidden_size=shape.ffn_hidden_size,
-        num_attention_heads=shape.num_attention_heads, num_query_groups=shape.kv_heads, kv_channels=shape.head_dim,
-        seq_length=description.max_positions, max_position_embeddings=description.max_positions,
-        rotary_base=description.rope_base, norm_epsilon=description.norm_epsilon, init_method_std=description.init_std,
-        micro_batch_size=1, train_iters=1, lr=0.0).items()] + ["--mock-data"]
+    flags = [
+        f"--{key.replace('_', '-')}={value}"
+        for key, value in dict(
+            num_layers=shape.num_layers,
+            hidden_size=shape.hidden_size,
+            ffn_hidden_size=shape.ffn_hidden_size,
+            num_attention_heads=shape.num_attention_heads,
+            num_query_groups=shape.kv_heads,
+            kv_channels=shape.head_dim,
+            seq_length=description.max_positions,
+            max_position_embeddings=description.max_positions,
+            rotary_base=description.rope_base,
+            norm_epsilon=description.norm_epsilon,
+            init_method_std=description.init_std,
+            micro_batch_size=1,
+            train_iters=1,
+            lr=0.0,
+        ).items()
+    ] + ["--mock-data"]
     flags += ["--untie-embeddings-and-output-weights"] * (not shape.tied)
     flags += [f"--hyper-connections={shape.hyper_connections}"] * bool(shape.hyper_connections)
     flags += ["--hyper-connections-static"] * shape.hyper_connections_static
@@ -462,14 +577,16 @@ def import_run(directory: str, description: Description, dtype: torch.dtype) -> 
         raise ConversionError(
             f"the tokenizer in {directory} has {tokenizer.unpadded_vocab_size} tokens, padded to "
             f"{tokenizer.vocab_size} (multiple of {divisible_by}), but "
-            f"model.embed_tokens.weight has {shape.vocab_size} rows")
+            f"model.embed_tokens.weight has {shape.vocab_size} rows"
+        )
     precision = dataclasses.replace(run.precision, bf16=dtype == torch.bfloat16, fp16=dtype == torch.float16)
     run = dataclasses.replace(run, precision=precision)
     return checkpointing.run_description(run, arguments.transformer_config(run), tokenizer)
 
 
-def import_checkpoint(directory: str, root: str, *, dtype: torch.dtype | None = None, iteration: int = 0,
-                      progress: bool = True) -> Summary:
+def import_checkpoint(
+    directory: str, root: str, *, dtype: torch.dtype | None = None, iteration: int = 0, progress: bool = True
+) -> Summary:
     """Hugging Face ``directory`` -> weights-only checkpoint under ``root`` (``iter_NNNNNNN`` plus
     the tracker), which ``pretrain_lime.py --load root --no-load-optim`` reads at any layout.
     Weights keep their dtype when it is a training dtype (float32, bfloat16, float16), else
@@ -497,5 +614,13 @@ def import_checkpoint(directory: str, root: str, *, dtype: torch.dtype | None = 
     watch.lap("map")
     written = save_model(model, run, root, iteration)
     watch.lap("write checkpoint")
-    return Summary(directory, written, description.shape.architecture, len(tensors), _nbytes(tensors), watch.total,
-                   [os.path.basename(written)], watch.laps)
+    return Summary(
+        directory,
+        written,
+        description.shape.architecture,
+        len(tensors),
+        _nbytes(tensors),
+        watch.total,
+        [os.path.basename(written)],
+        watch.laps,
+    )

@@ -81,9 +81,10 @@ LLAMA_ARCHITECTURE = "LlamaForCausalLM"
 LIME_ARCHITECTURE = "LIMeForCausalLM"
 DYNAMIC_LIME_ARCHITECTURE = "DynamicLIMeForCausalLM"
 HC_ARCHITECTURE = "LlamaHCForCausalLM"
-HYPER_CONNECTION_TENSORS = {"static": ("static_alpha", "static_beta"),
-                            "dynamic": ("dynamic_alpha_fn", "dynamic_alpha_scale", "dynamic_beta_fn",
-                                        "dynamic_beta_scale")}
+HYPER_CONNECTION_TENSORS = {
+    "static": ("static_alpha", "static_beta"),
+    "dynamic": ("dynamic_alpha_fn", "dynamic_alpha_scale", "dynamic_beta_fn", "dynamic_beta_scale"),
+}
 """The official names of a hyper-connection's tensors (megatron's are the same), by variant."""
 
 
@@ -117,12 +118,22 @@ class ModelShape:
     def of_model(cls, model) -> ModelShape:
         """The shape of a single-process ``LimeGPTModel``."""
         config = model.config
-        return cls(config.num_layers, config.hidden_size, config.ffn_hidden_size, config.num_attention_heads,
-                   config.kv_heads, config.kv_channels, model.vocab_size,
-                   model.share_embeddings_and_output_weights, config.lime,
-                   config.lime_router if config.lime else None, config.lime_router_window if config.lime else None,
-                   config.hyper_connections, config.hyper_connections_static,
-                   config.lime_prune_top_p if config.lime else None)
+        return cls(
+            config.num_layers,
+            config.hidden_size,
+            config.ffn_hidden_size,
+            config.num_attention_heads,
+            config.kv_heads,
+            config.kv_channels,
+            model.vocab_size,
+            model.share_embeddings_and_output_weights,
+            config.lime,
+            config.lime_router if config.lime else None,
+            config.lime_router_window if config.lime else None,
+            config.hyper_connections,
+            config.hyper_connections_static,
+            config.lime_prune_top_p if config.lime else None,
+        )
 
     @property
     def architecture(self) -> str:
@@ -179,8 +190,11 @@ def _join_qkv(shape: ModelShape, tensors: Tensors) -> torch.Tensor:
     query, key, value = tensors
     groups, d, hidden = shape.kv_heads, shape.head_dim, query.shape[-1]
     per_group = shape.num_attention_heads // groups
-    parts = (query.reshape(groups, per_group, d, hidden), key.reshape(groups, 1, d, hidden),
-             value.reshape(groups, 1, d, hidden))
+    parts = (
+        query.reshape(groups, per_group, d, hidden),
+        key.reshape(groups, 1, d, hidden),
+        value.reshape(groups, 1, d, hidden),
+    )
     return torch.cat(parts, dim=1).reshape(-1, hidden)
 
 
@@ -202,8 +216,12 @@ def _qkv_map(shape: ModelShape, layer: int) -> TensorMap:
     megatron = f"decoder.layers.{layer}.self_attention.linear_qkv.weight"
     attn = f"model.layers.{layer}.self_attn."
     if not shape.lime:
-        return TensorMap(megatron, (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
-                         lambda weight: _split_qkv(shape, weight), lambda tensors: _join_qkv(shape, tensors))
+        return TensorMap(
+            megatron,
+            (attn + "q_proj.weight", attn + "k_proj.weight", attn + "v_proj.weight"),
+            lambda weight: _split_qkv(shape, weight),
+            lambda tensors: _join_qkv(shape, tensors),
+        )
 
     def to_hf(weight: torch.Tensor) -> Tensors:
         query, key, value = _split_qkv(shape, weight)
@@ -217,9 +235,12 @@ def _qkv_map(shape: ModelShape, layer: int) -> TensorMap:
 
 def _fc1_map(layer: int) -> TensorMap:
     mlp = f"model.layers.{layer}.mlp."
-    return TensorMap(f"decoder.layers.{layer}.mlp.linear_fc1.weight",
-                     (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-                     lambda weight: tuple(weight.chunk(2, dim=0)), lambda tensors: torch.cat(tensors, dim=0))
+    return TensorMap(
+        f"decoder.layers.{layer}.mlp.linear_fc1.weight",
+        (mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+        lambda weight: tuple(weight.chunk(2, dim=0)),
+        lambda tensors: torch.cat(tensors, dim=0),
+    )
 
 
 def router_name(layer: int, tensor: str = "static_weights") -> str:
@@ -236,7 +257,7 @@ def _router_map(shape: ModelShape, layer: int, tensor: str = "weight") -> Tensor
     def to_hf(weight: torch.Tensor) -> Tensors:
         full = weight.new_zeros(groups, (layer + 1) * groups)
         for j, source in enumerate(sources):
-            full[:, source * groups:(source + 1) * groups] = weight[:, j * groups:(j + 1) * groups]
+            full[:, source * groups : (source + 1) * groups] = weight[:, j * groups : (j + 1) * groups]
         return (full,)
 
     def from_hf(tensors: Tensors) -> torch.Tensor:
@@ -245,7 +266,8 @@ def _router_map(shape: ModelShape, layer: int, tensor: str = "weight") -> Tensor
         if unread and full[:, unread].count_nonzero() > 0:
             raise LayoutError(
                 f"{name}: non-zero weights on layers {unread}, which the '{shape.router}' router "
-                f"(window {shape.router_window}) of layer {layer} does not read")
+                f"(window {shape.router_window}) of layer {layer} does not read"
+            )
         return full[:, sources].reshape(groups, -1)
 
     return TensorMap(f"decoder.layers.{layer}.self_attention.router.{tensor}", (name,), to_hf, from_hf)
@@ -258,10 +280,12 @@ def _dynamic_router_map(layer: int, kv_heads: int) -> TensorMap:
     def regroup(weight: torch.Tensor, rows: int, columns: int) -> torch.Tensor:
         return weight.view(rows, columns, -1).transpose(0, 1).reshape(rows * columns, -1)
 
-    return TensorMap(f"decoder.layers.{layer}.self_attention.router.logits.weight",
-                     (router_name(layer, "dynamic_weights"),),
-                     lambda weight: (regroup(weight, kv_heads, layer + 1),),
-                     lambda tensors: regroup(tensors[0], layer + 1, kv_heads))
+    return TensorMap(
+        f"decoder.layers.{layer}.self_attention.router.logits.weight",
+        (router_name(layer, "dynamic_weights"),),
+        lambda weight: (regroup(weight, kv_heads, layer + 1),),
+        lambda tensors: regroup(tensors[0], layer + 1, kv_heads),
+    )
 
 
 def _router_maps(shape: ModelShape, layer: int) -> list[TensorMap]:
@@ -281,8 +305,10 @@ def _layer_norm_maps(shape: ModelShape, layer: int) -> list[TensorMap]:
     if shape.hyper_connections:
         return []
     megatron, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-    return [_one_to_one(megatron + "input_layernorm.weight", hf + "input_layernorm.weight"),
-            _one_to_one(megatron + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight")]
+    return [
+        _one_to_one(megatron + "input_layernorm.weight", hf + "input_layernorm.weight"),
+        _one_to_one(megatron + "pre_mlp_layernorm.weight", hf + "post_attention_layernorm.weight"),
+    ]
 
 
 def _hyper_connection_maps(shape: ModelShape, layer: int) -> list[TensorMap]:
@@ -292,8 +318,11 @@ def _hyper_connection_maps(shape: ModelShape, layer: int) -> list[TensorMap]:
     names = HYPER_CONNECTION_TENSORS["static"]
     if not shape.hyper_connections_static:
         names += HYPER_CONNECTION_TENSORS["dynamic"]
-    return [_one_to_one(f"decoder.layers.{layer}.{module}.{name}", f"model.layers.{layer}.{module}.{name}")
-            for module in ("hc_attn", "hc_mlp") for name in names]
+    return [
+        _one_to_one(f"decoder.layers.{layer}.{module}.{name}", f"model.layers.{layer}.{module}.{name}")
+        for module in ("hc_attn", "hc_mlp")
+        for name in names
+    ]
 
 
 def tensor_maps(shape: ModelShape) -> list[TensorMap]:
@@ -301,12 +330,17 @@ def tensor_maps(shape: ModelShape) -> list[TensorMap]:
     maps = [_one_to_one("embedding.word_embeddings.weight", "model.embed_tokens.weight")]
     for layer in range(shape.num_layers):
         megatron, hf = f"decoder.layers.{layer}.", f"model.layers.{layer}."
-        maps += _layer_norm_maps(shape, layer) + _hyper_connection_maps(shape, layer) + [
-            _qkv_map(shape, layer),
-            _one_to_one(megatron + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight"),
-            _fc1_map(layer),
-            _one_to_one(megatron + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight"),
-        ] + _router_maps(shape, layer)
+        maps += (
+            _layer_norm_maps(shape, layer)
+            + _hyper_connection_maps(shape, layer)
+            + [
+                _qkv_map(shape, layer),
+                _one_to_one(megatron + "self_attention.linear_proj.weight", hf + "self_attn.o_proj.weight"),
+                _fc1_map(layer),
+                _one_to_one(megatron + "mlp.linear_fc2.weight", hf + "mlp.down_proj.weight"),
+            ]
+            + _router_maps(shape, layer)
+        )
     maps.append(_one_to_one("decoder.final_layernorm.weight", "model.norm.weight"))
     if not shape.tied:
         maps.append(_one_to_one("output_layer.weight", "lm_head.weight"))
@@ -318,8 +352,10 @@ def fixed_tensors(shape: ModelShape, dtype: torch.dtype) -> dict[str, torch.Tens
     fixed weights, written for the official code (``[G, (l + 1) G]``, 1/(l+1) on the same head)."""
     if not shape.lime or shape.learned_router:
         return {}
-    return {router_name(layer): fixed_routing_weight(layer + 1, shape.kv_heads, "average", dtype)
-            for layer in range(1, shape.num_layers)}
+    return {
+        router_name(layer): fixed_routing_weight(layer + 1, shape.kv_heads, "average", dtype)
+        for layer in range(1, shape.num_layers)
+    }
 
 
 def to_hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Tensor]:
@@ -334,13 +370,17 @@ def to_hf_tensors(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str
 
 def hf_shapes(state: dict[str, torch.Tensor], shape: ModelShape) -> dict[str, torch.Size]:
     """The shape every Hugging Face tensor must have to be read into the megatron ``state``."""
-    meta = {name: torch.empty(tensor.shape, device="meta", dtype=tensor.dtype)
-            for name, tensor in state.items() if isinstance(tensor, torch.Tensor)}
+    meta = {
+        name: torch.empty(tensor.shape, device="meta", dtype=tensor.dtype)
+        for name, tensor in state.items()
+        if isinstance(tensor, torch.Tensor)
+    }
     return {name: tensor.shape for name, tensor in to_hf_tensors(meta, shape).items()}
 
 
-def from_hf_tensors(tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor],
-                    shape: ModelShape) -> dict[str, torch.Tensor]:
+def from_hf_tensors(
+    tensors: dict[str, torch.Tensor], state: dict[str, torch.Tensor], shape: ModelShape
+) -> dict[str, torch.Tensor]:
     """The megatron tensors of ``state``'s names from Hugging Face ``tensors``.
 
     Raises one ``LayoutError`` naming the first missing, unexpected or mis-shaped tensor, or a
@@ -349,20 +389,24 @@ def from_hf_tensors(tensors: dict[str, torch.Tensor], state: dict[str, torch.Ten
     tensors = dict(tensors)
     if shape.tied and "lm_head.weight" in tensors:  # some writers store the tied copy too
         if not torch.equal(tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")):
-            raise LayoutError("lm_head.weight differs from model.embed_tokens.weight, but the config "
-                              "ties them (tie_word_embeddings): set tie_word_embeddings false")
+            raise LayoutError(
+                "lm_head.weight differs from model.embed_tokens.weight, but the config "
+                "ties them (tie_word_embeddings): set tie_word_embeddings false"
+            )
     for name, size in expected.items():
         if name not in tensors:
             raise LayoutError(f"missing tensor {name} (expected shape {list(size)})")
         if tensors[name].shape != size:
-            raise LayoutError(f"tensor {name} has shape {list(tensors[name].shape)}, the config "
-                              f"implies {list(size)}")
+            raise LayoutError(f"tensor {name} has shape {list(tensors[name].shape)}, the config implies {list(size)}")
     unexpected = sorted(set(tensors) - set(expected))
     if unexpected:
-        raise LayoutError(f"unexpected tensor {unexpected[0]} ({len(unexpected)} in all) for this "
-                          f"{shape.architecture} config")
+        raise LayoutError(
+            f"unexpected tensor {unexpected[0]} ({len(unexpected)} in all) for this {shape.architecture} config"
+        )
     for name, fixed in fixed_tensors(shape, tensors["model.embed_tokens.weight"].dtype).items():
         if not torch.equal(tensors[name], fixed):
             raise LayoutError(f"{name} is not the fixed uniform average of the '{shape.router}' router")
-    return {tensor_map.megatron: tensor_map.from_hf(tuple(tensors[name] for name in tensor_map.hf))
-            for tensor_map in tensor_maps(shape)}
+    return {
+        tensor_map.megatron: tensor_map.from_hf(tuple(tensors[name] for name in tensor_map.hf))
+        for tensor_map in tensor_maps(shape)
+    }

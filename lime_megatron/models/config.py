@@ -118,20 +118,22 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
     kv_heads = config.num_query_groups or heads
     if kv_heads < 1 or heads % kv_heads != 0:
         raise LimeConfigError(
-            f"num_query_groups (key/value heads) = {kv_heads} must divide "
-            f"num_attention_heads = {heads}"
+            f"num_query_groups (key/value heads) = {kv_heads} must divide num_attention_heads = {heads}"
         )
     validate_router(config.lime_router, config.lime_router_window)
     if config.lime_routing_block is not None and config.lime_routing_block < 1:
-        raise LimeConfigError(f"lime_routing_block must be >= 1 (or None for the cost model), "
-                              f"got {config.lime_routing_block}")
+        raise LimeConfigError(
+            f"lime_routing_block must be >= 1 (or None for the cost model), got {config.lime_routing_block}"
+        )
     validate_hyper_connections(config)
     block_recompute = config.recompute_granularity == "full" and config.recompute_method == "block"
     if config.lime and (config.lime_routing_block or 1) > 1 and block_recompute and config.recompute_num_layers:
-        raise LimeConfigError(f"lime_routing_block {config.lime_routing_block} cannot be honoured with "
-                              f"recompute_method='block': it recomputes each of the first recompute_num_layers layers "
-                              f"on its own, and a block of routing products must lie inside one recomputed chunk; use "
-                              f"lime_routing_block 1 (or leave it unset) or recompute_method='uniform'")
+        raise LimeConfigError(
+            f"lime_routing_block {config.lime_routing_block} cannot be honoured with "
+            f"recompute_method='block': it recomputes each of the first recompute_num_layers layers "
+            f"on its own, and a block of routing products must lie inside one recomputed chunk; use "
+            f"lime_routing_block 1 (or leave it unset) or recompute_method='uniform'"
+        )
     if config.lime:
         reject_options_bypassing_lime(config)
         if config.lime_router == "dynamic":
@@ -153,11 +155,15 @@ def validate_dynamic_router(config: LimeTransformerConfig, kv_heads: int) -> Non
     token; B must be 1 or the cost model's choice, which is 1) and tensor parallelism beyond the
     key/value heads (each rank's logits are its own heads')."""
     if config.lime_routing_block not in (None, 1):
-        raise LimeConfigError(f"lime_routing_block {config.lime_routing_block} is not supported with the dynamic "
-                              "router: its routing is per token, read once per layer (use 1 or leave it unset)")
+        raise LimeConfigError(
+            f"lime_routing_block {config.lime_routing_block} is not supported with the dynamic "
+            "router: its routing is per token, read once per layer (use 1 or leave it unset)"
+        )
     if kv_heads % config.tensor_model_parallel_size:
-        raise LimeConfigError(f"the dynamic router needs key/value heads ({kv_heads}) divisible by the "
-                              f"tensor-parallel size ({config.tensor_model_parallel_size})")
+        raise LimeConfigError(
+            f"the dynamic router needs key/value heads ({kv_heads}) divisible by the "
+            f"tensor-parallel size ({config.tensor_model_parallel_size})"
+        )
 
 
 def validate_hyper_connections(config: LimeTransformerConfig) -> None:
@@ -173,16 +179,19 @@ def validate_hyper_connections(config: LimeTransformerConfig) -> None:
                 raise LimeConfigError(f"{variant} needs hyper_connections >= 1")
         return
     if config.hyper_connections_static and config.hyper_connections_manifold:
-        raise LimeConfigError("choose one Hyper-Connections variant: hyper_connections_static or "
-                              "hyper_connections_manifold, not both")
+        raise LimeConfigError(
+            "choose one Hyper-Connections variant: hyper_connections_static or hyper_connections_manifold, not both"
+        )
     if config.hyper_connections_sinkhorn_iterations < 1:
-        raise LimeConfigError(f"hyper_connections_sinkhorn_iterations must be >= 1; got "
-                              f"{config.hyper_connections_sinkhorn_iterations}")
+        raise LimeConfigError(
+            f"hyper_connections_sinkhorn_iterations must be >= 1; got {config.hyper_connections_sinkhorn_iterations}"
+        )
     if config.lime:
         raise LimeConfigError("Hyper-Connections are a baseline of their own: set lime=False with hyper_connections")
     if config.hidden_dropout:
-        raise LimeConfigError(f"Hyper-Connections are built without hidden dropout; got hidden_dropout "
-                              f"{config.hidden_dropout}")
+        raise LimeConfigError(
+            f"Hyper-Connections are built without hidden dropout; got hidden_dropout {config.hidden_dropout}"
+        )
     recomputed = set(config.recompute_modules or ["core_attn"]) - {"core_attn"}
     if config.recompute_granularity == "selective" and recomputed:
         raise LimeConfigError(f"Hyper-Connections recompute only core_attn selectively, not {sorted(recomputed)}")
@@ -191,29 +200,52 @@ def validate_hyper_connections(config: LimeTransformerConfig) -> None:
 OPTIONS_BYPASSING_LIME: dict[str, tuple[Any, str]] = {
     # option: (its off value, what it would do to LIMe); probed by name, so options newer than the
     # installed megatron-core (absent attributes) pass.
-    "cuda_graph_impl": ("none", "CUDA-graph capture runs TransformerLayer._forward_attention directly, so the "
-                                "layer-integrated memory is never bound"),
-    "enable_cuda_graph": (False, "CUDA-graph capture (deprecated flag of cuda_graph_impl='local') runs "
-                                 "TransformerLayer._forward_attention directly, so the memory is never bound"),
-    "external_cuda_graph": (False, "CUDA-graph capture (deprecated flag of cuda_graph_impl='transformer_engine') "
-                                   "runs TransformerLayer._forward_attention directly, so the memory is never bound"),
-    "overlap_moe_expert_parallel_comm": (False, "the expert-parallel overlap schedule calls "
-                                                "TransformerLayer._forward_attention directly, so the memory is "
-                                                "never bound"),
-    "context_parallel_size": (1, "context parallelism splits the sequence; the memory and the routed K/V are "
-                                 "not split with it"),
+    "cuda_graph_impl": (
+        "none",
+        "CUDA-graph capture runs TransformerLayer._forward_attention directly, so the "
+        "layer-integrated memory is never bound",
+    ),
+    "enable_cuda_graph": (
+        False,
+        "CUDA-graph capture (deprecated flag of cuda_graph_impl='local') runs "
+        "TransformerLayer._forward_attention directly, so the memory is never bound",
+    ),
+    "external_cuda_graph": (
+        False,
+        "CUDA-graph capture (deprecated flag of cuda_graph_impl='transformer_engine') "
+        "runs TransformerLayer._forward_attention directly, so the memory is never bound",
+    ),
+    "overlap_moe_expert_parallel_comm": (
+        False,
+        "the expert-parallel overlap schedule calls "
+        "TransformerLayer._forward_attention directly, so the memory is "
+        "never bound",
+    ),
+    "context_parallel_size": (
+        1,
+        "context parallelism splits the sequence; the memory and the routed K/V are not split with it",
+    ),
     "attention_output_gate": (False, "LimeSelfAttention does not apply the output gate"),
     "no_rope_freq": (None, "LimeSelfAttention applies RoPE on every layer"),
-    "qk_clip": (False, "qk-clip rescales the query/key projections from attention logits LimeSelfAttention does "
-                       "not record, and routed keys are not the projections it clips"),
-    "fine_grained_activation_offloading": (False, "LimeSelfAttention does not offload, and the routed K/V "
-                                                  "recompute keeps its own saved tensors"),
-    "fused_single_qkv_rope": (False, "the fused QKV+RoPE kernel rotates the keys before the memory routes them "
-                                     "(LIMe rotates the routed keys)"),
+    "qk_clip": (
+        False,
+        "qk-clip rescales the query/key projections from attention logits LimeSelfAttention does "
+        "not record, and routed keys are not the projections it clips",
+    ),
+    "fine_grained_activation_offloading": (
+        False,
+        "LimeSelfAttention does not offload, and the routed K/V recompute keeps its own saved tensors",
+    ),
+    "fused_single_qkv_rope": (
+        False,
+        "the fused QKV+RoPE kernel rotates the keys before the memory routes them (LIMe rotates the routed keys)",
+    ),
     "multi_latent_attention": (False, "LIMe's layer spec builds LimeSelfAttention, not multi-latent attention"),
     "experimental_attention_variant": (None, "LIMe's layer spec builds LimeSelfAttention, not the variant"),
-    "yarn_rotary_scaling_factor": (None, "YaRN's attention mscale is applied by megatron's SelfAttention.forward, "
-                                         "which LimeSelfAttention replaces"),
+    "yarn_rotary_scaling_factor": (
+        None,
+        "YaRN's attention mscale is applied by megatron's SelfAttention.forward, which LimeSelfAttention replaces",
+    ),
 }
 """megatron-core options (0.16 to 0.19) that skip LIMe's memory binding or change attention semantics in a
 way ``LimeSelfAttention.forward`` does not implement."""
@@ -232,8 +264,9 @@ def validate_router(router: str, window: int | None, *, flags: bool = False) -> 
     """The rules of the router options, for the config and the trainer's flags alike: a known
     variant (``ROUTER_VARIANTS``), a window >= 1 for the windowed ones and none for the others.
     Raises one ``LimeConfigError``; ``flags`` names the options as command-line flags."""
-    router_name, window_name = ("--lime-router", "--lime-router-window") if flags else (
-        "LIMe router", "lime_router_window")
+    router_name, window_name = (
+        ("--lime-router", "--lime-router-window") if flags else ("LIMe router", "lime_router_window")
+    )
     if router not in ROUTER_VARIANTS:
         raise LimeConfigError(f"unknown LIMe router variant {router!r}; choose one of {ROUTER_VARIANTS}")
     if router in WINDOWED_VARIANTS:
@@ -241,7 +274,8 @@ def validate_router(router: str, window: int | None, *, flags: bool = False) -> 
             raise LimeConfigError(f"{router_name} {router} needs {window_name} >= 1, got {window}")
     elif window is not None:
         raise LimeConfigError(
-            f"{window_name} {window} only applies to the {'/'.join(WINDOWED_VARIANTS)} routers, not to {router}")
+            f"{window_name} {window} only applies to the {'/'.join(WINDOWED_VARIANTS)} routers, not to {router}"
+        )
 
 
 def pipeline_layer_split(config: TransformerConfig) -> dict[tuple[int, int | None], range]:
@@ -250,8 +284,11 @@ def pipeline_layer_split(config: TransformerConfig) -> dict[tuple[int, int | Non
     ``account_for_embedding/loss_in_pipeline_split``); one ``LimeConfigError`` if the layers
     cannot be split that way."""
     stages = config.virtual_pipeline_model_parallel_size
-    keys = [(rank, vp) for rank in range(config.pipeline_model_parallel_size)
-            for vp in (range(stages) if stages else [None])]
+    keys = [
+        (rank, vp)
+        for rank in range(config.pipeline_model_parallel_size)
+        for vp in (range(stages) if stages else [None])
+    ]
     try:
         split = {key: _chunk_range(config, *key) for key in keys}
     except AssertionError as error:
@@ -313,4 +350,3 @@ def llama_architecture(**overrides: Any) -> dict[str, Any]:
 def lime_config(**kwargs: Any) -> LimeTransformerConfig:
     """``LimeTransformerConfig`` with the LLaMA architecture defaults and ``kwargs`` applied."""
     return LimeTransformerConfig(**llama_architecture(**kwargs))
-

@@ -40,8 +40,9 @@ class LimeGPTModel(GPTModel):
         self.side_channel = None  # the pipeline's KeptRows of the current schedule call (``_side_channel``)
         self.own_layers = self._own_layers()
         pipeline = self.config.pipeline_model_parallel_size
-        self.global_chunk = (self.vp_stage or 0) * pipeline + parallel_state.get_pipeline_model_parallel_rank() \
-            if pipeline > 1 else 0
+        self.global_chunk = (
+            (self.vp_stage or 0) * pipeline + parallel_state.get_pipeline_model_parallel_rank() if pipeline > 1 else 0
+        )
         # The routing block size B of this chunk, decided by its builder (``routing_blocks``)
         self.routing_block = routing_block or default_routing_block(self.config)
 
@@ -66,8 +67,12 @@ class LimeGPTModel(GPTModel):
         if not self.config.lime:
             return super().forward(*args, extra_block_kwargs=extra_block_kwargs, **kwargs)
         memory = LayerIntegratedMemory(
-            self.config.num_layers, self.config.lime_router, self.config.lime_router_window, self.own_layers,
-            block=self.routing_block, routers=self._routers_by_layer(),
+            self.config.num_layers,
+            self.config.lime_router,
+            self.config.lime_router_window,
+            self.own_layers,
+            block=self.routing_block,
+            routers=self._routers_by_layer(),
         )
         pipelined = not (self.pre_process and self.post_process)
         kept = self._side_channel() if pipelined else None
@@ -91,9 +96,11 @@ class LimeGPTModel(GPTModel):
         chunk by ``parallel.pipeline.schedule_arguments``."""
         kept = self.side_channel
         if kept is None or kept.config is not self.config:
-            raise RuntimeError("LIMe under pipeline parallelism needs lime_megatron.parallel.pipeline."
-                               "schedule_arguments(config, num_microbatches, forward_only, model_chunks) called "
-                               "for each call of megatron's forward-backward function")
+            raise RuntimeError(
+                "LIMe under pipeline parallelism needs lime_megatron.parallel.pipeline."
+                "schedule_arguments(config, num_microbatches, forward_only, model_chunks) called "
+                "for each call of megatron's forward-backward function"
+            )
         return kept
 
     def _routers_by_layer(self) -> dict[int, LimeRouter]:

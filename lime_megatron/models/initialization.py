@@ -88,7 +88,7 @@ def keyed_parameters(model: nn.Module) -> Iterator[tuple[int | str, str, nn.Para
     for name, param in model.named_parameters():
         prefix = next((p for p in layers if name.startswith(p)), None)
         if prefix is not None:
-            yield layers[prefix], name[len(prefix):], param
+            yield layers[prefix], name[len(prefix) :], param
         elif name == "output_layer.weight" and tied:
             yield "model", "embedding.word_embeddings.weight", param
         else:
@@ -105,8 +105,15 @@ def full_shape(param: nn.Parameter, router: LimeRouter | None, tp_size: int) -> 
     return tuple(shape)
 
 
-def local_shard(full: torch.Tensor, name: str, param: nn.Parameter, router: LimeRouter | None,
-                gated: bool, tp_rank: int, tp_size: int) -> torch.Tensor:
+def local_shard(
+    full: torch.Tensor,
+    name: str,
+    param: nn.Parameter,
+    router: LimeRouter | None,
+    gated: bool,
+    tp_rank: int,
+    tp_size: int,
+) -> torch.Tensor:
     """This tensor-parallel rank's part of the full tensor ``full`` of parameter ``name``."""
     if router is not None:
         return router._local_columns(full)
@@ -117,8 +124,15 @@ def local_shard(full: torch.Tensor, name: str, param: nn.Parameter, router: Lime
     return torch.cat([block.chunk(tp_size, dim=dim)[tp_rank] for block in blocks], dim=dim)
 
 
-def draw_full(config, layer: int | str, name: str, shape: tuple[int, ...], router: LimeRouter | None,
-              style: str, device: torch.device) -> torch.Tensor:
+def draw_full(
+    config,
+    layer: int | str,
+    name: str,
+    shape: tuple[int, ...],
+    router: LimeRouter | None,
+    style: str,
+    device: torch.device,
+) -> torch.Tensor:
     """The full float32 initial tensor of one parameter (drawn from the already seeded RNG)."""
     tensor = torch.empty(shape, dtype=torch.float32, device=device)
     if router is not None:
@@ -146,7 +160,7 @@ def _kaiming_uniform_key_values(qkv: torch.Tensor, config) -> None:
     grouped = qkv.view(kv_heads, -1, qkv.shape[1])
     head_dim = config.kv_channels or config.hidden_size // config.num_attention_heads
     bound = 1.0 / math.sqrt(qkv.shape[1])
-    grouped[:, -2 * head_dim:].uniform_(-bound, bound)
+    grouped[:, -2 * head_dim :].uniform_(-bound, bound)
 
 
 def initialize_weights(model: nn.Module, seed: int, style: str = "megatron") -> None:
@@ -157,8 +171,9 @@ def initialize_weights(model: nn.Module, seed: int, style: str = "megatron") -> 
     config = model.config
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    routers = {id(module.weight): module for module in model.modules()
-               if isinstance(module, LimeRouter) and module.learned}
+    routers = {
+        id(module.weight): module for module in model.modules() if isinstance(module, LimeRouter) and module.learned
+    }
     keyed = list(keyed_parameters(model))
     keys = {id(param): (layer, name) for layer, name, param in keyed}
     connections = [module for module in model.modules() if isinstance(module, HYPER_CONNECTIONS)]
@@ -173,6 +188,5 @@ def initialize_weights(model: nn.Module, seed: int, style: str = "megatron") -> 
                 continue
             router = routers.get(id(param))
             with seeded_rng(parameter_seed(seed, layer, name), param.device):
-                full = draw_full(config, layer, name, full_shape(param, router, tp_size), router, style,
-                                 param.device)
+                full = draw_full(config, layer, name, full_shape(param, router, tp_size), router, style, param.device)
             param.copy_(local_shard(full, name, param, router, config.gated_linear_unit, tp_rank, tp_size))

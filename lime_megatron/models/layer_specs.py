@@ -75,8 +75,11 @@ def lime_layer_spec(config: LimeTransformerConfig, transformer_impl: str = "loca
     """The layer spec for ``config``: LIMe's layer/attention (or the Hyper-Connections layer) on
     megatron's spec for ``transformer_impl``."""
     if config.hyper_connections:
-        return hyper_connection_layer_spec(transformer_impl, lambda: megatron_layer_spec(config, transformer_impl),
-                                           manifold=config.hyper_connections_manifold)
+        return hyper_connection_layer_spec(
+            transformer_impl,
+            lambda: megatron_layer_spec(config, transformer_impl),
+            manifold=config.hyper_connections_manifold,
+        )
     spec = megatron_layer_spec(config, transformer_impl)
     if not config.lime:
         return spec

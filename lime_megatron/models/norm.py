@@ -21,9 +21,7 @@ class TorchNorm(torch.nn.Module):
     def __init__(self, config, hidden_size: int, eps: float = 1e-5):
         super().__init__()
         if config.normalization not in ("RMSNorm", "LayerNorm"):
-            raise ValueError(
-                f"TorchNorm supports RMSNorm and LayerNorm, not {config.normalization!r}"
-            )
+            raise ValueError(f"TorchNorm supports RMSNorm and LayerNorm, not {config.normalization!r}")
         if config.layernorm_zero_centered_gamma:
             raise ValueError("TorchNorm does not support layernorm_zero_centered_gamma")
         self.normalization = config.normalization

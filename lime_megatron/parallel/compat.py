@@ -338,13 +338,9 @@ def _patch_tensor_method_users() -> None:
     # Raises TypeError unless model_param.type() is a torch.cuda type (0.16, 0.19).
     optimizer_cls = _module("optimizer.distrib_optimizer").DistributedOptimizer
     build_groups = optimizer_cls._build_model_and_main_param_groups.__func__
-    optimizer_cls._build_model_and_main_param_groups = classmethod(
-        _with_cuda_tensor_methods(build_groups)
-    )
+    optimizer_cls._build_model_and_main_param_groups = classmethod(_with_cuda_tensor_methods(build_groups))
     # Calls send_tensor.cuda() before gathering optimizer state shards (0.16, 0.19).
-    optimizer_cls.get_parameter_state_dp_zero = _with_cuda_tensor_methods(
-        optimizer_cls.get_parameter_state_dp_zero
-    )
+    optimizer_cls.get_parameter_state_dp_zero = _with_cuda_tensor_methods(optimizer_cls.get_parameter_state_dp_zero)
 
     # Calls weight.data.cuda() before tying the first and last stages' embeddings (0.16, 0.19).
     language_module_cls = _module("models.common.language_module.language_module").LanguageModule
@@ -359,8 +355,8 @@ def _zero_adam_state(optimizer) -> None:
         for param in group["params"]:
             if not optimizer.state[param]:
                 optimizer.state[param].update(
-                    exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param),
-                    step=torch.tensor(0.0))
+                    exp_avg=torch.zeros_like(param), exp_avg_sq=torch.zeros_like(param), step=torch.tensor(0.0)
+                )
 
 
 def _patch_distributed_optimizer_torch_adam() -> None:
@@ -453,8 +449,9 @@ def missing_parameters(api: str, function, *names: str, keyword_only: bool = Fal
         return f"{api}: no signature ({error})"
     missing = [name for name in names if name not in parameters]
     if keyword_only:
-        missing += [name for name in names
-                    if name in parameters and parameters[name].kind is not inspect.Parameter.KEYWORD_ONLY]
+        missing += [
+            name for name in names if name in parameters and parameters[name].kind is not inspect.Parameter.KEYWORD_ONLY
+        ]
     if missing:
         return f"{api}: expected parameters {list(names)}, missing or not keyword-only: {missing}"
     return None
@@ -474,10 +471,19 @@ def _probe_schedules() -> list[str | None]:
     from megatron.core.pipeline_parallel import schedules
 
     return [
-        missing_parameters("schedules.deallocate_output_tensor", schedules.deallocate_output_tensor,
-                           "out", "deallocate_pipeline_outputs"),
-        missing_parameters("schedules.get_schedule_table", schedules.get_schedule_table, "num_microbatches",
-                           "num_model_chunks", "microbatch_group_size_per_vp_stage"),
+        missing_parameters(
+            "schedules.deallocate_output_tensor",
+            schedules.deallocate_output_tensor,
+            "out",
+            "deallocate_pipeline_outputs",
+        ),
+        missing_parameters(
+            "schedules.get_schedule_table",
+            schedules.get_schedule_table,
+            "num_microbatches",
+            "num_model_chunks",
+            "microbatch_group_size_per_vp_stage",
+        ),
     ]
 
 
@@ -499,8 +505,7 @@ def _probe_context_threading() -> list[str | None]:
         missing_parameters("GPTModel.forward", GPTModel.forward, "extra_block_kwargs"),
         missing_parameters("TransformerBlock.forward", TransformerBlock.forward, "context"),
         missing_parameters(*_full_recompute_entry(), "context"),
-        _source_passes("TransformerBlock.forward (context to its layers)", TransformerBlock.forward,
-                       "context=context"),
+        _source_passes("TransformerBlock.forward (context to its layers)", TransformerBlock.forward, "context=context"),
     ]
 
 
@@ -509,14 +514,23 @@ def _probe_attention() -> list[str | None]:
     from megatron.core.transformer.attention import SelfAttention
 
     return [
-        missing_parameters("SelfAttention.get_query_key_value_tensors",
-                           SelfAttention.get_query_key_value_tensors, "hidden_states"),
-        missing_parameters("SelfAttention._checkpointed_attention_forward",
-                           SelfAttention._checkpointed_attention_forward, "query", "key", "value",
-                           "attention_mask", "attn_mask_type"),
-        missing_parameters("rope_utils.apply_rotary_pos_emb", rope_utils.apply_rotary_pos_emb, "t", "freqs",
-                           "config", "cp_group"),
-        None if hasattr(rope_utils, "fused_apply_rotary_pos_emb")
+        missing_parameters(
+            "SelfAttention.get_query_key_value_tensors", SelfAttention.get_query_key_value_tensors, "hidden_states"
+        ),
+        missing_parameters(
+            "SelfAttention._checkpointed_attention_forward",
+            SelfAttention._checkpointed_attention_forward,
+            "query",
+            "key",
+            "value",
+            "attention_mask",
+            "attn_mask_type",
+        ),
+        missing_parameters(
+            "rope_utils.apply_rotary_pos_emb", rope_utils.apply_rotary_pos_emb, "t", "freqs", "config", "cp_group"
+        ),
+        None
+        if hasattr(rope_utils, "fused_apply_rotary_pos_emb")
         else "rope_utils.fused_apply_rotary_pos_emb: module global missing",
     ]
 
@@ -562,10 +576,14 @@ def _probe_process_groups() -> list[str | None]:
     from torch.distributed import distributed_c10d
 
     return [
-        _present("torch.distributed.distributed_c10d._world.pg_map",
-                 getattr(getattr(distributed_c10d, "_world", None), "pg_map", None)),
-        _present("torch.distributed.distributed_c10d._get_default_group",
-                 getattr(distributed_c10d, "_get_default_group", None)),
+        _present(
+            "torch.distributed.distributed_c10d._world.pg_map",
+            getattr(getattr(distributed_c10d, "_world", None), "pg_map", None),
+        ),
+        _present(
+            "torch.distributed.distributed_c10d._get_default_group",
+            getattr(distributed_c10d, "_get_default_group", None),
+        ),
     ]
 
 
@@ -576,25 +594,49 @@ def _probe_patch_targets() -> list[str | None]:
     language_module = _module("models.common.language_module.language_module").LanguageModule
     build = inspect.getattr_static(optimizer_cls, "_build_model_and_main_param_groups", None)
     return [
-        *(_present(f"tensor_parallel.random.{name}", getattr(random, name, None))
-          for name in ("_get_cuda_rng_state", "_set_cuda_rng_state")),
-        None if isinstance(build, classmethod)
+        *(
+            _present(f"tensor_parallel.random.{name}", getattr(random, name, None))
+            for name in ("_get_cuda_rng_state", "_set_cuda_rng_state")
+        ),
+        None
+        if isinstance(build, classmethod)
         else "DistributedOptimizer._build_model_and_main_param_groups: not a classmethod",
-        *(_present(f"DistributedOptimizer.{name}", getattr(optimizer_cls, name, None))
-          for name in ("get_parameter_state_dp_zero", "state_dict", "load_state_dict")),
-        missing_parameters("DistributedOptimizer._set_main_param_and_optimizer_states",
-                           optimizer_cls._set_main_param_and_optimizer_states, "model_param", "tensors"),
+        *(
+            _present(f"DistributedOptimizer.{name}", getattr(optimizer_cls, name, None))
+            for name in ("get_parameter_state_dp_zero", "state_dict", "load_state_dict")
+        ),
+        missing_parameters(
+            "DistributedOptimizer._set_main_param_and_optimizer_states",
+            optimizer_cls._set_main_param_and_optimizer_states,
+            "model_param",
+            "tensors",
+        ),
         _present("distrib_optimizer.HAVE_APEX_OR_TE", getattr(distrib, "HAVE_APEX_OR_TE", None)),
-        _present("optimizer.Float16OptimizerWithFloat16Params",
-                 getattr(_module("optimizer.optimizer"), "Float16OptimizerWithFloat16Params", None)),
-        *(_present(f"{name}.clip_grad_by_total_norm_fp32", getattr(_module(name), "clip_grad_by_total_norm_fp32", None))
-          for name in ("optimizer.clip_grads", "optimizer.optimizer")),
-        missing_parameters("p2p_communication._p2p_ops", _module("pipeline_parallel.p2p_communication")._p2p_ops,
-                           "tensor_send_prev", "tensor_send_next", keyword_only=True),
-        _present("LanguageModule.setup_embeddings_and_output_layer",
-                 getattr(language_module, "setup_embeddings_and_output_layer", None)),
-        *(_present(f"megatron.core.{name}.torch (module global)", getattr(_module(name), "torch", None))
-          for name in _TORCH_STANDIN_MODULES),
+        _present(
+            "optimizer.Float16OptimizerWithFloat16Params",
+            getattr(_module("optimizer.optimizer"), "Float16OptimizerWithFloat16Params", None),
+        ),
+        *(
+            _present(
+                f"{name}.clip_grad_by_total_norm_fp32", getattr(_module(name), "clip_grad_by_total_norm_fp32", None)
+            )
+            for name in ("optimizer.clip_grads", "optimizer.optimizer")
+        ),
+        missing_parameters(
+            "p2p_communication._p2p_ops",
+            _module("pipeline_parallel.p2p_communication")._p2p_ops,
+            "tensor_send_prev",
+            "tensor_send_next",
+            keyword_only=True,
+        ),
+        _present(
+            "LanguageModule.setup_embeddings_and_output_layer",
+            getattr(language_module, "setup_embeddings_and_output_layer", None),
+        ),
+        *(
+            _present(f"megatron.core.{name}.torch (module global)", getattr(_module(name), "torch", None))
+            for name in _TORCH_STANDIN_MODULES
+        ),
     ]
 
 
@@ -609,18 +651,30 @@ def _probe_decoding() -> list[str | None]:
 
     adjust = Attention._adjust_key_value_for_inference
     context = StaticInferenceContext(1, 4)
-    missing_state = [name for name in ("key_value_memory_dict", "sequence_len_offset", "is_static_batching")
-                     if not hasattr(context, name)]
+    missing_state = [
+        name
+        for name in ("key_value_memory_dict", "sequence_len_offset", "is_static_batching")
+        if not hasattr(context, name)
+    ]
     returns = str(inspect.signature(adjust).return_annotation)
     return [
-        missing_parameters("Attention._adjust_key_value_for_inference", adjust, "inference_context", "query", "key",
-                           "value", "rotary_pos_emb"),
-        None if returns.count(",") == 5 else
-        f"Attention._adjust_key_value_for_inference: expected a 6-tuple result, annotated {returns}",
+        missing_parameters(
+            "Attention._adjust_key_value_for_inference",
+            adjust,
+            "inference_context",
+            "query",
+            "key",
+            "value",
+            "rotary_pos_emb",
+        ),
+        None
+        if returns.count(",") == 5
+        else f"Attention._adjust_key_value_for_inference: expected a 6-tuple result, annotated {returns}",
         None if not missing_state else f"StaticInferenceContext: missing {missing_state}",
         missing_parameters("Attention.__init__ (pg_collection)", Attention.__init__, "pg_collection"),
-        None if "cp" in getattr(ProcessGroupCollection, "__dataclass_fields__", {}) else
-        "ProcessGroupCollection.cp: missing",
+        None
+        if "cp" in getattr(ProcessGroupCollection, "__dataclass_fields__", {})
+        else "ProcessGroupCollection.cp: missing",
     ]
 
 
@@ -634,14 +688,28 @@ def _probe_pipeline_communicator() -> list[str | None]:
 
     init = inspect.getsource(P2PCommunicator.__init__)
     return [
-        missing_parameters("P2PCommunicator._communicate", P2PCommunicator._communicate, "tensor_send_next",
-                           "tensor_send_prev", "recv_prev", "recv_next", "tensor_shape", "wait_on_reqs",
-                           keyword_only=True),
-        *(None if f"self.{name}" in init else f"P2PCommunicator.__init__: no longer sets self.{name}"
-          for name in ("pp_group", "next_rank", "prev_rank", "config")),
-        *(missing_parameters(f"schedules.{name}", getattr(schedules, name), "p2p_communicator", "pg_collection")
-          for name in ("forward_backward_pipelining_without_interleaving",
-                       "forward_backward_pipelining_with_interleaving")),
+        missing_parameters(
+            "P2PCommunicator._communicate",
+            P2PCommunicator._communicate,
+            "tensor_send_next",
+            "tensor_send_prev",
+            "recv_prev",
+            "recv_next",
+            "tensor_shape",
+            "wait_on_reqs",
+            keyword_only=True,
+        ),
+        *(
+            None if f"self.{name}" in init else f"P2PCommunicator.__init__: no longer sets self.{name}"
+            for name in ("pp_group", "next_rank", "prev_rank", "config")
+        ),
+        *(
+            missing_parameters(f"schedules.{name}", getattr(schedules, name), "p2p_communicator", "pg_collection")
+            for name in (
+                "forward_backward_pipelining_without_interleaving",
+                "forward_backward_pipelining_with_interleaving",
+            )
+        ),
     ]
 
 
@@ -652,8 +720,11 @@ def _probe_output_deallocation() -> list[str | None]:
 
     out = torch.ones(4)
     schedules.deallocate_output_tensor(out, True)
-    return [None if out.numel() == 1 else
-            f"schedules.deallocate_output_tensor: left {out.numel()} elements, expected a 1-element storage swap"]
+    return [
+        None
+        if out.numel() == 1
+        else f"schedules.deallocate_output_tensor: left {out.numel()} elements, expected a 1-element storage swap"
+    ]
 
 
 def _probe_argparse() -> list[str | None]:
@@ -664,9 +735,12 @@ def _probe_argparse() -> list[str | None]:
     parser = argparse.ArgumentParser()
     group = parser.add_argument_group("probe")
     action = group.add_argument("--flag", action="store_true")
-    found = (getattr(parser, "_actions", None) and action in parser._actions
-             and action in getattr(group, "_group_actions", ())
-             and isinstance(action, getattr(argparse, "_StoreTrueAction", ())))
+    found = (
+        getattr(parser, "_actions", None)
+        and action in parser._actions
+        and action in getattr(group, "_group_actions", ())
+        and isinstance(action, getattr(argparse, "_StoreTrueAction", ()))
+    )
     return [None if found else "argparse: _actions / _group_actions / _StoreTrueAction changed"]
 
 
@@ -681,8 +755,9 @@ def _probe_copy_counting() -> list[str | None]:
 
     return [
         _present("torch.ops.aten._to_copy", getattr(torch.ops.aten, "_to_copy", None)),
-        _present("torch.utils._python_dispatch.TorchDispatchMode",
-                 getattr(_python_dispatch, "TorchDispatchMode", None)),
+        _present(
+            "torch.utils._python_dispatch.TorchDispatchMode", getattr(_python_dispatch, "TorchDispatchMode", None)
+        ),
     ]
 
 
@@ -711,10 +786,11 @@ PRIVATE_APIS: dict[str, Callable[[], list[str | None]]] = {
 # Probes of internal APIs without an underscore name (behaviour and signatures), then those of
 # the registry above.
 _PROBES: tuple[Callable[[], list[str | None]], ...] = (
-    _probe_schedules, _probe_output_deallocation, _probe_pipeline_communicator,
+    _probe_schedules,
+    _probe_output_deallocation,
+    _probe_pipeline_communicator,
     *dict.fromkeys(PRIVATE_APIS.values()),
 )
-
 
 
 def private_api_problems() -> list[str]:

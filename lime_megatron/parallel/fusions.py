@@ -82,10 +82,15 @@ class Platform:
         """One line, e.g. ``CUDA, TransformerEngine, no apex wgrad GEMM, no fused softmax (assumed)``."""
         if not self.cuda:
             return "CPU"
-        transformer_engine = "TransformerEngine" if self.te or not self.te_problem else (
-            f"TransformerEngine ({self.te_problem})")
-        parts = ["CUDA", _has(self.te, transformer_engine), _has(self.fused_wgrad, "apex wgrad GEMM"),
-                 _has(self.softmax_kernels, "fused softmax kernels")]
+        transformer_engine = (
+            "TransformerEngine" if self.te or not self.te_problem else (f"TransformerEngine ({self.te_problem})")
+        )
+        parts = [
+            "CUDA",
+            _has(self.te, transformer_engine),
+            _has(self.fused_wgrad, "apex wgrad GEMM"),
+            _has(self.softmax_kernels, "fused softmax kernels"),
+        ]
         return ", ".join(parts) + (" (assumed GPU machine of this --dry-run)" if self.assumed else "")
 
 
@@ -143,8 +148,10 @@ class FusionChoices:
     def describe(self) -> str:
         """One line per option: ``name  on|off  reason``."""
         width = max(len(field.name) for field in dataclasses.fields(self))
-        return "\n".join(f"  {name:<{width}}  {'on ' if choice.on else 'off'}  {choice.reason}"
-                         for name, choice in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self)))
+        return "\n".join(
+            f"  {name:<{width}}  {'on ' if choice.on else 'off'}  {choice.reason}"
+            for name, choice in ((f.name, getattr(self, f.name)) for f in dataclasses.fields(self))
+        )
 
 
 def resolve(platform: Platform, transformer_impl: str, pipeline_model_parallel_size: int) -> FusionChoices:
@@ -154,14 +161,16 @@ def resolve(platform: Platform, transformer_impl: str, pipeline_model_parallel_s
         raise ValueError(f"unknown transformer_impl {transformer_impl!r}")
     te_layers = transformer_impl == TRANSFORMER_ENGINE
     pipeline = pipeline_model_parallel_size > 1
-    deallocate = Choice(pipeline, "pipeline run: sent stage tensors freed after sending" if pipeline
-                        else "no pipeline parallelism")
+    deallocate = Choice(
+        pipeline, "pipeline run: sent stage tensors freed after sending" if pipeline else "no pipeline parallelism"
+    )
     if not platform.cuda:
         off = Choice(False, "CPU run: fused kernels are CUDA-only")
         return FusionChoices(off, off, off, off, off, deallocate)
     return FusionChoices(
         apply_rope_fusion=Choice(True, "TransformerEngine's fused RoPE (queries and routed keys)")
-        if platform.te else Choice(False, "needs TransformerEngine (fused_apply_rotary_pos_emb)"),
+        if platform.te
+        else Choice(False, "needs TransformerEngine (fused_apply_rotary_pos_emb)"),
         bias_activation_fusion=Choice(True, "megatron's jit-fused SwiGLU"),
         masked_softmax_fusion=_softmax_choice(platform, te_layers),
         bias_dropout_fusion=Choice(True, "megatron's jit-fused bias-dropout-add"),

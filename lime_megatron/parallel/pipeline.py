@@ -302,7 +302,9 @@ class KeptRows:
         }
         # tensors of each hop, in megatron's order: ((micro-batch, chunk), tensors)
         self.outgoing: dict[str, deque[tuple[tuple[int, int], list[torch.Tensor]]]] = {
-            "send_next": deque(), "send_prev": deque()}
+            "send_next": deque(),
+            "send_prev": deque(),
+        }
         self.arrived: dict[tuple[str, int, int], tuple[list, list]] = {}  # (kind, chunk, mb) -> (tensors, works)
         self.sends: dict[tuple[int, int], list] = {}
         self.grad_sends: list = []
@@ -385,14 +387,16 @@ class KeptRows:
         and the kept blocks it passes on) for the hidden state's send, keep its rows for this
         rank's later chunks; in backward (a hook on ``output``, before the chunk's layers) take
         the hop's returned gradient."""
-        own = tuple(layer for layer in carried_layers(self.config, self.chunks[chunk].stop)
-                    if layer in self.chunks[chunk])
+        own = tuple(
+            layer for layer in carried_layers(self.config, self.chunks[chunk].stop) if layer in self.chunks[chunk]
+        )
         memory.kept.read_later = own
         if own:
             runs = [memory.key_values.rows(run.start, run.stop) for run in layer_runs(own)]
             self.blocks[micro_batch, chunk] = _KeptBlock(own, runs, memory.key_values.kv_heads)
-        tensors = [self.blocks[micro_batch, block.source].stacked(block.layers)
-                   for block in hop_blocks(self.config, chunk + 1)]
+        tensors = [
+            self.blocks[micro_batch, block.source].stacked(block.layers) for block in hop_blocks(self.config, chunk + 1)
+        ]
         self.outgoing["send_next"].append(((micro_batch, chunk), tensors))
         self._on_backward(output, self._start_backward, chunk, micro_batch, memory, own)
 
@@ -404,8 +408,9 @@ class KeptRows:
                 del self.blocks[key]
 
     # ------------------------------------------------------------------ backward
-    def _start_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
-                        own: tuple[int, ...]) -> None:
+    def _start_backward(
+        self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, own: tuple[int, ...]
+    ) -> None:
         """Before chunk ``chunk``'s layers run backward: the returned gradient of the hop into
         ``chunk + 1`` goes to the kept blocks it carried; the own rows' gradient from later
         chunks goes to ``memory``."""
@@ -417,8 +422,9 @@ class KeptRows:
         if kept is not None:
             memory.kept.receive_downstream(kept.gradient())
 
-    def _end_backward(self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory,
-                      received: list[HopBlock]) -> None:
+    def _end_backward(
+        self, chunk: int, micro_batch: int, memory: LayerIntegratedMemory, received: list[HopBlock]
+    ) -> None:
         """After chunk ``chunk``'s layers ran backward: add its shares of the kept rows'
         gradients, queue the gradient of the rows the hop into it carried for the hidden state's
         gradient, free them."""
@@ -430,8 +436,10 @@ class KeptRows:
         self.grad_sends = [work for work in self.grad_sends if not work.is_completed()]
 
 
-_HIDDEN_ORDER = {0: ("send_next", "recv_prev", "send_prev", "recv_next"),
-                 1: ("recv_prev", "send_next", "recv_next", "send_prev")}
+_HIDDEN_ORDER = {
+    0: ("send_next", "recv_prev", "send_prev", "recv_next"),
+    1: ("recv_prev", "send_next", "recv_next", "send_prev"),
+}
 """Posting order of the hidden-state operations on even and odd pipeline ranks, batched or not
 (megatron's unbatched order): two neighbours never both start with a send to each other, and
 each one's sends to the other meet the other's receives in the same order.  megatron's batched
@@ -451,8 +459,10 @@ class PipelineCommunicator(P2PCommunicator):
 
     def __init__(self, pp_group, config, kept: KeptRows | None):
         if config.variable_seq_lengths or getattr(config, "use_ring_exchange_p2p", False):
-            raise NotImplementedError("lime-megatron's pipeline communicator needs fixed stage shapes and "
-                                      "megatron's send/receive path (no variable_seq_lengths, no ring exchange)")
+            raise NotImplementedError(
+                "lime-megatron's pipeline communicator needs fixed stage shapes and "
+                "megatron's send/receive path (no variable_seq_lengths, no ring exchange)"
+            )
         super().__init__(pp_group, config)
         self.kept = kept
 
@@ -464,10 +474,15 @@ class PipelineCommunicator(P2PCommunicator):
         # a send hands over an alias: megatron may swap the sent output's storage (deallocate_output_tensor)
         return PointToPoint(send, tensor.detach() if send else tensor, peer, self.pp_group)
 
-    def _communicate(self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape,
-                     wait_on_reqs=True):
-        hidden = {"send_next": tensor_send_next, "recv_prev": self._buffer(tensor_shape) if recv_prev else None,
-                  "send_prev": tensor_send_prev, "recv_next": self._buffer(tensor_shape) if recv_next else None}
+    def _communicate(
+        self, *, tensor_send_next, tensor_send_prev, recv_prev, recv_next, tensor_shape, wait_on_reqs=True
+    ):
+        hidden = {
+            "send_next": tensor_send_next,
+            "recv_prev": self._buffer(tensor_shape) if recv_prev else None,
+            "send_prev": tensor_send_prev,
+            "recv_next": self._buffer(tensor_shape) if recv_next else None,
+        }
         hops = []  # (kind, hidden-state operation, the rows' operations, callback taking their works)
         for kind in _HIDDEN_ORDER[self.pp_group.rank() % 2]:
             if hidden[kind] is not None:
@@ -530,8 +545,9 @@ def schedule_arguments(config, num_microbatches: int, forward_only: bool = False
     its K/V rows attached) and the process groups it goes with; none otherwise.  Each chunk is
     handed this call's ``KeptRows`` (its ``side_channel``; None without LIMe's pipeline)."""
     global _KEPT
-    pipelined = parallel_state.model_parallel_is_initialized() and \
-        parallel_state.get_pipeline_model_parallel_world_size() > 1
+    pipelined = (
+        parallel_state.model_parallel_is_initialized() and parallel_state.get_pipeline_model_parallel_world_size() > 1
+    )
     lime = getattr(config, "lime", False)
     _KEPT = KeptRows(config, num_microbatches, forward_only) if lime and pipelined else None
     for chunk in model:
@@ -540,5 +556,6 @@ def schedule_arguments(config, num_microbatches: int, forward_only: bool = False
         return {}
     pp_group = parallel_state.get_pipeline_model_parallel_group()
     groups = ProcessGroupCollection.use_mpu_process_groups(
-        required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp_cp", "tp_dp_cp", "dp"])
+        required_pgs=["tp", "cp", "pp", "embd", "pos_embd", "dp_cp", "tp_dp_cp", "dp"]
+    )
     return dict(p2p_communicator=PipelineCommunicator(pp_group, config, _KEPT), pg_collection=groups)

@@ -39,7 +39,8 @@ def initialize_parallel(
             )
         else:
             torch.distributed.init_process_group(
-                distributed_backend(), store=torch.distributed.HashStore(), rank=0, world_size=1)
+                distributed_backend(), store=torch.distributed.HashStore(), rank=0, world_size=1
+            )
     if not parallel_state.model_parallel_is_initialized():
         parallel_state.initialize_model_parallel(
             tensor_model_parallel_size,

@@ -48,8 +48,16 @@ class ActivationBytes:
 
     @property
     def total(self) -> int:
-        return (self.layers + self.lime_memory + self.received_stage + self.sent_stage
-                + self.embedding + self.output + self.routing_weights + self.router_stack)
+        return (
+            self.layers
+            + self.lime_memory
+            + self.received_stage
+            + self.sent_stage
+            + self.embedding
+            + self.output
+            + self.routing_weights
+            + self.router_stack
+        )
 
 
 @dataclass(frozen=True)
@@ -76,18 +84,25 @@ class Geometry:
     """Bytes per activation element."""
 
     @classmethod
-    def of(cls, config: LimeTransformerConfig, seq_length: int, micro_batch_size: int,
-           vocab_size: int) -> Geometry:
+    def of(cls, config: LimeTransformerConfig, seq_length: int, micro_batch_size: int, vocab_size: int) -> Geometry:
         tp = config.tensor_model_parallel_size
         if config.sequence_parallel and seq_length % tp:
-            raise ValueError(f"seq_length={seq_length} is not divisible by "
-                             f"tensor_model_parallel_size={tp} (sequence parallelism)")
+            raise ValueError(
+                f"seq_length={seq_length} is not divisible by tensor_model_parallel_size={tp} (sequence parallelism)"
+            )
         element = 2 if (config.bf16 or config.fp16) else config.params_dtype.itemsize
-        return cls(seq=seq_length, batch=micro_batch_size,
-                   hidden_rows=seq_length // tp if config.sequence_parallel else seq_length,
-                   hidden=config.hidden_size, heads=config.num_attention_heads // tp,
-                   kv_heads=max(1, config.kv_heads // tp), head_dim=config.kv_channels,
-                   ffn=config.ffn_hidden_size // tp, vocab=vocab_size // tp, element=element)
+        return cls(
+            seq=seq_length,
+            batch=micro_batch_size,
+            hidden_rows=seq_length // tp if config.sequence_parallel else seq_length,
+            hidden=config.hidden_size,
+            heads=config.num_attention_heads // tp,
+            kv_heads=max(1, config.kv_heads // tp),
+            head_dim=config.kv_channels,
+            ffn=config.ffn_hidden_size // tp,
+            vocab=vocab_size // tp,
+            element=element,
+        )
 
     @property
     def hidden_state(self) -> int:
@@ -111,8 +126,7 @@ def recompute_modules(config: LimeTransformerConfig) -> set[str]:
     modules = set(config.recompute_modules or ["core_attn"])
     unknown = sorted(modules - set(RECOMPUTED_MODULES))
     if unknown:
-        raise ValueError(f"the dry-run estimate models selective recompute of {RECOMPUTED_MODULES}, "
-                         f"not {unknown}")
+        raise ValueError(f"the dry-run estimate models selective recompute of {RECOMPUTED_MODULES}, not {unknown}")
     return modules
 
 
@@ -245,8 +259,11 @@ def forward_builds_router_stack(config: LimeTransformerConfig, layers: range, bl
     it (the row gradients), for the micro-batch whose backward runs."""
     if block == 1 or not config.lime or config.lime_router == "dynamic":
         return False
-    return any(layer > 0 and min(layer_reads(config, layer), default=layer) < consumers.start
-               for consumers in chunk_blocks(layers, block) for layer in consumers)
+    return any(
+        layer > 0 and min(layer_reads(config, layer), default=layer) < consumers.start
+        for consumers in chunk_blocks(layers, block)
+        for layer in consumers
+    )
 
 
 def _recompute_groups(config: LimeTransformerConfig, layers: int) -> tuple[int, int, int]:
@@ -258,8 +275,10 @@ def _recompute_groups(config: LimeTransformerConfig, layers: int) -> tuple[int, 
     n = config.recompute_num_layers
     if config.recompute_method == "uniform":
         if layers % n:
-            raise ValueError(f"uniform full recompute needs every chunk's layer count ({layers}) to be "
-                             f"divisible by recompute_num_layers={n} (megatron recomputes whole groups)")
+            raise ValueError(
+                f"uniform full recompute needs every chunk's layer count ({layers}) to be "
+                f"divisible by recompute_num_layers={n} (megatron recomputes whole groups)"
+            )
         return 0, layers // n, n
     recomputed = min(n, layers)  # "block": the chunk's first n layers
     return layers - recomputed, recomputed, 1 if recomputed else 0
@@ -283,8 +302,9 @@ def _first_layer_streams(config: LimeTransformerConfig, geometry: Geometry, kept
     return correction
 
 
-def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: str, layers: range,
-                      pre_process: bool, post_process: bool) -> tuple[ActivationBytes, int]:
+def chunk_activations(
+    config: LimeTransformerConfig, geometry: Geometry, impl: str, layers: range, pre_process: bool, post_process: bool
+) -> tuple[ActivationBytes, int]:
     """(bytes kept per microbatch, backward working set) of one chunk on one GPU: the chunk of
     global layers ``layers``, holding the embedding (``pre_process``) and/or the output layer
     (``post_process``).  The working set is what one micro-batch's backward builds beyond what
@@ -325,6 +345,6 @@ def chunk_activations(config: LimeTransformerConfig, geometry: Geometry, impl: s
         output=output,
         router_stack=kept_stack,
     )
-    last_group = layers[max(0, recomputed - group):recomputed]
+    last_group = layers[max(0, recomputed - group) : recomputed]
     working = group * per_layer + routing_weight_bytes(config, geometry, last_group) + stack - kept_stack
     return activations, working

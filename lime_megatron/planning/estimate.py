@@ -152,15 +152,20 @@ def chunk_layout(config: LimeTransformerConfig) -> list[list[_Chunk]]:
     """Per pipeline rank, its chunks in virtual-stage order (``config.pipeline_layer_split``:
     megatron's layer assignment)."""
     if config.pipeline_model_parallel_layout is not None:
-        raise ValueError("the dry-run estimate does not support pipeline_model_parallel_layout; "
-                         "use num_layers_in_first/last_pipeline_stage")
+        raise ValueError(
+            "the dry-run estimate does not support pipeline_model_parallel_layout; "
+            "use num_layers_in_first/last_pipeline_stage"
+        )
     pp, vpp = config.pipeline_model_parallel_size, config.virtual_pipeline_model_parallel_size
     split = pipeline_layer_split(config)
     last = (vpp or 1) - 1
-    return [[_Chunk(rank, vp, split[rank, vp], rank == 0 and vp in (None, 0),
-                    rank == pp - 1 and vp in (None, last))
-             for vp in (range(vpp) if vpp else [None])]
-            for rank in range(pp)]
+    return [
+        [
+            _Chunk(rank, vp, split[rank, vp], rank == 0 and vp in (None, 0), rank == pp - 1 and vp in (None, last))
+            for vp in (range(vpp) if vpp else [None])
+        ]
+        for rank in range(pp)
+    ]
 
 
 # ------------------------------------------------------------------------------ parameters
@@ -200,29 +205,44 @@ def _shard_numel(name: str, param: torch.Tensor, tp: int) -> int:
         return param.numel()
     size = param.shape[param.partition_dim]
     if size % tp:
-        raise ValueError(f"{name} has {size} rows along its tensor-parallel dimension, "
-                         f"not divisible by tensor_model_parallel_size={tp}")
+        raise ValueError(
+            f"{name} has {size} rows along its tensor-parallel dimension, "
+            f"not divisible by tensor_model_parallel_size={tp}"
+        )
     return param.numel() // tp
 
 
-def _baseline_chunk(config: LimeTransformerConfig, chunk: _Chunk, vocab_size: int,
-                    seq_length: int, tied: bool) -> LimeGPTModel:
+def _baseline_chunk(
+    config: LimeTransformerConfig, chunk: _Chunk, vocab_size: int, seq_length: int, tied: bool
+) -> LimeGPTModel:
     """The chunk without LIMe routers, built on meta at TP=1 for its pipeline rank.
 
     Embeddings are tied only in a chunk holding both ends (no pipeline parallelism): under
     pipeline parallelism the last stage gets an untied output weight, the same shape as
     megatron's tied copy, without the copy's cross-stage set-up.
     """
-    build = replace_config(config, lime=False, tensor_model_parallel_size=1, sequence_parallel=False,
-                           use_cpu_initialization=True, perform_initialization=True, apply_rope_fusion=False)
+    build = replace_config(
+        config,
+        lime=False,
+        tensor_model_parallel_size=1,
+        sequence_parallel=False,
+        use_cpu_initialization=True,
+        perform_initialization=True,
+        apply_rope_fusion=False,
+    )
     with _pipeline_rank(chunk.pp_rank), torch.device("meta"):
         return LimeGPTModel(
-            config=build, transformer_layer_spec=lime_block_spec(build, "local", chunk.vp_stage),
-            vocab_size=vocab_size, max_sequence_length=seq_length,
-            pre_process=chunk.pre_process, post_process=chunk.post_process,
+            config=build,
+            transformer_layer_spec=lime_block_spec(build, "local", chunk.vp_stage),
+            vocab_size=vocab_size,
+            max_sequence_length=seq_length,
+            pre_process=chunk.pre_process,
+            post_process=chunk.post_process,
             share_embeddings_and_output_weights=tied and chunk.pre_process and chunk.post_process,
-            position_embedding_type="rope", vp_stage=chunk.vp_stage,
-            pg_collection=_one_rank_groups())
+            position_embedding_type="rope",
+            vp_stage=chunk.vp_stage,
+            pg_collection=_one_rank_groups(),
+        )
 
 
 def router_parameters(config: LimeTransformerConfig, layers: range, tp: int = 1) -> int:
@@ -259,16 +279,22 @@ def _chunk_parameters(config, chunk: _Chunk, vocab_size, seq_length, tied) -> _P
 # ------------------------------------------------------------------------------ schedules
 
 
-def peak_in_flight(config: LimeTransformerConfig, pp_rank: int, num_microbatches: int,
-                   chunk_bytes: list[int]) -> tuple[int, int]:
+def peak_in_flight(
+    config: LimeTransformerConfig, pp_rank: int, num_microbatches: int, chunk_bytes: list[int]
+) -> tuple[int, int]:
     """(chunk-microbatches in flight, their bytes) at the peak of megatron's schedule on
     ``pp_rank`` (``schedule_model.rank_operations`` replayed); ``chunk_bytes[c]`` is one
     microbatch of chunk c."""
     pp = config.pipeline_model_parallel_size
     in_flight = [0] * len(chunk_bytes)
     peak = (0, 0)
-    for op in rank_operations(pp, config.virtual_pipeline_model_parallel_size or 1, pp_rank, num_microbatches,
-                              config.microbatch_group_size_per_vp_stage or pp):
+    for op in rank_operations(
+        pp,
+        config.virtual_pipeline_model_parallel_size or 1,
+        pp_rank,
+        num_microbatches,
+        config.microbatch_group_size_per_vp_stage or pp,
+    ):
         in_flight[op.chunk] += 1 if op.forward else -1
         if op.forward:
             peak = max(peak, (sum(n * size for n, size in zip(in_flight, chunk_bytes)), sum(in_flight)))
@@ -278,10 +304,16 @@ def peak_in_flight(config: LimeTransformerConfig, pp_rank: int, num_microbatches
 # ------------------------------------------------------------------------------ estimate
 
 
-def estimate(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int,
-             micro_batch_size: int, num_microbatches: int,
-             transformer_impl: str | None = None,
-             share_embeddings_and_output_weights: bool = True) -> DryRunEstimate:
+def estimate(
+    config: LimeTransformerConfig,
+    *,
+    vocab_size: int,
+    seq_length: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    transformer_impl: str | None = None,
+    share_embeddings_and_output_weights: bool = True,
+) -> DryRunEstimate:
     """Parameters, FLOPs and activation memory of ``config``'s layout (docs/estimate.md).
 
     ``vocab_size`` is the padded vocabulary the model is built with; ``transformer_impl``
@@ -289,8 +321,12 @@ def estimate(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int,
     ``config.transformer_impl``.
     """
     transformer_impl = transformer_impl or config.transformer_impl
-    for name, value in (("vocab_size", vocab_size), ("seq_length", seq_length),
-                        ("micro_batch_size", micro_batch_size), ("num_microbatches", num_microbatches)):
+    for name, value in (
+        ("vocab_size", vocab_size),
+        ("seq_length", seq_length),
+        ("micro_batch_size", micro_batch_size),
+        ("num_microbatches", num_microbatches),
+    ):
         if value < 1:
             raise ValueError(f"{name} must be at least 1, got {value}")
     if transformer_impl not in TRANSFORMER_IMPLS:
@@ -298,31 +334,52 @@ def estimate(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int,
     geometry = Geometry.of(config, seq_length, micro_batch_size, vocab_size)
     stages = []
     for chunks in chunk_layout(config):
-        estimates = [_chunk_estimate(config, chunk, geometry, transformer_impl, vocab_size,
-                                     seq_length, share_embeddings_and_output_weights)
-                     for chunk in chunks]
-        count, peak = peak_in_flight(config, chunks[0].pp_rank, num_microbatches,
-                                     [chunk.activations.total for chunk in estimates])
+        estimates = [
+            _chunk_estimate(
+                config, chunk, geometry, transformer_impl, vocab_size, seq_length, share_embeddings_and_output_weights
+            )
+            for chunk in chunks
+        ]
+        count, peak = peak_in_flight(
+            config, chunks[0].pp_rank, num_microbatches, [chunk.activations.total for chunk in estimates]
+        )
         working = max(chunk.backward_working_bytes for chunk in estimates)
         stages.append(StageEstimate(chunks[0].pp_rank, tuple(estimates), count, peak + working))
     total = sum(chunk.unique_parameters for stage in stages for chunk in stage.chunks)
     if share_embeddings_and_output_weights and config.pipeline_model_parallel_size > 1:
         total -= vocab_size * config.hidden_size  # the last stage's copy of the embedding
-    return DryRunEstimate(config, vocab_size, seq_length, micro_batch_size, num_microbatches,
-                          transformer_impl, tuple(stages), total,
-                          forward_flops_per_token(config, seq_length, vocab_size))
+    return DryRunEstimate(
+        config,
+        vocab_size,
+        seq_length,
+        micro_batch_size,
+        num_microbatches,
+        transformer_impl,
+        tuple(stages),
+        total,
+        forward_flops_per_token(config, seq_length, vocab_size),
+    )
 
 
 def _chunk_estimate(config, chunk: _Chunk, geometry, impl, vocab_size, seq_length, tied) -> ChunkEstimate:
     counts = _chunk_parameters(config, chunk, vocab_size, seq_length, tied)
-    activations, working = chunk_activations(config, geometry, impl, chunk.layers, chunk.pre_process,
-                                             chunk.post_process)
-    return ChunkEstimate(chunk.pp_rank, chunk.vp_stage, chunk.layers, chunk.pre_process,
-                         chunk.post_process, counts.per_gpu, counts.routers_per_gpu, counts.unique,
-                         counts.unique_routers,
-                         chunk_forward_flops_per_token(config, chunk.layers, seq_length, vocab_size,
-                                                       chunk.post_process),
-                         activations, working)
+    activations, working = chunk_activations(
+        config, geometry, impl, chunk.layers, chunk.pre_process, chunk.post_process
+    )
+    return ChunkEstimate(
+        chunk.pp_rank,
+        chunk.vp_stage,
+        chunk.layers,
+        chunk.pre_process,
+        chunk.post_process,
+        counts.per_gpu,
+        counts.routers_per_gpu,
+        counts.unique,
+        counts.unique_routers,
+        chunk_forward_flops_per_token(config, chunk.layers, seq_length, vocab_size, chunk.post_process),
+        activations,
+        working,
+    )
 
 
 # ------------------------------------------------------------------------------ report
@@ -341,8 +398,10 @@ def _describe(config: LimeTransformerConfig) -> str:
     if config.lime:
         window = f"-{config.lime_router_window}" if config.lime_router_window else ""
         model = f"LIMe ({config.lime_router}{window} router)"
-    return (f"{model}: {config.num_layers} layers, hidden {config.hidden_size}, FFN "
-            f"{config.ffn_hidden_size}, {config.num_attention_heads} heads ({config.kv_heads} kv)")
+    return (
+        f"{model}: {config.num_layers} layers, hidden {config.hidden_size}, FFN "
+        f"{config.ffn_hidden_size}, {config.num_attention_heads} heads ({config.kv_heads} kv)"
+    )
 
 
 def _layout(result: DryRunEstimate) -> str:
@@ -358,9 +417,11 @@ def _layout(result: DryRunEstimate) -> str:
     elif recompute == "full":
         recompute += f" ({c.recompute_method}, {c.recompute_num_layers} layers)"
     gpus = c.tensor_model_parallel_size * c.pipeline_model_parallel_size
-    return (f"layout: {', '.join(parts)} ({gpus} GPU{'s' if gpus > 1 else ''} per model replica); micro batch "
-            f"{result.micro_batch_size} x {result.num_microbatches} microbatches, seq "
-            f"{result.seq_length}; recompute: {recompute}; {result.transformer_impl}")
+    return (
+        f"layout: {', '.join(parts)} ({gpus} GPU{'s' if gpus > 1 else ''} per model replica); micro batch "
+        f"{result.micro_batch_size} x {result.num_microbatches} microbatches, seq "
+        f"{result.seq_length}; recompute: {recompute}; {result.transformer_impl}"
+    )
 
 
 def _pruning_lines(config: LimeTransformerConfig) -> list[str]:
@@ -371,8 +432,10 @@ def _pruning_lines(config: LimeTransformerConfig) -> list[str]:
     per_source = config.kv_heads if config.lime_router == "dynamic" else config.kv_heads**2
     routes = per_source * router_source_count(config)
     unit = "(head, source) routes" if config.lime_router == "dynamic" else "router weights"
-    return [f"route pruning: top-p {config.lime_prune_top_p} at --lime-prune-iters over {routes:,} {unit}; "
-            f"the masked count depends on the trained weights (printed by the trainer, reported by the analyses)"]
+    return [
+        f"route pruning: top-p {config.lime_prune_top_p} at --lime-prune-iters over {routes:,} {unit}; "
+        f"the masked count depends on the trained weights (printed by the trainer, reported by the analyses)"
+    ]
 
 
 def _routing_lines(result: DryRunEstimate) -> list[str]:
@@ -385,78 +448,119 @@ def _routing_lines(result: DryRunEstimate) -> list[str]:
         return []
     if config.lime_router == "dynamic":
         weights = sum(chunk.activations.routing_weights for stage in result.stages for chunk in stage.chunks)
-        return ["", f"LIMe routing: dynamic router, per token and not blocked (B = 1); its weights p_l keep "
-                    f"{_gib(weights)} per microbatch (in the activations above)"]
+        return [
+            "",
+            f"LIMe routing: dynamic router, per token and not blocked (B = 1); its weights p_l keep "
+            f"{_gib(weights)} per microbatch (in the activations above)",
+        ]
     chunks = sorted((chunk for stage in result.stages for chunk in stage.chunks), key=lambda chunk: chunk.layers.start)
     blocks = [chunk_routing_block(config, chunk.layers, result.seq_length, result.micro_batch_size) for chunk in chunks]
     per_chunk = ", ".join(f"layers {_layers(chunk.layers)}: {block}" for chunk, block in zip(chunks, blocks))
     chosen_by = "--lime-routing-block" if config.lime_routing_block else f"cost model on {routing_machine(config).name}"
-    reads = {name: sum(sum(routing_bytes_per_step(config, result.seq_length, result.micro_batch_size, block,
-                                                  chunk.layers, result.transformer_impl).values())
-                       for chunk, block in zip(chunks, blocks))
-             for name, blocks in (("per layer", [1] * len(chunks)), ("blocked", blocks))}
+    reads = {
+        name: sum(
+            sum(
+                routing_bytes_per_step(
+                    config, result.seq_length, result.micro_batch_size, block, chunk.layers, result.transformer_impl
+                ).values()
+            )
+            for chunk, block in zip(chunks, blocks)
+        )
+        for name, blocks in (("per layer", [1] * len(chunks)), ("blocked", blocks))
+    }
     geometry = Geometry.of(config, result.seq_length, result.micro_batch_size, result.vocab_size)
     stack = max(router_stack_bytes(config, geometry, chunk.layers) for chunk in chunks)
-    return ["", f"LIMe routing: block size B per chunk {per_chunk} ({chosen_by}; --lime-routing-block sets it, "
-                f"--lime-machine names the machine); bytes its products read per microbatch: "
-                f"per layer (B=1) {_gib(reads['per layer'])}, "
-                f"blocked {_gib(reads['blocked'])}; the routers stacked for its products: up to "
-                f"{stack / 2**20:.2f} MiB per chunk (kept per microbatch where the forward mixes a "
-                f"block's earlier sources, else in the backward working set)"]
+    return [
+        "",
+        f"LIMe routing: block size B per chunk {per_chunk} ({chosen_by}; --lime-routing-block sets it, "
+        f"--lime-machine names the machine); bytes its products read per microbatch: "
+        f"per layer (B=1) {_gib(reads['per layer'])}, "
+        f"blocked {_gib(reads['blocked'])}; the routers stacked for its products: up to "
+        f"{stack / 2**20:.2f} MiB per chunk (kept per microbatch where the forward mixes a "
+        f"block's earlier sources, else in the backward working set)",
+    ]
 
 
 def report_lines(result: DryRunEstimate) -> list[str]:
     """The dry-run report, line by line."""
-    lines = [f"dry run: {_describe(result.config)}, vocab {result.vocab_size}", _layout(result), "",
-             f"{'stage':>5} {'layers':>14} {'params/GPU':>15} {'GFLOP/token':>12} "
-             f"{'act/microbatch':>15} {'in flight':>9} {'peak act/GPU':>13}"]
+    lines = [
+        f"dry run: {_describe(result.config)}, vocab {result.vocab_size}",
+        _layout(result),
+        "",
+        f"{'stage':>5} {'layers':>14} {'params/GPU':>15} {'GFLOP/token':>12} "
+        f"{'act/microbatch':>15} {'in flight':>9} {'peak act/GPU':>13}",
+    ]
     for stage in result.stages:
         layers = ", ".join(_layers(chunk.layers) for chunk in stage.chunks)
         per_microbatch = max(chunk.activations.total for chunk in stage.chunks)
-        lines.append(f"{stage.pp_rank:>5} {layers:>14} {stage.parameters:>15,} "
-                     f"{stage.forward_flops_per_token / 1e9:>12.3f} {_gib(per_microbatch):>15} "
-                     f"{stage.microbatches_in_flight:>9} {_gib(stage.peak_activation_bytes):>13}")
+        lines.append(
+            f"{stage.pp_rank:>5} {layers:>14} {stage.parameters:>15,} "
+            f"{stage.forward_flops_per_token / 1e9:>12.3f} {_gib(per_microbatch):>15} "
+            f"{stage.microbatches_in_flight:>9} {_gib(stage.peak_activation_bytes):>13}"
+        )
     lines.append("")
     for stage in result.stages:
         for chunk in stage.chunks:
             a = chunk.activations
             name = f"stage {chunk.pp_rank}" + (f" chunk {chunk.vp_stage}" if chunk.vp_stage is not None else "")
-            lines.append(f"  {name}, layers {_layers(chunk.layers)}, one microbatch: layers {_gib(a.layers)}, "
-                         f"LIMe memory {_gib(a.lime_memory)}, router stack {a.router_stack / 2**20:.2f} MiB, "
-                         f"received K/V {_gib(a.received_stage)}, "
-                         f"sent stage tensor {_gib(a.sent_stage)}, embedding/output "
-                         f"{_gib(a.embedding + a.output)}, backward working set "
-                         f"{_gib(chunk.backward_working_bytes)}")
+            lines.append(
+                f"  {name}, layers {_layers(chunk.layers)}, one microbatch: layers {_gib(a.layers)}, "
+                f"LIMe memory {_gib(a.lime_memory)}, router stack {a.router_stack / 2**20:.2f} MiB, "
+                f"received K/V {_gib(a.received_stage)}, "
+                f"sent stage tensor {_gib(a.sent_stage)}, embedding/output "
+                f"{_gib(a.embedding + a.output)}, backward working set "
+                f"{_gib(chunk.backward_working_bytes)}"
+            )
     flops = result.training_flops_per_token
     lines += _routing_lines(result) + _pruning_lines(result.config)
-    lines += ["",
-              f"parameters: {result.total_parameters:,} (LIMe routers {result.router_parameters:,}); "
-              f"most on one GPU: {max(stage.parameters for stage in result.stages):,}",
-              f"FLOPs per token: forward {result.forward_flops_per_token / 1e9:.3f} GFLOP, training "
-              f"(3x forward) {flops / 1e9:.3f} GFLOP; per iteration of one data-parallel replica "
-              f"({result.tokens_per_iteration:,} tokens): {flops * result.tokens_per_iteration / 1e12:,.1f} TFLOP",
-              f"peak activation memory per GPU: {_gib(max(s.peak_activation_bytes for s in result.stages))} "
-              "(parameters, gradients and optimizer state not included)"]
+    lines += [
+        "",
+        f"parameters: {result.total_parameters:,} (LIMe routers {result.router_parameters:,}); "
+        f"most on one GPU: {max(stage.parameters for stage in result.stages):,}",
+        f"FLOPs per token: forward {result.forward_flops_per_token / 1e9:.3f} GFLOP, training "
+        f"(3x forward) {flops / 1e9:.3f} GFLOP; per iteration of one data-parallel replica "
+        f"({result.tokens_per_iteration:,} tokens): {flops * result.tokens_per_iteration / 1e12:,.1f} TFLOP",
+        f"peak activation memory per GPU: {_gib(max(s.peak_activation_bytes for s in result.stages))} "
+        "(parameters, gradients and optimizer state not included)",
+    ]
     return lines
 
 
-def dry_run_report(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int,
-                   micro_batch_size: int, num_microbatches: int,
-                   transformer_impl: str | None = None,
-                   share_embeddings_and_output_weights: bool = True,
-                   compute_tflops: float = DEFAULT_COMPUTE_TFLOPS,
-                   link_bandwidth_gbps: float | None = None, link_latency_us: float = 5.0) -> str:
+def dry_run_report(
+    config: LimeTransformerConfig,
+    *,
+    vocab_size: int,
+    seq_length: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    transformer_impl: str | None = None,
+    share_embeddings_and_output_weights: bool = True,
+    compute_tflops: float = DEFAULT_COMPUTE_TFLOPS,
+    link_bandwidth_gbps: float | None = None,
+    link_latency_us: float = 5.0,
+) -> str:
     """The ``--dry-run`` report of ``config``'s layout (see ``estimate``), with the step-time
     model's table (``schedule_model``) over one link of ``link_bandwidth_gbps`` Gb/s, or over
     the NVLink-like and InfiniBand-like links when it is None."""
-    result = estimate(config, vocab_size=vocab_size, seq_length=seq_length,
-                      micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                      transformer_impl=transformer_impl,
-                      share_embeddings_and_output_weights=share_embeddings_and_output_weights)
+    result = estimate(
+        config,
+        vocab_size=vocab_size,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        transformer_impl=transformer_impl,
+        share_embeddings_and_output_weights=share_embeddings_and_output_weights,
+    )
     links: tuple[Link, ...] = (NVLINK, INFINIBAND)
     if link_bandwidth_gbps is not None:
         links = (Link("link", link_bandwidth_gbps, link_latency_us),)
-    step_times = step_time_lines(config, vocab_size=vocab_size, seq_length=seq_length,
-                                 micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                                 compute_tflops=compute_tflops, links=links)
+    step_times = step_time_lines(
+        config,
+        vocab_size=vocab_size,
+        seq_length=seq_length,
+        micro_batch_size=micro_batch_size,
+        num_microbatches=num_microbatches,
+        compute_tflops=compute_tflops,
+        links=links,
+    )
     return "\n".join(report_lines(result) + [""] + step_times)

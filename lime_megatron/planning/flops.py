@@ -66,8 +66,9 @@ def logits_flops_per_token(config: LimeTransformerConfig, vocab_size: int) -> fl
     return 2.0 * config.hidden_size * vocab_size
 
 
-def chunk_forward_flops_per_token(config: LimeTransformerConfig, layers: range, seq_len: int,
-                                  vocab_size: int, post_process: bool) -> float:
+def chunk_forward_flops_per_token(
+    config: LimeTransformerConfig, layers: range, seq_len: int, vocab_size: int, post_process: bool
+) -> float:
     """Forward FLOPs per token of a model chunk: its layers, their routers and, on the chunk
     holding the output layer (``post_process``), the logits."""
     per_layer = layer_flops_per_token(config, seq_len) + hyper_connection_flops_per_token(config)
@@ -80,8 +81,7 @@ def forward_flops_per_token(config: LimeTransformerConfig, seq_len: int, vocab_s
     return chunk_forward_flops_per_token(config, range(config.num_layers), seq_len, vocab_size, True)
 
 
-def training_flops_per_iteration(config: LimeTransformerConfig, seq_len: int, vocab_size: int,
-                                 sequences: int) -> float:
+def training_flops_per_iteration(config: LimeTransformerConfig, seq_len: int, vocab_size: int, sequences: int) -> float:
     """Model FLOPs of one training iteration over ``sequences`` sequences (the global batch):
     3x forward (forward and backward), recomputation not counted."""
     return 3.0 * forward_flops_per_token(config, seq_len, vocab_size) * seq_len * sequences
@@ -121,8 +121,11 @@ def paper_table_8_forward_flops(config: LimeTransformerConfig, seq_len: int, voc
     per_sequence = config.num_layers * (s * (linear + elementwise) + attention) + s * routers
     rotary_tables = s * d // 2 + 2 * (15 + 1) * s * d
     if config.hyper_connections:
-        per_sequence += s * (config.num_layers * _table_8_hyper_connection_flops(config) - 2 * config.num_layers
-                             * (norm + h) + config.hyper_connections * h)
+        per_sequence += s * (
+            config.num_layers * _table_8_hyper_connection_flops(config)
+            - 2 * config.num_layers * (norm + h)
+            + config.hyper_connections * h
+        )
     return per_sequence + s * (norm + h * vocab_size) + rotary_tables
 
 

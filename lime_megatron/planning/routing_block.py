@@ -106,20 +106,37 @@ class MachineBalance:
 
 # Dense (no sparsity) peaks and bandwidths from NVIDIA's data sheets (H100/H200 Tensor Core GPU,
 # A100 Tensor Core GPU); the CPU's assumed (the shared VM's figures vary too much to measure).
-CPU_2_CORE = MachineBalance("2-core AVX2 CPU VM (fp32 peak 160 GFLOP/s, ~4 GB/s shared)", 160e9, 160e9, 4e9,
-                            CPU_HOST_SECONDS_PER_OPERATOR, asynchronous=False)
+CPU_2_CORE = MachineBalance(
+    "2-core AVX2 CPU VM (fp32 peak 160 GFLOP/s, ~4 GB/s shared)",
+    160e9,
+    160e9,
+    4e9,
+    CPU_HOST_SECONDS_PER_OPERATOR,
+    asynchronous=False,
+)
 H100_SXM = MachineBalance("H100 SXM (bf16 989 TFLOP/s, fp32 67, HBM3 3.35 TB/s)", 989e12, 67e12, 3.35e12)
 H100_PCIE = MachineBalance("H100 PCIe (bf16 756 TFLOP/s, fp32 51, HBM2e 2.0 TB/s)", 756e12, 51e12, 2.0e12)
 H200 = MachineBalance("H200 (bf16 989 TFLOP/s, fp32 67, HBM3e 4.8 TB/s)", 989e12, 67e12, 4.8e12)
 A100_80GB = MachineBalance("A100 80GB (bf16 312 TFLOP/s, fp32 19.5, HBM2e 2.04 TB/s)", 312e12, 19.5e12, 2.039e12)
 A100_40GB = MachineBalance("A100 40GB (bf16 312 TFLOP/s, fp32 19.5, HBM2 1.56 TB/s)", 312e12, 19.5e12, 1.555e12)
 
-MACHINES = {"h100": H100_SXM, "h100-pcie": H100_PCIE, "h200": H200, "a100": A100_80GB,
-            "a100-40gb": A100_40GB, "cpu": CPU_2_CORE}
+MACHINES = {
+    "h100": H100_SXM,
+    "h100-pcie": H100_PCIE,
+    "h200": H200,
+    "a100": A100_80GB,
+    "a100-40gb": A100_40GB,
+    "cpu": CPU_2_CORE,
+}
 """Machines ``--lime-machine`` names (besides ``auto``: the device present)."""
 
-DEVICE_NAMES = ((("H200",), H200), (("H100", "PCIE"), H100_PCIE), (("H100",), H100_SXM),
-                (("A100", "40GB"), A100_40GB), (("A100",), A100_80GB))
+DEVICE_NAMES = (
+    (("H200",), H200),
+    (("H100", "PCIE"), H100_PCIE),
+    (("H100",), H100_SXM),
+    (("A100", "40GB"), A100_40GB),
+    (("A100",), A100_80GB),
+)
 """(fragments of ``torch.cuda.get_device_name()``, all present, upper case; machine), first match."""
 
 CAPABILITY_FALLBACK = {9: H100_SXM, 8: A100_80GB}
@@ -135,9 +152,12 @@ def device_machine(device_name: str, capability: tuple[int, int]) -> MachineBala
         if all(fragment in name for fragment in fragments):
             return machine
     machine = CAPABILITY_FALLBACK.get(capability[0], H100_SXM)
-    warnings.warn(f"routing block size: unknown GPU {device_name!r} (compute capability "
-                  f"{capability[0]}.{capability[1]}); assuming the figures of {machine.name}; "
-                  f"--lime-machine names the machine", stacklevel=2)
+    warnings.warn(
+        f"routing block size: unknown GPU {device_name!r} (compute capability "
+        f"{capability[0]}.{capability[1]}); assuming the figures of {machine.name}; "
+        f"--lime-machine names the machine",
+        stacklevel=2,
+    )
     return machine
 
 
@@ -195,9 +215,16 @@ def host_operators(layers: range, block: int, received: int = 0) -> int:
     return OPERATORS_PER_LAYER * len(layers) + per_block * len(blocked) + OPERATORS_PER_BLOCKED_LAYER * sum(blocked)
 
 
-def routing_step_seconds(layers: range, kv_heads: int, block: int, row_elements: int, element_size: int,
-                         machine: MachineBalance, received: int = 0,
-                         baseline: tuple[float, float] = (0.0, 0.0)) -> float:
+def routing_step_seconds(
+    layers: range,
+    kv_heads: int,
+    block: int,
+    row_elements: int,
+    element_size: int,
+    machine: MachineBalance,
+    received: int = 0,
+    baseline: tuple[float, float] = (0.0, 0.0),
+) -> float:
     """Seconds of one micro-batch's forward and backward of the chunk's ``layers`` at block size
     ``block`` on ``machine``: the device's ``STEP_PRODUCTS_PER_FORWARD`` times the roofline of the
     forward products (``forward_products``, rows of ``row_elements`` elements of ``element_size``
@@ -206,9 +233,13 @@ def routing_step_seconds(layers: range, kv_heads: int, block: int, row_elements:
     baseline's ``(host seconds, device seconds)`` (``baseline_work``) the longer of host and device
     on an asynchronous machine, their sum on another."""
     peak = machine.peak(element_size)
-    kernels = sum(max((rows + 2 * outputs) * row_elements * element_size / machine.bytes_per_s,
-                      2.0 * rows * outputs * row_elements / peak)
-                  for rows, outputs in forward_products(layers, kv_heads, block))
+    kernels = sum(
+        max(
+            (rows + 2 * outputs) * row_elements * element_size / machine.bytes_per_s,
+            2.0 * rows * outputs * row_elements / peak,
+        )
+        for rows, outputs in forward_products(layers, kv_heads, block)
+    )
     host = host_operators(layers, block, received) * machine.seconds_per_operator
     base_host, base_device = baseline
     if machine.asynchronous:
@@ -216,8 +247,9 @@ def routing_step_seconds(layers: range, kv_heads: int, block: int, row_elements:
     return base_host + base_device + STEP_PRODUCTS_PER_FORWARD * kernels + host
 
 
-def baseline_work(config, layers: range, seq_length: int, micro_batch_size: int,
-                  machine: MachineBalance) -> tuple[float, float]:
+def baseline_work(
+    config, layers: range, seq_length: int, micro_batch_size: int, machine: MachineBalance
+) -> tuple[float, float]:
     """The baseline's (host seconds, device seconds) in one micro-batch's forward and backward of
     the chunk's ``layers`` on one tensor-parallel rank: ``BASELINE_OPERATORS_PER_LAYER`` per layer
     at the machine's pace, and three times the layers' forward FLOPs (``flops.layer_flops_per_token``)
@@ -234,22 +266,30 @@ def block_size_limit(layers: range) -> int:
     return max(1, min(len(layers), 2 * math.isqrt(layers.stop)))
 
 
-def routing_block_size(layers: range, kv_heads: int, row_elements: int, element_size: int,
-                       machine: MachineBalance, received: int = 0,
-                       baseline: tuple[float, float] = (0.0, 0.0)) -> int:
+def routing_block_size(
+    layers: range,
+    kv_heads: int,
+    row_elements: int,
+    element_size: int,
+    machine: MachineBalance,
+    received: int = 0,
+    baseline: tuple[float, float] = (0.0, 0.0),
+) -> int:
     """The block size of least ``routing_step_seconds`` up to ``block_size_limit``, the smallest
     whose time exceeds the best by at most 1% of what LIMe adds to the baseline's there (a larger
     block only lengthens the in-block products and the partial sums' life)."""
-    times = {block: routing_step_seconds(layers, kv_heads, block, row_elements, element_size, machine, received,
-                                         baseline)
-             for block in range(1, block_size_limit(layers) + 1)}
+    times = {
+        block: routing_step_seconds(layers, kv_heads, block, row_elements, element_size, machine, received, baseline)
+        for block in range(1, block_size_limit(layers) + 1)
+    }
     best = min(times.values())
     baseline_alone = max(baseline) if machine.asynchronous else sum(baseline)
     return min(block for block, seconds in times.items() if seconds - best <= 0.01 * (best - baseline_alone))
 
 
-def chunk_routing_block(config, layers: range, seq_length: int, micro_batch_size: int,
-                        machine: MachineBalance | None = None) -> int:
+def chunk_routing_block(
+    config, layers: range, seq_length: int, micro_batch_size: int, machine: MachineBalance | None = None
+) -> int:
     """The block size the model chunk of global ``layers`` runs with: ``config.lime_routing_block``,
     else ``routing_block_size`` on ``machine`` (default ``routing_machine(config)``) for this rank's
     kv heads, rows of ``seq_length * micro_batch_size`` tokens and one received block of rows per

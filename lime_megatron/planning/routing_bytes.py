@@ -56,8 +56,10 @@ def _row_grad_rows(config: LimeTransformerConfig, layers: range, block: int) -> 
     for sources in chunk_blocks(layers, block):
         later_stop = sources.stop
         for layer in sources:
-            stop = min(routing_consumers(layer, config.num_layers, config.lime_router,
-                                         config.lime_router_window)[1], layers.stop)
+            stop = min(
+                routing_consumers(layer, config.num_layers, config.lime_router, config.lime_router_window)[1],
+                layers.stop,
+            )
             first = layer + 1 if layer == 0 else layer
             rows += len(range(first, min(stop, sources.stop))) if block > 1 else len(range(first, stop))
             later_stop = max(later_stop, stop)
@@ -65,8 +67,14 @@ def _row_grad_rows(config: LimeTransformerConfig, layers: range, block: int) -> 
     return rows
 
 
-def routing_bytes_per_step(config: LimeTransformerConfig, seq_len: int, micro_batch: int, block: int,
-                           layers: range | None = None, transformer_impl: str = "local") -> dict[str, int]:
+def routing_bytes_per_step(
+    config: LimeTransformerConfig,
+    seq_len: int,
+    micro_batch: int,
+    block: int,
+    layers: range | None = None,
+    transformer_impl: str = "local",
+) -> dict[str, int]:
     """Bytes of N-wide operands the routing products of ``layers`` (default: all, one chunk)
     read in one forward and backward of one micro-batch, by product: ``forward``, ``rebuild``
     (where the attention drops the routed K/V, ``recompute.drops_routed_kv``), ``weight_grad``,

@@ -59,8 +59,10 @@ class Link:
 
     def __post_init__(self):
         if not self.bandwidth_gbps > 0 or not self.latency_us >= 0:
-            raise ValueError(f"link bandwidth must be positive and latency non-negative, got "
-                             f"{self.bandwidth_gbps} Gb/s and {self.latency_us} us")
+            raise ValueError(
+                f"link bandwidth must be positive and latency non-negative, got "
+                f"{self.bandwidth_gbps} Gb/s and {self.latency_us} us"
+            )
 
     def seconds(self, nbytes: int) -> float:
         """Time of one transfer of ``nbytes``."""
@@ -92,11 +94,15 @@ def rank_operations(pp: int, vpp: int, rank: int, num_microbatches: int, group: 
         warmup = min(pp - rank - 1, m)
     else:
         if not pp <= group <= m:
-            raise ValueError(f"the interleaved schedule needs pipeline_model_parallel_size={pp} <= "
-                             f"microbatch_group_size_per_vp_stage={group} <= num_microbatches={m}")
+            raise ValueError(
+                f"the interleaved schedule needs pipeline_model_parallel_size={pp} <= "
+                f"microbatch_group_size_per_vp_stage={group} <= num_microbatches={m}"
+            )
         if 0 < m % group < pp:
-            raise ValueError(f"the interleaved schedule needs num_microbatches={m} to leave 0 or at least "
-                             f"{pp} microbatches after whole groups of {group}")
+            raise ValueError(
+                f"the interleaved schedule needs num_microbatches={m} to leave 0 or at least "
+                f"{pp} microbatches after whole groups of {group}"
+            )
         order = get_schedule_table(m, vpp, group)
         warmup = min(len(order), 2 * (pp - rank - 1) + (vpp - 1) * group)
 
@@ -234,59 +240,98 @@ def backward_factor(config: LimeTransformerConfig) -> float:
     return 3.0 if config.recompute_granularity == "full" else 2.0
 
 
-def pipeline_work(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int, micro_batch_size: int,
-                  num_microbatches: int, compute_tflops: float) -> PipelineWork:
+def pipeline_work(
+    config: LimeTransformerConfig,
+    *,
+    vocab_size: int,
+    seq_length: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    compute_tflops: float,
+) -> PipelineWork:
     """Per-stage compute times and hop bytes of ``config``'s layout on one tensor-parallel rank."""
     if not compute_tflops > 0:
         raise ValueError(f"compute_tflops must be positive, got {compute_tflops}")
     pp = config.pipeline_model_parallel_size
     vpp = config.virtual_pipeline_model_parallel_size or 1
     split = pipeline_layer_split(config)
-    stages = [split[q % pp, q // pp if config.virtual_pipeline_model_parallel_size else None]
-              for q in range(pp * vpp)]
+    stages = [split[q % pp, q // pp if config.virtual_pipeline_model_parallel_size else None] for q in range(pp * vpp)]
     tokens = seq_length * micro_batch_size
     per_gpu = compute_tflops * 1e12 * config.tensor_model_parallel_size
-    forward = tuple(tokens * chunk_forward_flops_per_token(config, layers, seq_length, vocab_size,
-                                                           q == len(stages) - 1) / per_gpu
-                    for q, layers in enumerate(stages))
+    forward = tuple(
+        tokens * chunk_forward_flops_per_token(config, layers, seq_length, vocab_size, q == len(stages) - 1) / per_gpu
+        for q, layers in enumerate(stages)
+    )
     geometry = Geometry.of(config, seq_length, micro_batch_size, vocab_size)
-    return PipelineWork(pp, vpp, num_microbatches, config.microbatch_group_size_per_vp_stage or pp, forward,
-                        tuple(backward_factor(config) * f for f in forward),
-                        tuple(hop_bytes(config, layers.stop, geometry) for layers in stages[:-1]))
+    return PipelineWork(
+        pp,
+        vpp,
+        num_microbatches,
+        config.microbatch_group_size_per_vp_stage or pp,
+        forward,
+        tuple(backward_factor(config) * f for f in forward),
+        tuple(hop_bytes(config, layers.stop, geometry) for layers in stages[:-1]),
+    )
 
 
 def step_time(work: PipelineWork, link: Link) -> StepTime:
     """The iteration of ``work`` over ``link``: overlapped, blocking and free transfers."""
-    return StepTime(simulate(work, link, overlap=True), simulate(work, link, overlap=False),
-                    simulate(work, None, overlap=True), max(work.compute_s(r) for r in range(work.pp)))
+    return StepTime(
+        simulate(work, link, overlap=True),
+        simulate(work, link, overlap=False),
+        simulate(work, None, overlap=True),
+        max(work.compute_s(r) for r in range(work.pp)),
+    )
 
 
-def step_time_lines(config: LimeTransformerConfig, *, vocab_size: int, seq_length: int, micro_batch_size: int,
-                    num_microbatches: int, compute_tflops: float, links: Sequence[Link]) -> list[str]:
+def step_time_lines(
+    config: LimeTransformerConfig,
+    *,
+    vocab_size: int,
+    seq_length: int,
+    micro_batch_size: int,
+    num_microbatches: int,
+    compute_tflops: float,
+    links: Sequence[Link],
+) -> list[str]:
     """The ``--dry-run`` step-time table: LIMe (or the configured model) and its baseline over each link."""
     models = {"baseline": replace_config(config, lime=False)}
     if config.lime:
         models = {"LIMe": config, **models}
-    works = {name: pipeline_work(model, vocab_size=vocab_size, seq_length=seq_length,
-                                 micro_batch_size=micro_batch_size, num_microbatches=num_microbatches,
-                                 compute_tflops=compute_tflops)
-             for name, model in models.items()}
-    lines = [f"step time (schedule model, {compute_tflops:g} TFLOP/s per GPU, backward "
-             f"{backward_factor(config):g}x forward; blocking: without overlap_p2p_comm):",
-             f"  {'link':<30} {'model':<9} {'iteration':>10} {'blocking':>10} {'bubble':>7} "
-             f"{'exposed':>9} {'max hop':>10}"]
+    works = {
+        name: pipeline_work(
+            model,
+            vocab_size=vocab_size,
+            seq_length=seq_length,
+            micro_batch_size=micro_batch_size,
+            num_microbatches=num_microbatches,
+            compute_tflops=compute_tflops,
+        )
+        for name, model in models.items()
+    }
+    lines = [
+        f"step time (schedule model, {compute_tflops:g} TFLOP/s per GPU, backward "
+        f"{backward_factor(config):g}x forward; blocking: without overlap_p2p_comm):",
+        f"  {'link':<30} {'model':<9} {'iteration':>10} {'blocking':>10} {'bubble':>7} {'exposed':>9} {'max hop':>10}",
+    ]
     for link in links:
         times = {name: step_time(work, link) for name, work in works.items()}
         for name, t in times.items():
             widest = max(works[name].hop_bytes, default=0)
-            lines.append(f"  {_link_name(link):<30} {name:<9} {_ms(t.iteration_s):>10} {_ms(t.blocking_s):>10} "
-                         f"{100 * t.bubble:>6.1f}% {_ms(t.exposed_s):>9} {widest / 2**20:>7.1f} MiB")
+            lines.append(
+                f"  {_link_name(link):<30} {name:<9} {_ms(t.iteration_s):>10} {_ms(t.blocking_s):>10} "
+                f"{100 * t.bubble:>6.1f}% {_ms(t.exposed_s):>9} {widest / 2**20:>7.1f} MiB"
+            )
         if "LIMe" in times:
             ratio = times["LIMe"].iteration_s / times["baseline"].iteration_s - 1
-            lines.append(f"  {'':<30} LIMe over baseline: {100 * ratio:+.2f}% (overlapped), "
-                         f"{100 * (times['LIMe'].blocking_s / times['baseline'].blocking_s - 1):+.2f}% (blocking)")
-    lines.append(f"  this run's transfers: {'overlapped' if overlaps_transfers(config) else 'blocking'} "
-                 "(overlapped only in the interleaved schedule with overlap_p2p_comm)")
+            lines.append(
+                f"  {'':<30} LIMe over baseline: {100 * ratio:+.2f}% (overlapped), "
+                f"{100 * (times['LIMe'].blocking_s / times['baseline'].blocking_s - 1):+.2f}% (blocking)"
+            )
+    lines.append(
+        f"  this run's transfers: {'overlapped' if overlaps_transfers(config) else 'blocking'} "
+        "(overlapped only in the interleaved schedule with overlap_p2p_comm)"
+    )
     return lines
 
 

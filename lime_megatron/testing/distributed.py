@@ -58,12 +58,14 @@ def rendezvous_store() -> torch.distributed.TCPStore:
     """The launch's rendezvous server, listening on a port the OS picks as it binds it (a port
     found free and bound later by a rank races with every other process on the machine: that
     race once failed a CI run with ``EADDRINUSE``); ranks connect to ``store.port`` as clients."""
-    return torch.distributed.TCPStore(MASTER_ADDR, 0, is_master=True, wait_for_workers=False,
-                                      timeout=timedelta(minutes=5))
+    return torch.distributed.TCPStore(
+        MASTER_ADDR, 0, is_master=True, wait_for_workers=False, timeout=timedelta(minutes=5)
+    )
 
 
-def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0,
-                    nccl_rules: bool | str = False, **kwargs) -> list:
+def run_distributed(
+    fn: Callable, world_size: int, *args, timeout: float = 600.0, nccl_rules: bool | str = False, **kwargs
+) -> list:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` gloo ranks (processes forked from the fork
     server) and return the list of their results, indexed by rank.
 
@@ -95,8 +97,19 @@ def run_distributed(fn: Callable, world_size: int, *args, timeout: float = 600.0
         coordinator = Coordinator(world_size, context.Queue(), [context.Queue() for _ in range(world_size)])
         coordinator.start()
     processes = [
-        context.Process(target=_worker, args=(rank, world_size, port, fn, args, kwargs, messages, coordinator and (
-            mode, coordinator.inbox, coordinator.outboxes[rank])))
+        context.Process(
+            target=_worker,
+            args=(
+                rank,
+                world_size,
+                port,
+                fn,
+                args,
+                kwargs,
+                messages,
+                coordinator and (mode, coordinator.inbox, coordinator.outboxes[rank]),
+            ),
+        )
         for rank in range(world_size)
     ]
     for process in processes:
@@ -225,8 +238,7 @@ class Layout:
         """``world_size / (tp * pp)``; ValueError if that is not a whole number."""
         model_parallel = self.tp * self.pp
         if world_size % model_parallel:
-            raise ValueError(f"world size {world_size} is not divisible by "
-                             f"tp*pp = {model_parallel} ({self.name})")
+            raise ValueError(f"world size {world_size} is not divisible by tp*pp = {model_parallel} ({self.name})")
         return world_size // model_parallel
 
 
@@ -264,8 +276,9 @@ def layout_config_kwargs(layout: Layout) -> dict:
 # --------------------------------------------------------------------------- data
 
 
-def make_batches(num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int,
-                 seed: int = 0) -> list[dict[str, torch.Tensor]]:
+def make_batches(
+    num_microbatches: int, micro_batch_size: int, seq_length: int, vocab_size: int, seed: int = 0
+) -> list[dict[str, torch.Tensor]]:
     """Random language-model microbatches: ``tokens``, ``labels``, ``position_ids`` (int64) and a
     ``loss_mask`` (float32) that masks about a tenth of the positions."""
     generator = torch.Generator().manual_seed(seed)
@@ -273,12 +286,14 @@ def make_batches(num_microbatches: int, micro_batch_size: int, seq_length: int, 
     batches = []
     for _ in range(num_microbatches):
         tokens = torch.randint(vocab_size, (micro_batch_size, seq_length + 1), generator=generator)
-        batches.append(dict(
-            tokens=tokens[:, :-1].contiguous(),
-            labels=tokens[:, 1:].contiguous(),
-            position_ids=torch.arange(seq_length).expand(shape).contiguous(),
-            loss_mask=(torch.rand(shape, generator=generator) > 0.1).float(),
-        ))
+        batches.append(
+            dict(
+                tokens=tokens[:, :-1].contiguous(),
+                labels=tokens[:, 1:].contiguous(),
+                position_ids=torch.arange(seq_length).expand(shape).contiguous(),
+                loss_mask=(torch.rand(shape, generator=generator) > 0.1).float(),
+            )
+        )
     return batches
 
 
@@ -288,11 +303,10 @@ def data_parallel_share(batches: Sequence) -> list:
 
     dp = parallel_state.get_data_parallel_world_size()
     if len(batches) % dp:
-        raise ValueError(
-            f"{len(batches)} microbatches cannot be split over {dp} data-parallel ranks")
+        raise ValueError(f"{len(batches)} microbatches cannot be split over {dp} data-parallel ranks")
     share = len(batches) // dp
     start = parallel_state.get_data_parallel_rank() * share
-    return list(batches[start:start + share])
+    return list(batches[start : start + share])
 
 
 # --------------------------------------------------------------------------- sharding
@@ -316,8 +330,9 @@ class ShardRule:
         if self.dim is None:
             return full
         if full.shape[self.dim] % (self.blocks * size):
-            raise ValueError(f"dim {self.dim} of {tuple(full.shape)} does not split into "
-                             f"{self.blocks} blocks x {size} ranks")
+            raise ValueError(
+                f"dim {self.dim} of {tuple(full.shape)} does not split into {self.blocks} blocks x {size} ranks"
+            )
         blocks = full.chunk(self.blocks, dim=self.dim)
         return torch.cat([block.chunk(size, dim=self.dim)[rank] for block in blocks], self.dim)
 
@@ -372,9 +387,8 @@ def global_names(chunk) -> dict[str, torch.nn.Parameter]:
     named = {}
     for name, param in model.named_parameters():
         head = next((old for old in renames if name.startswith(old)), None)
-        name = renames[head] + name[len(head):] if head else name
-        if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights",
-                                                     False):
+        name = renames[head] + name[len(head) :] if head else name
+        if name == "output_layer.weight" and getattr(model, "share_embeddings_and_output_weights", False):
             name = "embedding.word_embeddings.weight"
         named[name] = param
     return named
@@ -392,17 +406,16 @@ def load_full(chunks: list, weights: dict[str, torch.Tensor], extra_shard_rules=
         for name, param in global_names(chunk).items():
             if name not in weights:
                 raise KeyError(f"no full tensor for parameter {name!r}")
-            shard = _shard_rule(name, param, config, extra_shard_rules).shard(
-                weights[name], rank, size)
+            shard = _shard_rule(name, param, config, extra_shard_rules).shard(weights[name], rank, size)
             if shard.shape != param.shape:
-                raise ValueError(f"{name}: shard {tuple(shard.shape)} does not fit parameter "
-                                 f"{tuple(param.shape)}")
+                raise ValueError(f"{name}: shard {tuple(shard.shape)} does not fit parameter {tuple(param.shape)}")
             with torch.no_grad():
                 param.copy_(shard)
 
 
-def gather_full(chunks: list, select: Callable = lambda param: param.data,
-                extra_shard_rules=None) -> dict[str, torch.Tensor]:
+def gather_full(
+    chunks: list, select: Callable = lambda param: param.data, extra_shard_rules=None
+) -> dict[str, torch.Tensor]:
     """Full, unsharded tensors in single-process naming and layout, on every rank (collective).
 
     ``select(param)`` picks what to gather: the weight by default, ``param.main_grad`` for DDP
@@ -415,8 +428,7 @@ def gather_full(chunks: list, select: Callable = lambda param: param.data,
     config = get_model_config(chunks[0])
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     local = [
-        (name, tp_rank, _shard_rule(name, param, config, extra_shard_rules),
-         select(param).detach().clone())
+        (name, tp_rank, _shard_rule(name, param, config, extra_shard_rules), select(param).detach().clone())
         for chunk in chunks
         for name, param in global_names(chunk).items()
     ]
@@ -455,8 +467,7 @@ def _check_replica(name: str, first: torch.Tensor, other: torch.Tensor, toleranc
     if first is other:
         return
     if first.shape != other.shape:
-        raise ValueError(
-            f"{name}: copies have shapes {tuple(first.shape)} and {tuple(other.shape)}")
+        raise ValueError(f"{name}: copies have shapes {tuple(first.shape)} and {tuple(other.shape)}")
     scale = first.abs().max().clamp_min(torch.finfo(first.dtype).tiny)
     difference = ((first - other).abs().max() / scale).item()
     if difference > tolerance:

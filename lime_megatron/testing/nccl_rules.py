@@ -93,9 +93,22 @@ from torch.distributed import distributed_c10d as c10d
 MODES = ("lazy", "eager")
 P2P_NAMES = ("isend", "irecv", "send", "recv", "batch_isend_irecv")
 COLLECTIVE_NAMES = (
-    "all_reduce", "all_gather", "all_gather_into_tensor", "reduce_scatter_tensor", "reduce_scatter",
-    "_all_gather_base", "_reduce_scatter_base", "broadcast", "barrier", "reduce", "gather", "scatter",
-    "all_to_all_single", "all_gather_object", "broadcast_object_list", "gather_object",
+    "all_reduce",
+    "all_gather",
+    "all_gather_into_tensor",
+    "reduce_scatter_tensor",
+    "reduce_scatter",
+    "_all_gather_base",
+    "_reduce_scatter_base",
+    "broadcast",
+    "barrier",
+    "reduce",
+    "gather",
+    "scatter",
+    "all_to_all_single",
+    "all_gather_object",
+    "broadcast_object_list",
+    "gather_object",
 )
 WRAPPED_NAMES = (*P2P_NAMES, *COLLECTIVE_NAMES, "new_group", "_coalescing_manager")
 # Modules whose names bound to the wrapped functions at import are rebound to the wrappers.
@@ -241,12 +254,25 @@ class Coordinator:
             if index in head.done:
                 continue
             partner = self._head(op.peer(rank))
-            match = None if partner is None else next(
-                (i for i, other in enumerate(partner.ops) if i not in partner.done and isinstance(other, P2p)
-                 and other.channel == op.channel and other.kind != op.kind), None)
+            match = (
+                None
+                if partner is None
+                else next(
+                    (
+                        i
+                        for i, other in enumerate(partner.ops)
+                        if i not in partner.done
+                        and isinstance(other, P2p)
+                        and other.channel == op.channel
+                        and other.kind != op.kind
+                    ),
+                    None,
+                )
+            )
             if match is not None and partner.ops[match].size != op.size:
-                self._report(f"size mismatch: rank {rank}'s {op.text()} meets rank {op.peer(rank)}'s "
-                             f"{partner.ops[match].text()}")
+                self._report(
+                    f"size mismatch: rank {rank}'s {op.text()} meets rank {op.peer(rank)}'s {partner.ops[match].text()}"
+                )
                 return False
             if match is not None:
                 head.done.add(index)
@@ -258,8 +284,9 @@ class Coordinator:
         """Complete ``collective`` if every member has it at its head; report a mismatch."""
         heads = [self._head(member) for member in collective.members]
         found = [head.ops[0] if head is not None else None for head in heads]
-        same_slot = [op for op in found if isinstance(op, Collective) and (op.comm, op.seq) ==
-                     (collective.comm, collective.seq)]
+        same_slot = [
+            op for op in found if isinstance(op, Collective) and (op.comm, op.seq) == (collective.comm, collective.seq)
+        ]
         if any(op.name != collective.name for op in same_slot):
             names = {member: op.name for member, op in zip(collective.members, found) if op in same_slot}
             self._report(f"collective mismatch on {collective.comm} #{collective.seq}: {names}")
@@ -297,8 +324,11 @@ class Coordinator:
             return None if state == "exited" else set()
         if isinstance(head.ops[0], Collective):
             collective = head.ops[0]
-            return {member for member in collective.members if self._head(member) is None
-                    or self._head(member).ops[0] != collective}
+            return {
+                member
+                for member in collective.members
+                if self._head(member) is None or self._head(member).ops[0] != collective
+            }
         return {op.peer(rank) for index, op in enumerate(head.ops) if index not in head.done}
 
     def stuck(self) -> set:
@@ -334,8 +364,9 @@ class Coordinator:
             waiting = f"; waits for ranks {sorted(waits)}" if waits else ""
             lines.append(f"  rank {rank}: {_state_text(self.state[rank])}{waiting}")
             for entry in entries:
-                ops = ", ".join(op.text() + (" [done]" if index in entry.done else "")
-                                for index, op in enumerate(entry.ops))
+                ops = ", ".join(
+                    op.text() + (" [done]" if index in entry.done else "") for index, op in enumerate(entry.ops)
+                )
                 lines.append(f"    entry {entry.number}: {ops}")
         return "\n".join(lines)
 
@@ -560,8 +591,9 @@ def _collective_wrapper(rules: _RankRules, name: str):
         if rules.inside:
             return real(*args, **kwargs)
         arguments = signature.bind(*args, **kwargs).arguments
-        return rules.collective(name, arguments.get("group"), arguments.get("async_op", False),
-                                lambda: real(*args, **kwargs))
+        return rules.collective(
+            name, arguments.get("group"), arguments.get("async_op", False), lambda: real(*args, **kwargs)
+        )
 
     wrapper.__name__ = wrapper.__qualname__ = name
     return wrapper

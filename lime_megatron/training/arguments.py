@@ -38,8 +38,7 @@ from lime_megatron.training.run_config import (
     RunConfig,
 )
 
-REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size",
-            "train_iters", "lr")
+REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters", "lr")
 """Options every training run must set (on the command line or in the config file)."""
 
 
@@ -87,10 +86,12 @@ def build_parser() -> argparse.ArgumentParser:
     """The trainer's argument parser (raises :class:`ArgumentsError` on bad input)."""
     parser = _Parser(prog="pretrain_lime.py", description="Pretrain LIMe or LLaMA on megatron-core.")
     parser.add_argument("--config", help="YAML file of options; the command line overrides it")
-    parser.add_argument("--dry-run", action="store_true",
-                        help="print parameters, FLOPs and memory per GPU for the layout; no training")
-    parser.add_argument("--dry-run-world-size", type=int,
-                        help="GPUs assumed by --dry-run (default $WORLD_SIZE, else TP x PP)")
+    parser.add_argument(
+        "--dry-run", action="store_true", help="print parameters, FLOPs and memory per GPU for the layout; no training"
+    )
+    parser.add_argument(
+        "--dry-run-world-size", type=int, help="GPUs assumed by --dry-run (default $WORLD_SIZE, else TP x PP)"
+    )
     for options in GROUPS.values():
         _add_group(parser, options)
     return parser
@@ -122,8 +123,8 @@ def _yaml_tokens(parser: argparse.ArgumentParser, path: str, skip=()) -> list[st
         action = actions.get(key)
         if action is None or key in ("config", "help"):
             raise ArgumentsError(
-                f"config file {path}: unknown option {key!r} (keys are flag names with "
-                "underscores, e.g. num_layers)")
+                f"config file {path}: unknown option {key!r} (keys are flag names with underscores, e.g. num_layers)"
+            )
         if key not in skip:
             tokens += _tokens_of(action, value, path, key)
     return tokens
@@ -132,8 +133,7 @@ def _yaml_tokens(parser: argparse.ArgumentParser, path: str, skip=()) -> list[st
 def _tokens_of(action: argparse.Action, value: Any, path: str, key: str) -> list[str]:
     """The command-line tokens that set ``action`` to the YAML ``value``."""
     flag = action.option_strings[0]
-    if isinstance(action, argparse.BooleanOptionalAction) or isinstance(
-            action, argparse._StoreTrueAction):
+    if isinstance(action, argparse.BooleanOptionalAction) or isinstance(action, argparse._StoreTrueAction):
         if not isinstance(value, bool):
             raise ArgumentsError(f"config file {path}: {key} must be true or false, got {value!r}")
         if isinstance(action, argparse._StoreTrueAction):
@@ -182,21 +182,44 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     combination. Sets ``data_parallel_size`` (None for a dry run without a world),
     ``num_microbatches``, ``virtual_pipeline_size`` and the resolved LIMe router options."""
     if args.dry_run:
-        world_size = args.dry_run_world_size or int(os.environ.get(
-            "WORLD_SIZE", args.tensor_model_parallel_size * args.pipeline_model_parallel_size))
-    missing = [f"--{name.replace('_', '-')}" for name in REQUIRED
-               if getattr(args, name) is None and not (args.dry_run and name in ("train_iters", "lr"))]
+        world_size = args.dry_run_world_size or int(
+            os.environ.get("WORLD_SIZE", args.tensor_model_parallel_size * args.pipeline_model_parallel_size)
+        )
+    missing = [
+        f"--{name.replace('_', '-')}"
+        for name in REQUIRED
+        if getattr(args, name) is None and not (args.dry_run and name in ("train_iters", "lr"))
+    ]
     if missing:
         raise ArgumentsError(f"missing required option(s): {', '.join(missing)}")
-    for check in (_check_positive, _check_layout, _check_batch, _check_lime, _check_precision,
-                  _check_schedule, _check_data, _check_checkpointing, _check_profiling, _check_generation):
+    for check in (
+        _check_positive,
+        _check_layout,
+        _check_batch,
+        _check_lime,
+        _check_precision,
+        _check_schedule,
+        _check_data,
+        _check_checkpointing,
+        _check_profiling,
+        _check_generation,
+    ):
         check(args, world_size)
 
 
 def _check_positive(args, world_size) -> None:
-    for name in ("num_layers", "hidden_size", "num_attention_heads", "seq_length",
-                 "micro_batch_size", "train_iters", "tensor_model_parallel_size",
-                 "pipeline_model_parallel_size", "log_interval", "eval_interval"):
+    for name in (
+        "num_layers",
+        "hidden_size",
+        "num_attention_heads",
+        "seq_length",
+        "micro_batch_size",
+        "train_iters",
+        "tensor_model_parallel_size",
+        "pipeline_model_parallel_size",
+        "log_interval",
+        "eval_interval",
+    ):
         value = getattr(args, name)
         if value is not None and value < 1:
             raise ArgumentsError(f"--{name.replace('_', '-')} must be >= 1, got {value}")
@@ -210,26 +233,26 @@ def _check_positive(args, world_size) -> None:
 def _check_layout(args, world_size) -> None:
     tp, pp = args.tensor_model_parallel_size, args.pipeline_model_parallel_size
     if world_size % (tp * pp):
-        raise ArgumentsError(
-            f"world size {world_size} is not divisible by tensor x pipeline parallel size "
-            f"{tp} x {pp}")
+        raise ArgumentsError(f"world size {world_size} is not divisible by tensor x pipeline parallel size {tp} x {pp}")
     args.data_parallel_size = world_size // (tp * pp)
     if args.make_vocab_size_divisible_by % tp:
         raise ArgumentsError(
             f"--make-vocab-size-divisible-by {args.make_vocab_size_divisible_by} must be divisible "
-            f"by --tensor-model-parallel-size {tp} (the padded vocabulary is split over TP ranks)")
+            f"by --tensor-model-parallel-size {tp} (the padded vocabulary is split over TP ranks)"
+        )
     if args.sequence_parallel and tp == 1:
         raise ArgumentsError("--sequence-parallel needs --tensor-model-parallel-size > 1")
-    per_stage, per_rank = (args.num_layers_per_virtual_pipeline_stage,
-                           args.num_virtual_stages_per_pipeline_rank)
+    per_stage, per_rank = (args.num_layers_per_virtual_pipeline_stage, args.num_virtual_stages_per_pipeline_rank)
     if per_stage is not None and per_rank is not None:
-        raise ArgumentsError("give one of --num-layers-per-virtual-pipeline-stage and "
-                             "--num-virtual-stages-per-pipeline-rank, not both")
+        raise ArgumentsError(
+            "give one of --num-layers-per-virtual-pipeline-stage and --num-virtual-stages-per-pipeline-rank, not both"
+        )
     if per_stage is not None:
         if args.num_layers % (per_stage * pp):
             raise ArgumentsError(
                 f"--num-layers {args.num_layers} is not divisible by "
-                f"--num-layers-per-virtual-pipeline-stage {per_stage} x pipeline size {pp}")
+                f"--num-layers-per-virtual-pipeline-stage {per_stage} x pipeline size {pp}"
+            )
         per_rank = args.num_layers // (per_stage * pp)
     args.virtual_pipeline_size = per_rank if per_rank and per_rank > 1 else None
     if (per_stage is not None or per_rank is not None) and pp == 1:
@@ -247,8 +270,10 @@ def _check_overlap(args) -> None:
     if args.overlap_p2p_communication is None:
         args.overlap_p2p_communication = bool(args.virtual_pipeline_size)
     elif args.overlap_p2p_communication and not args.virtual_pipeline_size:
-        raise ArgumentsError("--overlap-p2p-communication needs virtual pipeline stages (megatron overlaps "
-                             "pipeline transfers only in the interleaved schedule)")
+        raise ArgumentsError(
+            "--overlap-p2p-communication needs virtual pipeline stages (megatron overlaps "
+            "pipeline transfers only in the interleaved schedule)"
+        )
 
 
 def _check_batch(args, world_size) -> None:
@@ -258,16 +283,26 @@ def _check_batch(args, world_size) -> None:
     if args.global_batch_size % (mbs * dp):
         raise ArgumentsError(
             f"--global-batch-size {args.global_batch_size} is not divisible by micro batch size "
-            f"{mbs} x data-parallel size {dp}")
+            f"{mbs} x data-parallel size {dp}"
+        )
     args.num_microbatches = args.global_batch_size // (mbs * dp)
     if args.exit_interval is not None and args.exit_interval < 1:
         raise ArgumentsError("--exit-interval must be >= 1")
 
 
 def _check_lime(args, world_size) -> None:
-    given = [name for name in ("lime_router", "lime_router_window", "lime_router_lr",
-                               "lime_router_weight_decay", "lime_prune_top_p", "lime_prune_iters")
-             if getattr(args, name) is not None]
+    given = [
+        name
+        for name in (
+            "lime_router",
+            "lime_router_window",
+            "lime_router_lr",
+            "lime_router_weight_decay",
+            "lime_prune_top_p",
+            "lime_prune_iters",
+        )
+        if getattr(args, name) is not None
+    ]
     if not args.lime:
         if given:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
@@ -285,7 +320,8 @@ def _check_lime(args, world_size) -> None:
     if args.lime_router_weight_decay > 0 and args.weight_decay == 0:
         raise ArgumentsError(
             "--lime-router-weight-decay > 0 needs --weight-decay > 0 (megatron scales the decay "
-            "of a parameter group relative to --weight-decay)")
+            "of a parameter group relative to --weight-decay)"
+        )
     _check_pruning(args)
 
 
@@ -296,8 +332,7 @@ def _check_pruning(args) -> None:
     if args.lime_prune_iters is not None and args.train_iters is not None:
         outside = [i for i in args.lime_prune_iters if not 1 <= i <= args.train_iters]
         if outside:
-            raise ArgumentsError(f"--lime-prune-iters {outside} are outside the run's iterations "
-                                 f"1..{args.train_iters}")
+            raise ArgumentsError(f"--lime-prune-iters {outside} are outside the run's iterations 1..{args.train_iters}")
 
 
 def _check_precision(args, world_size) -> None:
@@ -309,8 +344,9 @@ def _check_precision(args, world_size) -> None:
     if args.transformer_impl == "transformer_engine" and not cuda:
         raise ArgumentsError("--transformer-impl transformer_engine needs a CUDA GPU")
     if args.attention_backend != "auto" and args.transformer_impl != "transformer_engine":
-        raise ArgumentsError(f"--attention-backend {args.attention_backend} needs --transformer-impl "
-                             "transformer_engine")
+        raise ArgumentsError(
+            f"--attention-backend {args.attention_backend} needs --transformer-impl transformer_engine"
+        )
     if args.fp8_format is not None:
         if args.transformer_impl != "transformer_engine":
             raise ArgumentsError("--fp8-format needs --transformer-impl transformer_engine")
@@ -326,7 +362,8 @@ def _check_schedule(args, world_size) -> None:
     if args.lr_warmup_iters >= decay:
         raise ArgumentsError(
             f"--lr-warmup-iters {args.lr_warmup_iters} must be smaller than the decay length "
-            f"{decay} (--lr-decay-iters, default --train-iters)")
+            f"{decay} (--lr-decay-iters, default --train-iters)"
+        )
     if not 0 <= args.min_lr <= args.lr:
         raise ArgumentsError(f"--min-lr {args.min_lr} must lie in [0, --lr {args.lr}]")
     if args.lr_warmup_init > args.lr:
@@ -344,15 +381,19 @@ def _check_data(args, world_size) -> None:
     if sources != 1:
         raise ArgumentsError(
             "give exactly one data source: --data-path, --train-data-path (with optional "
-            "--valid-data-path/--test-data-path) or --mock-data")
+            "--valid-data-path/--test-data-path) or --mock-data"
+        )
     if args.train_data_path is None and any(p is not None for p in per_split):
         raise ArgumentsError("--valid-data-path/--test-data-path need --train-data-path")
     if args.sft and args.mock_data:
-        raise ArgumentsError("--sft reads prompt/response data (tools/preprocess_data.py --prompt-key): "
-                             "not --mock-data")
+        raise ArgumentsError(
+            "--sft reads prompt/response data (tools/preprocess_data.py --prompt-key): not --mock-data"
+        )
     if args.vocab_size is not None and not (args.mock_data or null_tokenizer):
-        raise ArgumentsError(f"--vocab-size sets the --mock-data vocabulary; with real data the "
-                             f"tokenizer decides it (pre-tokenized ids: --tokenizer-type {NULL_TOKENIZER})")
+        raise ArgumentsError(
+            f"--vocab-size sets the --mock-data vocabulary; with real data the "
+            f"tokenizer decides it (pre-tokenized ids: --tokenizer-type {NULL_TOKENIZER})"
+        )
     for path in [args.data_path] + per_split:
         if path is not None:
             parse_blend(path)
@@ -365,11 +406,9 @@ def parse_blend(tokens: Sequence[str]) -> tuple[list[str], list[float] | None]:
     numbers = [_as_float(token) for token in tokens]
     if all(number is None for number in numbers):
         return tokens, None
-    pairs = len(tokens) % 2 == 0 and all(
-        (number is None) == (i % 2 == 1) for i, number in enumerate(numbers))
+    pairs = len(tokens) % 2 == 0 and all((number is None) == (i % 2 == 1) for i, number in enumerate(numbers))
     if not pairs:
-        raise ArgumentsError(
-            f"data path {' '.join(tokens)!r}: give either prefixes only or weight/prefix pairs")
+        raise ArgumentsError(f"data path {' '.join(tokens)!r}: give either prefixes only or weight/prefix pairs")
     weights = numbers[::2]
     if any(w < 0 for w in weights) or sum(weights) <= 0:
         raise ArgumentsError(f"data path weights must be >= 0 with a positive sum, got {weights}")
@@ -405,9 +444,11 @@ def _check_generation(args, world_size) -> None:
     if not os.path.isfile(args.eval_generation_file):
         raise ArgumentsError(f"--eval-generation-file {args.eval_generation_file}: no such file")
     if args.pipeline_model_parallel_size > 1 or args.sequence_parallel:
-        raise ArgumentsError("--eval-generation-file decodes with the KV cache, which needs "
-                             "--pipeline-model-parallel-size 1 and no --sequence-parallel; score the "
-                             "checkpoints with tools/score_generation.py instead")
+        raise ArgumentsError(
+            "--eval-generation-file decodes with the KV cache, which needs "
+            "--pipeline-model-parallel-size 1 and no --sequence-parallel; score the "
+            "checkpoints with tools/score_generation.py instead"
+        )
     if args.mock_data or args.tokenizer_type == NULL_TOKENIZER:
         raise ArgumentsError("--eval-generation-file needs a text tokenizer (not --mock-data or NullTokenizer)")
 
@@ -418,8 +459,10 @@ def _check_profiling(args, world_size) -> None:
     if not args.profile:
         return
     if not 0 <= args.profile_step_start < args.profile_step_end:
-        raise ArgumentsError(f"--profile-step-end {args.profile_step_end} must be larger than "
-                             f"--profile-step-start {args.profile_step_start} (>= 0)")
+        raise ArgumentsError(
+            f"--profile-step-end {args.profile_step_end} must be larger than "
+            f"--profile-step-start {args.profile_step_start} (>= 0)"
+        )
     if args.use_pytorch_profiler and not (args.profile_dir or args.tensorboard_dir):
         raise ArgumentsError("--use-pytorch-profiler needs --profile-dir or --tensorboard-dir for its trace")
     if not args.use_pytorch_profiler and not (torch.cuda.is_available() or args.dry_run):

@@ -53,8 +53,9 @@ class NullTokenizer:
     @classmethod
     def of(cls, vocab_size: int, divisible_by: int, tensor_parallel: int) -> NullTokenizer:
         padded = padded_vocab_size(vocab_size, divisible_by, tensor_parallel)
-        return cls(vocab_size, padded, vocab_size - 1,
-                   unique_identifiers={"class": "NullTokenizer", "vocab_size": padded})
+        return cls(
+            vocab_size, padded, vocab_size - 1, unique_identifiers={"class": "NullTokenizer", "vocab_size": padded}
+        )
 
 
 def tokenizer_of(options: DataOptions, vocab_size: int | None = None):
@@ -84,14 +85,14 @@ def _blend(tokens):
             raise DataError(
                 f"data path {prefix!r}: {' and '.join(missing)} not found (a data path is the "
                 "prefix of a .bin/.idx pair written by tools/preprocess_data.py, e.g. "
-                "data/fwe_text_document)")
+                "data/fwe_text_document)"
+            )
     return prefixes, weights
 
 
 def dataset_config(options: DataOptions, seq_length: int, seed: int, tokenizer) -> GPTDatasetConfig:
     """``GPTDatasetConfig`` of sequences of ``seq_length`` tokens (mock when no blend is given)."""
-    per_split = [_blend(options.train_data_path), _blend(options.valid_data_path),
-                 _blend(options.test_data_path)]
+    per_split = [_blend(options.train_data_path), _blend(options.valid_data_path), _blend(options.test_data_path)]
     blend = _blend(options.data_path)
     return GPTDatasetConfig(
         random_seed=seed,
@@ -152,6 +153,5 @@ def microbatches(dataset, first_sample: int, training: TrainingOptions) -> list[
     for micro in range(training.num_microbatches):
         first = start + micro * size
         samples = [dataset[index] for index in range(first, first + size)]
-        batches.append({key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device)
-                        for key in BATCH_KEYS})
+        batches.append({key: torch.stack([torch.as_tensor(s[key]) for s in samples]).to(device) for key in BATCH_KEYS})
     return batches

@@ -59,8 +59,7 @@ class IterationMetrics:
 
     def as_dict(self) -> dict:
         """Non-None fields (``skipped`` only when True)."""
-        return {key: value for key, value in asdict(self).items()
-                if value is not None and (key != "skipped" or value)}
+        return {key: value for key, value in asdict(self).items() if value is not None and (key != "skipped" or value)}
 
 
 def gpu_peak_tflops(configured: float | None = None) -> float | None:
@@ -83,8 +82,9 @@ class MetricsLogger:
     """Sends :class:`IterationMetrics` to the console and the configured sinks (on the
     reporting rank only; other ranks' loggers do nothing)."""
 
-    def __init__(self, options: LoggingOptions, train_iters: int, reporting: bool, name: str,
-                 run_options: dict | None = None):
+    def __init__(
+        self, options: LoggingOptions, train_iters: int, reporting: bool, name: str, run_options: dict | None = None
+    ):
         """``options``: the sinks; ``run_options``: every option of the run, for wandb's config."""
         self.options = options
         self.train_iters = train_iters
@@ -121,11 +121,17 @@ class MetricsLogger:
         if metrics.iteration % self.options.log_interval == 0:
             print(console_line(metrics, self.train_iters, self.options.log_throughput), flush=True)
         if metrics.evaluations:
-            print(f" evaluations at iteration {metrics.iteration}: "
-                  + " | ".join(f"{name} {value:.4f}" for name, value in metrics.evaluations.items()), flush=True)
+            print(
+                f" evaluations at iteration {metrics.iteration}: "
+                + " | ".join(f"{name} {value:.4f}" for name, value in metrics.evaluations.items()),
+                flush=True,
+            )
         if metrics.validation_loss is not None:
-            print(f" validation at iteration {metrics.iteration}: loss {metrics.validation_loss:.4f}"
-                  f" | ppl {metrics.validation_ppl:.3f}", flush=True)
+            print(
+                f" validation at iteration {metrics.iteration}: loss {metrics.validation_loss:.4f}"
+                f" | ppl {metrics.validation_ppl:.3f}",
+                flush=True,
+            )
 
     def close(self) -> None:
         """Flush and close every sink."""
@@ -140,8 +146,11 @@ class MetricsLogger:
 def console_line(metrics: IterationMetrics, train_iters: int, throughput: bool = False) -> str:
     """The Megatron-style console line of one iteration; tokens/s, TFLOP/s per GPU and MFU only
     with ``throughput`` (``--log-throughput``, as in Megatron-LM)."""
-    parts = [f" iteration {metrics.iteration:>7d}/{train_iters:>7d}",
-             f"lm loss {metrics.lm_loss:.6E}", f"lr {metrics.lr:.3E}"]
+    parts = [
+        f" iteration {metrics.iteration:>7d}/{train_iters:>7d}",
+        f"lm loss {metrics.lm_loss:.6E}",
+        f"lr {metrics.lr:.3E}",
+    ]
     if metrics.router_lr is not None:
         parts.append(f"router lr {metrics.router_lr:.3E}")
     parts.append(f"grad norm {metrics.grad_norm:.3f}")
@@ -169,5 +178,11 @@ def _start_wandb(options: LoggingOptions, name: str, run_options: dict):
     mode = cast(Literal["online", "offline", "disabled"], options.wandb_mode or os.environ.get("WANDB_MODE", "online"))
     if options.wandb_save_dir:
         os.makedirs(options.wandb_save_dir, exist_ok=True)
-    return wandb.init(project=options.wandb_project, name=options.wandb_exp_name or name,
-                      dir=options.wandb_save_dir, mode=mode, config=run_options, resume="allow")
+    return wandb.init(
+        project=options.wandb_project,
+        name=options.wandb_exp_name or name,
+        dir=options.wandb_save_dir,
+        mode=mode,
+        config=run_options,
+        resume="allow",
+    )

@@ -55,10 +55,12 @@ NO_WEIGHT_DECAY = ParamKey(
 """megatron's usual no-decay set (biases and 1-D weights such as norms), routers excluded."""
 
 OFFICIAL_NO_WEIGHT_DECAY = ParamKey(
-    name="*.bias", attr=STATIC_PARAM_ATTR,
+    name="*.bias",
+    attr=STATIC_PARAM_ATTR,
     predicate=ParamPredicate(
         name="one_dim_not_router_not_dynamic_hyper_connection",
-        fn=lambda p: p.dim() == 1 and not _is_router(p) and not getattr(p, DYNAMIC_PARAM_ATTR, False)),
+        fn=lambda p: p.dim() == 1 and not _is_router(p) and not getattr(p, DYNAMIC_PARAM_ATTR, False),
+    ),
 )
 """The official code's no-decay set: biases, 1-D weights (norms) but the dynamic hyper-connection
 parameters, and the static hyper-connection parameters (2-D ``static_alpha`` included)."""
@@ -112,15 +114,17 @@ def router_override(config: OptimizerConfig, router: RouterGroup) -> dict:
     return override
 
 
-def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = None,
-                          weight_decay_grouping: str = "megatron") -> dict:
+def param_group_overrides(
+    config: OptimizerConfig, router: RouterGroup | None = None, weight_decay_grouping: str = "megatron"
+) -> dict:
     """``config_overrides`` for ``get_megatron_optimizer``: no decay on biases and 1-D weights
     (and, for the ``official`` grouping, on the word embedding; the official code's rule for
     hyper-connection parameters), and the LIMe router group
     (``router`` None: the LLaMA baseline, no routers)."""
     if weight_decay_grouping not in WEIGHT_DECAY_GROUPINGS:
-        raise ValueError(f"unknown weight-decay grouping {weight_decay_grouping!r}; choose one of "
-                         f"{WEIGHT_DECAY_GROUPINGS}")
+        raise ValueError(
+            f"unknown weight-decay grouping {weight_decay_grouping!r}; choose one of {WEIGHT_DECAY_GROUPINGS}"
+        )
     if weight_decay_grouping == "official":
         overrides = {OFFICIAL_NO_WEIGHT_DECAY: {"wd_mult": 0.0}, EMBEDDING: {"wd_mult": 0.0}}
     else:
@@ -132,8 +136,12 @@ def param_group_overrides(config: OptimizerConfig, router: RouterGroup | None = 
     return overrides
 
 
-def build_optimizer(model_chunks: list, config: OptimizerConfig, router: RouterGroup | None = None,
-                    weight_decay_grouping: str = "megatron") -> MegatronOptimizer:
+def build_optimizer(
+    model_chunks: list,
+    config: OptimizerConfig,
+    router: RouterGroup | None = None,
+    weight_decay_grouping: str = "megatron",
+) -> MegatronOptimizer:
     """megatron's optimizer over this rank's DDP-wrapped ``model_chunks`` with the parameter
     groups of :func:`param_group_overrides`; the chunks' schedule scales the loss with it (fp16
     loss scaling)."""

@@ -132,8 +132,10 @@ def train(argv=None, evaluators: Sequence[Evaluator] = ()) -> TrainingResult:
         print(report, flush=True)
         return TrainingResult(dry_run_report=report)
     if run.logging.eval_generation_file and not evaluators:
-        raise UsageError("--eval-generation-file needs the generation evaluator: run pretrain_lime.py, or pass "
-                         "lime_megatron.inference.scoring.generation_evaluator to train()")
+        raise UsageError(
+            "--eval-generation-file needs the generation evaluator: run pretrain_lime.py, or pass "
+            "lime_megatron.inference.scoring.generation_evaluator to train()"
+        )
     with distributed(run):
         return pretrain(run, evaluators)
 
@@ -143,13 +145,22 @@ def dry_run_report(run: RunConfig) -> str:
     ``torch.distributed``)."""
     config = arguments.transformer_config(run)
     step_time = run.step_time
-    return fusions.report(run) + "\n" + estimate.dry_run_report(
-        config, vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
-        seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size,
-        num_microbatches=run.training.num_microbatches, transformer_impl=run.model.transformer_impl,
-        share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
-        compute_tflops=step_time.compute_tflops, link_bandwidth_gbps=step_time.link_bandwidth_gbps,
-        link_latency_us=step_time.link_latency_us)
+    return (
+        fusions.report(run)
+        + "\n"
+        + estimate.dry_run_report(
+            config,
+            vocab_size=data.tokenizer_of(run.data, run.model.vocab_size).vocab_size,
+            seq_length=run.model.seq_length,
+            micro_batch_size=run.training.micro_batch_size,
+            num_microbatches=run.training.num_microbatches,
+            transformer_impl=run.model.transformer_impl,
+            share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
+            compute_tflops=step_time.compute_tflops,
+            link_bandwidth_gbps=step_time.link_bandwidth_gbps,
+            link_latency_us=step_time.link_latency_us,
+        )
+    )
 
 
 @contextlib.contextmanager
@@ -161,8 +172,12 @@ def distributed(run: RunConfig):
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     destroy_parallel()
     layout = run.parallel
-    initialize_parallel(layout.tensor_model_parallel_size, layout.pipeline_model_parallel_size,
-                        layout.virtual_pipeline_size, seed=run.training.seed)
+    initialize_parallel(
+        layout.tensor_model_parallel_size,
+        layout.pipeline_model_parallel_size,
+        layout.virtual_pipeline_size,
+        seed=run.training.seed,
+    )
     try:
         yield
     finally:
@@ -174,10 +189,18 @@ def distributed(run: RunConfig):
 # --------------------------------------------------------------------------- building
 
 
-def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
-                       transformer_impl: str = "local", share_embeddings_and_output_weights: bool = True,
-                       rotary_base: int = 10000, use_distributed_optimizer: bool = False,
-                       seq_length: int | None = None, micro_batch_size: int = 1) -> list:
+def build_model_chunks(
+    config,
+    vocab_size: int,
+    max_sequence_length: int,
+    *,
+    transformer_impl: str = "local",
+    share_embeddings_and_output_weights: bool = True,
+    rotary_base: int = 10000,
+    use_distributed_optimizer: bool = False,
+    seq_length: int | None = None,
+    micro_batch_size: int = 1,
+) -> list:
     """This rank's model chunks (one per virtual pipeline stage), ``Float16Module`` for bf16/fp16,
     each wrapped in megatron's ``DistributedDataParallel``; ``config`` gets the schedule's hooks
     (gradient finalisation, no-sync).
@@ -191,18 +214,22 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
     layers_of_chunk = chunk_layers(config)
     chunks = []
     for vp_stage in range(vpp) if vpp else [None]:
-        global_chunk = (vp_stage or 0) * config.pipeline_model_parallel_size + \
-            parallel_state.get_pipeline_model_parallel_rank()
+        global_chunk = (
+            vp_stage or 0
+        ) * config.pipeline_model_parallel_size + parallel_state.get_pipeline_model_parallel_rank()
         chunk = build_model(
-            config, vocab_size, max_sequence_length,
+            config,
+            vocab_size,
+            max_sequence_length,
             transformer_impl=transformer_impl,
             pre_process=parallel_state.is_pipeline_first_stage(ignore_virtual=False, vp_stage=vp_stage),
             post_process=parallel_state.is_pipeline_last_stage(ignore_virtual=False, vp_stage=vp_stage),
             vp_stage=vp_stage,
             share_embeddings_and_output_weights=share_embeddings_and_output_weights,
             rotary_base=rotary_base,
-            routing_block=chunk_routing_block(config, layers_of_chunk[global_chunk],
-                                              seq_length or max_sequence_length, micro_batch_size),
+            routing_block=chunk_routing_block(
+                config, layers_of_chunk[global_chunk], seq_length or max_sequence_length, micro_batch_size
+            ),
         )
         for param in chunk.parameters():
             tensor_parallel.set_defaults_if_not_set_tensor_model_parallel_attributes(param)
@@ -213,7 +240,8 @@ def build_model_chunks(config, vocab_size: int, max_sequence_length: int, *,
             keep_routers_in_float32(chunk)
         chunks.append(chunk)
     ddp_config = DistributedDataParallelConfig(  # float32 gradients, float64 ones for a float64 model
-        grad_reduce_in_fp32=config.params_dtype != torch.float64, use_distributed_optimizer=use_distributed_optimizer)
+        grad_reduce_in_fp32=config.params_dtype != torch.float64, use_distributed_optimizer=use_distributed_optimizer
+    )
     model = [DistributedDataParallel(config, ddp_config, chunk) for chunk in chunks]
     config.finalize_model_grads_func = finalize_model_grads
     config.no_sync_func = [chunk.no_sync for chunk in model] if len(model) > 1 else model[0].no_sync
@@ -244,11 +272,13 @@ def count_parameters(model: list) -> tuple[int, int]:
                 counted = router.sharding.primary
             else:
                 counted = not getattr(param, "shared", False) and (
-                    tensor_parallel.param_is_not_tensor_parallel_duplicate(param))
+                    tensor_parallel.param_is_not_tensor_parallel_duplicate(param)
+                )
             is_router = getattr(param, ROUTER_PARAM_ATTR, False)  # the dynamic router's W_l too
             if counted:
-                counts += torch.tensor([param.numel(), param.numel() if is_router else 0], dtype=counts.dtype,
-                                       device=counts.device)
+                counts += torch.tensor(
+                    [param.numel(), param.numel() if is_router else 0], dtype=counts.dtype, device=counts.device
+                )
     torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
     return int(counts[0]), int(counts[1])
 
@@ -335,8 +365,10 @@ def prune_routes(model: list, top_p: float, iteration: int) -> tuple[int, int]:
     counts = torch.tensor(pruning.pruned_counts(model), dtype=torch.float64, device=default_device())
     torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
     total, masked = (int(count) for count in counts)
-    _print0(f"route pruning at iteration {iteration} (top-p {top_p}): masked {masked:,} of {total:,} routes "
-            f"({100 * masked / max(total, 1):.1f}%)")
+    _print0(
+        f"route pruning at iteration {iteration} (top-p {top_p}): masked {masked:,} of {total:,} routes "
+        f"({100 * masked / max(total, 1):.1f}%)"
+    )
     return total, masked
 
 
@@ -423,12 +455,23 @@ def optimizer_config(run: RunConfig) -> OptimizerConfig:
     """megatron ``OptimizerConfig`` of the run (Adam is AdamW)."""
     training, precision = run.training, run.precision
     return OptimizerConfig(
-        optimizer=training.optimizer, lr=training.lr, min_lr=training.min_lr, weight_decay=training.weight_decay,
-        adam_beta1=training.adam_beta1, adam_beta2=training.adam_beta2, adam_eps=training.adam_eps,
-        sgd_momentum=training.sgd_momentum, clip_grad=training.clip_grad, bf16=precision.bf16,
-        fp16=precision.fp16, params_dtype=precision.params_dtype, loss_scale=precision.loss_scale,
-        initial_loss_scale=precision.initial_loss_scale, min_loss_scale=precision.min_loss_scale,
-        loss_scale_window=precision.loss_scale_window, hysteresis=precision.hysteresis,
+        optimizer=training.optimizer,
+        lr=training.lr,
+        min_lr=training.min_lr,
+        weight_decay=training.weight_decay,
+        adam_beta1=training.adam_beta1,
+        adam_beta2=training.adam_beta2,
+        adam_eps=training.adam_eps,
+        sgd_momentum=training.sgd_momentum,
+        clip_grad=training.clip_grad,
+        bf16=precision.bf16,
+        fp16=precision.fp16,
+        params_dtype=precision.params_dtype,
+        loss_scale=precision.loss_scale,
+        initial_loss_scale=precision.initial_loss_scale,
+        min_loss_scale=precision.min_loss_scale,
+        loss_scale_window=precision.loss_scale_window,
+        hysteresis=precision.hysteresis,
         use_distributed_optimizer=run.parallel.use_distributed_optimizer,
     )
 
@@ -442,10 +485,16 @@ def router_group(run: RunConfig) -> RouterGroup | None:
 def lr_schedule(run: RunConfig) -> LRSchedule:
     """The learning-rate schedule of the run."""
     training = run.training
-    return LRSchedule(max_lr=training.lr, decay_iters=training.lr_decay_iters, train_iters=training.train_iters,
-                      min_lr=training.min_lr, init_lr=training.lr_warmup_init,
-                      warmup_iters=training.lr_warmup_iters, decay_style=training.lr_decay_style,
-                      weight_decay=training.weight_decay)
+    return LRSchedule(
+        max_lr=training.lr,
+        decay_iters=training.lr_decay_iters,
+        train_iters=training.train_iters,
+        min_lr=training.min_lr,
+        init_lr=training.lr_warmup_init,
+        warmup_iters=training.lr_warmup_iters,
+        decay_style=training.lr_decay_style,
+        weight_decay=training.weight_decay,
+    )
 
 
 def build_trainer(run: RunConfig, evaluators: Sequence[Evaluator] = ()) -> Trainer:
@@ -455,10 +504,16 @@ def build_trainer(run: RunConfig, evaluators: Sequence[Evaluator] = ()) -> Train
     tokenizer = data.tokenizer_of(run.data, run.model.vocab_size)
     datasets = data.build_datasets(run, tokenizer)
     model = build_model_chunks(
-        config, tokenizer.vocab_size, run.model.max_sequence_length, transformer_impl=run.model.transformer_impl,
+        config,
+        tokenizer.vocab_size,
+        run.model.max_sequence_length,
+        transformer_impl=run.model.transformer_impl,
         share_embeddings_and_output_weights=not run.model.untie_embeddings_and_output_weights,
-        rotary_base=run.model.rotary_base, use_distributed_optimizer=run.parallel.use_distributed_optimizer,
-        seq_length=run.model.seq_length, micro_batch_size=run.training.micro_batch_size or 1)
+        rotary_base=run.model.rotary_base,
+        use_distributed_optimizer=run.parallel.use_distributed_optimizer,
+        seq_length=run.model.seq_length,
+        micro_batch_size=run.training.micro_batch_size or 1,
+    )
     optimizer = build_optimizer(model, optimizer_config(run), router_group(run), run.training.weight_decay_grouping)
     scheduler = build_scheduler(optimizer, lr_schedule(run))
     result = TrainingResult()
@@ -469,30 +524,49 @@ def build_trainer(run: RunConfig, evaluators: Sequence[Evaluator] = ()) -> Train
         pruning.share_route_reads(model)
     reporting = torch.distributed.get_rank() == torch.distributed.get_world_size() - 1
     return Trainer(
-        run=run, config=config, tokenizer=tokenizer, datasets=datasets, model=model, optimizer=optimizer,
-        scheduler=scheduler, progress=progress, description=description, result=result,
+        run=run,
+        config=config,
+        tokenizer=tokenizer,
+        datasets=datasets,
+        model=model,
+        optimizer=optimizer,
+        scheduler=scheduler,
+        progress=progress,
+        description=description,
+        result=result,
         metrics=MetricsLogger(run.logging, run.training.train_iters, reporting, run.name, run.as_flat_dict()),
         profiler=IterationProfiler(run.logging, torch.distributed.get_rank()),
         flops_per_iteration=flops.training_flops_per_iteration(
-            config, run.model.seq_length, tokenizer.vocab_size, run.training.global_batch_size),
-        peak_tflops=gpu_peak_tflops(run.logging.gpu_peak_tflops), evaluators=tuple(evaluators))
+            config, run.model.seq_length, tokenizer.vocab_size, run.training.global_batch_size
+        ),
+        peak_tflops=gpu_peak_tflops(run.logging.gpu_peak_tflops),
+        evaluators=tuple(evaluators),
+    )
 
 
-def _resume(options: CheckpointOptions, model: list, optimizer, scheduler, description: dict,
-            result: TrainingResult) -> checkpointing.TrainingState:
+def _resume(
+    options: CheckpointOptions, model: list, optimizer, scheduler, description: dict, result: TrainingResult
+) -> checkpointing.TrainingState:
     """Load ``--load`` if it holds a checkpoint, else the weights of ``--pretrained-checkpoint`` if
     given; the progress to start from."""
     outcome = None
     if options.load is not None:
         weights_only = options.finetune or options.no_load_optim
         outcome = checkpointing.load_checkpoint(
-            options.load, model, optimizer, scheduler, description,
-            load_optim=not weights_only, load_rng=not (options.finetune or options.no_load_rng))
+            options.load,
+            model,
+            optimizer,
+            scheduler,
+            description,
+            load_optim=not weights_only,
+            load_rng=not (options.finetune or options.no_load_rng),
+        )
         if outcome is None:
             _check_missing_load(options)
     if outcome is None and options.pretrained_checkpoint is not None:
-        outcome = checkpointing.load_checkpoint(options.pretrained_checkpoint, model, optimizer, scheduler,
-                                                description, load_optim=False, load_rng=False)
+        outcome = checkpointing.load_checkpoint(
+            options.pretrained_checkpoint, model, optimizer, scheduler, description, load_optim=False, load_rng=False
+        )
         if outcome is None:
             raise _no_checkpoint("--pretrained-checkpoint", options.pretrained_checkpoint)
     if outcome is None:
@@ -502,10 +576,13 @@ def _resume(options: CheckpointOptions, model: list, optimizer, scheduler, descr
     result.resumed_from = outcome.directory
     notes = [] if outcome.rng_restored else ["RNG states not restored (layout changed or --no-load-rng)"]
     if not outcome.optimizer_restored:
-        notes.append("weights only (--finetune, --no-load-optim or --pretrained-checkpoint): fresh optimizer, "
-                     "iteration 0")
-    _print0(f"resumed from {outcome.directory} at iteration {outcome.state.iteration}"
-            + "".join(f"; {note}" for note in notes))
+        notes.append(
+            "weights only (--finetune, --no-load-optim or --pretrained-checkpoint): fresh optimizer, iteration 0"
+        )
+    _print0(
+        f"resumed from {outcome.directory} at iteration {outcome.state.iteration}"
+        + "".join(f"; {note}" for note in notes)
+    )
     return outcome.state
 
 
@@ -524,10 +601,12 @@ def pretrain(run: RunConfig, evaluators: Sequence[Evaluator] = ()) -> TrainingRe
     """Train as ``run`` says, inside an initialised :func:`distributed` context."""
     trainer = build_trainer(run, evaluators)
     training, result = run.training, trainer.result
-    _print0(f"{run.name}: {result.parameters:,} parameters ({result.router_parameters:,} router), "
-            f"layout {trainer.description['layout']}, {training.num_microbatches} microbatches of "
-            f"{training.micro_batch_size} x {run.model.seq_length} tokens per data-parallel rank, "
-            f"vocabulary {trainer.tokenizer.vocab_size}")
+    _print0(
+        f"{run.name}: {result.parameters:,} parameters ({result.router_parameters:,} router), "
+        f"layout {trainer.description['layout']}, {training.num_microbatches} microbatches of "
+        f"{training.micro_batch_size} x {run.model.seq_length} tokens per data-parallel rank, "
+        f"vocabulary {trainer.tokenizer.vocab_size}"
+    )
     try:
         with StopSignals() as signals, trainer.profiler:
             _loop(trainer, signals)
@@ -579,10 +658,15 @@ def _step(trainer: Trainer) -> IterationMetrics:
         _print0(recompute.describe(routed_kv))
     rates = group_learning_rates(trainer.optimizer, training.lr)
     record = IterationMetrics(
-        iteration=progress.iteration, lm_loss=loss, lr=rates["lr"], grad_norm=grad_norm,
+        iteration=progress.iteration,
+        lm_loss=loss,
+        lr=rates["lr"],
+        grad_norm=grad_norm,
         tokens_per_sec=training.global_batch_size * trainer.run.model.seq_length / seconds,
-        router_lr=rates.get("router_lr"), skipped=skipped,
-        epoch=trainer.datasets.epochs(progress.consumed_samples))
+        router_lr=rates.get("router_lr"),
+        skipped=skipped,
+        epoch=trainer.datasets.epochs(progress.consumed_samples),
+    )
     if torch.cuda.is_available():
         record.tflops_per_gpu = trainer.flops_per_iteration / seconds / torch.distributed.get_world_size() / 1e12
         record.mfu = record.tflops_per_gpu / trainer.peak_tflops if trainer.peak_tflops else None
@@ -596,12 +680,12 @@ def _maybe_evaluate(trainer: Trainer, record: IterationMetrics, final: bool) -> 
     if iteration % logging.eval_interval and not final:
         return
     if trainer.evaluators:
-        record.evaluations = {name: value for evaluator in trainer.evaluators
-                              for name, value in evaluator(trainer).items()}
+        record.evaluations = {
+            name: value for evaluator in trainer.evaluators for name, value in evaluator(trainer).items()
+        }
     if trainer.datasets.valid is None or not logging.eval_iters:
         return
-    record.validation_loss = evaluate(trainer.model, trainer.datasets.valid, logging.eval_iters,
-                                      trainer.run.training)
+    record.validation_loss = evaluate(trainer.model, trainer.datasets.valid, logging.eval_iters, trainer.run.training)
     record.validation_ppl = perplexity(record.validation_loss)
     trainer.result.validation[iteration] = record.validation_loss
 
@@ -621,8 +705,15 @@ def _maybe_save(trainer: Trainer, final: bool) -> None:
     due = options.save_interval and progress.iteration % options.save_interval == 0
     if not options.save or not (due or final):
         return
-    saved = checkpointing.save_checkpoint(options.save, trainer.model, trainer.optimizer, trainer.scheduler,
-                                          progress, trainer.description, keep_last=options.ckpt_keep_last)
+    saved = checkpointing.save_checkpoint(
+        options.save,
+        trainer.model,
+        trainer.optimizer,
+        trainer.scheduler,
+        progress,
+        trainer.description,
+        keep_last=options.ckpt_keep_last,
+    )
     trainer.result.checkpoint = saved or trainer.result.checkpoint
     if saved:
         _print0(f" saved checkpoint {saved}")
@@ -630,8 +721,10 @@ def _maybe_save(trainer: Trainer, final: bool) -> None:
 
 def _stop(trainer: Trainer, signal_name: str) -> None:
     trainer.result.stopped_by = signal_name
-    _print0(f"{signal_name} received: stopped after iteration {trainer.progress.iteration}"
-            + (" (checkpoint saved)" if trainer.run.checkpointing.save else " (no --save: nothing saved)"))
+    _print0(
+        f"{signal_name} received: stopped after iteration {trainer.progress.iteration}"
+        + (" (checkpoint saved)" if trainer.run.checkpointing.save else " (no --save: nothing saved)")
+    )
 
 
 def _summary(name: str, result: TrainingResult) -> None:
@@ -640,8 +733,10 @@ def _summary(name: str, result: TrainingResult) -> None:
         return
     first, last = min(result.losses), max(result.losses)
     rate = np.median(result.tokens_per_sec)
-    parts = [f"{name} summary: iterations {first}-{last}",
-             f"loss {result.losses[first]:.4f} -> {result.losses[last]:.4f}"]
+    parts = [
+        f"{name} summary: iterations {first}-{last}",
+        f"loss {result.losses[first]:.4f} -> {result.losses[last]:.4f}",
+    ]
     if result.validation:
         parts.append(f"validation loss {result.validation[max(result.validation)]:.4f}")
     if result.test_loss is not None:

@@ -17,8 +17,10 @@ from lime_megatron.parallel.process_groups import initialize_parallel
 from tests.lime_fixtures import SEQ, VOCAB, tiny_model
 
 pytest.importorskip("sklearn")
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 WORDS = {"is": 7, "are": 8, "was": 9, "were": 10}
 
@@ -41,10 +43,12 @@ def _tokens(n: int = 24) -> torch.Tensor:
 @pytest.fixture(scope="module")
 def models():
     initialize_parallel()
-    return {"LIMe": tiny_model(torch.float32, num_query_groups=2).eval(),
-            "LLaMA": tiny_model(torch.float32, num_query_groups=2, lime=False).eval(),
-            "HC": tiny_model(torch.float32, num_query_groups=2, lime=False, hyper_connections=2).eval(),
-            "Dynamic": tiny_model(torch.float32, num_query_groups=2, lime_router="dynamic").eval()}
+    return {
+        "LIMe": tiny_model(torch.float32, num_query_groups=2).eval(),
+        "LLaMA": tiny_model(torch.float32, num_query_groups=2, lime=False).eval(),
+        "HC": tiny_model(torch.float32, num_query_groups=2, lime=False, hyper_connections=2).eval(),
+        "Dynamic": tiny_model(torch.float32, num_query_groups=2, lime_router="dynamic").eval(),
+    }
 
 
 @pytest.mark.parametrize("alpha", [0.5, 1.0, 2.0])
@@ -104,8 +108,10 @@ def test_hyper_connection_hidden_states_are_each_sequences_stream_sums(models):
         torch.testing.assert_close(together, single, rtol=1e-5, atol=1e-6)
     with torch.no_grad():
         logits = model(tokens, torch.arange(SEQ).expand(len(tokens), -1), None)
-        read_out = model.output_layer(model.decoder.final_layernorm(batched.hidden[-1].transpose(0, 1)),
-                                      weight=model.shared_embedding_or_output_weight())[0]
+        read_out = model.output_layer(
+            model.decoder.final_layernorm(batched.hidden[-1].transpose(0, 1)),
+            weight=model.shared_embedding_or_output_weight(),
+        )[0]
     torch.testing.assert_close(read_out.transpose(0, 1), logits, rtol=1e-5, atol=1e-5)
 
 
@@ -134,8 +140,18 @@ def test_analysis_of_lime_llama_and_hc_writes_numbers_and_plots(models, tmp_path
     for name in models:
         for key in ("entropy_values", "entropy_hidden", "probe_values", "probe_hidden"):
             assert len(results["models"][name][key]["mean"]) == 5
-    for plot in ("entropy_values", "entropy_hidden", "probe_values", "probe_hidden", "tsne_values",
-                 "tsne_hidden", "retrieval_LIMe", "routers_LIMe", "retrieval_Dynamic", "routers_Dynamic"):
+    for plot in (
+        "entropy_values",
+        "entropy_hidden",
+        "probe_values",
+        "probe_hidden",
+        "tsne_values",
+        "tsne_hidden",
+        "retrieval_LIMe",
+        "routers_LIMe",
+        "retrieval_Dynamic",
+        "routers_Dynamic",
+    ):
         data = (tmp_path / f"{plot}.png").read_bytes()
         assert data[:8] == b"\x89PNG\r\n\x1a\n" and len(data) > 5000, plot
 
@@ -154,9 +170,12 @@ def test_dynamic_prior_and_circuits_are_the_routers_own_weights():
     model = tiny_model(torch.float32, num_query_groups=2, lime_router="dynamic").eval()
     tokens = _tokens(8)
     inputs = {}
-    handles = [layer.self_attention.register_forward_pre_hook(
-        lambda _m, args, i=index: inputs.setdefault(i, []).append(args[0].detach()))
-        for index, layer in enumerate(model.decoder.layers)]
+    handles = [
+        layer.self_attention.register_forward_pre_hook(
+            lambda _m, args, i=index: inputs.setdefault(i, []).append(args[0].detach())
+        )
+        for index, layer in enumerate(model.decoder.layers)
+    ]
     with torch.no_grad():
         prior, circuits = measures.dynamic_routing(model, tokens, batch_size=3, examples=6, progress=False)
     for handle in handles:

@@ -8,11 +8,17 @@ from tests.bench import load_bench
 [tables] = load_bench("tables")
 field, ratio, table_lines = tables.field, tables.ratio, tables.table_lines
 
-ROWS = [dict(layers=8, base_s=0.5, lime_s=0.55, reads=3 * 2**30, name="blocked"),
-        dict(layers=128, base_s=12.25, lime_s=15.0, reads=2**29, name="B=1")]
-COLUMNS = [("layers", field("layers")), ("base s", field("base_s", ".3f")),
-           ("LIMe x", ratio("lime_s", "base_s")), ("read GiB", field("reads", ".2f", 2**30)),
-           ("model", field("name"))]
+ROWS = [
+    dict(layers=8, base_s=0.5, lime_s=0.55, reads=3 * 2**30, name="blocked"),
+    dict(layers=128, base_s=12.25, lime_s=15.0, reads=2**29, name="B=1"),
+]
+COLUMNS = [
+    ("layers", field("layers")),
+    ("base s", field("base_s", ".3f")),
+    ("LIMe x", ratio("lime_s", "base_s")),
+    ("read GiB", field("reads", ".2f", 2**30)),
+    ("model", field("name")),
+]
 
 
 def test_text_table_aligns_every_cell_under_its_title():

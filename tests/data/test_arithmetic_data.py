@@ -13,10 +13,11 @@ import pytest
 from lime_megatron.cli import make_arithmetic_data as arith
 
 PAPER_INPUT = "(7 + 5) ÷ (6 + 4 × 3 - 2 × 7)"
-PAPER_SOLUTION = ("(7 + 5) ÷ (6 + 4 × 3 - 2 × 7) = 12 ÷ (6 + 4 × 3 - 2 × 7) = "
-                  "12 ÷ (6 + 12 - 2 × 7) = 12 ÷ (18 - 2 × 7) = 12 ÷ (18 - 14) = 12 ÷ 4 = 3")
-SPEC = arith.ArithmeticSpec(min_operands=2, max_operands=6, min_operand=1, max_operand=12,
-                            max_value=150)
+PAPER_SOLUTION = (
+    "(7 + 5) ÷ (6 + 4 × 3 - 2 × 7) = 12 ÷ (6 + 4 × 3 - 2 × 7) = "
+    "12 ÷ (6 + 12 - 2 × 7) = 12 ÷ (18 - 2 × 7) = 12 ÷ (18 - 14) = 12 ÷ 4 = 3"
+)
+SPEC = arith.ArithmeticSpec(min_operands=2, max_operands=6, min_operand=1, max_operand=12, max_value=150)
 PYTHON_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
@@ -31,8 +32,7 @@ def evaluate(node: ast.expr, seen: list) -> Fraction:
         return Fraction(node.value)
     a, b = evaluate(node.left, seen), evaluate(node.right, seen)
     operator = PYTHON_OPERATORS[type(node.op)]
-    value = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b,
-             "/": lambda: a / b}[operator]()
+    value = {"+": lambda: a + b, "-": lambda: a - b, "*": lambda: a * b, "/": lambda: a / b}[operator]()
     seen.append(value)
     return value
 
@@ -68,8 +68,10 @@ def test_paper_example_reproduced_exactly():
     assert arith.solve(PAPER_INPUT, "paper") == PAPER_SOLUTION
     ascii_solution = PAPER_SOLUTION.replace("×", "*").replace("÷", "/")
     assert arith.solve(PAPER_INPUT.replace("×", "*"), "ascii") == ascii_solution
-    check_record({"text": ascii_solution, "expression": ascii_solution.split(" = ")[0],
-                  "answer": 3, "num_operands": 7}, arith.ArithmeticSpec(max_operands=7))
+    check_record(
+        {"text": ascii_solution, "expression": ascii_solution.split(" = ")[0], "answer": 3, "num_operands": 7},
+        arith.ArithmeticSpec(max_operands=7),
+    )
 
 
 @pytest.mark.parametrize("symbols", ["ascii", "paper"])
@@ -100,8 +102,21 @@ def test_deterministic_for_a_seed():
 
 def test_cli_writes_the_records_of_generate(tmp_path, capsys):
     out = tmp_path / "sub" / "arith.jsonl"
-    argv = ["--output", str(out), "--num-samples", "400", "--seed", "5", "--max-operands", "6",
-            "--max-operand", "12", "--max-value", "150", "--no-progress"]
+    argv = [
+        "--output",
+        str(out),
+        "--num-samples",
+        "400",
+        "--seed",
+        "5",
+        "--max-operands",
+        "6",
+        "--max-operand",
+        "12",
+        "--max-value",
+        "150",
+        "--no-progress",
+    ]
     assert arith.main(argv) == 0
     lines = out.read_text(encoding="utf-8").splitlines()
     assert [json.loads(line) for line in lines] == list(arith.generate(400, 5, SPEC))
@@ -127,15 +142,18 @@ def test_interrupted_run_keeps_the_previous_file(tmp_path, monkeypatch, capsys):
     assert "nothing was written" in capsys.readouterr().err
 
 
-@pytest.mark.parametrize("flags, message", [
-    (["--min-operands", "1"], "min-operands must be at least 2"),
-    (["--min-operands", "4", "--max-operands", "3"], "max-operands (3) is below min-operands (4)"),
-    (["--min-operand", "-1"], "min-operand must be >= 0"),
-    (["--min-operand", "5", "--max-operand", "4"], "max-operand (4) is below min-operand (5)"),
-    (["--max-operand", "20", "--max-value", "10"], "max-value (10) is below max-operand (20)"),
-    (["--num-samples", "0"], "--num-samples must be at least 1"),
-    (["--symbols", "latex"], "invalid choice: 'latex'"),
-])
+@pytest.mark.parametrize(
+    "flags, message",
+    [
+        (["--min-operands", "1"], "min-operands must be at least 2"),
+        (["--min-operands", "4", "--max-operands", "3"], "max-operands (3) is below min-operands (4)"),
+        (["--min-operand", "-1"], "min-operand must be >= 0"),
+        (["--min-operand", "5", "--max-operand", "4"], "max-operand (4) is below min-operand (5)"),
+        (["--max-operand", "20", "--max-value", "10"], "max-value (10) is below max-operand (20)"),
+        (["--num-samples", "0"], "--num-samples must be at least 1"),
+        (["--symbols", "latex"], "invalid choice: 'latex'"),
+    ],
+)
 def test_bad_arguments_fail_with_one_clear_message(tmp_path, capsys, flags, message):
     argv = ["--output", str(tmp_path / "a.jsonl"), "--num-samples", "5", *flags]
     with pytest.raises(SystemExit) as exit_info:
@@ -145,13 +163,16 @@ def test_bad_arguments_fail_with_one_clear_message(tmp_path, capsys, flags, mess
     assert not (tmp_path / "a.jsonl").exists()
 
 
-@pytest.mark.parametrize("expression, message", [
-    ("7 / 2", "7 / 2 is not an exact integer division"),
-    ("3 / (2 - 2)", "3 / 0 is not an exact integer division"),
-    ("1 +", "ends where a number was expected"),
-    ("(1 + 2", "unbalanced parentheses"),
-    ("1 % 2", "unexpected '% 2'"),
-])
+@pytest.mark.parametrize(
+    "expression, message",
+    [
+        ("7 / 2", "7 / 2 is not an exact integer division"),
+        ("3 / (2 - 2)", "3 / 0 is not an exact integer division"),
+        ("1 +", "ends where a number was expected"),
+        ("(1 + 2", "unbalanced parentheses"),
+        ("1 % 2", "unexpected '% 2'"),
+    ],
+)
 def test_solve_rejects_bad_expressions(expression, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         arith.solve(expression)

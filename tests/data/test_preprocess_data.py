@@ -36,8 +36,9 @@ def jsonl(texts, **extra) -> bytes:
 
 
 def preprocess(inputs, prefix, *flags) -> int:
-    return preprocess_data.main(["--input", *map(str, inputs), "--output-prefix", str(prefix),
-                                 "--append-eod", "--no-progress", *flags])
+    return preprocess_data.main(
+        ["--input", *map(str, inputs), "--output-prefix", str(prefix), "--append-eod", "--no-progress", *flags]
+    )
 
 
 def documents(prefix) -> list:
@@ -62,10 +63,9 @@ def test_all_input_formats_in_one_run(tmp_path, gpt2):
     data.mkdir()
     (data / "a.jsonl").write_bytes(jsonl(PARAGRAPHS[:2], id=1))
     (data / "b.json.gz").write_bytes(gzip.compress(jsonl(PARAGRAPHS[2:4])))
-    frames = [zstandard.ZstdCompressor().compress(jsonl(PARAGRAPHS[i:i + 2])) for i in (4, 6)]
+    frames = [zstandard.ZstdCompressor().compress(jsonl(PARAGRAPHS[i : i + 2])) for i in (4, 6)]
     (data / "c.jsonl.zst").write_bytes(b"".join(frames))  # two zstd frames
-    pq.write_table(pa.table({"id": [1, 2], "text": PARAGRAPHS[1:3]}), data / "d.parquet",
-                   row_group_size=1)
+    pq.write_table(pa.table({"id": [1, 2], "text": PARAGRAPHS[1:3]}), data / "d.parquet", row_group_size=1)
     (data / "README.md").write_text("not a corpus file")
     (data / ".hidden.jsonl").write_bytes(jsonl(["hidden"]))
     (tmp_path / "e.txt").write_text(SAMPLE, encoding="utf-8")
@@ -89,12 +89,21 @@ def test_text_lines_mode_and_several_keys(tmp_path, gpt2):
 @pytest.fixture
 def bad_inputs(tmp_path) -> list:
     """Files with every kind of bad input, around good records ("good 0" ... "good 5")."""
-    lines = [json.dumps({"text": "good 0"}).encode(), b'{"text": "unterminated',
-             json.dumps({"body": "no text key"}).encode(), json.dumps({"text": None}).encode(),
-             json.dumps({"text": 42}).encode(), json.dumps(["not", "an", "object"]).encode(),
-             b'{"text": "bad byte \xff here"}', b'{"text": "lone \\ud800 surrogate"}',
-             json.dumps({"text": ""}).encode(), json.dumps({"text": " \n\t "}).encode(),
-             json.dumps({"text": "good 1"}).encode(), b"", json.dumps({"text": "good 2"}).encode()]
+    lines = [
+        json.dumps({"text": "good 0"}).encode(),
+        b'{"text": "unterminated',
+        json.dumps({"body": "no text key"}).encode(),
+        json.dumps({"text": None}).encode(),
+        json.dumps({"text": 42}).encode(),
+        json.dumps(["not", "an", "object"]).encode(),
+        b'{"text": "bad byte \xff here"}',
+        b'{"text": "lone \\ud800 surrogate"}',
+        json.dumps({"text": ""}).encode(),
+        json.dumps({"text": " \n\t "}).encode(),
+        json.dumps({"text": "good 1"}).encode(),
+        b"",
+        json.dumps({"text": "good 2"}).encode(),
+    ]
     (tmp_path / "bad.jsonl").write_bytes(b"\n".join(lines))
     truncated = gzip.compress(jsonl(["good 3", os.urandom(100_000).hex()]))
     (tmp_path / "cut.jsonl.gz").write_bytes(truncated[: len(truncated) // 2])
@@ -104,33 +113,54 @@ def bad_inputs(tmp_path) -> list:
     pq.write_table(pa.table({"body": ["a", "b", "c"]}), tmp_path / "nocol.parquet")
     pq.write_table(pa.table({"text": ["good 5", None]}), tmp_path / "nulls.parquet")
     (tmp_path / "latin1.txt").write_bytes("caf\xe9\n".encode("latin-1"))
-    return [tmp_path / n for n in ("bad.jsonl", "cut.jsonl.gz", "cut.jsonl.zst", "broken.parquet",
-                                   "nocol.parquet", "nulls.parquet", "latin1.txt")]
+    return [
+        tmp_path / n
+        for n in (
+            "bad.jsonl",
+            "cut.jsonl.gz",
+            "cut.jsonl.zst",
+            "broken.parquet",
+            "nocol.parquet",
+            "nulls.parquet",
+            "latin1.txt",
+        )
+    ]
 
 
 def test_bad_input_is_counted_reported_and_skipped(bad_inputs, tmp_path, gpt2, capsys):
-    args = preprocess_data.parse_args(["--input", *map(str, bad_inputs), "--output-prefix",
-                                       str(tmp_path / "out"), "--append-eod", "--no-progress",
-                                       "--chunk-mb", "0.01"])
+    args = preprocess_data.parse_args(
+        [
+            "--input",
+            *map(str, bad_inputs),
+            "--output-prefix",
+            str(tmp_path / "out"),
+            "--append-eod",
+            "--no-progress",
+            "--chunk-mb",
+            "0.01",
+        ]
+    )
     result = preprocess_data.run(args)
-    assert documents(tmp_path / "out_text_document") == \
-        expected(gpt2, [f"good {i}" for i in range(6)])
+    assert documents(tmp_path / "out_text_document") == expected(gpt2, [f"good {i}" for i in range(6)])
     report = result["report"]
-    assert dict(report.counts) == {"malformed_json": 2, "missing_key": 6, "not_a_string": 1,
-                                   "invalid_utf8": 3, "empty_document": 2, "unreadable_file": 3}
+    assert dict(report.counts) == {
+        "malformed_json": 2,
+        "missing_key": 6,
+        "not_a_string": 1,
+        "invalid_utf8": 3,
+        "empty_document": 2,
+        "unreadable_file": 3,
+    }
     bad = bad_inputs[0]
     assert report.examples["malformed_json"][0].startswith(f"{bad}:2: ")
-    assert report.examples["missing_key"][:2] == [f"{bad}:3: no 'text' value",
-                                                  f"{bad}:4: no 'text' value"]
+    assert report.examples["missing_key"][:2] == [f"{bad}:3: no 'text' value", f"{bad}:4: no 'text' value"]
     assert f"{bad_inputs[5]} row 1: no 'text' value" in report.examples["missing_key"]
-    assert any(e.startswith(f"{bad_inputs[4]}: no column 'text'")
-               for e in report.examples["missing_key"])
+    assert any(e.startswith(f"{bad_inputs[4]}: no column 'text'") for e in report.examples["missing_key"])
     assert report.examples["invalid_utf8"][0].startswith(f"{bad}:7: invalid start byte")
     assert report.examples["invalid_utf8"][1] == f"{bad}:8: 'text' has an unpaired surrogate at 5"
     unreadable = report.examples["unreadable_file"]
     assert any(e.startswith(f"{bad_inputs[1]}:2: stopped reading") for e in unreadable)
-    assert f"{bad_inputs[2]}:2: stopped reading: zstd data ends inside a frame" \
-        " (truncated file)" in unreadable
+    assert f"{bad_inputs[2]}:2: stopped reading: zstd data ends inside a frame (truncated file)" in unreadable
     assert preprocess([*bad_inputs], tmp_path / "again") == 0
     printed = capsys.readouterr().out
     assert "input problems: 17 (skipped)" in printed and f"{bad}:2: " in printed
@@ -163,8 +193,11 @@ def test_documents_without_tokens_are_dropped(monkeypatch):
         def tokenize_batch(self, texts):
             return [np.array([], dtype=np.int64) if t == "x" else np.array([1, 2]) for t in texts]
 
-    monkeypatch.setattr(preprocess_data, "_WORKER", dict(tokenizer=NoTokensForX(), eod=9,
-                                                         keys=["text"], dtype=np.uint16, prompt_response=False))
+    monkeypatch.setattr(
+        preprocess_data,
+        "_WORKER",
+        dict(tokenizer=NoTokensForX(), eod=9, keys=["text"], dtype=np.uint16, prompt_response=False),
+    )
     chunk = corpus.Chunk(corpus.Source("mem.jsonl", corpus.JSONL), jsonl(["a", "x", "b"]), 1, 0)
     result = preprocess_data.encode_chunk(chunk)
     assert result.tokens[0].tolist() == [1, 2, 9, 1, 2, 9] and result.documents == 2
@@ -175,8 +208,10 @@ def test_workers_1_and_2_write_identical_files(tmp_path):
     texts = [f"{p} (copy {i})" for i in range(8) for p in PARAGRAPHS]
     (tmp_path / "in.jsonl").write_bytes(jsonl(texts))
     for workers in ("1", "2"):
-        assert preprocess([tmp_path / "in.jsonl"], tmp_path / f"w{workers}", "--workers",
-                          workers, "--chunk-mb", "0.002") == 0
+        assert (
+            preprocess([tmp_path / "in.jsonl"], tmp_path / f"w{workers}", "--workers", workers, "--chunk-mb", "0.002")
+            == 0
+        )
     for suffix in (".bin", ".idx"):
         first = (tmp_path / f"w1_text_document{suffix}").read_bytes()
         assert first == (tmp_path / f"w2_text_document{suffix}").read_bytes()
@@ -210,8 +245,17 @@ def test_killed_run_leaves_no_valid_looking_output(tmp_path):
 
     fifo, prefix = tmp_path / "in.jsonl", tmp_path / "out"
     os.mkfifo(fifo)
-    argv = ["--input", str(fifo), "--output-prefix", str(prefix), "--chunk-mb", "0.0005",
-            "--workers", "2", "--no-progress"]
+    argv = [
+        "--input",
+        str(fifo),
+        "--output-prefix",
+        str(prefix),
+        "--chunk-mb",
+        "0.0005",
+        "--workers",
+        "2",
+        "--no-progress",
+    ]
     run = multiprocessing.get_context("fork").Process(target=_run_in_new_session, args=(argv,))
     run.start()
     deadline = time.time() + 60
@@ -239,19 +283,35 @@ def test_merge_datasets(tmp_path, gpt2, capsys):
     parts = tmp_path / "parts"
     assert preprocess([tmp_path / "a.jsonl"], parts / "a") == 0
     assert preprocess([tmp_path / "b.jsonl"], parts / "b") == 0
-    assert merge_datasets.main(["--input", str(parts / "a_text_document.bin"), str(parts),
-                                "--output-prefix", str(tmp_path / "m"), "--no-progress"]) == 0
+    assert (
+        merge_datasets.main(
+            [
+                "--input",
+                str(parts / "a_text_document.bin"),
+                str(parts),
+                "--output-prefix",
+                str(tmp_path / "m"),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     assert documents(tmp_path / "m") == expected(gpt2, PARAGRAPHS[:3] + PARAGRAPHS)
     assert "3 datasets, 10 documents" in capsys.readouterr().out
     with corpus.DatasetWriter([str(tmp_path / "wide")], np.int32) as writer:
         writer.add_documents(0, np.array([1, 2, 3]), np.array([3]))
         writer.commit()
-    assert merge_datasets.main(["--input", str(parts / "a_text_document"), str(tmp_path / "wide"),
-                                "--output-prefix", str(tmp_path / "m2")]) == 1
+    assert (
+        merge_datasets.main(
+            ["--input", str(parts / "a_text_document"), str(tmp_path / "wide"), "--output-prefix", str(tmp_path / "m2")]
+        )
+        == 1
+    )
     assert "different token dtypes" in capsys.readouterr().err
     os.remove(parts / "b_text_document.idx")
-    assert merge_datasets.main(["--input", str(parts / "b_text_document"),
-                                "--output-prefix", str(tmp_path / "m3")]) == 1
+    assert (
+        merge_datasets.main(["--input", str(parts / "b_text_document"), "--output-prefix", str(tmp_path / "m3")]) == 1
+    )
     assert "is incomplete: no" in capsys.readouterr().err
 
 
@@ -259,8 +319,7 @@ def test_inspect_dataset(tmp_path, capsys):
     (tmp_path / "a.jsonl").write_bytes(jsonl(PARAGRAPHS))
     assert preprocess([tmp_path / "a.jsonl"], tmp_path / "a") == 0
     capsys.readouterr()
-    assert inspect_dataset.main([str(tmp_path / "a_text_document"), "--decode", "2",
-                                 "--max-chars", "30"]) == 0
+    assert inspect_dataset.main([str(tmp_path / "a_text_document"), "--decode", "2", "--max-chars", "30"]) == 0
     out = capsys.readouterr().out
     assert "documents: 7, sequences: 7" in out and "length histogram" in out
     assert "--- document 1 (" in out and PARAGRAPHS[1][:30] + "..." in out

@@ -43,8 +43,10 @@ def test_records_are_consistent_with_their_graph(records):
         assert set(record["steps"]) <= facts
         assert record["steps"][0].startswith(f"{names[root]} is a ")
         assert record["steps"][-1].endswith(f" is a {names[record['target']]}.")
-        assert candidates in (f"{names[root]} a {names[record['target']]} or {names[record['neg_target']]}?",
-                              f"{names[root]} a {names[record['neg_target']]} or {names[record['target']]}?")
+        assert candidates in (
+            f"{names[root]} a {names[record['target']]} or {names[record['neg_target']]}?",
+            f"{names[root]} a {names[record['neg_target']]} or {names[record['target']]}?",
+        )
         assert record["answer"] == f"{names[root]} is a {names[record['target']]}."
 
 
@@ -52,7 +54,7 @@ def test_text_is_coconuts_and_answers_extract(records):
     record = records[0]
     text = prosqa.text_of(record)
     assert text == record["question"] + "\n" + "\n".join(record["steps"]) + "\n### " + record["answer"]
-    generated = text[len(prosqa.prompt_of(record)):]
+    generated = text[len(prosqa.prompt_of(record)) :]
     assert prosqa.final_answer(generated) == record["answer"]
     assert prosqa.generated_steps(generated) == record["steps"]
 
@@ -60,7 +62,7 @@ def test_text_is_coconuts_and_answers_extract(records):
 def test_scoring_a_generator_made_right_and_one_made_wrong(records):
     def right(prompts):
         by_prompt = {prosqa.prompt_of(record): record for record in records}
-        return [prosqa.text_of(by_prompt[prompt])[len(prompt):] for prompt in prompts]
+        return [prosqa.text_of(by_prompt[prompt])[len(prompt) :] for prompt in prompts]
 
     def wrong_answer(prompts):
         return [text.replace("### ", "### Nobody ") for text in right(prompts)]
@@ -72,8 +74,12 @@ def test_scoring_a_generator_made_right_and_one_made_wrong(records):
 
 
 def test_tool_writes_disjoint_splits_and_the_reader_names_a_missing_field(tmp_path):
-    assert make_prosqa_data.main(["--output-dir", str(tmp_path), "--train-samples", "120",
-                                  "--test-samples", "30", "--num-concepts", "10"]) == 0
+    assert (
+        make_prosqa_data.main(
+            ["--output-dir", str(tmp_path), "--train-samples", "120", "--test-samples", "30", "--num-concepts", "10"]
+        )
+        == 0
+    )
     train, test = (prosqa.read(str(tmp_path / f"prosqa_{split}.json")) for split in ("train", "test"))
     assert len(test) == 30 and not {r["question"] for r in train} & {r["question"] for r in test}
     lines = (tmp_path / "prosqa_train.jsonl").read_text().splitlines()

@@ -15,9 +15,14 @@ from lime_megatron.training import arguments, data
 from lime_megatron.training.data import DataError
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
-PAIRS = [("Question: what is two plus two?", " Four."), ("Name a colour.", " Blue, like the sky."),
-         ("Count to three:", " one, two, three"), ("Say hello", " hello there, friend"),
-         ("Is ice cold?", " Yes."), ("Capital of France?", " Paris is the capital of France.")]
+PAIRS = [
+    ("Question: what is two plus two?", " Four."),
+    ("Name a colour.", " Blue, like the sky."),
+    ("Count to three:", " one, two, three"),
+    ("Say hello", " hello there, friend"),
+    ("Is ice cold?", " Yes."),
+    ("Capital of France?", " Paris is the capital of France."),
+]
 SEQ = 16
 MODEL = "--num-layers 1 --hidden-size 16 --num-attention-heads 2 --lr 1e-3".split()
 
@@ -33,8 +38,20 @@ def write_jsonl(path: Path, pairs) -> Path:
 
 
 def preprocess(path: Path, prefix: Path, *flags) -> int:
-    return preprocess_data.main(["--input", str(path), "--output-prefix", str(prefix), "--no-progress",
-                                 "--prompt-key", "prompt", "--json-keys", "response", *flags])
+    return preprocess_data.main(
+        [
+            "--input",
+            str(path),
+            "--output-prefix",
+            str(prefix),
+            "--no-progress",
+            "--prompt-key",
+            "prompt",
+            "--json-keys",
+            "response",
+            *flags,
+        ]
+    )
 
 
 @pytest.fixture(scope="module")
@@ -46,9 +63,28 @@ def sft_prefix(tmp_path_factory) -> Path:
 
 def build(prefix: Path, *flags, seq: int = SEQ, samples: int = 12):
     """The trainer's datasets for ``--sft`` on ``prefix`` (all of it in the training split)."""
-    run = arguments.parse_run(["--sft", "--data-path", str(prefix), "--split", "1,0,0", "--seq-length", str(seq),
-                               "--micro-batch-size", "1", "--global-batch-size", "1",
-                               "--train-iters", str(samples), "--eval-iters", "0", *MODEL, *flags], world_size=1)
+    run = arguments.parse_run(
+        [
+            "--sft",
+            "--data-path",
+            str(prefix),
+            "--split",
+            "1,0,0",
+            "--seq-length",
+            str(seq),
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--train-iters",
+            str(samples),
+            "--eval-iters",
+            "0",
+            *MODEL,
+            *flags,
+        ],
+        world_size=1,
+    )
     return data.build_datasets(run, data.tokenizer_of(run.data))
 
 
@@ -87,7 +123,7 @@ def test_samples_carry_the_loss_on_the_response_only(sft_prefix, gpt2):
         prompt, response = PAIRS[train.example_of(sample)]
         item = train[sample]
         prompt_tokens = gpt2.tokenize(prompt)
-        response_tokens = gpt2.tokenize(prompt + response)[len(prompt_tokens):] + [gpt2.eod]
+        response_tokens = gpt2.tokenize(prompt + response)[len(prompt_tokens) :] + [gpt2.eod]
         used = 1 + len(prompt_tokens) + len(response_tokens)
         padded = [gpt2.eod, *prompt_tokens, *response_tokens] + [gpt2.eod] * (SEQ + 1 - used)
         assert item["tokens"].tolist() == padded[:-1] and item["labels"].tolist() == padded[1:]
@@ -111,9 +147,27 @@ def test_every_epoch_shows_every_example_once(sft_prefix):
 
 
 def test_splits_divide_examples(sft_prefix):
-    run = arguments.parse_run(["--sft", "--data-path", str(sft_prefix), "--split", "2,1,0", "--seq-length",
-                               str(SEQ), "--micro-batch-size", "1", "--global-batch-size", "1",
-                               "--train-iters", "4", "--eval-iters", "1", *MODEL], world_size=1)
+    run = arguments.parse_run(
+        [
+            "--sft",
+            "--data-path",
+            str(sft_prefix),
+            "--split",
+            "2,1,0",
+            "--seq-length",
+            str(SEQ),
+            "--micro-batch-size",
+            "1",
+            "--global-batch-size",
+            "1",
+            "--train-iters",
+            "4",
+            "--eval-iters",
+            "1",
+            *MODEL,
+        ],
+        world_size=1,
+    )
     datasets = data.build_datasets(run, data.tokenizer_of(run.data))
     assert datasets.train.examples_per_epoch == 4 and datasets.valid.examples_per_epoch == 2
     assert not set(datasets.train.indices) & set(datasets.valid.indices)
@@ -122,8 +176,12 @@ def test_splits_divide_examples(sft_prefix):
 def test_pretraining_data_and_long_examples_are_refused(tmp_path, sft_prefix):
     plain = tmp_path / "plain.jsonl"
     plain.write_text("".join(json.dumps({"text": p + r}) + "\n" for p, r in PAIRS))
-    assert preprocess_data.main(["--input", str(plain), "--output-prefix", str(tmp_path / "plain"),
-                                 "--append-eod", "--no-progress"]) == 0
+    assert (
+        preprocess_data.main(
+            ["--input", str(plain), "--output-prefix", str(tmp_path / "plain"), "--append-eod", "--no-progress"]
+        )
+        == 0
+    )
     with pytest.raises(DataError, match="--sft: .* has 1 sequences, not a prompt and a response .*--prompt-key"):
         build(tmp_path / "plain_text_document")
     longest = max(len(build_tokenizer("GPT2BPETokenizer").tokenize(p + r)) for p, r in PAIRS) + 1
@@ -134,5 +192,19 @@ def test_pretraining_data_and_long_examples_are_refused(tmp_path, sft_prefix):
 
 def test_sft_needs_real_data():
     with pytest.raises(arguments.ArgumentsError, match="--sft reads prompt/response data"):
-        arguments.parse_run(["--sft", "--mock-data", "--vocab-size", "64", "--seq-length", "8", "--micro-batch-size",
-                             "1", "--train-iters", "1", *MODEL], world_size=1)
+        arguments.parse_run(
+            [
+                "--sft",
+                "--mock-data",
+                "--vocab-size",
+                "64",
+                "--seq-length",
+                "8",
+                "--micro-batch-size",
+                "1",
+                "--train-iters",
+                "1",
+                *MODEL,
+            ],
+            world_size=1,
+        )

@@ -18,8 +18,19 @@ ROOT = Path(__file__).resolve().parents[2]
 
 SAMPLE = (ROOT / "tests" / "data" / "sample.txt").read_text(encoding="utf-8")
 PARAGRAPHS = [p for p in SAMPLE.split("\n\n") if p.strip()]
-EDGE_CASES = ["", " ", "\n\n\n", "  leading and trailing  ", "a" * 300, "x\u2028y", "\t\r\n",
-              "<|endoftext|>", "don't STOP 'til 2024!!", "🙂🙂 naïve café", "12345678901234"]
+EDGE_CASES = [
+    "",
+    " ",
+    "\n\n\n",
+    "  leading and trailing  ",
+    "a" * 300,
+    "x\u2028y",
+    "\t\r\n",
+    "<|endoftext|>",
+    "don't STOP 'til 2024!!",
+    "🙂🙂 naïve café",
+    "12345678901234",
+]
 
 
 @pytest.fixture(scope="module")
@@ -35,18 +46,42 @@ def trained(corpus_file, tmp_path_factory) -> dict:
     """Tiny SentencePiece and byte-level BPE models trained by tools/train_tokenizer.py."""
     out = tmp_path_factory.mktemp("tokenizers")
     for kind in train_tokenizer.KINDS:
-        assert train_tokenizer.main(["--input", str(corpus_file), "--kind", kind,
-                                     "--vocab-size", "400", "--output-dir", str(out / kind),
-                                     "--no-progress"]) == 0
-    return {"SentencePieceTokenizer": str(out / "sentencepiece" / "tokenizer.model"),
-            "HuggingFaceTokenizer": str(out / "byte-bpe")}
+        assert (
+            train_tokenizer.main(
+                [
+                    "--input",
+                    str(corpus_file),
+                    "--kind",
+                    kind,
+                    "--vocab-size",
+                    "400",
+                    "--output-dir",
+                    str(out / kind),
+                    "--no-progress",
+                ]
+            )
+            == 0
+        )
+    return {
+        "SentencePieceTokenizer": str(out / "sentencepiece" / "tokenizer.model"),
+        "HuggingFaceTokenizer": str(out / "byte-bpe"),
+    }
 
 
 def test_train_tokenizer_reports_bad_input(tmp_path, capsys):
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "a good line of text"}\n{"text": \n{"txt": "x"}\n')
-    argv = ["--input", str(bad), "--kind", "byte-bpe", "--vocab-size", "300", "--output-dir",
-            str(tmp_path / "out"), "--no-progress"]
+    argv = [
+        "--input",
+        str(bad),
+        "--kind",
+        "byte-bpe",
+        "--vocab-size",
+        "300",
+        "--output-dir",
+        str(tmp_path / "out"),
+        "--no-progress",
+    ]
     assert train_tokenizer.main(argv) == 0
     out = capsys.readouterr().out
     assert f"{bad}:2: " in out and f"{bad}:3: no 'text' value" in out
@@ -103,8 +138,7 @@ def test_sentencepiece_ids_match_library(trained):
     tokenizer = build("SentencePieceTokenizer", trained, make_vocab_size_divisible_by=128)
     library = sentencepiece.SentencePieceProcessor(model_file=trained["SentencePieceTokenizer"])
     texts = PARAGRAPHS + EDGE_CASES
-    assert [ids.tolist() for ids in tokenizer.tokenize_batch(texts)] == \
-        [library.encode(t, out_type=int) for t in texts]
+    assert [ids.tolist() for ids in tokenizer.tokenize_batch(texts)] == [library.encode(t, out_type=int) for t in texts]
     assert (tokenizer.unpadded_vocab_size, tokenizer.vocab_size) == (400, 512)
     assert (tokenizer.eod, tokenizer.pad) == (library.eos_id(), tk.NO_PAD)
     assert tokenizer.detokenize(tokenizer.tokenize(PARAGRAPHS[0])) == PARAGRAPHS[0]
@@ -115,8 +149,7 @@ def test_huggingface_ids_match_library(trained):
     library = HFTokenizer.from_file(str(Path(trained["HuggingFaceTokenizer"]) / "tokenizer.json"))
     library.encode_special_tokens = True  # document text never yields special tokens
     texts = PARAGRAPHS + EDGE_CASES
-    assert [ids.tolist() for ids in tokenizer.tokenize_batch(texts)] == \
-        [library.encode(t).ids for t in texts]
+    assert [ids.tolist() for ids in tokenizer.tokenize_batch(texts)] == [library.encode(t).ids for t in texts]
     assert (tokenizer.vocab_size, tokenizer.eod, tokenizer.pad) == (448, 0, tk.NO_PAD)
     assert tokenizer.detokenize(tokenizer.tokenize(PARAGRAPHS[1])) == PARAGRAPHS[1]
 
@@ -130,16 +163,13 @@ def test_huggingface_eos_and_pad_from_config(trained, tmp_path):
     assert (tokenizer.eod, tokenizer.pad) == (0, tk.NO_PAD)  # a pad equal to eod is dropped
 
 
-@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer",
-                                  "HuggingFaceTokenizer"])
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
 def test_threads_do_not_change_ids(kind, trained):
     one, two = (build(kind, trained, num_threads=n) for n in (1, 2))
-    assert [a.tolist() for a in one.tokenize_batch(PARAGRAPHS)] == \
-        [b.tolist() for b in two.tokenize_batch(PARAGRAPHS)]
+    assert [a.tolist() for a in one.tokenize_batch(PARAGRAPHS)] == [b.tolist() for b in two.tokenize_batch(PARAGRAPHS)]
 
 
-@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer",
-                                  "HuggingFaceTokenizer"])
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
 def test_special_token_text_never_yields_eod(kind, trained):
     tokenizer = build(kind, trained)
     assert tokenizer.eod not in tokenizer.tokenize("a <|endoftext|> </s> <s> <unk> b")
@@ -158,9 +188,16 @@ def _gpt_dataset(prefix: str, tokenizer, cache: Path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
     from megatron.core.datasets.utils import Split
 
-    config = GPTDatasetConfig(random_seed=1, sequence_length=16, tokenizer=tokenizer,
-                              reset_position_ids=False, reset_attention_mask=False,
-                              eod_mask_loss=False, path_to_cache=str(cache), split="1,0,0")
+    config = GPTDatasetConfig(
+        random_seed=1,
+        sequence_length=16,
+        tokenizer=tokenizer,
+        reset_position_ids=False,
+        reset_attention_mask=False,
+        eod_mask_loss=False,
+        path_to_cache=str(cache),
+        split="1,0,0",
+    )
     indexed = IndexedDataset(prefix)
     return GPTDataset(indexed, prefix, np.arange(len(indexed)), None, Split.train, config)
 
@@ -178,29 +215,30 @@ def _assert_samples_are_document_pieces(dataset, documents, eod):
         assert sample["tokens"][1:].tolist() == sample["labels"][:-1].tolist()
         ids = sample["tokens"].tolist() + sample["labels"][-1:].tolist()
         cuts = [-1] + [j for j, t in enumerate(ids) if t == eod] + [len(ids)]
-        pieces = [ids[a + 1:b] for a, b in zip(cuts, cuts[1:])]
+        pieces = [ids[a + 1 : b] for a, b in zip(cuts, cuts[1:])]
         assert _inside(pieces[0], documents) and _inside(pieces[-1], documents)
         if len(pieces) > 1:
-            assert not pieces[0] or any(d[-len(pieces[0]):] == pieces[0] for d in documents)
-            assert any(d[:len(pieces[-1])] == pieces[-1] for d in documents)
+            assert not pieces[0] or any(d[-len(pieces[0]) :] == pieces[0] for d in documents)
+            assert any(d[: len(pieces[-1])] == pieces[-1] for d in documents)
         assert all(p in documents for p in pieces[1:-1])
 
 
-@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer",
-                                  "HuggingFaceTokenizer"])
+@pytest.mark.parametrize("kind", ["GPT2BPETokenizer", "SentencePieceTokenizer", "HuggingFaceTokenizer"])
 def test_round_trip_through_indexed_and_gpt_dataset(kind, trained, corpus_file, tmp_path):
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
-    flags = ["--tokenizer-type", kind] + (["--tokenizer-model", trained[kind]]
-                                          if kind in trained else [])
+    flags = ["--tokenizer-type", kind] + (["--tokenizer-model", trained[kind]] if kind in trained else [])
     prefix = tmp_path / "out"
-    assert preprocess_data.main(["--input", str(corpus_file), "--output-prefix", str(prefix),
-                                 "--append-eod", "--no-progress", *flags]) == 0
+    assert (
+        preprocess_data.main(
+            ["--input", str(corpus_file), "--output-prefix", str(prefix), "--append-eod", "--no-progress", *flags]
+        )
+        == 0
+    )
     tokenizer = build(kind, trained)
     indexed = IndexedDataset(f"{prefix}_text_document")
     documents = [tokenizer.tokenize(p) for p in PARAGRAPHS]
-    assert [indexed[i].tolist() for i in range(len(indexed))] == \
-        [d + [tokenizer.eod] for d in documents]
+    assert [indexed[i].tolist() for i in range(len(indexed))] == [d + [tokenizer.eod] for d in documents]
     assert [tokenizer.detokenize(indexed[i][:-1]) for i in range(len(indexed))] == PARAGRAPHS
     dataset = _gpt_dataset(f"{prefix}_text_document", tokenizer, tmp_path / "cache")
     assert len(dataset) == (sum(map(len, documents)) + len(documents) - 1) // 16

@@ -15,8 +15,11 @@ from lime_megatron.inference.decoding import decode_step, full_logits, kv_cache_
 from tests.decoding_fixtures import incremental_logits
 from tests.lime_fixtures import VOCAB, relative_error, tiny_model
 
-pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.usefixtures("megatron"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 TOLERANCE = 1e-10
 LENGTH = 12
@@ -53,8 +56,9 @@ def test_incremental_logits_equal_the_full_forward(kv_heads, options):
     assert relative_error(alone[:, 0], full[:, -1]) > 1e-3
 
 
-@pytest.mark.parametrize("options", [MODELS[0], MODELS[2], MODELS[4], MODELS[5]],
-                         ids=["full", "last-2", "dynamic", "baseline"])
+@pytest.mark.parametrize(
+    "options", [MODELS[0], MODELS[2], MODELS[4], MODELS[5]], ids=["full", "last-2", "dynamic", "baseline"]
+)
 def test_prompts_of_different_lengths_decode_like_each_alone(options):
     """Shared-position decoding (megatron's static engine): prefill to the shortest prompt, then
     one position per step; each sequence's logits equal its own unpadded forward's."""
@@ -70,14 +74,19 @@ def test_prompts_of_different_lengths_decode_like_each_alone(options):
 @pytest.mark.parametrize("router", ["full", "dynamic"])
 def test_lime_cache_is_the_baselines_and_a_step_buffers_only_new_tokens(router):
     lime, baseline = (tiny_model(num_query_groups=2, lime=flag, lime_router=router).eval() for flag in (True, False))
-    shapes = {name: [[tuple(t.shape) for t in pair] for pair in caches.values()]
-              for name, caches in (("lime", kv_cache_context(lime, 3, LENGTH).key_value_memory_dict),
-                                   ("baseline", kv_cache_context(baseline, 3, LENGTH).key_value_memory_dict))}
+    shapes = {
+        name: [[tuple(t.shape) for t in pair] for pair in caches.values()]
+        for name, caches in (
+            ("lime", kv_cache_context(lime, 3, LENGTH).key_value_memory_dict),
+            ("baseline", kv_cache_context(baseline, 3, LENGTH).key_value_memory_dict),
+        )
+    }
     assert shapes["lime"] == shapes["baseline"] == [[(LENGTH, 3, 2, 8)] * 2] * 5
     buffers = []
     last = lime.decoder.layers[-1].self_attention
     last.register_forward_hook(
-        lambda module, args, output: buffers.append(tuple(module.memory.key_values.buffer.shape)))
+        lambda module, args, output: buffers.append(tuple(module.memory.key_values.buffer.shape))
+    )
     context = kv_cache_context(lime, 3, LENGTH)
     tokens = _tokens(3)
     decode_step(lime, context, tokens[:, :PREFILL])

@@ -26,8 +26,11 @@ from lime_megatron.testing.distributed import run_distributed
 from tests.decoding_fixtures import incremental_logits, tiny_checkpoint
 from tests.lime_fixtures import relative_error, tiny_model
 
-pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.usefixtures("megatron"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 PROMPTS = ["1 + 2 = ", "(7 + 5) x 3", "ab"]
 TOLERANCE = 1e-10
@@ -118,12 +121,24 @@ def test_generate_tool_reads_a_checkpoint_and_prompt_file(tmp_path, capsys):
     checkpoint, tokenizer = tiny_checkpoint(tmp_path, "--lime")
     (tmp_path / "prompts.txt").write_text("1 + 2 =\nab\n")
     output = tmp_path / "out.jsonl"
-    status = tool.run([checkpoint, "--prompt", "x = ", "--prompt-file", str(tmp_path / "prompts.txt"),
-                        "--max-new-tokens", "5", "--output", str(output)])
+    status = tool.run(
+        [
+            checkpoint,
+            "--prompt",
+            "x = ",
+            "--prompt-file",
+            str(tmp_path / "prompts.txt"),
+            "--max-new-tokens",
+            "5",
+            "--output",
+            str(output),
+        ]
+    )
     assert status == 0 and "tokens/s (KV cache" in capsys.readouterr().out
     records = [json.loads(line) for line in output.read_text().splitlines()]
     expected = Generator(load_model(checkpoint).model, tokenizer).generate(
-        ["x = ", "1 + 2 =", "ab"], SamplingOptions(max_new_tokens=5))
+        ["x = ", "1 + 2 =", "ab"], SamplingOptions(max_new_tokens=5)
+    )
     assert [record["generation"] for record in records] == expected.texts
     assert tool.run([checkpoint]) == 1 and "no prompts" in capsys.readouterr().err
 
@@ -137,10 +152,13 @@ def _tensor_parallel_decoding(checkpoints: dict[str, str], tokens: torch.Tensor,
     for name, path in checkpoints.items():
         loaded = load_model(path, dtype=torch.float64, tensor_parallel=2)
         model, tokenizer = loaded.model, loaded.tokenizer()
-        result = dict(incremental=incremental_logits(model, tokens, PREFILL), full=full_logits(model, tokens),
-                      greedy=Generator(model, tokenizer).generate(PROMPTS, GREEDY).tokens,
-                      sampled=Generator(model, tokenizer).generate(PROMPTS, SAMPLED).tokens,
-                      local_kv_heads=model.decoder.layers[0].self_attention.num_query_groups_per_partition)
+        result = dict(
+            incremental=incremental_logits(model, tokens, PREFILL),
+            full=full_logits(model, tokens),
+            greedy=Generator(model, tokenizer).generate(PROMPTS, GREEDY).tokens,
+            sampled=Generator(model, tokenizer).generate(PROMPTS, SAMPLED).tokens,
+            local_kv_heads=model.decoder.layers[0].self_attention.num_query_groups_per_partition,
+        )
         routers = [router.weight for router in model.routers() if router.learned and router.sharding.replicas == 1]
         if routers:
             for weight in routers:  # each rank takes the other rank's input-head columns
@@ -159,14 +177,31 @@ def test_tensor_parallel_decoding_equals_one_process(tmp_path, tokenizer):
     checkpoints = {name: tiny_checkpoint(tmp_path / name, *flags)[0] for name, flags in TENSOR_PARALLEL_MODELS.items()}
     tokens = torch.randint(0, tokenizer.unpadded_vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))
     output = tmp_path / "tool.jsonl"
-    tool_argv = [checkpoints["lime-gqa"], "--tensor-parallel", "2", "--prompt", "x = ", "--prompt", "ab",
-                 "--max-new-tokens", "5", "--temperature", "0.8", "--seed", "2", "--output", str(output)]
+    tool_argv = [
+        checkpoints["lime-gqa"],
+        "--tensor-parallel",
+        "2",
+        "--prompt",
+        "x = ",
+        "--prompt",
+        "ab",
+        "--max-new-tokens",
+        "5",
+        "--temperature",
+        "0.8",
+        "--seed",
+        "2",
+        "--output",
+        str(output),
+    ]
     ranks = run_distributed(_tensor_parallel_decoding, 2, checkpoints, tokens, tool_argv)
     for name, flags in TENSOR_PARALLEL_MODELS.items():
         loaded = load_model(checkpoints[name], dtype=torch.float64)
-        one_process = dict(full=full_logits(loaded.model, tokens),
-                           greedy=Generator(loaded.model, tokenizer).generate(PROMPTS, GREEDY).tokens,
-                           sampled=Generator(loaded.model, tokenizer).generate(PROMPTS, SAMPLED).tokens)
+        one_process = dict(
+            full=full_logits(loaded.model, tokens),
+            greedy=Generator(loaded.model, tokenizer).generate(PROMPTS, GREEDY).tokens,
+            sampled=Generator(loaded.model, tokenizer).generate(PROMPTS, SAMPLED).tokens,
+        )
         kv_heads = loaded.config.kv_heads
         for rank in ranks:
             result = rank[name]
@@ -182,7 +217,8 @@ def test_tensor_parallel_decoding_equals_one_process(tmp_path, tokenizer):
     (status, printed), (other_status, other_printed) = ranks[0]["tool"], ranks[1]["tool"]
     assert status == other_status == 0 and "TP=2" in printed and other_printed == ""
     expected = Generator(load_model(checkpoints["lime-gqa"]).model, tokenizer).generate(
-        ["x = ", "ab"], SamplingOptions(max_new_tokens=5, temperature=0.8, seed=2))
+        ["x = ", "ab"], SamplingOptions(max_new_tokens=5, temperature=0.8, seed=2)
+    )
     assert [json.loads(line)["generation"] for line in output.read_text().splitlines()] == expected.texts
 
 

@@ -31,8 +31,11 @@ from lime_megatron.testing.distributed import run_distributed  # noqa: E402
 from tests.decoding_fixtures import tiny_checkpoint  # noqa: E402
 from tests.lime_fixtures import tiny_model  # noqa: E402
 
-pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.usefixtures("megatron"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 ROOT = Path(__file__).resolve().parents[2]
 QUESTIONS = ["1 + 2 =", "The sky is", "", "(7 + 5) x 3 ="]
@@ -113,13 +116,15 @@ def _write_tasks(directory: Path, docs: list[dict], generation_docs: list[dict])
             f"task: {name}\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
             f"    test: {directory / 'choice.jsonl'}\n"
             "test_split: test\noutput_type: multiple_choice\ndoc_to_text: '{{question}}'\n"
-            f"doc_to_choice: choices\ndoc_to_target: {target}\nmetric_list:\n  - metric: acc\n")
+            f"doc_to_choice: choices\ndoc_to_target: {target}\nmetric_list:\n  - metric: acc\n"
+        )
     (directory / "tiny_generation.yaml").write_text(
         f"task: tiny_generation\ndataset_path: json\ndataset_kwargs:\n  data_files:\n"
         f"    test: {directory / 'generation.jsonl'}\ntest_split: test\noutput_type: generate_until\n"
         "doc_to_text: '{{question}}'\ndoc_to_target: '{{answer}}'\n"
         "generation_kwargs:\n  until: ['\\n', '!']\n  max_gen_toks: 6\n  do_sample: false\n"
-        "metric_list:\n  - metric: exact_match\n")
+        "metric_list:\n  - metric: exact_match\n"
+    )
 
 
 TASKS = ["tiny_best", "tiny_worst", "tiny_generation"]
@@ -141,9 +146,11 @@ def local_tasks(tmp_path_factory, megatron, tokenizer) -> tuple[str, Path]:
         docs.append(dict(question=question, choices=CHOICES, best=order[-1], worst=order[0]))
     greedy = Generator(model, tokenizer).generate(
         [question + " " for question in QUESTIONS if question],
-        SamplingOptions(max_new_tokens=6, stop_strings=("\n", "!")))
-    generation_docs = [dict(question=question + " ", answer=text)
-                       for question, text in zip([q for q in QUESTIONS if q], greedy.texts)]
+        SamplingOptions(max_new_tokens=6, stop_strings=("\n", "!")),
+    )
+    generation_docs = [
+        dict(question=question + " ", answer=text) for question, text in zip([q for q in QUESTIONS if q], greedy.texts)
+    ]
     _write_tasks(directory, docs, generation_docs)
     return checkpoint, directory
 
@@ -160,8 +167,12 @@ def _parsed(value):
 
 def _responses(samples: dict[str, list[dict]]) -> dict[str, dict[int, list]]:
     """Each task's filtered responses by document id, as lm-eval logs them, numbers as floats."""
-    return {task: {sample["doc_id"]: _parsed(lm_eval_utils.sanitize_list(sample["filtered_resps"]))
-                   for sample in task_samples} for task, task_samples in samples.items()}
+    return {
+        task: {
+            sample["doc_id"]: _parsed(lm_eval_utils.sanitize_list(sample["filtered_resps"])) for sample in task_samples
+        }
+        for task, task_samples in samples.items()
+    }
 
 
 @pytest.fixture(scope="module")
@@ -171,15 +182,33 @@ def command_line_run(local_tasks, tmp_path_factory) -> tuple[dict, dict]:
     output = tmp_path_factory.mktemp("results")
     inherited = {key: value for key, value in os.environ.items() if key not in ("MASTER_ADDR", "MASTER_PORT")}
     environment = {**inherited, **OFFLINE, "PYTHONPATH": str(ROOT), "HF_DATASETS_CACHE": str(output / "hf")}
-    command = [sys.executable, "-m", "lime_megatron.cli.evaluate", "--model", "lime_megatron",
-               "--model_args", f"checkpoint={checkpoint},dtype=float64", "--batch_size", "2",
-               "--include_path", str(directory), "--tasks", ",".join(TASKS), "--output_path", str(output),
-               "--log_samples"]
+    command = [
+        sys.executable,
+        "-m",
+        "lime_megatron.cli.evaluate",
+        "--model",
+        "lime_megatron",
+        "--model_args",
+        f"checkpoint={checkpoint},dtype=float64",
+        "--batch_size",
+        "2",
+        "--include_path",
+        str(directory),
+        "--tasks",
+        ",".join(TASKS),
+        "--output_path",
+        str(output),
+        "--log_samples",
+    ]
     finished = subprocess.run(command, env=environment, capture_output=True, text=True, timeout=600)
     assert finished.returncode == 0, finished.stderr[-3000:]
     [results_file] = list(output.rglob("results_*.json"))
-    samples = {re.match(r"samples_(.+)_\d{4}-\d\d-\d\dT", path.name).group(1):
-               [json.loads(line) for line in path.read_text().splitlines()] for path in output.rglob("samples_*.jsonl")}
+    samples = {
+        re.match(r"samples_(.+)_\d{4}-\d\d-\d\dT", path.name).group(1): [
+            json.loads(line) for line in path.read_text().splitlines()
+        ]
+        for path in output.rglob("samples_*.jsonl")
+    }
     return json.loads(results_file.read_text())["results"], _responses(samples)
 
 
@@ -215,10 +244,18 @@ def _data_parallel_evaluation(checkpoint: str, task_directory: str) -> dict:
         answers = getattr(lm, kind)(_requests(kind, [args for _, args in share]), disable_tqdm=True)
         gathered[kind] = lm.gather_object([(index, answer) for (index, _), answer in zip(share, answers)], dst=0)
         sizes[kind] = lm.all_gather(torch.tensor(len(share), device=lm.device)).tolist()
-    results = evaluator.simple_evaluate(model=lm, tasks=TASKS, batch_size=2, log_samples=True,
-                                        task_manager=TaskManager(include_path=task_directory, include_defaults=False))
-    evaluation = None if results is None else (json.loads(json.dumps(results["results"], default=str)),
-                                               _responses(results["samples"]))
+    results = evaluator.simple_evaluate(
+        model=lm,
+        tasks=TASKS,
+        batch_size=2,
+        log_samples=True,
+        task_manager=TaskManager(include_path=task_directory, include_defaults=False),
+    )
+    evaluation = (
+        None
+        if results is None
+        else (json.loads(json.dumps(results["results"], default=str)), _responses(results["samples"]))
+    )
     return dict(rank=lm.rank, world_size=lm.world_size, gathered=gathered, sizes=sizes, evaluation=evaluation)
 
 

@@ -13,6 +13,7 @@ from lime_megatron.inference.generation import Generation
 
 EOD = 0
 
+
 class CharTokenizer:
     """One token per character (its code point); 0 is the end of document."""
 
@@ -23,6 +24,7 @@ class CharTokenizer:
 
     def detokenize(self, tokens: list[int]) -> str:
         return "".join(chr(token) for token in tokens)
+
 
 class SolvingGenerator:
     """Stands in for ``Generator``: reads each prompt's tokens back, checks they are the
@@ -55,6 +57,7 @@ def records() -> list[dict]:
     spec = arith.ArithmeticSpec(min_operands=4, max_operands=6)
     return arith.test_split(90, seed=3, spec=spec)
 
+
 def test_wilson_interval_matches_hand_computation():
     # 8 of 10: p = 0.8, z^2 = 3.8415: centre (0.8 + 0.19207) / 1.38415 = 0.71681,
     # half 1.95996 / 1.38415 * sqrt(0.016 + 0.0096037) = 0.22656.
@@ -66,10 +69,12 @@ def test_wilson_interval_matches_hand_computation():
     with pytest.raises(ValueError, match="0 <= correct <= total"):
         scoring.wilson_interval(3, 2)
 
+
 def test_final_answer_is_after_the_last_equals_sign():
     assert scoring.final_answer(" 12 / 4 = 3") == "3"
     assert scoring.final_answer("3 ") == "3"
     assert scoring.final_answer("12 / 4 = 3 = ") == ""
+
 
 def test_a_generator_made_to_be_right_scores_100_percent(records):
     generator = SolvingGenerator()
@@ -79,6 +84,7 @@ def test_a_generator_made_to_be_right_scores_100_percent(records):
     assert sum(tier.total for tier in tiers) == 90
     assert all(tier.correct == tier.total for tier in tiers) and all(row["correct"] for row in rows)
     assert rows[0]["answer"] == str(records[0]["answer"])
+
 
 def test_a_generator_made_to_be_wrong_scores_0_and_one_wrong_tier_only_there(records):
     wrong = SolvingGenerator(offset=1, wrong_tiers=(4, 5, 6))
@@ -90,6 +96,7 @@ def test_a_generator_made_to_be_wrong_scores_0_and_one_wrong_tier_only_there(rec
     assert counts[5][0] == 0 and counts[4][0] == counts[4][1] and counts[6][0] == counts[6][1]
     table = score_generation.table(tiers)
     assert "100.0%" in table and "  0.0%" in table and "[" in table
+
 
 def test_scoring_needs_records_and_a_tokenizer():
     with pytest.raises(ValueError, match="no test records"):

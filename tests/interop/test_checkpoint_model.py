@@ -12,13 +12,17 @@ from lime_megatron.interop.checkpoint_model import load_model, resolve_checkpoin
 from lime_megatron.training import arguments, data, trainer
 from lime_megatron.training.checkpointing import CheckpointError
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
-TINY = ("--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 "
-        "--seq-length 16 --micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data "
-        "--vocab-size 100 --log-interval 100 --eval-iters 1 --eval-interval 2 --train-iters 2 "
-        "--lime --rotary-base 5000 --norm-epsilon 1e-6").split()
+TINY = (
+    "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 "
+    "--seq-length 16 --micro-batch-size 2 --global-batch-size 2 --lr 1e-3 --mock-data "
+    "--vocab-size 100 --log-interval 100 --eval-iters 1 --eval-interval 2 --train-iters 2 "
+    "--lime --rotary-base 5000 --norm-epsilon 1e-6"
+).split()
 
 
 @pytest.fixture(scope="module")

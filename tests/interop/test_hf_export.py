@@ -38,8 +38,10 @@ from lime_megatron.training import arguments, checkpointing, data
 from tests import reference_hc, reference_lime
 from tests.lime_fixtures import SEQ, VOCAB, batch, relative_error, tiny_model
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 TOLERANCE = 1e-10
@@ -65,8 +67,13 @@ def _model(**overrides):
     from lime_megatron.models.gpt_model import build_model
 
     template = tiny_model(layernorm_epsilon=EPS, **overrides)
-    model = build_model(template.config, VOCAB, SEQ, rotary_base=ROPE_BASE,
-                        share_embeddings_and_output_weights=template.share_embeddings_and_output_weights)
+    model = build_model(
+        template.config,
+        VOCAB,
+        SEQ,
+        rotary_base=ROPE_BASE,
+        share_embeddings_and_output_weights=template.share_embeddings_and_output_weights,
+    )
     model.load_state_dict(template.state_dict())
     return model.eval()
 
@@ -87,7 +94,8 @@ def test_llama_logits_equal_transformers(tmp_path, monkeypatch, groups, tied):
     if not tied:
         model = _untied(model)
     hf = transformers.LlamaForCausalLM.from_pretrained(
-        _write(model, tmp_path / "hf"), dtype=torch.float64, attn_implementation="sdpa").eval()
+        _write(model, tmp_path / "hf"), dtype=torch.float64, attn_implementation="sdpa"
+    ).eval()
     assert hf.config.rms_norm_eps == EPS and hf.config.tie_word_embeddings == tied
     tokens, positions, mask = batch()
     with torch.no_grad():
@@ -120,13 +128,18 @@ def official_shapes(config: dict) -> dict[str, list[int]]:
     shapes = {"model.embed_tokens.weight": [config["vocab_size"], h], "model.norm.weight": [h]}
     for i in range(layers):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "input_layernorm.weight": [h], p + "post_attention_layernorm.weight": [h],
-            p + "self_attn.q_proj.weight": [heads * d, h], p + "self_attn.o_proj.weight": [h, heads * d],
-            p + "self_attn.kv_proj_weight": [2 * d * kv, h],
-            p + "mlp.gate_proj.weight": [ffn, h], p + "mlp.up_proj.weight": [ffn, h],
-            p + "mlp.down_proj.weight": [h, ffn],
-        })
+        shapes.update(
+            {
+                p + "input_layernorm.weight": [h],
+                p + "post_attention_layernorm.weight": [h],
+                p + "self_attn.q_proj.weight": [heads * d, h],
+                p + "self_attn.o_proj.weight": [h, heads * d],
+                p + "self_attn.kv_proj_weight": [2 * d * kv, h],
+                p + "mlp.gate_proj.weight": [ffn, h],
+                p + "mlp.up_proj.weight": [ffn, h],
+                p + "mlp.down_proj.weight": [h, ffn],
+            }
+        )
         if i > 0:
             shapes[p + "self_attn.lime_router.static_weights"] = [kv, (i + 1) * kv]
     if not config["tie_word_embeddings"]:
@@ -150,18 +163,32 @@ def read_official(directory: str) -> tuple[dict, dict]:
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
         kv_proj = tensors[p + "self_attn.kv_proj_weight"]
-        layer = dict(attn_norm=tensors[p + "input_layernorm.weight"], wq=tensors[p + "self_attn.q_proj.weight"],
-                     wk=kv_proj[key_rows], wv=kv_proj[value_rows], wo=tensors[p + "self_attn.o_proj.weight"],
-                     mlp_norm=tensors[p + "post_attention_layernorm.weight"],
-                     w_gate=tensors[p + "mlp.gate_proj.weight"], w_up=tensors[p + "mlp.up_proj.weight"],
-                     w_down=tensors[p + "mlp.down_proj.weight"])
+        layer = dict(
+            attn_norm=tensors[p + "input_layernorm.weight"],
+            wq=tensors[p + "self_attn.q_proj.weight"],
+            wk=kv_proj[key_rows],
+            wv=kv_proj[value_rows],
+            wo=tensors[p + "self_attn.o_proj.weight"],
+            mlp_norm=tensors[p + "post_attention_layernorm.weight"],
+            w_gate=tensors[p + "mlp.gate_proj.weight"],
+            w_up=tensors[p + "mlp.up_proj.weight"],
+            w_down=tensors[p + "mlp.down_proj.weight"],
+        )
         if p + "self_attn.lime_router.static_weights" in tensors:  # absent at layer 0 and in dynamic runs
             layer["router"] = tensors[p + "self_attn.lime_router.static_weights"]
         layers.append(layer)
-    params = dict(embedding=tensors["model.embed_tokens.weight"], final_norm=tensors["model.norm.weight"],
-                  layers=layers)
-    spec = dict(heads=config["num_attention_heads"], kv_heads=kv, eps=config["rms_norm_eps"],
-                rope_base=config["rope_theta"], lime=True, variant="full", window=None)
+    params = dict(
+        embedding=tensors["model.embed_tokens.weight"], final_norm=tensors["model.norm.weight"], layers=layers
+    )
+    spec = dict(
+        heads=config["num_attention_heads"],
+        kv_heads=kv,
+        eps=config["rms_norm_eps"],
+        rope_base=config["rope_theta"],
+        lime=True,
+        variant="full",
+        window=None,
+    )
     return params, spec
 
 
@@ -248,8 +275,11 @@ def _perturbed_dynamic(pruned: bool, **overrides):
     return model
 
 
-DYNAMIC_CASES = {"mha": (False, dict(num_query_groups=4)), "gqa": (False, dict(num_query_groups=2)),
-                 "gqa-pruned": (True, dict(num_query_groups=2))}
+DYNAMIC_CASES = {
+    "mha": (False, dict(num_query_groups=4)),
+    "gqa": (False, dict(num_query_groups=2)),
+    "gqa-pruned": (True, dict(num_query_groups=2)),
+}
 
 
 @pytest.mark.parametrize("case", DYNAMIC_CASES)
@@ -282,17 +312,28 @@ def official_hc_shapes(config: dict) -> dict[str, list[int]]:
     shapes = {"model.embed_tokens.weight": [config["vocab_size"], h], "model.norm.weight": [h]}
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        shapes.update({
-            p + "self_attn.q_proj.weight": [heads * d, h], p + "self_attn.k_proj.weight": [kv * d, h],
-            p + "self_attn.v_proj.weight": [kv * d, h], p + "self_attn.o_proj.weight": [h, heads * d],
-            p + "mlp.gate_proj.weight": [ffn, h], p + "mlp.up_proj.weight": [ffn, h],
-            p + "mlp.down_proj.weight": [h, ffn],
-        })
+        shapes.update(
+            {
+                p + "self_attn.q_proj.weight": [heads * d, h],
+                p + "self_attn.k_proj.weight": [kv * d, h],
+                p + "self_attn.v_proj.weight": [kv * d, h],
+                p + "self_attn.o_proj.weight": [h, heads * d],
+                p + "mlp.gate_proj.weight": [ffn, h],
+                p + "mlp.up_proj.weight": [ffn, h],
+                p + "mlp.down_proj.weight": [h, ffn],
+            }
+        )
         for module in ("hc_attn", "hc_mlp"):
             shapes.update({p + module + ".static_beta": [rate], p + module + ".static_alpha": [rate, rate + 1]})
             if config["hc_config"]["dynamic"]:
-                shapes.update({p + module + ".dynamic_alpha_fn": [h, rate + 1], p + module + ".dynamic_beta_fn": [h],
-                               p + module + ".dynamic_alpha_scale": [1], p + module + ".dynamic_beta_scale": [1]})
+                shapes.update(
+                    {
+                        p + module + ".dynamic_alpha_fn": [h, rate + 1],
+                        p + module + ".dynamic_beta_fn": [h],
+                        p + module + ".dynamic_alpha_scale": [1],
+                        p + module + ".dynamic_beta_scale": [1],
+                    }
+                )
     if not config["tie_word_embeddings"]:
         shapes["lm_head.weight"] = [config["vocab_size"], h]
     return shapes
@@ -307,19 +348,30 @@ def read_official_hc(directory: str) -> tuple[dict, dict]:
     layers = []
     for i in range(config["num_hidden_layers"]):
         p = f"model.layers.{i}."
-        layer = dict(wq=tensors[p + "self_attn.q_proj.weight"], wk=tensors[p + "self_attn.k_proj.weight"],
-                     wv=tensors[p + "self_attn.v_proj.weight"], wo=tensors[p + "self_attn.o_proj.weight"],
-                     w_gate=tensors[p + "mlp.gate_proj.weight"], w_up=tensors[p + "mlp.up_proj.weight"],
-                     w_down=tensors[p + "mlp.down_proj.weight"])
+        layer = dict(
+            wq=tensors[p + "self_attn.q_proj.weight"],
+            wk=tensors[p + "self_attn.k_proj.weight"],
+            wv=tensors[p + "self_attn.v_proj.weight"],
+            wo=tensors[p + "self_attn.o_proj.weight"],
+            w_gate=tensors[p + "mlp.gate_proj.weight"],
+            w_up=tensors[p + "mlp.up_proj.weight"],
+            w_down=tensors[p + "mlp.down_proj.weight"],
+        )
         for module in ("hc_attn", "hc_mlp"):
             start = p + module + "."
-            layer[module] = {name[len(start):]: tensor for name, tensor in tensors.items() if name.startswith(start)}
+            layer[module] = {name[len(start) :]: tensor for name, tensor in tensors.items() if name.startswith(start)}
         layers.append(layer)
-    params = dict(embedding=tensors["model.embed_tokens.weight"], final_norm=tensors["model.norm.weight"],
-                  layers=layers)
-    spec = dict(heads=config["num_attention_heads"], kv_heads=config["num_key_value_heads"],
-                eps=config["rms_norm_eps"], rope_base=config["rope_theta"],
-                hyper_connections=config["hc_config"]["rate"], dynamic=config["hc_config"]["dynamic"])
+    params = dict(
+        embedding=tensors["model.embed_tokens.weight"], final_norm=tensors["model.norm.weight"], layers=layers
+    )
+    spec = dict(
+        heads=config["num_attention_heads"],
+        kv_heads=config["num_key_value_heads"],
+        eps=config["rms_norm_eps"],
+        rope_base=config["rope_theta"],
+        hyper_connections=config["hc_config"]["rate"],
+        dynamic=config["hc_config"]["dynamic"],
+    )
     return params, spec
 
 
@@ -340,8 +392,9 @@ def test_hyper_connections_official_layout_reproduces_our_logits(tmp_path, case)
                 param.add_(0.3 * torch.randn(param.shape, generator=generator, dtype=param.dtype))
     directory, config = _write_in_official_shapes(model, tmp_path / "hf", official_hc_shapes)
     assert config["architectures"] == ["LlamaHCForCausalLM"] and config["use_cache"]
-    assert config["hc_config"] == dict(rate=model.config.hyper_connections,
-                                       dynamic=not model.config.hyper_connections_static)
+    assert config["hc_config"] == dict(
+        rate=model.config.hyper_connections, dynamic=not model.config.hyper_connections_static
+    )
     params, spec = read_official_hc(directory)
     tokens, positions, mask = batch()
     with torch.no_grad():
@@ -355,8 +408,11 @@ def test_hyper_connections_official_layout_reproduces_our_logits(tmp_path, case)
 def _checkpoint(root, flags: list[str]) -> str:
     """A random single-process checkpoint of the run the trainer ``flags`` describe."""
     initialize_parallel()
-    options = arguments.parse_run(flags + "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3".split()
-                                  + ["--mock-data"] * ("--mock-data" not in flags))
+    options = arguments.parse_run(
+        flags
+        + "--seq-length 16 --micro-batch-size 1 --train-iters 1 --lr 1e-3".split()
+        + ["--mock-data"] * ("--mock-data" not in flags)
+    )
     tokenizer = data.tokenizer_of(options.data, options.model.vocab_size)
     run = checkpointing.run_description(options, arguments.transformer_config(options), tokenizer)
     model = new_model(run, torch.float32)
@@ -373,20 +429,20 @@ def _checkpoint(root, flags: list[str]) -> str:
 ROUND_TRIPS = {
     "llama-gpt2-tied": "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --rotary-base 5000 --norm-epsilon 1e-6",
     "lime-gqa-untied-mock": "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --lime "
-                            "--untie-embeddings-and-output-weights --mock-data --vocab-size 100 --rotary-base 20000",
+    "--untie-embeddings-and-output-weights --mock-data --vocab-size 100 --rotary-base 20000",
     "lime-last2": "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --lime --lime-router last "
-                  "--lime-router-window 2 --mock-data --vocab-size 70 --make-vocab-size-divisible-by 32",
+    "--lime-router-window 2 --mock-data --vocab-size 70 --make-vocab-size-divisible-by 32",
     "hc-dynamic-gqa": "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 "
-                      "--hyper-connections 4 --mock-data --vocab-size 100",
+    "--hyper-connections 4 --mock-data --vocab-size 100",
     "hc-static-untied": "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --hyper-connections 2 "
-                        "--hyper-connections-static --untie-embeddings-and-output-weights --mock-data --vocab-size 90",
+    "--hyper-connections-static --untie-embeddings-and-output-weights --mock-data --vocab-size 90",
     "lime-dynamic-gqa": "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --num-query-groups 2 --lime "
-                        "--lime-router dynamic --mock-data --vocab-size 100",
+    "--lime-router dynamic --mock-data --vocab-size 100",
     "lime-dynamic-pruned": "--num-layers 3 --hidden-size 32 --num-attention-heads 4 --lime --lime-router dynamic "
-                           "--lime-prune-top-p 0.9 --lime-prune-iters 1 --mock-data --vocab-size 100",
+    "--lime-prune-top-p 0.9 --lime-prune-iters 1 --mock-data --vocab-size 100",
     "lime-last2-pruned": "--num-layers 4 --hidden-size 32 --num-attention-heads 4 --lime --lime-router last "
-                         "--lime-router-window 2 --lime-prune-top-p 0.8 --lime-prune-iters 1 --mock-data "
-                         "--vocab-size 70",
+    "--lime-router-window 2 --lime-prune-top-p 0.8 --lime-prune-iters 1 --mock-data "
+    "--vocab-size 70",
 }
 
 
@@ -403,8 +459,16 @@ def test_round_trip_is_bit_exact(tmp_path, case):
     for name in names:
         assert torch.equal(before.model.state_dict()[name], after.model.state_dict()[name]), name
     assert after.run["vocab"] == before.run["vocab"] and after.run["shape"] == before.run["shape"]
-    for option in ("norm_epsilon", "rotary_base", "make_vocab_size_divisible_by", "lime_router", "lime_router_window",
-                   "lime_prune_top_p", "hyper_connections", "hyper_connections_static"):
+    for option in (
+        "norm_epsilon",
+        "rotary_base",
+        "make_vocab_size_divisible_by",
+        "lime_router",
+        "lime_router_window",
+        "lime_prune_top_p",
+        "hyper_connections",
+        "hyper_connections_static",
+    ):
         assert after.run["args"][option] == before.run["args"][option], option
     config = json.load(open(tmp_path / "hf" / "config.json"))
     assert config["vocab_size"] == before.run["vocab"]["padded"] > before.run["vocab"]["size"]
@@ -465,9 +529,11 @@ def test_trainer_starts_from_an_import(tmp_path):
 
     assert main(["export", source, str(tmp_path / "hf")]) == 0
     assert main(["import", str(tmp_path / "hf"), str(tmp_path / "back")]) == 0
-    flags = (ROUND_TRIPS["lime-gqa-untied-mock"] + " --seq-length 16 --micro-batch-size 2 --global-batch-size 2 "
-             "--lr 1e-3 --train-iters 1 --log-interval 100 --eval-interval 100 --eval-iters 1 --no-load-optim "
-             f"--load {tmp_path / 'back'}").split()
+    flags = (
+        ROUND_TRIPS["lime-gqa-untied-mock"] + " --seq-length 16 --micro-batch-size 2 --global-batch-size 2 "
+        "--lr 1e-3 --train-iters 1 --log-interval 100 --eval-interval 100 --eval-iters 1 --no-load-optim "
+        f"--load {tmp_path / 'back'}"
+    ).split()
     result = trainer.train(flags)
     assert result.resumed_from.endswith("iter_0000000") and result.iteration == 1
 
@@ -500,19 +566,35 @@ def _edited(exported, tmp_path, edit_config=None, edit_tensors=None) -> str:
 
 ROUTER = "model.layers.3.self_attn.lime_router.static_weights"
 BAD = {
-    "unknown model type": (lambda c: c.update(architectures=["MistralForCausalLM"]), None,
-                           "unknown model type 'MistralForCausalLM'"),
-    "shape": (lambda c: c.update(intermediate_size=64), None,
-              r"tensor model.layers.0.mlp.gate_proj.weight has shape \[\d+, 32\], the config implies \[64, 32\]"),
-    "missing": (None, lambda t: t.pop("model.layers.1.self_attn.o_proj.weight"),
-                "missing tensor model.layers.1.self_attn.o_proj.weight"),
+    "unknown model type": (
+        lambda c: c.update(architectures=["MistralForCausalLM"]),
+        None,
+        "unknown model type 'MistralForCausalLM'",
+    ),
+    "shape": (
+        lambda c: c.update(intermediate_size=64),
+        None,
+        r"tensor model.layers.0.mlp.gate_proj.weight has shape \[\d+, 32\], the config implies \[64, 32\]",
+    ),
+    "missing": (
+        None,
+        lambda t: t.pop("model.layers.1.self_attn.o_proj.weight"),
+        "missing tensor model.layers.1.self_attn.o_proj.weight",
+    ),
     "unexpected": (None, lambda t: t.update(extra=torch.zeros(1)), "unexpected tensor extra"),
-    "router zeros": (None, lambda t: t[ROUTER][:, :2].fill_(1.0),
-                     rf"{ROUTER}: non-zero weights on layers \[0, 1\], which the 'last' router"),
+    "router zeros": (
+        None,
+        lambda t: t[ROUTER][:, :2].fill_(1.0),
+        rf"{ROUTER}: non-zero weights on layers \[0, 1\], which the 'last' router",
+    ),
     "no config field": (lambda c: c.pop("hidden_size"), None, "config.json has no hidden_size"),
-    "dynamic own weight": (lambda c: c.update(architectures=["DynamicLIMeForCausalLM"])
-                           or c["lime_megatron"].update(lime_dynamic_own_weight=0.8), None,
-                           "lime_dynamic_own_weight=0.8 is not supported"),
+    "dynamic own weight": (
+        lambda c: (
+            c.update(architectures=["DynamicLIMeForCausalLM"]) or c["lime_megatron"].update(lime_dynamic_own_weight=0.8)
+        ),
+        None,
+        "lime_dynamic_own_weight=0.8 is not supported",
+    ),
 }
 
 
@@ -525,8 +607,11 @@ def test_bad_directories_fail_with_one_message(exported, tmp_path, case):
 
 
 def test_an_mhc_checkpoint_is_not_exported(tmp_path):
-    source = _checkpoint(tmp_path / "ckpt", "--no-lime --hyper-connections 2 --hyper-connections-manifold "
-                                            "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split())
+    source = _checkpoint(
+        tmp_path / "ckpt",
+        "--no-lime --hyper-connections 2 --hyper-connections-manifold "
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4".split(),
+    )
     with pytest.raises(ConversionError, match="mHC .* has no Hugging Face layout"):
         export_checkpoint(source, str(tmp_path / "hf"), progress=False)
     assert not os.path.exists(tmp_path / "hf")

@@ -39,8 +39,11 @@ def install(monkeypatch) -> None:
 
     from lime_megatron.models.norm import TorchNorm
 
-    stand_ins = {"TEColumnParallelLinear": PlainLinear, "TELayerNormColumnParallelLinear": NormFusedLinear,
-                 "TENorm": TorchNorm}
+    stand_ins = {
+        "TEColumnParallelLinear": PlainLinear,
+        "TELayerNormColumnParallelLinear": NormFusedLinear,
+        "TENorm": TorchNorm,
+    }
     for name, stand_in in stand_ins.items():
         monkeypatch.setattr(extension, name, stand_in, raising=False)
 
@@ -52,9 +55,17 @@ def install(monkeypatch) -> None:
             mlp = partial(mlp.func, *mlp.args, **{**mlp.keywords, "submodules": fused})
         else:
             mlp = dataclasses.replace(mlp, submodules=dataclasses.replace(mlp.submodules, linear_fc1=NormFusedLinear))
-        return dataclasses.replace(local, submodules=dataclasses.replace(
-            local.submodules, input_layernorm=IdentityOp, pre_mlp_layernorm=IdentityOp, mlp=mlp,
-            self_attention=dataclasses.replace(attention, submodules=dataclasses.replace(
-                attention.submodules, linear_qkv=NormFusedLinear))))
+        return dataclasses.replace(
+            local,
+            submodules=dataclasses.replace(
+                local.submodules,
+                input_layernorm=IdentityOp,
+                pre_mlp_layernorm=IdentityOp,
+                mlp=mlp,
+                self_attention=dataclasses.replace(
+                    attention, submodules=dataclasses.replace(attention.submodules, linear_qkv=NormFusedLinear)
+                ),
+            ),
+        )
 
     monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", te_spec)

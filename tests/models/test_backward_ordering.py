@@ -21,8 +21,11 @@ from lime_megatron.models.lime.memory import RouteKeysValues
 from lime_megatron.models.lime.routing_blocks import MixEarlierSources
 from tests.lime_fixtures import batch, loss_of, megatron_logits, relative_error, tiny_model
 
-pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.usefixtures("megatron"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 MODELS = {  # 7 layers; B = 3: blocks 0-2, 3-5, 6
     "blocked-gqa": dict(num_query_groups=2, lime_routing_block=3),
@@ -72,6 +75,7 @@ def test_every_read_of_raw_rows_is_an_ancestor_of_their_overwrite(settings):
 def oldest_node(apply):
     """``apply`` of an autograd Function run in a fresh thread (grad mode as here): autograd numbers
     the nodes of each thread from 0, so the node made is older than every other."""
+
     def in_fresh_thread(*args):
         grad, result = torch.is_grad_enabled(), []
 
@@ -89,6 +93,7 @@ def oldest_node(apply):
 
 def logged(log: list, name: str, backward):
     """``backward`` of an autograd Function, appending ``(name, its node)`` to ``log`` as it starts."""
+
     def logging_backward(ctx, *grads):
         log.append((name, ctx))
         return backward(ctx, *grads)
@@ -107,8 +112,9 @@ ENGINE_ORDER = {  # 8 layers
     "blocked": dict(lime_routing_block=3),
     "blocked-rebuilt": dict(lime_routing_block=3, lime_recompute_routed_kv=True),
     # full recompute of chunks 0-3, 4-7 (blocks 0-1, 2-3 | 4-5, 6-7): blocks 2-3 and 6-7 need their edge in the rerun
-    "blocked-recompute": dict(lime_routing_block=2, recompute_granularity="full", recompute_method="uniform",
-                              recompute_num_layers=4),
+    "blocked-recompute": dict(
+        lime_routing_block=2, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=4
+    ),
 }
 
 

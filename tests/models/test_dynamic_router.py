@@ -62,8 +62,15 @@ def test_activation_recompute_gives_the_same_gradients(recompute):
 
 def test_initialisation_starts_near_the_plain_transformer():
     """W_l = 0 at any seed: the own layer gets 0.9 of every token's weight, each earlier layer 0.1 / l."""
-    config = lime_config(num_layers=5, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
-                         num_query_groups=2, lime_router="dynamic", params_dtype=torch.float64)
+    config = lime_config(
+        num_layers=5,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        num_query_groups=2,
+        lime_router="dynamic",
+        params_dtype=torch.float64,
+    )
     model = build_model(config, vocab_size=96, max_sequence_length=12)
     hidden = torch.randn(3, 2, model.config.hidden_size, dtype=torch.float64)
     for router in routers_of(model):
@@ -78,8 +85,15 @@ def test_initialisation_starts_near_the_plain_transformer():
 
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 def test_parameter_count_built_and_estimated(kv_heads):
-    config = lime_config(num_layers=5, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4,
-                         num_query_groups=kv_heads, lime_router="dynamic", use_cpu_initialization=True)
+    config = lime_config(
+        num_layers=5,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        num_query_groups=kv_heads,
+        lime_router="dynamic",
+        use_cpu_initialization=True,
+    )
     model = tiny_model(lime_router="dynamic", num_query_groups=kv_heads)
     routers = sum(router.weight.numel() for router in routers_of(model))
     assert routers == 32 * kv_heads * (2 + 3 + 4 + 5) == router_parameter_count(config)
@@ -102,10 +116,13 @@ def test_v1_shape_has_the_issue_count():
     assert round(dynamic / baseline - 1, 4) == 0.0076
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(lime_routing_block=2), "lime_routing_block 2 is not supported with the dynamic router"),
-    (dict(num_query_groups=1, tensor_model_parallel_size=2), "divisible by the tensor-parallel size"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(lime_routing_block=2), "lime_routing_block 2 is not supported with the dynamic router"),
+        (dict(num_query_groups=1, tensor_model_parallel_size=2), "divisible by the tensor-parallel size"),
+    ],
+)
 def test_unsupported_options_fail_with_one_clear_message(overrides, message):
     with pytest.raises(LimeConfigError, match=message):
         lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, lime_router="dynamic", **overrides)
@@ -122,8 +139,10 @@ def test_transformer_engine_spec_unfuses_the_input_norm_and_equals_local(transfo
     local = tiny_model(lime_router="dynamic", num_query_groups=2)
     spec = lime_layer_spec(local.config, "transformer_engine").submodules
     assert spec.self_attention.submodules.linear_qkv is PlainLinear and spec.input_layernorm is TorchNorm
-    engine = build_model(local.config, local.vocab_size, local.max_sequence_length,
-                         transformer_impl="transformer_engine")
+    engine = build_model(
+        local.config, local.vocab_size, local.max_sequence_length, transformer_impl="transformer_engine"
+    )
+
     def in_engine(name):  # the MLP's norm stays fused into linear_fc1
         return name.replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight")
 
@@ -136,5 +155,6 @@ def test_logits_differ_from_the_static_router():
     """The per-token weights matter: the same model with other W_l gives other logits."""
     tokens, positions, mask = batch()
     first, second = tiny_model(lime_router="dynamic", seed=0), tiny_model(lime_router="dynamic", seed=1)
-    assert not torch.allclose(megatron_logits(first, tokens, positions, mask),
-                              megatron_logits(second, tokens, positions, mask))
+    assert not torch.allclose(
+        megatron_logits(first, tokens, positions, mask), megatron_logits(second, tokens, positions, mask)
+    )

@@ -84,8 +84,14 @@ def test_activation_recompute_gives_the_same_gradients(recompute):
 
 @pytest.mark.parametrize("kv_heads", list(TABLE_8_HC), ids=["HC-GQA8", "HC-MHA"])
 def test_paper_table_8_parameter_counts(kv_heads):
-    config = lime_config(**PAPER_1B, num_query_groups=kv_heads, lime=False, hyper_connections=4,
-                         use_cpu_initialization=True, perform_initialization=False)
+    config = lime_config(
+        **PAPER_1B,
+        num_query_groups=kv_heads,
+        lime=False,
+        hyper_connections=4,
+        use_cpu_initialization=True,
+        perform_initialization=False,
+    )
     with torch.device("meta"):
         model = build_model(config, vocab_size=PAPER_VOCAB_SIZE, max_sequence_length=2048)
     count = sum(p.numel() for p in model.parameters())
@@ -101,8 +107,10 @@ def test_paper_table_8_parameter_counts(kv_heads):
         (dict(hyper_connections_static=True), "needs hyper_connections >= 1"),
         (dict(hyper_connections=4, lime=True), "set lime=False"),
         (dict(hyper_connections=4, hidden_dropout=0.1), "without hidden dropout"),
-        (dict(hyper_connections=4, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
-         r"recompute only core_attn selectively, not \['mlp'\]"),
+        (
+            dict(hyper_connections=4, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]),
+            r"recompute only core_attn selectively, not \['mlp'\]",
+        ),
     ],
 )
 def test_invalid_configurations_raise_one_clear_error(overrides, message):
@@ -124,8 +132,9 @@ def test_transformer_engine_spec_unfuses_the_norms_and_equals_local(transformer_
     mlp = spec.mlp.keywords["submodules"] if isinstance(spec.mlp, partial) else spec.mlp.submodules
     assert spec.self_attention.submodules.linear_qkv is PlainLinear and mlp.linear_fc1 is PlainLinear
     assert spec.input_layernorm is LayerNormWithoutAffine and spec.pre_mlp_layernorm is LayerNormWithoutAffine
-    engine = build_model(local.config, local.vocab_size, local.max_sequence_length,
-                         transformer_impl="transformer_engine")
+    engine = build_model(
+        local.config, local.vocab_size, local.max_sequence_length, transformer_impl="transformer_engine"
+    )
     engine.load_state_dict(local.state_dict())  # strict: the same parameters, no fused norm weights
     loss_error, grad_errors = twin_errors(local, engine)
     assert loss_error <= TOLERANCE and max(grad_errors.values()) <= TOLERANCE, grad_errors
@@ -136,8 +145,9 @@ def test_transformer_engine_spec_without_a_fused_norm_is_refused(transformer_eng
 
     from lime_megatron.models.layer_specs import lime_layer_spec
 
-    monkeypatch.setattr(gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec",
-                        gpt_layer_specs.get_gpt_layer_local_spec)
+    monkeypatch.setattr(
+        gpt_layer_specs, "get_gpt_layer_with_transformer_engine_spec", gpt_layer_specs.get_gpt_layer_local_spec
+    )
     config = lime_config(lime=False, hyper_connections=2, num_layers=2, hidden_size=32, num_attention_heads=4)
     with pytest.raises(LimeConfigError, match="norm-fused linear_qkv.*'ColumnParallelLinear'"):
         lime_layer_spec(config, "transformer_engine")
@@ -151,17 +161,47 @@ def test_flags_and_dry_run_count_table_8(kv_heads):
     from lime_megatron.training import arguments
     from lime_megatron.training.run_config import RunConfig
 
-    shape = ["--num-layers", "16", "--hidden-size", "2048", "--ffn-hidden-size", "8192", "--num-attention-heads",
-             "32", "--seq-length", "2048", "--micro-batch-size", "1", "--global-batch-size", "4", "--mock-data",
-             "--hyper-connections", "4", "--dry-run"]
+    shape = [
+        "--num-layers",
+        "16",
+        "--hidden-size",
+        "2048",
+        "--ffn-hidden-size",
+        "8192",
+        "--num-attention-heads",
+        "32",
+        "--seq-length",
+        "2048",
+        "--micro-batch-size",
+        "1",
+        "--global-batch-size",
+        "4",
+        "--mock-data",
+        "--hyper-connections",
+        "4",
+        "--dry-run",
+    ]
     if kv_heads == 8:
         shape += ["--group-query-attention", "--num-query-groups", "8"]
-    layouts = {(): 0, ("--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                       "--num-layers-per-virtual-pipeline-stage", "4"): 1}
+    layouts = {
+        (): 0,
+        (
+            "--tensor-model-parallel-size",
+            "2",
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "4",
+        ): 1,
+    }
     for layout, padding in layouts.items():
         run = RunConfig.from_namespace(arguments.parse_args([*shape, *layout, "--dry-run-world-size", "4"]))
         assert run.name == "HC"
-        result = estimate.estimate(arguments.transformer_config(run), vocab_size=PAPER_VOCAB_SIZE + padding,
-                                   seq_length=2048, micro_batch_size=1, num_microbatches=4)
+        result = estimate.estimate(
+            arguments.transformer_config(run),
+            vocab_size=PAPER_VOCAB_SIZE + padding,
+            seq_length=2048,
+            micro_batch_size=1,
+            num_microbatches=4,
+        )
         assert result.total_parameters == TABLE_8_HC[kv_heads][1] + padding * 2048
-

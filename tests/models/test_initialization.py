@@ -16,8 +16,10 @@ from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.testing.distributed import ShardRule, run_distributed
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 VOCAB, SEQ = 512, 16
 HIDDEN, HEADS, KV_HEADS, LAYERS = 256, 8, 2, 4
@@ -26,9 +28,16 @@ HEAD_DIM = HIDDEN // HEADS
 
 def _model(init_style: str = "megatron", seed: int = 1234, **overrides):
     initialize_parallel()
-    settings = dict(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=512, num_attention_heads=HEADS,
-                    num_query_groups=KV_HEADS, use_cpu_initialization=True, init_style=init_style,
-                    init_seed=seed)
+    settings = dict(
+        num_layers=LAYERS,
+        hidden_size=HIDDEN,
+        ffn_hidden_size=512,
+        num_attention_heads=HEADS,
+        num_query_groups=KV_HEADS,
+        use_cpu_initialization=True,
+        init_style=init_style,
+        init_seed=seed,
+    )
     settings.update(overrides)
     return build_model(lime_config(**settings), VOCAB, SEQ)
 
@@ -114,12 +123,23 @@ def test_a_pipeline_chunk_draws_the_single_process_weights_of_its_layers():
     """The chunks of virtual stage 1 (global layer 2, here at local index 0) and of a last stage
     with a tied output layer get the weights the single-process model has for those names."""
     full = _params(_model())
-    split = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                 pipeline_dtype=torch.float32)
-    chunk = build_model(lime_config(num_layers=LAYERS, hidden_size=HIDDEN, ffn_hidden_size=512,
-                                    num_attention_heads=HEADS, num_query_groups=KV_HEADS,
-                                    use_cpu_initialization=True, **split),
-                        VOCAB, SEQ, pre_process=False, post_process=True, vp_stage=1)
+    split = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    chunk = build_model(
+        lime_config(
+            num_layers=LAYERS,
+            hidden_size=HIDDEN,
+            ffn_hidden_size=512,
+            num_attention_heads=HEADS,
+            num_query_groups=KV_HEADS,
+            use_cpu_initialization=True,
+            **split,
+        ),
+        VOCAB,
+        SEQ,
+        pre_process=False,
+        post_process=True,
+        vp_stage=1,
+    )
     got = _params(chunk)
     assert [layer.layer_number for layer in chunk.decoder.layers] == [3]
     for name, tensor in got.items():
@@ -134,8 +154,13 @@ def test_tensor_parallel_shards_reassemble_the_full_weights():
     kv heads < TP."""
     model = _model()
     gated_fc1 = ShardRule(dim=0, blocks=2)
-    rules = {"linear_qkv": ShardRule(dim=0), "linear_fc1": gated_fc1, "linear_proj": ShardRule(dim=1),
-             "linear_fc2": ShardRule(dim=1), "word_embeddings": ShardRule(dim=0)}
+    rules = {
+        "linear_qkv": ShardRule(dim=0),
+        "linear_fc1": gated_fc1,
+        "linear_proj": ShardRule(dim=1),
+        "linear_fc2": ShardRule(dim=1),
+        "word_embeddings": ShardRule(dim=0),
+    }
     for tp in (2, 4):
         for name, param in model.named_parameters():
             if "router" in name:
@@ -164,13 +189,22 @@ def test_tensor_parallel_shards_reassemble_the_full_weights():
 
 # --------------------------------------------------------------------------- through the trainer
 
-TRAIN = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
-         "--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data "
-         "--vocab-size 128 --log-interval 100 --eval-iters 0 --lime --train-iters 4").split()
+TRAIN = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+    "--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data "
+    "--vocab-size 128 --log-interval 100 --eval-iters 0 --lime --train-iters 4"
+).split()
 LAYOUTS = {
     "pp4": ["--pipeline-model-parallel-size", "4"],
-    "tp2-pp2-vpp2-sp": ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                        "--num-virtual-stages-per-pipeline-rank", "2", "--sequence-parallel"],
+    "tp2-pp2-vpp2-sp": [
+        "--tensor-model-parallel-size",
+        "2",
+        "--pipeline-model-parallel-size",
+        "2",
+        "--num-virtual-stages-per-pipeline-rank",
+        "2",
+        "--sequence-parallel",
+    ],
     "pp2-dp2": ["--pipeline-model-parallel-size", "2"],
 }
 
@@ -194,8 +228,10 @@ def test_from_scratch_layouts_reproduce_the_single_process_losses():
 def test_init_style_and_seed_come_from_the_trainer_flags():
     from lime_megatron.training import arguments
 
-    flags = ("--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
-             "--lr 1e-3 --train-iters 1 --mock-data --vocab-size 64 --lime --seed 77").split()
+    flags = (
+        "--num-layers 2 --hidden-size 32 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+        "--lr 1e-3 --train-iters 1 --mock-data --vocab-size 64 --lime --seed 77"
+    ).split()
     default = arguments.transformer_config(arguments.parse_run(flags))
     official = arguments.transformer_config(arguments.parse_run(flags + ["--init-style", "official"]))
     assert (default.init_style, default.init_seed) == ("megatron", 77)

@@ -49,8 +49,14 @@ def test_invalid_configurations_raise_one_clear_error(overrides, message):
 
 def test_router_count_for_windowed_variants():
     # last-2 over 4 layers: layers 1..3 read 2 layers each; first-1: layers 1..3 read 2 each too
-    config = lime_config(num_layers=4, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                         lime_router="last", lime_router_window=2)
+    config = lime_config(
+        num_layers=4,
+        hidden_size=32,
+        num_attention_heads=4,
+        num_query_groups=2,
+        lime_router="last",
+        lime_router_window=2,
+    )
     assert router_parameter_count(config) == 4 * (2 + 2 + 2)
     average = lime_config(num_layers=4, hidden_size=32, num_attention_heads=4, lime_router="average")
     assert router_parameter_count(average) == 0
@@ -96,6 +102,13 @@ def test_yarn_scaling_set_after_the_config_fails_when_the_attention_is_built():
 
 
 def test_the_baseline_keeps_megatron_attention_options():
-    config = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, lime=False, attention_output_gate=True,
-                         qk_clip=True, no_rope_freq=2)
+    config = lime_config(
+        num_layers=2,
+        hidden_size=32,
+        num_attention_heads=4,
+        lime=False,
+        attention_output_gate=True,
+        qk_clip=True,
+        no_rope_freq=2,
+    )
     assert config.attention_output_gate and config.qk_clip and config.no_rope_freq == [0, 1]

@@ -60,8 +60,7 @@ def run_both(model):
 @pytest.mark.parametrize("variant", VARIANTS, ids=lambda v: "-".join(map(str, v.values())))
 def test_matches_reference_logits_and_gradients(kv_heads, variant, block, rebuild):
     """MHA ``rebuild``: megatron's attention drops the routed K/V, and backward rebuilds them."""
-    model = tiny_model(num_query_groups=kv_heads, lime_routing_block=block, lime_recompute_routed_kv=rebuild,
-                       **variant)
+    model = tiny_model(num_query_groups=kv_heads, lime_routing_block=block, lime_recompute_routed_kv=rebuild, **variant)
     logits, ref_logits, leaves = run_both(model)
     assert relative_error(logits, ref_logits) <= TOLERANCE
     named = dict(model.named_parameters())
@@ -128,8 +127,9 @@ def test_blocked_routing_equals_per_layer_routing(kv_heads, variant):
     """7 layers, B = 3 (blocks 0-2, 3-5, 6) against B = 1: loss and every gradient at the
     level of float64 summation order (the routed K/V rebuilt in backward: its blocked product too)."""
     per_layer = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=1, **variant)
-    blocked = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=3,
-                         lime_recompute_routed_kv=True, **variant)
+    blocked = tiny_model(
+        num_layers=7, num_query_groups=kv_heads, lime_routing_block=3, lime_recompute_routed_kv=True, **variant
+    )
     blocked.load_state_dict(per_layer.state_dict())
     tokens, positions, mask = batch()
     losses = [loss_of(megatron_logits(model, tokens, positions, mask), tokens) for model in (per_layer, blocked)]
@@ -270,8 +270,10 @@ def test_a_pipeline_chunk_runs_only_with_the_side_channel_the_schedule_handed_it
     config = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, use_cpu_initialization=True)
     first_stage = build_model(config, VOCAB, SEQ, post_process=False)
     tokens, positions, mask = batch()
-    for side_channel in (None, SimpleNamespace(config=lime_config(num_layers=2, hidden_size=32,
-                                                                  num_attention_heads=4))):
+    for side_channel in (
+        None,
+        SimpleNamespace(config=lime_config(num_layers=2, hidden_size=32, num_attention_heads=4)),
+    ):
         first_stage.side_channel = side_channel
         with pytest.raises(RuntimeError, match=r"needs lime_megatron\.parallel\.pipeline\.schedule_arguments"):
             first_stage(tokens, positions, mask)

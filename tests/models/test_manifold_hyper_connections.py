@@ -69,8 +69,9 @@ def test_the_sinkhorn_iterations_change_the_model():
     another count computes something else."""
     model = mhc_model(4, hyper_connections_sinkhorn_iterations=1)
     assert compare_with_reference(model, reference_forward)["logits"] <= TOLERANCE
-    twenty = compare_with_reference(model, lambda params, tokens, spec: reference_forward(
-        params, tokens, {**spec, "sinkhorn_iterations": 20}))
+    twenty = compare_with_reference(
+        model, lambda params, tokens, spec: reference_forward(params, tokens, {**spec, "sinkhorn_iterations": 20})
+    )
     assert twenty["logits"] > 1e-6
 
 
@@ -105,8 +106,16 @@ def test_megatrons_initial_values(streams):
 def test_a_pipeline_chunk_draws_the_single_process_mappings():
     """Virtual stage 1 of PP2 x VPP2 (global layers 3, 4 of 5... here 4 layers: layer 3 at index 0)
     gets the single-process model's mHC weights for those layers (keyed by layer and name)."""
-    settings = dict(num_layers=4, hidden_size=32, ffn_hidden_size=48, num_attention_heads=4, lime=False,
-                    hyper_connections=2, hyper_connections_manifold=True, use_cpu_initialization=True)
+    settings = dict(
+        num_layers=4,
+        hidden_size=32,
+        ffn_hidden_size=48,
+        num_attention_heads=4,
+        lime=False,
+        hyper_connections=2,
+        hyper_connections_manifold=True,
+        use_cpu_initialization=True,
+    )
     full = dict(build_model(lime_config(**settings), 96, 12).named_parameters())
     split = dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
     chunk = build_model(lime_config(**settings, **split), 96, 12, pre_process=False, post_process=True, vp_stage=1)
@@ -130,8 +139,9 @@ def test_transformer_engine_spec_keeps_the_fused_norms_and_equals_local(transfor
     local = mhc_model(2, num_query_groups=2)
     spec = lime_layer_spec(local.config, "transformer_engine").submodules
     assert spec.self_attention.submodules.linear_qkv is NormFusedLinear
-    engine = build_model(local.config, local.vocab_size, local.max_sequence_length,
-                         transformer_impl="transformer_engine")
+    engine = build_model(
+        local.config, local.vocab_size, local.max_sequence_length, transformer_impl="transformer_engine"
+    )
     engine.load_state_dict({fused_norm_name(name): tensor for name, tensor in local.state_dict().items()})
     loss_error, grad_errors = twin_errors(local, engine, fused_norm_name)
     assert loss_error <= TOLERANCE and max(grad_errors.values()) <= TOLERANCE, grad_errors
@@ -139,18 +149,23 @@ def test_transformer_engine_spec_keeps_the_fused_norms_and_equals_local(transfor
 
 def fused_norm_name(name: str) -> str:
     """The name of a local-spec parameter in TransformerEngine's spec (the norms inside the linear layers)."""
-    return (name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight")
-            .replace("pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"))
+    return name.replace("input_layernorm.weight", "self_attention.linear_qkv.layer_norm_weight").replace(
+        "pre_mlp_layernorm.weight", "mlp.linear_fc1.layer_norm_weight"
+    )
 
 
 @pytest.mark.parametrize(
     "overrides,message",
     [
         (dict(hyper_connections_manifold=True), "hyper_connections_manifold needs hyper_connections >= 1"),
-        (dict(hyper_connections=4, hyper_connections_manifold=True, hyper_connections_static=True),
-         "choose one Hyper-Connections variant"),
-        (dict(hyper_connections=4, hyper_connections_manifold=True, hyper_connections_sinkhorn_iterations=0),
-         "sinkhorn_iterations must be >= 1; got 0"),
+        (
+            dict(hyper_connections=4, hyper_connections_manifold=True, hyper_connections_static=True),
+            "choose one Hyper-Connections variant",
+        ),
+        (
+            dict(hyper_connections=4, hyper_connections_manifold=True, hyper_connections_sinkhorn_iterations=0),
+            "sinkhorn_iterations must be >= 1; got 0",
+        ),
     ],
 )
 def test_invalid_configurations_raise_one_clear_error(overrides, message):

@@ -22,8 +22,11 @@ from lime_megatron.testing.dispatched_operators import DispatchedOperators
 from tests.decoding_fixtures import incremental_logits
 from tests.lime_fixtures import BATCH, SEQ, VOCAB, batch, loss_of, megatron_logits, tiny_model
 
-pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.usefixtures("megatron"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 PREFILL, DECODED = 5, 2
 TRAINING_TOKENS = 2 * 12  # lime_fixtures.batch(): 2 sequences of 12 tokens
@@ -138,7 +141,7 @@ def test_weight_columns_are_the_weight_outside_autograd_and_refused_under_it():
         assert router.weight_columns(0, 4) is router.weight
         part = router.weight_columns(2, 4)
     assert part.data_ptr() == router.weight[:, router.columns(2, 4)].data_ptr()
-    assert torch.equal(part, router.weight.detach()[:, -part.shape[1]:])
+    assert torch.equal(part, router.weight.detach()[:, -part.shape[1] :])
     with pytest.raises(RuntimeError, match="weight_columns is for the routing products"):
         router.weight_columns(0, 4)
 

@@ -39,10 +39,16 @@ def megatron():
 
 def test_top_p_keeps_the_largest_routes_until_the_share_is_reached():
     scores = torch.tensor([[0.05, 0.5, 0.15, 0.3], [1.0, 0.0, 0.0, 0.0], [0.25, 0.25, 0.25, 0.25]])
-    assert top_p_mask(scores, 0.9).tolist() == [[False, True, True, True], [True, False, False, False],
-                                                [True, True, True, True]]
-    assert top_p_mask(scores, 0.5).tolist() == [[False, True, False, False], [True, False, False, False],
-                                                [True, True, False, False]]  # ties: the earlier kept
+    assert top_p_mask(scores, 0.9).tolist() == [
+        [False, True, True, True],
+        [True, False, False, False],
+        [True, True, True, True],
+    ]
+    assert top_p_mask(scores, 0.5).tolist() == [
+        [False, True, False, False],
+        [True, False, False, False],
+        [True, True, False, False],
+    ]  # ties: the earlier kept
     assert top_p_mask(scores * 7.0, 0.5).tolist() == top_p_mask(scores, 0.5).tolist()  # shares, not values
     with pytest.raises(ValueError, match="top-p must be in"):
         top_p_mask(scores, 0.0)
@@ -142,10 +148,13 @@ def test_masks_survive_an_optimizer_step_and_are_in_the_state_dict():
     assert not any(name.endswith("route_mask") for name in unpruned.state_dict())  # not a pruning run
 
 
-@pytest.mark.parametrize("overrides, message", [
-    (dict(lime_prune_top_p=1.5), "lime_prune_top_p must be in"),
-    (dict(lime_prune_top_p=0.9, lime_router="average"), "needs learned routers"),
-])
+@pytest.mark.parametrize(
+    "overrides, message",
+    [
+        (dict(lime_prune_top_p=1.5), "lime_prune_top_p must be in"),
+        (dict(lime_prune_top_p=0.9, lime_router="average"), "needs learned routers"),
+    ],
+)
 def test_bad_pruning_options_fail_with_one_clear_message(overrides, message):
     with pytest.raises(LimeConfigError, match=message):
         lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, **overrides)

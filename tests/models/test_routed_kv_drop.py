@@ -47,13 +47,18 @@ def with_core_attention(model: LimeGPTModel, core_attention: type) -> LimeGPTMod
     block = lime_block_spec(model.config)
     layer = block.layer_specs[0]
     attention = layer.submodules.self_attention
-    attention = dataclasses.replace(attention, submodules=dataclasses.replace(
-        attention.submodules, core_attention=core_attention))
+    attention = dataclasses.replace(
+        attention, submodules=dataclasses.replace(attention.submodules, core_attention=core_attention)
+    )
     layer = dataclasses.replace(layer, submodules=dataclasses.replace(layer.submodules, self_attention=attention))
-    copy = LimeGPTModel(config=model.config, transformer_layer_spec=dataclasses.replace(
-        block, layer_specs=[layer] * len(block.layer_specs)), vocab_size=model.vocab_size,
-        max_sequence_length=model.max_sequence_length, position_embedding_type="rope",
-        share_embeddings_and_output_weights=True)
+    copy = LimeGPTModel(
+        config=model.config,
+        transformer_layer_spec=dataclasses.replace(block, layer_specs=[layer] * len(block.layer_specs)),
+        vocab_size=model.vocab_size,
+        max_sequence_length=model.max_sequence_length,
+        position_embedding_type="rope",
+        share_embeddings_and_output_weights=True,
+    )
     copy.load_state_dict(model.state_dict())
     return copy
 
@@ -113,8 +118,9 @@ def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog)
     message = warnings[0].getMessage()
     assert "CopyingAttention" in message and f"{2 * kv_bytes:,} bytes" in message, message
     counts = fresh_log.take()
-    assert all(drops.kept == {"keys": 2, "values": 2} and not drops.dropped and not drops.rebuilt
-               for drops in counts.values()), counts
+    assert all(
+        drops.kept == {"keys": 2, "values": 2} and not drops.dropped and not drops.rebuilt for drops in counts.values()
+    ), counts
     assert set(actual) == set(expected)
     for name in expected:
         assert relative_error(actual[name], expected[name]) <= 1e-12, name
@@ -122,8 +128,9 @@ def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog)
 
 def test_estimate_decision_matches_the_attention():
     mha = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, lime_recompute_routed_kv=True)
-    gqa = lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2,
-                      lime_recompute_routed_kv=True)
+    gqa = lime_config(
+        num_layers=2, hidden_size=32, num_attention_heads=4, num_query_groups=2, lime_recompute_routed_kv=True
+    )
     assert drops_routed_kv(mha, "local") and not drops_routed_kv(gqa, "local")  # GQA repeats K/V
     assert drops_routed_kv(gqa, "transformer_engine")
     fp8_attention = dataclasses.replace(gqa)
@@ -132,9 +139,11 @@ def test_estimate_decision_matches_the_attention():
     assert not drops_routed_kv(lime_config(num_layers=2, hidden_size=32, num_attention_heads=4), "local")
 
 
-@pytest.mark.parametrize("settings", [dict(), dict(num_query_groups=2),
-                                      dict(num_query_groups=2, recompute_granularity="selective")],
-                         ids=["mha", "gqa-repeats-kv", "gqa-checkpointed-core-attention"])
+@pytest.mark.parametrize(
+    "settings",
+    [dict(), dict(num_query_groups=2), dict(num_query_groups=2, recompute_granularity="selective")],
+    ids=["mha", "gqa-repeats-kv", "gqa-checkpointed-core-attention"],
+)
 def test_the_estimate_decision_is_what_the_attention_does(fresh_log, settings):
     model = tiny_model(lime_recompute_routed_kv=True, **settings)
     gradients(model)
@@ -145,13 +154,15 @@ def test_the_estimate_decision_is_what_the_attention_does(fresh_log, settings):
 
 
 def test_the_estimate_counts_fp8_attention_copies():
-    config = lime_config(num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                         lime_recompute_routed_kv=True)
+    config = lime_config(
+        num_layers=2, hidden_size=64, num_attention_heads=4, num_query_groups=2, lime_recompute_routed_kv=True
+    )
     geometry = Geometry.of(config, seq_length=32, micro_batch_size=2, vocab_size=128)
     dropped = layer_activation_bytes(config, geometry, "transformer_engine")
     config.fp8, config.fp8_dot_product_attention = "e4m3", True
-    assert layer_activation_bytes(config, geometry, "transformer_engine") - dropped == \
-        2 * geometry.heads_bytes(config.kv_heads)  # the routed values and the rotated keys stay
+    assert layer_activation_bytes(config, geometry, "transformer_engine") - dropped == 2 * geometry.heads_bytes(
+        config.kv_heads
+    )  # the routed values and the rotated keys stay
 
 
 class _StandInAttention(torch.autograd.Function):
@@ -200,8 +211,9 @@ class FusedAttentionStandIn(DotProductAttention):
 
     flash = False
 
-    def forward(self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None,
-                packed_seq_params=None):
+    def forward(
+        self, query, key, value, attention_mask, attn_mask_type=None, attention_bias=None, packed_seq_params=None
+    ):
         return _StandInAttention.apply(query, key, value, attention_mask, self.softmax_scale, self.flash)
 
 
@@ -230,8 +242,9 @@ def test_te_attention_stand_ins_log_what_the_estimate_decides(fresh_log, backend
     dropped = drops_routed_kv(te_config(model, backend), "transformer_engine")
     assert dropped == (backend == "fused")
     names = {"keys": 1, "values": 1}
-    assert all((drops.dropped, drops.kept) == ((names, {}) if dropped else ({}, names))
-               for drops in counts.values()), counts
+    assert all((drops.dropped, drops.kept) == ((names, {}) if dropped else ({}, names)) for drops in counts.values()), (
+        counts
+    )
     for name in expected:  # the stand-ins compute megatron's attention
         assert relative_error(actual[name], expected[name]) <= 1e-12, name
 
@@ -247,10 +260,13 @@ def test_dry_run_estimate_per_te_backend_equals_the_bytes_kept():
         with SavedTensorBytes(stand_in) as counter:
             loss_of(stand_in(tokens, positions, mask), tokens)
         saved[backend] = counter.bytes
-    geometry = Geometry.of(model.config, seq_length=SEQ, micro_batch_size=tokens.shape[0],
-                           vocab_size=model.vocab_size)
-    estimate = {backend: layer_activation_bytes(te_config(model, backend), geometry, "transformer_engine")
-                for backend in STAND_INS}
-    print(f"saved bytes fused {saved['fused']:,} flash {saved['flash']:,}; per-layer estimate fused "
-          f"{estimate['fused']:,} flash {estimate['flash']:,}")
+    geometry = Geometry.of(model.config, seq_length=SEQ, micro_batch_size=tokens.shape[0], vocab_size=model.vocab_size)
+    estimate = {
+        backend: layer_activation_bytes(te_config(model, backend), geometry, "transformer_engine")
+        for backend in STAND_INS
+    }
+    print(
+        f"saved bytes fused {saved['fused']:,} flash {saved['flash']:,}; per-layer estimate fused "
+        f"{estimate['fused']:,} flash {estimate['flash']:,}"
+    )
     assert saved["flash"] - saved["fused"] == LAYERS * (estimate["flash"] - estimate["fused"]) > 0

@@ -24,7 +24,7 @@ from lime_megatron.models.lime.routing_products import float32_product
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
 
-KV_HEADS, SOURCES, N = 2, 4, 2 ** 20
+KV_HEADS, SOURCES, N = 2, 4, 2**20
 BOUND = 1e-5
 
 
@@ -42,7 +42,7 @@ def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def test_router_weight_gradient_of_bf16_rows_is_float32_accurate(monkeypatch):
     grad_rows, rows = bf16_operands()
     reference = grad_rows.double() @ rows.double().t()
-    monkeypatch.setattr("lime_megatron.models.lime.routing_products.FLOAT32_CHUNK_BYTES", 2 ** 20)  # 32 chunks of N
+    monkeypatch.setattr("lime_megatron.models.lime.routing_products.FLOAT32_CHUNK_BYTES", 2**20)  # 32 chunks of N
     product = float32_product(grad_rows, rows)
     assert product.dtype == torch.float32
     error = relative_error(product, reference)
@@ -56,8 +56,10 @@ BOUND_CUBLAS = 1.5e-4
 = 1.5e-4 at N = 2^20, still 10x below a bf16 result's 2e-3 (measured on an H200: 3.7e-5)."""
 
 
-@pytest.mark.skipif(not torch.cuda.is_available() or not routing_products.CUBLAS_FLOAT32_OUTPUT,
-                    reason="the cuBLAS float32-output product runs on CUDA with torch >= 2.8 only")
+@pytest.mark.skipif(
+    not torch.cuda.is_available() or not routing_products.CUBLAS_FLOAT32_OUTPUT,
+    reason="the cuBLAS float32-output product runs on CUDA with torch >= 2.8 only",
+)
 def test_router_weight_gradient_on_cuda_is_one_float32_product():
     grad_rows, rows = (operand.cuda() for operand in bf16_operands())
     reference = grad_rows.double() @ rows.double().t()
@@ -82,9 +84,14 @@ def test_router_weight_gradients_of_a_bf16_memory_are_float32_accurate(block, mo
     """The memory's backward (per layer, and blocked: one product per block of consumers) returns
     float32 router gradients of bf16 keys/values within ``BOUND`` of the float64 products (chunks
     of N as in the test above)."""
-    monkeypatch.setattr("lime_megatron.models.lime.routing_products.FLOAT32_CHUNK_BYTES", 2 ** 20)
-    config = lime_config(num_layers=LAYERS, hidden_size=128, num_attention_heads=2, num_query_groups=KV_HEADS,
-                         use_cpu_initialization=True)
+    monkeypatch.setattr("lime_megatron.models.lime.routing_products.FLOAT32_CHUNK_BYTES", 2**20)
+    config = lime_config(
+        num_layers=LAYERS,
+        hidden_size=128,
+        num_attention_heads=2,
+        num_query_groups=KV_HEADS,
+        use_cpu_initialization=True,
+    )
     routers = {layer: LimeRouter(config, layer) for layer in range(LAYERS)}
     memory = LayerIntegratedMemory(LAYERS, "full", None, block=block, routers=routers)
     generator = torch.Generator().manual_seed(0)
@@ -94,8 +101,9 @@ def test_router_weight_gradients_of_a_bf16_memory_are_float32_accurate(block, mo
 
     keys, values = ([bf16(SEQ, BATCH, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)] for _ in range(2))
     upstream = [bf16(2, SEQ, BATCH, KV_HEADS, HEAD_DIM) for _ in range(LAYERS)]
-    routed = [torch.stack(route_keys_values(memory, routers[layer], keys[layer], values[layer]))
-              for layer in range(LAYERS)]
+    routed = [
+        torch.stack(route_keys_values(memory, routers[layer], keys[layer], values[layer])) for layer in range(LAYERS)
+    ]
     sum((out.float() * grad.float()).sum() for out, grad in zip(routed[1:], upstream[1:])).backward()
 
     def rows(tensors):  # [kv, 2*s*b*d] in float64

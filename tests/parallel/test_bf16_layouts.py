@@ -41,7 +41,7 @@ from lime_megatron.testing.distributed import Layout
 from tests.parallel.test_lime_tensor_parallel import router_rule
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 3, 1e-2
-UNIT_ROUNDOFF = 2.0 ** -8
+UNIT_ROUNDOFF = 2.0**-8
 LOSS_TOLERANCE = UNIT_ROUNDOFF / 2
 GRAD_TOLERANCE = 5 * UNIT_ROUNDOFF
 MODELS = {"lime": dict(lime=True), "llama": dict(lime=False)}
@@ -55,10 +55,17 @@ def make_config(layout: Layout, bf16: bool, **model):
     from lime_megatron.models.config import lime_config
 
     precision = dict(bf16=True, pipeline_dtype=torch.bfloat16) if bf16 else {}
-    settings = dict(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=2,
-                    deallocate_pipeline_outputs=layout.pp > 1)
-    return lime_config(use_cpu_initialization=True, **settings, **model, **{**dist.layout_config_kwargs(layout),
-                                                                           **precision})
+    settings = dict(
+        num_layers=4,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=2,
+        deallocate_pipeline_outputs=layout.pp > 1,
+    )
+    return lime_config(
+        use_cpu_initialization=True, **settings, **model, **{**dist.layout_config_kwargs(layout), **precision}
+    )
 
 
 def adam(chunks, bf16: bool, distributed: bool):
@@ -67,8 +74,16 @@ def adam(chunks, bf16: bool, distributed: bool):
 
     from lime_megatron.training.optimizer import LRSchedule, RouterGroup, build_optimizer, build_scheduler
 
-    config = OptimizerConfig(optimizer="adam", lr=LR, min_lr=0.0, weight_decay=0.0, clip_grad=0.0, bf16=bf16,
-                             params_dtype=torch.float32, use_distributed_optimizer=distributed)
+    config = OptimizerConfig(
+        optimizer="adam",
+        lr=LR,
+        min_lr=0.0,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        bf16=bf16,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=distributed,
+    )
     optimizer = build_optimizer(chunks, config, RouterGroup(lr=LR))
     return optimizer, build_scheduler(optimizer, LRSchedule(max_lr=LR, decay_iters=STEPS, decay_style="constant"))
 
@@ -111,11 +126,16 @@ def train(layout: Layout, model: dict, bf16: bool, distributed: bool = False, we
         if grads is None and not distributed:
             grads = dist.gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules)
     routers = [p for chunk in chunks for p in chunk.parameters() if getattr(p, "is_lime_router", False)]
-    return dict(losses=losses, grads=grads, initial=initial, keys=keys,
-                params={p.dtype for chunk in chunks for p in chunk.parameters() if all(p is not r for r in routers)},
-                routers={p.dtype for p in routers},
-                main_grads={p.main_grad.dtype for chunk in chunks for p in chunk.parameters()},
-                optimized=optimized_dtypes(optimizer))
+    return dict(
+        losses=losses,
+        grads=grads,
+        initial=initial,
+        keys=keys,
+        params={p.dtype for chunk in chunks for p in chunk.parameters() if all(p is not r for r in routers)},
+        routers={p.dtype for p in routers},
+        main_grads={p.main_grad.dtype for chunk in chunks for p in chunk.parameters()},
+        optimized=optimized_dtypes(optimizer),
+    )
 
 
 def differences(run: dict, reference: dict) -> dict:
@@ -125,8 +145,13 @@ def differences(run: dict, reference: dict) -> dict:
         loss=max(abs(a - b) / abs(b) for a, b in zip(run["losses"], reference["losses"])),
         grad=max(((grads[n] - ref[n]).norm() / ref[n].norm()).item() for n in ref) if run["grads"] else None,
         names=set(grads) == set(ref),
-        dtypes=dict(params=run["params"], routers=run["routers"], main_grads=run["main_grads"],
-                    optimized=run["optimized"], keys=run["keys"]),
+        dtypes=dict(
+            params=run["params"],
+            routers=run["routers"],
+            main_grads=run["main_grads"],
+            optimized=run["optimized"],
+            keys=run["keys"],
+        ),
     )
 
 
@@ -156,8 +181,11 @@ def round_to_4_bits(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def layout_runs(references: dict) -> dict:
-    return {f"{name} bf16 {case}": train(layout, model, bf16=True, distributed=distributed, weights=references[name])
-            for name, model in MODELS.items() for case, (layout, distributed) in zip(CASES[1:], LAYOUTS)}
+    return {
+        f"{name} bf16 {case}": train(layout, model, bf16=True, distributed=distributed, weights=references[name])
+        for name, model in MODELS.items()
+        for case, (layout, distributed) in zip(CASES[1:], LAYOUTS)
+    }
 
 
 @pytest.fixture(scope="module")
@@ -178,18 +206,30 @@ def test_bf16_run_follows_the_fp32_run(runs, model, case):
     assert ("distopt" in case) == (result["grad"] is None)
     assert result["grad"] is None or result["grad"] <= GRAD_TOLERANCE
     routers = {torch.float32} if model == "lime" else set()  # ``keep_routers_in_float32``
-    assert result["dtypes"] == dict(params={torch.bfloat16}, routers=routers, main_grads={torch.float32},
-                                    optimized={torch.float32}, keys={torch.bfloat16})
+    assert result["dtypes"] == dict(
+        params={torch.bfloat16},
+        routers=routers,
+        main_grads={torch.float32},
+        optimized={torch.float32},
+        keys={torch.bfloat16},
+    )
 
 
 def test_fp32_run_keeps_fp32_everywhere(runs):
     result = differences(runs["lime fp32"], runs["lime fp32"])
-    assert result["dtypes"] == dict(params={torch.float32}, routers={torch.float32}, main_grads={torch.float32},
-                                    optimized={torch.float32}, keys={torch.float32})
+    assert result["dtypes"] == dict(
+        params={torch.float32},
+        routers={torch.float32},
+        main_grads={torch.float32},
+        optimized={torch.float32},
+        keys={torch.float32},
+    )
 
 
 def test_coarser_routed_keys_values_exceed_the_tolerance(runs):
     result = differences(runs["mutation"], runs["lime fp32"])
-    print(f"routed K/V with 4 significant bits: relative loss difference {result['loss']:.1e}, "
-          f"relative gradient error {result['grad']:.1e}")
+    print(
+        f"routed K/V with 4 significant bits: relative loss difference {result['loss']:.1e}, "
+        f"relative gradient error {result['grad']:.1e}"
+    )
     assert result["loss"] > LOSS_TOLERANCE or result["grad"] > GRAD_TOLERANCE

@@ -41,8 +41,12 @@ def project_definitions(trees) -> set[str]:
                 names.add(node.id)
             elif isinstance(node, ast.arg):
                 names.add(node.arg)
-            elif (isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store)
-                  and isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")):
+            elif (
+                isinstance(node, ast.Attribute)
+                and isinstance(node.ctx, ast.Store)
+                and isinstance(node.value, ast.Name)
+                and node.value.id in ("self", "cls")
+            ):
                 names.add(node.attr)
     return names
 
@@ -57,8 +61,11 @@ def spelled_private_names(tree) -> set[str]:
         elif isinstance(node, ast.ImportFrom) and (node.module or "").split(".")[0] in ("torch", "megatron"):
             names.update(alias.name for alias in node.names if _is_private(alias.name))
         elif isinstance(node, ast.Call) and _called_name(node) in ATTRIBUTE_LOOKUPS:
-            names.update(arg.value for arg in node.args[1:2]
-                         if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _is_private(arg.value))
+            names.update(
+                arg.value
+                for arg in node.args[1:2]
+                if isinstance(arg, ast.Constant) and isinstance(arg.value, str) and _is_private(arg.value)
+            )
     return names
 
 
@@ -85,7 +92,8 @@ def test_the_scan_finds_an_unregistered_private_name():
         "    def __init__(self):\n"
         "        self._own = 0\n"
         "    def read(self):\n"
-        "        return self._own\n")
+        "        return self._own\n"
+    )
     assert foreign_private_names([code]) == {"_HIDDEN_GROUP", "_seen", "_dynamo", "_by_string"}
 
 
@@ -100,8 +108,9 @@ def test_a_changed_signature_names_the_api():
     def communicate(self, *, tensor_send_next, recv_prev, tensor_shape, recv_next=False):
         pass
 
-    problem = compat.missing_parameters("schedules.function", communicate, "tensor_send_next",
-                                        "tensor_send_prev", "recv_prev", keyword_only=True)
+    problem = compat.missing_parameters(
+        "schedules.function", communicate, "tensor_send_next", "tensor_send_prev", "recv_prev", keyword_only=True
+    )
     assert problem.startswith("schedules.function:") and "tensor_send_prev" in problem
 
     def positional(self, recv_prev, recv_next):

@@ -81,8 +81,12 @@ def test_dry_run_plans_for_the_gpu_and_the_config_carries_the_choices(examples):
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU machine's own run")
 def test_a_cpu_run_resolves_against_this_machine(examples):
     run = examples["lime_deep32"]
-    run = dataclasses.replace(run, dry_run=False, model=dataclasses.replace(run.model, transformer_impl="local"),
-                              precision=dataclasses.replace(run.precision, bf16=False))
+    run = dataclasses.replace(
+        run,
+        dry_run=False,
+        model=dataclasses.replace(run.model, transformer_impl="local"),
+        precision=dataclasses.replace(run.precision, bf16=False),
+    )
     config = arguments.transformer_config(run)
     assert config.deallocate_pipeline_outputs
     assert not any(getattr(config, name) for name in FUSIONS + ("gradient_accumulation_fusion",))
@@ -108,8 +112,9 @@ def deallocated_pipeline_runs() -> dict:
     model = dict(num_query_groups=2)
     reference = train(Layout(), model)
     stages = dict(deallocate_pipeline_outputs=True)
-    report = {layout.name: compare(layout, model, reference, stages=stages)
-              for layout in (Layout(pp=2), Layout(pp=2, vpp=2))}
+    report = {
+        layout.name: compare(layout, model, reference, stages=stages) for layout in (Layout(pp=2), Layout(pp=2, vpp=2))
+    }
     return dict(report=report, freed=len(freed))
 
 
@@ -129,7 +134,8 @@ def test_detect_says_why_transformer_engine_cannot_be_used(monkeypatch, tmp_path
     (tmp_path / "broken_te_standin.py").write_text("raise RuntimeError('cudnn shared object not found')\n")
     monkeypatch.syspath_prepend(str(tmp_path))
     assert fusions._import_problem("broken_te_standin") == (
-        "cannot import broken_te_standin: RuntimeError: cudnn shared object not found")
+        "cannot import broken_te_standin: RuntimeError: cudnn shared object not found"
+    )
     assert fusions._import_problem("math") == ""
 
 

@@ -74,7 +74,8 @@ def combinations_on(world_size: int) -> dict:
                 report[model_name, name] = compare(layout, model, reference, stages=stages)
         if model_name == "llama" and world_size == 2:
             report["megatron-communicator"] = with_megatrons_communicator(
-                Layout(pp=2, vpp=2), model, NO_OVERLAP, reference)
+                Layout(pp=2, vpp=2), model, NO_OVERLAP, reference
+            )
     return report
 
 
@@ -85,7 +86,8 @@ def report_for(world_size: int, transport: str) -> dict:
     """Rank 0's report of one launch of ``combinations_on`` (run once per test session)."""
     if (world_size, transport) not in _REPORTS:
         _REPORTS[world_size, transport] = run_distributed(
-            combinations_on, world_size, world_size, nccl_rules=TRANSPORTS[transport], timeout=900)[0]
+            combinations_on, world_size, world_size, nccl_rules=TRANSPORTS[transport], timeout=900
+        )[0]
     return _REPORTS[world_size, transport]
 
 
@@ -95,8 +97,10 @@ def report_for(world_size: int, transport: str) -> dict:
 def test_gpu_default_equals_single_process(combination, model, transport):
     world_size = COMBINATIONS[combination][0]
     result = report_for(world_size, transport)[model, combination]
-    print(f"{combination} {model} over {transport}: |loss diff| {result['loss']:.1e}, "
-          f"relative grad error {result['grad']:.1e}")
+    print(
+        f"{combination} {model} over {transport}: |loss diff| {result['loss']:.1e}, "
+        f"relative grad error {result['grad']:.1e}"
+    )
     assert result["names"]
     assert result["loss"] <= TOLERANCE and result["grad"] <= TOLERANCE
 
@@ -106,6 +110,8 @@ def test_megatrons_batched_order_swaps_at_two_stages_with_virtual_stages(transpo
     """The reason the baseline goes through ``PipelineCommunicator`` too: megatron's own batched
     order delivers gradients as activations at PP=2 x VPP=2, silently."""
     result = report_for(2, transport)["megatron-communicator"]
-    print(f"baseline through megatron's communicator over {transport}: |loss diff| {result['loss']:.1e}, "
-          f"relative grad error {result['grad']:.1e}")
+    print(
+        f"baseline through megatron's communicator over {transport}: |loss diff| {result['loss']:.1e}, "
+        f"relative grad error {result['grad']:.1e}"
+    )
     assert result["grad"] > 1000 * TOLERANCE

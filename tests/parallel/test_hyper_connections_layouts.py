@@ -42,25 +42,41 @@ HC4 = dict(hyper_connections=4)
 HC2_STATIC_GQA = dict(hyper_connections=2, hyper_connections_static=True, num_query_groups=2)
 MHC4_GQA = dict(hyper_connections=4, hyper_connections_manifold=True, num_query_groups=2)
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
-    ("hc4", HC4, [Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vpp=2), Layout(pp=4),
-                  Layout(tp=2, pp=2, vpp=2, sp=True)]),
+    (
+        "hc4",
+        HC4,
+        [Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vpp=2), Layout(pp=4), Layout(tp=2, pp=2, vpp=2, sp=True)],
+    ),
     ("hc4-overlap", HC4, [Layout(tp=2, pp=2, vpp=2, sp=True)], dict(overlap_p2p_comm=True, batch_p2p_comm=False)),
     ("hc2-static-gqa", HC2_STATIC_GQA, [Layout(pp=4), Layout(tp=2, pp=2, vpp=2, sp=True)]),
     ("hc4-gqa-full-recompute", dict(HC4, num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2), Layout(pp=4)]),
     ("hc4-selective-recompute", dict(HC4, recompute_granularity="selective"), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
-    ("mhc4-gqa", MHC4_GQA, [Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vpp=2), Layout(pp=4),
-                            Layout(tp=2, pp=2, vpp=2, sp=True)]),
+    (
+        "mhc4-gqa",
+        MHC4_GQA,
+        [Layout(tp=2, sp=True), Layout(pp=2), Layout(pp=2, vpp=2), Layout(pp=4), Layout(tp=2, pp=2, vpp=2, sp=True)],
+    ),
     ("mhc4-gqa-full-recompute", dict(MHC4_GQA, **FULL_RECOMPUTE), [Layout(pp=2, vpp=2)]),
-    ("mhc4-gqa-selective-recompute", dict(MHC4_GQA, recompute_granularity="selective"),
-     [Layout(tp=2, pp=2, vpp=2, sp=True)]),
+    (
+        "mhc4-gqa-selective-recompute",
+        dict(MHC4_GQA, recompute_granularity="selective"),
+        [Layout(tp=2, pp=2, vpp=2, sp=True)],
+    ),
 ]
 
 
 def make_config(layout: Layout, dtype: torch.dtype = torch.float64, **model):
     from lime_megatron.models.config import lime_config
 
-    settings = dict(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
-                    lime=False, deallocate_pipeline_outputs=layout.pp > 1)
+    settings = dict(
+        num_layers=8,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4,
+        lime=False,
+        deallocate_pipeline_outputs=layout.pp > 1,
+    )
     settings.update(model)
     precision = dict(params_dtype=dtype, pipeline_dtype=dtype)
     return lime_config(use_cpu_initialization=True, **{**layout_config_kwargs(layout), **precision, **settings})
@@ -101,14 +117,21 @@ def compare(layout: Layout, model: dict, reference, stages: dict | None = None) 
     """Worst loss and relative gradient differences of ``layout`` against ``reference``."""
     ref_losses, ref_grads, weights = reference
     losses, grads, _ = train(layout, model, weights, stages)
-    errors = {n: max(((g[n] - r[n]).norm() / r[n].norm()).item() for g, r in zip(grads, ref_grads))
-              for n in ref_grads[0]}
+    errors = {
+        n: max(((g[n] - r[n]).norm() / r[n].norm()).item() for g, r in zip(grads, ref_grads)) for n in ref_grads[0]
+    }
     return dict(
         loss=max(abs(a - b) for a, b in zip(losses, ref_losses)),
         grad=max(error for n, error in errors.items() if not is_scale(n)),
         scale=max((error for n, error in errors.items() if is_scale(n) and n != FLAT_GRADIENT), default=0.0),
-        flat=max(((g[FLAT_GRADIENT] - r[FLAT_GRADIENT]).abs().max().item()
-                  for g, r in zip(grads, ref_grads) if FLAT_GRADIENT in r), default=0.0),
+        flat=max(
+            (
+                (g[FLAT_GRADIENT] - r[FLAT_GRADIENT]).abs().max().item()
+                for g, r in zip(grads, ref_grads)
+                if FLAT_GRADIENT in r
+            ),
+            default=0.0,
+        ),
         connections=sum(".hc_" in name for name in ref_grads[0]),
         names=set(grads[0]) == set(ref_grads[0]),
     )
@@ -142,8 +165,15 @@ def adam_run(layout: Layout, distributed_optimizer: bool, model: dict, weights=N
 
         load_full(chunks, weights)
     initial = gather_full(chunks)
-    settings = OptimizerConfig(optimizer="adam", lr=0.01, adam_eps=1.0, weight_decay=0.0, clip_grad=0.0,
-                               params_dtype=torch.float32, use_distributed_optimizer=distributed_optimizer)
+    settings = OptimizerConfig(
+        optimizer="adam",
+        lr=0.01,
+        adam_eps=1.0,
+        weight_decay=0.0,
+        clip_grad=0.0,
+        params_dtype=torch.float32,
+        use_distributed_optimizer=distributed_optimizer,
+    )
     optimizer = build_optimizer(chunks, settings)
     scheduler = build_scheduler(optimizer, LRSchedule(max_lr=0.01, decay_iters=3, decay_style="constant"))
     batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
@@ -160,7 +190,8 @@ def distributed_optimizer_checks(name: str, model: dict) -> dict:
         report[f"{name} {layout.name}-dp2 distributed optimizer"] = dict(
             loss=max(abs(a - b) for a, b in zip(losses, ref_losses)),
             weights=max(((weights[n] - ref_weights[n]).norm() / ref_weights[n].norm()).item() for n in ref_weights),
-            unmoved=[n for n in ref_weights if ref_weights[n].dim() > 1 and torch.equal(ref_weights[n], initial[n])])
+            unmoved=[n for n in ref_weights if ref_weights[n].dim() > 1 and torch.equal(ref_weights[n], initial[n])],
+        )
     return report
 
 
@@ -194,8 +225,9 @@ def reshard_checkpoint(directory: str):
     chunks = build_chunks(make_config(layout, **HC4))
     perturbed(chunks)
     saved = forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
-    dist_checkpointing.save({f"model{index}": chunk.module.sharded_state_dict()
-                             for index, chunk in enumerate(chunks)}, directory)
+    dist_checkpointing.save(
+        {f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(chunks)}, directory
+    )
     torch.distributed.barrier()
     loaded = [loss_after_loading(target, directory) for target in (Layout(), Layout(pp=4, vpp=2))]
     return saved, loaded, loss_after_loading(Layout(), "")
@@ -216,9 +248,11 @@ def layout_checks(directory: str) -> dict:
 def test_hyper_connections_layouts_equal_single_stage(tmp_path):
     result = run_distributed(layout_checks, 4, str(tmp_path), timeout=1200, nccl_rules=True)[0]
     for case, outcome in result["cases"].items():
-        print(f"{case}: |loss diff| {outcome['loss']:.1e}, relative grad error {outcome['grad']:.1e} "
-              f"(scales {outcome['scale']:.1e}, mHC's flat gate {outcome['flat']:.0e}), "
-              f"{outcome['connections']} hyper-connection parameters compared")
+        print(
+            f"{case}: |loss diff| {outcome['loss']:.1e}, relative grad error {outcome['grad']:.1e} "
+            f"(scales {outcome['scale']:.1e}, mHC's flat gate {outcome['flat']:.0e}), "
+            f"{outcome['connections']} hyper-connection parameters compared"
+        )
         assert outcome["names"] and outcome["connections"] >= 2 * 2 * 8, case
         assert outcome["loss"] <= TOLERANCE, case
         assert outcome["grad"] <= TOLERANCE and outcome["scale"] <= SCALE_TOLERANCE, case

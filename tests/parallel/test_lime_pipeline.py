@@ -50,8 +50,15 @@ TOLERANCE = 1e-5
 def make_config(layout: Layout, **model):
     from lime_megatron.models.config import lime_config
 
-    settings = dict(num_layers=8, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4, num_query_groups=4,
-                    deallocate_pipeline_outputs=layout.pp > 1, lime_routing_block=1)
+    settings = dict(
+        num_layers=8,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4,
+        deallocate_pipeline_outputs=layout.pp > 1,
+        lime_routing_block=1,
+    )
     return lime_config(use_cpu_initialization=True, **{**layout_config_kwargs(layout), **settings, **model})
 
 
@@ -61,8 +68,16 @@ def keep_every_third(layer: int, source: int) -> bool:
     return source == layer or source % 3 == 0
 
 
-def train(layout: Layout, model: dict, weights=None, steps: int = STEPS, seq: int = SEQ,
-          stages: dict | None = None, micro_batches: int = MICRO_BATCHES, keep: Callable | None = None):
+def train(
+    layout: Layout,
+    model: dict,
+    weights=None,
+    steps: int = STEPS,
+    seq: int = SEQ,
+    stages: dict | None = None,
+    micro_batches: int = MICRO_BATCHES,
+    keep: Callable | None = None,
+):
     """``steps`` SGD steps; returns (losses, [full grads per step], initial full weights).
     ``stages``: config options of the pipeline split (left out of the single-stage reference);
     ``keep``: routes pruned by hand before the first step (``prune_by_hand``) instead of by top-p."""
@@ -120,15 +135,26 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("last-3", dict(lime_router="last", lime_router_window=3), [Layout(pp=4, vpp=2)]),
     ("first-2", dict(lime_router="first", lime_router_window=2), [Layout(pp=4, vpp=2)]),
     # blocked routing (B > 1, external blocks read once per block) against the B = 1 single stage
-    ("mha-16-blocked-rebuilt", dict(num_layers=16, lime_recompute_routed_kv=True),
-     [Layout(pp=2, vpp=2), Layout(tp=2, pp=2, sp=True)], dict(lime_routing_block=3)),
-    ("gqa-full-recompute-blocked", dict(num_query_groups=2, **FULL_RECOMPUTE_2), [Layout(pp=2)],
-     dict(lime_routing_block=2)),
+    (
+        "mha-16-blocked-rebuilt",
+        dict(num_layers=16, lime_recompute_routed_kv=True),
+        [Layout(pp=2, vpp=2), Layout(tp=2, pp=2, sp=True)],
+        dict(lime_routing_block=3),
+    ),
+    (
+        "gqa-full-recompute-blocked",
+        dict(num_query_groups=2, **FULL_RECOMPUTE_2),
+        [Layout(pp=2)],
+        dict(lime_routing_block=2),
+    ),
     ("last-3-blocked", dict(lime_router="last", lime_router_window=3), [Layout(pp=2)], dict(lime_routing_block=2)),
     # the dynamic router: its rows cross stages like the static ones', its p_m weight the row gradients
     ("dynamic", dict(lime_router="dynamic"), [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)]),
-    ("dynamic-gqa-full-recompute", dict(lime_router="dynamic", num_query_groups=2, **FULL_RECOMPUTE),
-     [Layout(pp=2, vpp=2)]),
+    (
+        "dynamic-gqa-full-recompute",
+        dict(lime_router="dynamic", num_query_groups=2, **FULL_RECOMPUTE),
+        [Layout(pp=2, vpp=2)],
+    ),
     # route pruning after the first step (dynamic: top-p away from the start's shares 0.9 + k 0.1 / l)
     ("pruned-blocked", dict(lime_prune_top_p=0.7), [Layout(pp=2, vpp=2)], dict(lime_routing_block=2)),
     ("dynamic-pruned", dict(lime_router="dynamic", lime_prune_top_p=0.915), [Layout(pp=4)]),
@@ -197,8 +223,9 @@ def mutated(layout: Layout, model: dict, reference, mutation) -> dict:
         return compare(layout, model, reference)
 
 
-def side_channel_accounting(layout: Layout | None = None, model: dict | None = None,
-                            keep: Callable | None = None) -> dict:
+def side_channel_accounting(
+    layout: Layout | None = None, model: dict | None = None, keep: Callable | None = None
+) -> dict:
     """One training and one evaluation schedule call: the K/V elements attached per hop (this
     rank's sends, keyed by receiving chunk) and those handed to torch (``PointToPoint.post`` for
     ``isend``, ``PointToPoint.batched`` for ``batch_isend_irecv``), what ``pipeline.hop_elements``
@@ -240,6 +267,7 @@ def side_channel_accounting(layout: Layout | None = None, model: dict | None = N
                 forward_rows.discard(id(op.tensor))
                 handed["all"] += op.tensor.numel()
             return handed_to_torch(op)
+
         return hand
 
     pipeline.KeptRows.attached_ops = counted
@@ -253,9 +281,15 @@ def side_channel_accounting(layout: Layout | None = None, model: dict | None = N
     with torch.no_grad():
         evaluated = run_schedule(chunks, batches, forward_only=True)
     expected = {chunk: len(batches) * pipeline.hop_elements(config, chunk, SEQ, 2)[1] for chunk in hops}
-    return dict(sent={chunk: sent[chunk] for chunk in expected}, expected=expected, unpruned=unpruned,
-                handed=handed["all"], loss=(loss, evaluated), kept=(kept_after_training, len(pipeline._KEPT.blocks)),
-                only_pipeline_group=groups == {parallel_state.get_pipeline_model_parallel_group()})
+    return dict(
+        sent={chunk: sent[chunk] for chunk in expected},
+        expected=expected,
+        unpruned=unpruned,
+        handed=handed["all"],
+        loss=(loss, evaluated),
+        kept=(kept_after_training, len(pipeline._KEPT.blocks)),
+        only_pipeline_group=groups == {parallel_state.get_pipeline_model_parallel_group()},
+    )
 
 
 def model_key(model: dict) -> tuple:
@@ -298,11 +332,18 @@ def pipeline_checks(directory: str) -> dict:
     side channel's bytes and freeing (with and without pruning), resharding across virtual layouts."""
     report, references = run_cases(CASES)
     report.update(hand_pruned_cases())
-    mutations = {mutation.__name__: mutated(Layout(pp=4, vpp=2), {}, references[model_key({})], mutation)
-                 for mutation in (drop_returned_gradients, send_stale_rows)}
+    mutations = {
+        mutation.__name__: mutated(Layout(pp=4, vpp=2), {}, references[model_key({})], mutation)
+        for mutation in (drop_returned_gradients, send_stale_rows)
+    }
     pruned = side_channel_accounting(Layout(pp=2, vpp=2), HAND_PRUNED["static"], keep_every_third)
-    return dict(cases=report, mutations=mutations, accounting=side_channel_accounting(), pruned_accounting=pruned,
-                checkpoint=reshard_checkpoint(directory))
+    return dict(
+        cases=report,
+        mutations=mutations,
+        accounting=side_channel_accounting(),
+        pruned_accounting=pruned,
+        checkpoint=reshard_checkpoint(directory),
+    )
 
 
 def slow_pipeline_checks() -> dict:
@@ -310,8 +351,7 @@ def slow_pipeline_checks() -> dict:
     report, _ = run_cases(SLOW_CASES)
     deep = train(Layout(), DEEP, steps=1, seq=8)
     report["deep-128 tp1-pp4-vpp4"] = compare(Layout(pp=4, vpp=4), DEEP, deep, steps=1, seq=8)
-    report["deep-128 tp1-pp4-vpp4 overlap"] = compare(Layout(pp=4, vpp=4), DEEP, deep, steps=1, seq=8,
-                                                      stages=OVERLAP)
+    report["deep-128 tp1-pp4-vpp4 overlap"] = compare(Layout(pp=4, vpp=4), DEEP, deep, steps=1, seq=8, stages=OVERLAP)
     return report
 
 
@@ -345,8 +385,9 @@ def reshard_checkpoint(directory: str):
     config = make_config(layout, num_query_groups=2)
     chunks = build_chunks(config)
     saved = forward_backward(chunks, data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB)))
-    dist_checkpointing.save({f"model{index}": chunk.module.sharded_state_dict()
-                             for index, chunk in enumerate(chunks)}, directory)
+    dist_checkpointing.save(
+        {f"model{index}": chunk.module.sharded_state_dict() for index, chunk in enumerate(chunks)}, directory
+    )
     torch.distributed.barrier()
     loaded = [loss_after_loading(target, directory) for target in (Layout(), Layout(pp=4, vpp=2))]
     return saved, loaded, loss_after_loading(Layout(), "")
@@ -354,8 +395,10 @@ def reshard_checkpoint(directory: str):
 
 def check_report(report: dict) -> None:
     for case, result in report.items():
-        print(f"{case}: |loss diff| {result['loss']:.1e}, relative grad error {result['grad']:.1e}, "
-              f"{result['routers']} router weights compared")
+        print(
+            f"{case}: |loss diff| {result['loss']:.1e}, relative grad error {result['grad']:.1e}, "
+            f"{result['routers']} router weights compared"
+        )
         assert result["names"], case
         assert result["routers"] > 0, case
         assert result["loss"] <= TOLERANCE, case
@@ -372,8 +415,10 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
         assert mutation["grad"] > 100 * TOLERANCE, name
     assert result["mutations"]["send_stale_rows"]["loss"] > 100 * TOLERANCE
     for rank, accounting in enumerate(result["accounting"] for result in results):
-        print(f"rank {rank}: K/V elements sent per hop {accounting['sent']}, kept rows after a training and an "
-              f"evaluation call {accounting['kept']}")
+        print(
+            f"rank {rank}: K/V elements sent per hop {accounting['sent']}, kept rows after a training and an "
+            f"evaluation call {accounting['kept']}"
+        )
         assert accounting["sent"] == accounting["expected"] and all(accounting["sent"].values()), rank
         assert accounting["handed"] == sum(accounting["expected"].values()), rank  # every attached row posted
         assert accounting["only_pipeline_group"], rank  # no communicator beside megatron's
@@ -381,8 +426,10 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
         assert abs(accounting["loss"][0] - accounting["loss"][1]) <= TOLERANCE, rank
         assert accounting["sent"] == accounting["unpruned"], rank
     for rank, accounting in enumerate(result["pruned_accounting"] for result in results):
-        print(f"rank {rank}, pruned by hand: K/V elements sent per hop {accounting['sent']}, "
-              f"without pruning {accounting['unpruned']}")
+        print(
+            f"rank {rank}, pruned by hand: K/V elements sent per hop {accounting['sent']}, "
+            f"without pruning {accounting['unpruned']}"
+        )
         assert accounting["sent"] == accounting["expected"] and accounting["handed"] == sum(accounting["sent"].values())
         assert all(0 < sent < accounting["unpruned"][chunk] for chunk, sent in accounting["sent"].items()), rank
         assert accounting["kept"] == (0, 0), rank
@@ -395,8 +442,9 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
 def deep_eight_stages() -> dict:
     settings = dict(steps=1, seq=8, micro_batches=8)
     reference = train(Layout(), DEEP, **settings)
-    report = {layout.name: compare(layout, DEEP, reference, **settings)
-              for layout in (Layout(pp=8), Layout(pp=8, vpp=2))}
+    report = {
+        layout.name: compare(layout, DEEP, reference, **settings) for layout in (Layout(pp=8), Layout(pp=8, vpp=2))
+    }
     report["tp1-pp8-vpp2 overlap"] = compare(Layout(pp=8, vpp=2), DEEP, reference, stages=OVERLAP, **settings)
     return report
 
@@ -416,8 +464,10 @@ def test_deep_model_over_eight_stages():
 def random_reads(layers: int, seed: int) -> tuple[tuple[int, ...], ...]:
     """Reads after a random pruning: layer l reads itself and each earlier layer with chance 1/4."""
     generator = torch.Generator().manual_seed(seed)
-    return tuple(tuple(source for source in range(layer) if torch.rand(1, generator=generator) < 0.25) + (layer,)
-                 for layer in range(layers))
+    return tuple(
+        tuple(source for source in range(layer) if torch.rand(1, generator=generator) < 0.25) + (layer,)
+        for layer in range(layers)
+    )
 
 
 @pytest.mark.parametrize("router", ["full", "last-3", "first-2", "pruned"])
@@ -431,9 +481,12 @@ def test_every_row_reaches_a_rank_once(router, pp, vpp, layers):
     from lime_megatron.models.lime.router import layer_reads
     from lime_megatron.parallel.pipeline import chunk_layers, hop_blocks
 
-    options = {"full": {}, "last-3": dict(lime_router="last", lime_router_window=3),
-               "first-2": dict(lime_router="first", lime_router_window=2),
-               "pruned": dict(lime_route_reads=random_reads(layers, seed=layers + pp))}[router]
+    options = {
+        "full": {},
+        "last-3": dict(lime_router="last", lime_router_window=3),
+        "first-2": dict(lime_router="first", lime_router_window=2),
+        "pruned": dict(lime_route_reads=random_reads(layers, seed=layers + pp)),
+    }[router]
     config = make_config(Layout(pp=pp, vpp=vpp), num_layers=layers, **options)
     chunks = chunk_layers(config)
     for rank in range(pp):
@@ -448,8 +501,9 @@ def test_every_row_reaches_a_rank_once(router, pp, vpp, layers):
         for chunk in mine:
             later = range(chunks[chunk].start, layers)
             read_later = {source for layer in later for source in layer_reads(config, layer)}
-            assert all(set(block.layers) <= read_later and block.source % pp != rank
-                       for block in hop_blocks(config, chunk)), (rank, chunk)
+            assert all(
+                set(block.layers) <= read_later and block.source % pp != rank for block in hop_blocks(config, chunk)
+            ), (rank, chunk)
 
 
 def test_layouts_that_cannot_split_fail_clearly():
@@ -498,10 +552,12 @@ def live_side_channel_objects() -> dict:
     from lime_megatron.parallel import pipeline
 
     objects = gc.get_objects()
-    counts = {"memories": sum(isinstance(o, LayerIntegratedMemory) for o in objects),
-              "key/value rows": sum(isinstance(o, KeyValueRows) for o in objects),
-              "kept gradients": sum(isinstance(o, KeptGradients) for o in objects),
-              "kept blocks": sum(isinstance(o, pipeline._KeptBlock) for o in objects)}
+    counts = {
+        "memories": sum(isinstance(o, LayerIntegratedMemory) for o in objects),
+        "key/value rows": sum(isinstance(o, KeyValueRows) for o in objects),
+        "kept gradients": sum(isinstance(o, KeptGradients) for o in objects),
+        "kept blocks": sum(isinstance(o, pipeline._KeptBlock) for o in objects),
+    }
     state = vars(pipeline._KEPT) if pipeline._KEPT is not None else {}
     for name, value in state.items():
         if name not in STATIC_STATE:
@@ -560,8 +616,10 @@ def side_channel_residue(steps: int = 3) -> dict:
     """What the side channel leaves alive after each call, at PP=2 x VPP=2 and PP=4 (static
     router) and PP=2 x VPP=2 (dynamic router: its memory also keeps the weights p_m in backward);
     and after one step with received rows kept (``keep_received_rows``), which must show."""
-    residue = {" ".join([layout.name, *model.values()]): residue_per_call(layout, model, steps)
-               for layout, model in RESIDUE_RUNS}
+    residue = {
+        " ".join([layout.name, *model.values()]): residue_per_call(layout, model, steps)
+        for layout, model in RESIDUE_RUNS
+    }
     with kept_rows_mutated(keep_received_rows):
         return dict(residue=residue, mutated=residue_per_call(Layout(pp=4), {}, 1))
 
@@ -596,8 +654,11 @@ def rows_after_all_hidden_sends_first(hops: list) -> list:
 def rows_before_the_hidden_send(hops: list) -> list:
     """Mutation of ``PipelineCommunicator.posting_order``: a sender posts the rows before the
     hidden state, its receiver takes the hidden state first."""
-    return [op for kind, hidden_op, row_ops, _ in hops
-            for op in ((*row_ops, hidden_op) if kind.startswith("send") else (hidden_op, *row_ops))]
+    return [
+        op
+        for kind, hidden_op, row_ops, _ in hops
+        for op in ((*row_ops, hidden_op) if kind.startswith("send") else (hidden_op, *row_ops))
+    ]
 
 
 def facing_row_sends(pipeline) -> None:

@@ -69,14 +69,22 @@ def sgd(chunks, lr: float, steps: int):
 
     from lime_megatron.training.optimizer import LRSchedule, RouterGroup, build_optimizer, build_scheduler
 
-    config = OptimizerConfig(optimizer="sgd", lr=lr, weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0,
-                             params_dtype=torch.float32)
+    config = OptimizerConfig(
+        optimizer="sgd", lr=lr, weight_decay=0.0, sgd_momentum=0.0, clip_grad=0.0, params_dtype=torch.float32
+    )
     optimizer = build_optimizer(chunks, config, RouterGroup(lr=lr))
     return optimizer, build_scheduler(optimizer, LRSchedule(max_lr=lr, decay_iters=steps, decay_style="constant"))
 
 
-def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: str = "full",
-          prune: float | None = None, keep: Callable[[int, int], bool] | None = None):
+def train(
+    layout: Layout,
+    kv_heads: int,
+    weights=None,
+    block: int = 1,
+    router: str = "full",
+    prune: float | None = None,
+    keep: Callable[[int, int], bool] | None = None,
+):
     """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers, the routed K/V
     rebuilt in backward by the router products (their reduce-scatter included; with
     ``prune``: routes pruned at that top-p after the second step, as the trainer does; with
@@ -90,10 +98,19 @@ def train(layout: Layout, kv_heads: int, weights=None, block: int = 1, router: s
     initialize_layout(layout)
     # With ``keep`` a top-p of 1.0 (prunes nothing) only makes the routers prunable: their route
     # masks persist and mask the gradients, as they do for ``prune_by_hand``'s masks.
-    config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                         num_query_groups=kv_heads, use_cpu_initialization=True, lime_routing_block=block,
-                         lime_router=router, lime_prune_top_p=1.0 if keep else prune, lime_recompute_routed_kv=True,
-                         **layout_config_kwargs(layout))
+    config = lime_config(
+        num_layers=4,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=kv_heads,
+        use_cpu_initialization=True,
+        lime_routing_block=block,
+        lime_router=router,
+        lime_prune_top_p=1.0 if keep else prune,
+        lime_recompute_routed_kv=True,
+        **layout_config_kwargs(layout),
+    )
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
     optimizer, scheduler = sgd(chunks, LR, STEPS)
@@ -120,8 +137,12 @@ def router_grad_norm(chunks) -> float:
     from megatron.core.optimizer.clip_grads import get_grad_norm_fp32
     from megatron.core.tensor_parallel import param_is_not_tensor_parallel_duplicate
 
-    grads = [param.main_grad for chunk in chunks for name, param in chunk.named_parameters()
-             if "router" in name and param_is_not_tensor_parallel_duplicate(param)]
+    grads = [
+        param.main_grad
+        for chunk in chunks
+        for name, param in chunk.named_parameters()
+        if "router" in name and param_is_not_tensor_parallel_duplicate(param)
+    ]
     return float(get_grad_norm_fp32(grads, grad_stats_parallel_group=parallel_state.get_model_parallel_group()))
 
 
@@ -140,8 +161,12 @@ DYNAMIC_LAYOUTS = [(Layout(tp=2, sp=True), 4, 1), (Layout(tp=4), 4, 1), (Layout(
 """The dynamic router (each rank's logits are its own heads'; no replicated heads)."""
 
 
-def compare_layouts(layouts=tuple(LAYOUTS), router: str = "full", prune: float | None = None,
-                    keep: Callable[[int, int], bool] | None = None):
+def compare_layouts(
+    layouts=tuple(LAYOUTS),
+    router: str = "full",
+    prune: float | None = None,
+    keep: Callable[[int, int], bool] | None = None,
+):
     """On every rank: each layout against TP=1 from the same initial weights."""
     report = []
     for kv_heads in sorted({kv for _, kv, _ in layouts}):
@@ -152,12 +177,20 @@ def compare_layouts(layouts=tuple(LAYOUTS), router: str = "full", prune: float |
             losses, grads, _, norms = train(layout, kv_heads, weights, block, router, prune, keep)
             worst = max(
                 ((g[name] - ref[name]).norm() / ref[name].norm()).item()
-                for g, ref in zip(grads, ref_grads) for name in ref
+                for g, ref in zip(grads, ref_grads)
+                for name in ref
             )
             norm_error = max(abs(a - b) / b for a, b in zip(norms, ref_norms))
             name = layout.name + (f"-B{block}" if block > 1 else "")
-            report.append((name, kv_heads, max(abs(a - b) for a, b in zip(losses, ref_losses)),
-                           max(worst, norm_error), sorted(name for name in ref_grads[0] if "router" in name)))
+            report.append(
+                (
+                    name,
+                    kv_heads,
+                    max(abs(a - b) for a, b in zip(losses, ref_losses)),
+                    max(worst, norm_error),
+                    sorted(name for name in ref_grads[0] if "router" in name),
+                )
+            )
     return report
 
 
@@ -171,9 +204,17 @@ def loss_after_loading(layout: Layout, checkpoint: str, router: str = "full") ->
     initialize_layout(layout)
     # With ``keep`` a top-p of 1.0 (prunes nothing) only makes the routers prunable: their route
     # masks persist and mask the gradients, as they do for ``prune_by_hand``'s masks.
-    config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                         num_query_groups=4, use_cpu_initialization=True, init_seed=100 + layout.tp,
-                         lime_router=router, **layout_config_kwargs(layout))  # other initial weights
+    config = lime_config(
+        num_layers=4,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4,
+        use_cpu_initialization=True,
+        init_seed=100 + layout.tp,
+        lime_router=router,
+        **layout_config_kwargs(layout),
+    )  # other initial weights
     chunks = build_chunks(config)
     model = chunks[0].module
     if checkpoint:
@@ -191,9 +232,16 @@ def reshard_checkpoint(directory: str, router: str = "full"):
 
     initialize_layout(Layout(tp=2))
 
-    config = lime_config(num_layers=4, hidden_size=32, ffn_hidden_size=64, num_attention_heads=4,
-                         num_query_groups=4, use_cpu_initialization=True, lime_router=router,
-                         **layout_config_kwargs(Layout(tp=2)))
+    config = lime_config(
+        num_layers=4,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4,
+        use_cpu_initialization=True,
+        lime_router=router,
+        **layout_config_kwargs(Layout(tp=2)),
+    )
     chunks = build_chunks(config)
     with torch.no_grad():
         for name, param in chunks[0].module.named_parameters():
@@ -230,8 +278,10 @@ def check_layouts(result) -> set[str]:
     assert all(abs(loss - saved_loss) <= 1e-5 for loss in loaded)
     assert abs(fresh - saved_loss) > 1e-3  # a model that loaded nothing differs
     for name, kv_heads, loss_diff, grad_err, routers in report:
-        print(f"{name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, "
-              f"max relative error of gradients and router gradient norm {grad_err:.2e}")
+        print(
+            f"{name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, "
+            f"max relative error of gradients and router gradient norm {grad_err:.2e}"
+        )
         assert len(routers) == 3
         assert loss_diff <= 1e-5, name
         assert grad_err <= 1e-5, name
@@ -254,9 +304,11 @@ def pruning_checks():
     # 0.9, the others 0.1 / l; 0.7 would keep the own layer only, where W_l gets no gradient), away
     # from the shares' partial sums (0.9, 0.933, 0.95)
     blocked = [(Layout(tp=2), 4, 2), (Layout(tp=4, sp=True), 2, 3)]
-    return {"full": compare_layouts(PRUNED_LAYOUTS, "full", 0.7),
-            "dynamic": compare_layouts(PRUNED_LAYOUTS[:1], "dynamic", 0.92),
-            "earlier sources only": compare_layouts(blocked, "full", keep=only_sources_before_its_block)}
+    return {
+        "full": compare_layouts(PRUNED_LAYOUTS, "full", 0.7),
+        "dynamic": compare_layouts(PRUNED_LAYOUTS[:1], "dynamic", 0.92),
+        "earlier sources only": compare_layouts(blocked, "full", keep=only_sources_before_its_block),
+    }
 
 
 def test_route_pruning_under_tensor_parallelism():
@@ -266,7 +318,9 @@ def test_route_pruning_under_tensor_parallelism():
     shared by rank pairs), against TP=1 at B = 1."""
     for router, report in run_distributed(pruning_checks, 4)[0].items():
         for name, kv_heads, loss_diff, grad_err, _ in report:
-            print(f"{router} {name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, max relative gradient error "
-                  f"{grad_err:.2e}")
+            print(
+                f"{router} {name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, max relative gradient error "
+                f"{grad_err:.2e}"
+            )
             assert loss_diff <= 1e-5 and grad_err <= 1e-5, (router, name)
         assert len(report) == (1 if router == "dynamic" else 2)

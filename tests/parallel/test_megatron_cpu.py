@@ -76,8 +76,13 @@ def _adam(chunks, distributed_optimizer: bool):
     from lime_megatron.training.optimizer import LRSchedule, build_optimizer, build_scheduler
 
     config = OptimizerConfig(
-        optimizer="adam", lr=LR, adam_eps=ADAM_EPS, weight_decay=0.0, clip_grad=CLIP_GRAD,
-        use_distributed_optimizer=distributed_optimizer, params_dtype=torch.float32,
+        optimizer="adam",
+        lr=LR,
+        adam_eps=ADAM_EPS,
+        weight_decay=0.0,
+        clip_grad=CLIP_GRAD,
+        use_distributed_optimizer=distributed_optimizer,
+        params_dtype=torch.float32,
     )
     optimizer = build_optimizer(chunks, config)
     return optimizer, build_scheduler(optimizer, LRSchedule(max_lr=LR, decay_iters=1, decay_style="constant"))
@@ -107,8 +112,15 @@ def _gpt_model(layout: Layout, weights=None, distributed_optimizer: bool = False
     from lime_megatron.training.trainer import build_model_chunks
 
     initialize_layout(layout)
-    config = lime_config(lime=False, num_layers=4, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                         num_query_groups=2, **layout_config_kwargs(layout))
+    config = lime_config(
+        lime=False,
+        num_layers=4,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=2,
+        **layout_config_kwargs(layout),
+    )
     chunks = build_model_chunks(config, VOCAB_SIZE, SEQ_LENGTH, use_distributed_optimizer=distributed_optimizer)
     if weights is not None:
         load_full(chunks, weights)
@@ -180,7 +192,8 @@ def launched(single_process):
     def results(group: str) -> dict:
         if group not in cache:
             cache[group] = run_distributed(
-                _train_layouts, WORLD_SIZE, single_process["initial"], CASES[group], nccl_rules=True)[0]
+                _train_layouts, WORLD_SIZE, single_process["initial"], CASES[group], nccl_rules=True
+            )[0]
         return cache[group]
 
     return results
@@ -222,15 +235,18 @@ def test_reference_step_clips_and_updates(single_process):
     norm = _global_norm(reference["grads"])
     assert norm > CLIP_GRAD, "the step must exercise gradient clipping"
     assert reference["grad_norm"] == pytest.approx(norm, rel=1e-6)
-    _assert_all_close(_updates(reference, single_process["initial"]),
-                      _expected_updates(reference), UPDATE_TOLERANCE, "reference update")
+    _assert_all_close(
+        _updates(reference, single_process["initial"]),
+        _expected_updates(reference),
+        UPDATE_TOLERANCE,
+        "reference update",
+    )
 
 
 @pytest.mark.parametrize(
     "group, case",
     [pytest.param("default", case, id=_case_id(case)) for case in CASES["default"]]
-    + [pytest.param("slow", case, id=_case_id(case), marks=pytest.mark.slow)
-       for case in CASES["slow"]],
+    + [pytest.param("slow", case, id=_case_id(case), marks=pytest.mark.slow) for case in CASES["slow"]],
 )
 def test_layout_matches_single_process(single_process, launched, group, case):
     reference, step = single_process["step"], launched(group)[_case_id(case)]
@@ -239,8 +255,9 @@ def test_layout_matches_single_process(single_process, launched, group, case):
     if step["grads"] is not None:
         _assert_all_close(step["grads"], reference["grads"], GRAD_TOLERANCE, "gradient")
     assert step["grad_norm"] == pytest.approx(reference["grad_norm"], rel=GRAD_TOLERANCE)
-    _assert_all_close(_updates(step, single_process["initial"]), _expected_updates(reference),
-                      UPDATE_TOLERANCE, "update")
+    _assert_all_close(
+        _updates(step, single_process["initial"]), _expected_updates(reference), UPDATE_TOLERANCE, "update"
+    )
 
 
 def test_dist_checkpoint_reshards_exactly(tmp_path):
@@ -285,8 +302,7 @@ def test_shard_rule_round_trip_and_gated_layout():
 def test_merge_shards_rejects_disagreeing_replicas():
     weight = torch.ones(4)
     with pytest.raises(ValueError, match="copies on different ranks differ"):
-        merge_shards([("norm.weight", 0, REPLICATED, weight),
-                      ("norm.weight", 1, REPLICATED, weight * 1.01)], tp_size=2)
+        merge_shards([("norm.weight", 0, REPLICATED, weight), ("norm.weight", 1, REPLICATED, weight * 1.01)], tp_size=2)
     with pytest.raises(ValueError, match="have tensor-parallel shards \\[0\\] of 2"):
         merge_shards([("linear.weight", 0, ShardRule(dim=0), weight)], tp_size=2)
 

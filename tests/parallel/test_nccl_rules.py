@@ -26,8 +26,11 @@ def _exchange(pattern: str) -> list:
         dist.recv(theirs, peer)
         works = []
     elif pattern == "even-odd":  # megatron's unbatched order
-        works = [dist.isend(mine, peer), dist.irecv(theirs, peer)] if rank == 0 else \
-            [dist.irecv(theirs, peer), dist.isend(mine, peer)]
+        works = (
+            [dist.isend(mine, peer), dist.irecv(theirs, peer)]
+            if rank == 0
+            else [dist.irecv(theirs, peer), dist.isend(mine, peer)]
+        )
     elif pattern == "blocking even-odd":
         if rank == 0:
             dist.send(mine, peer)
@@ -127,8 +130,9 @@ def _mixed_groups_in_one_batch() -> None:
     dist = torch.distributed
     group = dist.new_group([0, 1])
     peer = 1 - dist.get_rank()
-    dist.batch_isend_irecv([dist.P2POp(dist.isend, torch.ones(1), peer, group),
-                            dist.P2POp(dist.irecv, torch.empty(1), peer)])
+    dist.batch_isend_irecv(
+        [dist.P2POp(dist.isend, torch.ones(1), peer, group), dist.P2POp(dist.irecv, torch.empty(1), peer)]
+    )
 
 
 def _sizes_differ() -> None:
@@ -284,8 +288,11 @@ def test_a_slow_rank_is_not_a_deadlock():
 @pytest.mark.parametrize("mode", MODES)
 def test_a_send_meeting_a_receive_of_another_size_is_reported(mode):
     """Rule 4: the matched pair names both operations (NCCL fails or truncates there)."""
-    with pytest.raises(DistributedTestError, match=r"size mismatch: rank 0's send to 1 .*\(16 B\).* recv from 0 .*"
-                                                   r"\(32 B\)"):
+    with pytest.raises(
+        DistributedTestError,
+        match=r"size mismatch: rank 0's send to 1 .*\(16 B\).* recv from 0 .*"
+        r"\(32 B\)",
+    ):
         run_distributed(_sizes_differ, 2, nccl_rules=mode, timeout=60)
 
 

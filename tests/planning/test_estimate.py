@@ -26,8 +26,14 @@ from tests.lime_fixtures import TABLE_8
 VOCAB, SEQ, BATCH = 128, 32, 2
 # Saved bytes the estimate leaves out on purpose: LIMe's 8-byte memory handle and a few scalars.
 SAVED_BYTES_SLACK = 16
-TINY = dict(num_layers=3, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-            use_cpu_initialization=True, transformer_impl="local")
+TINY = dict(
+    num_layers=3,
+    hidden_size=64,
+    ffn_hidden_size=96,
+    num_attention_heads=4,
+    use_cpu_initialization=True,
+    transformer_impl="local",
+)
 
 
 def tiny_config(**overrides):
@@ -36,8 +42,7 @@ def tiny_config(**overrides):
 
 def one_chunk(config, **kwargs):
     """The single chunk of a PP=1 estimate."""
-    result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
-                        num_microbatches=1, **kwargs)
+    result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH, num_microbatches=1, **kwargs)
     (stage,) = result.stages
     (chunk,) = stage.chunks
     return result, chunk
@@ -86,20 +91,21 @@ SAVED_CASES = {
     "lime-gqa-kv-recompute": dict(num_query_groups=2, lime_recompute_routed_kv=True),
     "llama-selective": dict(lime=False, recompute_granularity="selective"),
     "lime-selective": dict(recompute_granularity="selective"),
-    "lime-gqa-selective-mlp": dict(num_query_groups=2, recompute_granularity="selective",
-                                   recompute_modules=["core_attn", "mlp"]),
-    "llama-selective-mlp": dict(lime=False, recompute_granularity="selective",
-                                recompute_modules=["mlp"]),
-    "llama-full-uniform": dict(lime=False, recompute_granularity="full",
-                               recompute_method="uniform", recompute_num_layers=1),
-    "lime-full-block": dict(recompute_granularity="full", recompute_method="block",
-                            recompute_num_layers=2),
+    "lime-gqa-selective-mlp": dict(
+        num_query_groups=2, recompute_granularity="selective", recompute_modules=["core_attn", "mlp"]
+    ),
+    "llama-selective-mlp": dict(lime=False, recompute_granularity="selective", recompute_modules=["mlp"]),
+    "llama-full-uniform": dict(
+        lime=False, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=1
+    ),
+    "lime-full-block": dict(recompute_granularity="full", recompute_method="block", recompute_num_layers=2),
     "llama-bf16": dict(lime=False, bf16=True, params_dtype=torch.bfloat16),
     "lime-gqa-bf16": dict(num_query_groups=2, bf16=True, params_dtype=torch.bfloat16),
     "dynamic": dict(lime_router="dynamic"),
     "dynamic-gqa-bf16": dict(lime_router="dynamic", num_query_groups=2, bf16=True, params_dtype=torch.bfloat16),
-    "dynamic-full-block": dict(lime_router="dynamic", recompute_granularity="full", recompute_method="block",
-                               recompute_num_layers=2),
+    "dynamic-full-block": dict(
+        lime_router="dynamic", recompute_granularity="full", recompute_method="block", recompute_num_layers=2
+    ),
 }
 
 
@@ -153,16 +159,17 @@ def test_full_recompute_keeps_the_lime_memory_live_but_not_saved():
     """Uniform full recompute saves only group inputs; LIMe's memory buffer is referenced by the
     memory object every checkpoint keeps (not a saved tensor), so it is added on top."""
     initialize_parallel()
-    config = tiny_config(recompute_granularity="full", recompute_method="uniform",
-                         recompute_num_layers=3)
+    config = tiny_config(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=3)
     _, chunk = one_chunk(config)
     measured = saved_bytes(config)
     assert chunk.activations.lime_memory == 3 * 2 * SEQ * BATCH * 4 * 16 * 4  # layers*K,V*s*b*g*d*4
     assert abs(chunk.activations.total - chunk.activations.lime_memory - measured) <= SAVED_BYTES_SLACK
     geometry = activations.Geometry.of(config, SEQ, BATCH, VOCAB)
     stack_in_backward = activations.router_stack_bytes(config, geometry, range(3)) - chunk.activations.router_stack
-    assert chunk.backward_working_bytes == 3 * activations.layer_activation_bytes(config, geometry, "local") \
-        + stack_in_backward
+    assert (
+        chunk.backward_working_bytes
+        == 3 * activations.layer_activation_bytes(config, geometry, "local") + stack_in_backward
+    )
 
 
 ROUTER_CASES = {
@@ -181,8 +188,7 @@ def test_parameters_equal_a_built_model(overrides, tied):
     initialize_parallel()
     config = tiny_config(num_layers=5, **overrides)
     result, chunk = one_chunk(config, share_embeddings_and_output_weights=tied)
-    model = build_model(config, vocab_size=VOCAB, max_sequence_length=SEQ,
-                        share_embeddings_and_output_weights=tied)
+    model = build_model(config, vocab_size=VOCAB, max_sequence_length=SEQ, share_embeddings_and_output_weights=tied)
     assert chunk.parameters == result.total_parameters == sum(p.numel() for p in model.parameters())
     routers = [p for name, p in model.named_parameters() if "router" in name]
     assert chunk.router_parameters == result.router_parameters == sum(p.numel() for p in routers)
@@ -192,13 +198,19 @@ def test_parameters_equal_a_built_model(overrides, tied):
 def test_paper_table_8_counts_at_any_layout(name, lime, kv_heads):
     """The 1B models of Table 8: the same total at PP=1 and split over TP2 x PP2 x VPP2."""
     exact = TABLE_8[(name, lime, kv_heads)][1]
-    for layout in (dict(), dict(tensor_model_parallel_size=2, pipeline_model_parallel_size=2,
-                                virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)):
+    for layout in (
+        dict(),
+        dict(
+            tensor_model_parallel_size=2,
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            pipeline_dtype=torch.float32,
+        ),
+    ):
         config = lime_config(**PAPER_1B, num_query_groups=kv_heads, lime=lime, **layout)
         # The paper counts the unpadded GPT-2 vocabulary; TP=2 needs an even one.
         vocab = PAPER_VOCAB_SIZE + (1 if layout else 0)
-        result = E.estimate(config, vocab_size=vocab, seq_length=2048, micro_batch_size=1,
-                            num_microbatches=4)
+        result = E.estimate(config, vocab_size=vocab, seq_length=2048, micro_batch_size=1, num_microbatches=4)
         assert result.total_parameters == exact + (config.hidden_size if layout else 0)
 
 
@@ -213,8 +225,12 @@ def test_one_f_one_b_keeps_p_minus_r_microbatches():
 
 
 def test_interleaved_peak_replays_megatron_order():
-    config = tiny_config(num_layers=4, pipeline_model_parallel_size=2,
-                         virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
+    config = tiny_config(
+        num_layers=4,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+    )
     forwards = [op.chunk for op in rank_operations(2, 2, 0, 4, 2) if op.forward]
     assert forwards == [chunk for _, chunk in get_schedule_table(4, 2, 2)] == [0, 0, 1, 1, 0, 0, 1, 1]
     # Rank 0 warms up 2*(2-0-1) + (2-1)*2 = 4 forwards ([2, 2] per chunk), then alternates one
@@ -236,21 +252,34 @@ def test_lime_stage_tensors_follow_the_router_window():
     geometry = activations.Geometry.of(tiny_config(**layout), SEQ, BATCH, VOCAB)
     rows = geometry.kv_rows
     for router, carried in ((dict(), 4), (dict(lime_router="last", lime_router_window=2), 1)):
-        result = E.estimate(tiny_config(**layout, **router), vocab_size=VOCAB, seq_length=SEQ,
-                            micro_batch_size=BATCH, num_microbatches=4)
+        result = E.estimate(
+            tiny_config(**layout, **router),
+            vocab_size=VOCAB,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            num_microbatches=4,
+        )
         first, second = (stage.chunks[0].activations for stage in result.stages)
         assert second.received_stage == carried * rows and first.received_stage == 0
         assert first.sent_stage == geometry.hidden_state
         assert second.sent_stage == 0 and second.output > 0 and first.embedding > 0
-    deallocated = E.estimate(tiny_config(**layout, deallocate_pipeline_outputs=True),
-                             vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
-                             num_microbatches=4)
+    deallocated = E.estimate(
+        tiny_config(**layout, deallocate_pipeline_outputs=True),
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        num_microbatches=4,
+    )
     assert deallocated.stages[0].chunks[0].activations.sent_stage == 0
     # Chunks of 2 layers; rank 0 runs chunks 0 and 2, rank 1 chunks 1 and 3: each hop carries
     # the 2 layers of the chunk before it (the rank holds the others already).
-    interleaved = E.estimate(tiny_config(**layout, virtual_pipeline_model_parallel_size=2),
-                             vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
-                             num_microbatches=4)
+    interleaved = E.estimate(
+        tiny_config(**layout, virtual_pipeline_model_parallel_size=2),
+        vocab_size=VOCAB,
+        seq_length=SEQ,
+        micro_batch_size=BATCH,
+        num_microbatches=4,
+    )
     chunks = {(s.pp_rank, c.vp_stage): c.activations for s in interleaved.stages for c in s.chunks}
     assert {key: (a.received_stage, a.sent_stage) for key, a in chunks.items()} == {
         (0, 0): (0, geometry.hidden_state),
@@ -261,12 +290,16 @@ def test_lime_stage_tensors_follow_the_router_window():
 
 
 def test_stage_flops_add_up_to_the_model():
-    config = tiny_config(num_layers=8, pipeline_model_parallel_size=4,
-                         virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.float32)
-    result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
-                        num_microbatches=4)
+    config = tiny_config(
+        num_layers=8,
+        pipeline_model_parallel_size=4,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+    )
+    result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH, num_microbatches=4)
     assert sum(s.forward_flops_per_token for s in result.stages) == pytest.approx(
-        result.forward_flops_per_token, rel=1e-12)
+        result.forward_flops_per_token, rel=1e-12
+    )
     assert result.training_flops_per_token == 3 * result.forward_flops_per_token
 
 
@@ -274,13 +307,26 @@ def test_stage_flops_add_up_to_the_model():
 
 
 def test_report_of_the_paper_layout():
-    config = lime_config(**PAPER_1B, num_query_groups=8, tensor_model_parallel_size=2,
-                         sequence_parallel=True, pipeline_model_parallel_size=2,
-                         virtual_pipeline_model_parallel_size=2, bf16=True,
-                         params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-                         recompute_granularity="selective")
-    report = E.dry_run_report(config, vocab_size=50304, seq_length=2048, micro_batch_size=2,
-                              num_microbatches=8, transformer_impl="transformer_engine")
+    config = lime_config(
+        **PAPER_1B,
+        num_query_groups=8,
+        tensor_model_parallel_size=2,
+        sequence_parallel=True,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        bf16=True,
+        params_dtype=torch.bfloat16,
+        pipeline_dtype=torch.bfloat16,
+        recompute_granularity="selective",
+    )
+    report = E.dry_run_report(
+        config,
+        vocab_size=50304,
+        seq_length=2048,
+        micro_batch_size=2,
+        num_microbatches=8,
+        transformer_impl="transformer_engine",
+    )
     assert "LIMe (full router): 16 layers, hidden 2048, FFN 8192, 32 heads (8 kv)" in report
     assert "TP 2, PP 2, VPP 2, sequence parallel (4 GPUs per model replica)" in report
     assert "recompute: selective (core_attn)" in report
@@ -289,26 +335,47 @@ def test_report_of_the_paper_layout():
     assert "step time (schedule model, 400 TFLOP/s per GPU" in report
     assert "NVLink-like 3600 Gb/s 3 us" in report and "InfiniBand-like 400 Gb/s 5 us" in report
     assert report.count("LIMe over baseline") == 2
-    one_link = E.dry_run_report(config, vocab_size=50304, seq_length=2048, micro_batch_size=2,
-                                num_microbatches=8, compute_tflops=100, link_bandwidth_gbps=800)
+    one_link = E.dry_run_report(
+        config,
+        vocab_size=50304,
+        seq_length=2048,
+        micro_batch_size=2,
+        num_microbatches=8,
+        compute_tflops=100,
+        link_bandwidth_gbps=800,
+    )
     assert "link 800 Gb/s 5 us" in one_link and "NVLink" not in one_link and "100 TFLOP/s" in one_link
 
 
-@pytest.mark.parametrize("overrides, kwargs, message", [
-    (dict(tensor_model_parallel_size=2), dict(vocab_size=127),
-     "embedding.word_embeddings.weight has 127 rows"),
-    (dict(tensor_model_parallel_size=2, sequence_parallel=True), dict(seq_length=31),
-     "seq_length=31 is not divisible by tensor_model_parallel_size=2"),
-    (dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
-     dict(), "divisible by recompute_num_layers=2"),
-    (dict(recompute_granularity="selective", recompute_modules=["layernorm"]), dict(),
-     "not ['layernorm']"),
-    (dict(num_layers=4, pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-          pipeline_dtype=torch.float32), dict(num_microbatches=1),
-     "microbatch_group_size_per_vp_stage=2 <= num_microbatches=1"),
-    (dict(), dict(transformer_impl="te"), "transformer_impl must be one of"),
-    (dict(), dict(seq_length=0), "seq_length must be at least 1"),
-])
+@pytest.mark.parametrize(
+    "overrides, kwargs, message",
+    [
+        (dict(tensor_model_parallel_size=2), dict(vocab_size=127), "embedding.word_embeddings.weight has 127 rows"),
+        (
+            dict(tensor_model_parallel_size=2, sequence_parallel=True),
+            dict(seq_length=31),
+            "seq_length=31 is not divisible by tensor_model_parallel_size=2",
+        ),
+        (
+            dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+            dict(),
+            "divisible by recompute_num_layers=2",
+        ),
+        (dict(recompute_granularity="selective", recompute_modules=["layernorm"]), dict(), "not ['layernorm']"),
+        (
+            dict(
+                num_layers=4,
+                pipeline_model_parallel_size=2,
+                virtual_pipeline_model_parallel_size=2,
+                pipeline_dtype=torch.float32,
+            ),
+            dict(num_microbatches=1),
+            "microbatch_group_size_per_vp_stage=2 <= num_microbatches=1",
+        ),
+        (dict(), dict(transformer_impl="te"), "transformer_impl must be one of"),
+        (dict(), dict(seq_length=0), "seq_length must be at least 1"),
+    ],
+)
 def test_bad_input_fails_with_one_clear_message(overrides, kwargs, message):
     config = tiny_config(**overrides)
     arguments = dict(vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH, num_microbatches=4)
@@ -321,19 +388,23 @@ def test_bad_input_fails_with_one_clear_message(overrides, kwargs, message):
 LAYOUTS = {  # name: (Layout fields, config overrides)
     "tp2-pp2-lime-gqa": (dict(tp=2, pp=2), dict(num_query_groups=2)),
     "pp4-vpp2-lime-last2": (dict(pp=4, vpp=2), dict(lime_router="last", lime_router_window=2)),
-    "pp4-uneven-lime-first2": (dict(pp=4), dict(num_layers_in_first_pipeline_stage=1,
-                                                num_layers_in_last_pipeline_stage=1,
-                                                lime_router="first", lime_router_window=2)),
-    "pp2-vpp2-uneven-first": (dict(pp=2, vpp=2), dict(num_layers=10,
-                                                      num_layers_in_first_pipeline_stage=4)),
+    "pp4-uneven-lime-first2": (
+        dict(pp=4),
+        dict(
+            num_layers_in_first_pipeline_stage=1,
+            num_layers_in_last_pipeline_stage=1,
+            lime_router="first",
+            lime_router_window=2,
+        ),
+    ),
+    "pp2-vpp2-uneven-first": (dict(pp=2, vpp=2), dict(num_layers=10, num_layers_in_first_pipeline_stage=4)),
     "tp4-sp-lime-kv2": (dict(tp=4, sp=True), dict(num_query_groups=2)),
     "tp2-sp-pp2-vpp2-llama-untied": (dict(tp=2, pp=2, vpp=2, sp=True), dict(lime=False)),
 }
 TP_ACTIVATION_CASES = {  # saved bytes per rank of a TP=2 forward
     "tp2-lime": (dict(tp=2), dict()),
     "tp2-sp-lime-gqa": (dict(tp=2, sp=True), dict(num_query_groups=2)),
-    "tp2-sp-llama-bf16": (dict(tp=2, sp=True), dict(lime=False, bf16=True,
-                                                    params_dtype=torch.bfloat16)),
+    "tp2-sp-llama-bf16": (dict(tp=2, sp=True), dict(lime=False, bf16=True, params_dtype=torch.bfloat16)),
     "tp2-lime-mqa": (dict(tp=2), dict(num_query_groups=1)),
 }
 TP_STACK_CASES = {  # router stacks a TP=2 forward and backward build per rank (this rank's columns)
@@ -368,9 +439,15 @@ def _rank_checks(layouts: dict, activation_cases: dict, stack_cases: dict) -> di
         for chunk in build_model_chunks(config, VOCAB, SEQ, share_embeddings_and_output_weights=config.lime):
             model = unwrap_model(chunk)
             routers = sum(p.numel() for n, p in model.named_parameters() if "router" in n)
-            rows.append((parallel_state.get_pipeline_model_parallel_rank(), model.vp_stage,
-                         parallel_state.get_tensor_model_parallel_rank(),
-                         sum(p.numel() for p in model.parameters()), routers))
+            rows.append(
+                (
+                    parallel_state.get_pipeline_model_parallel_rank(),
+                    model.vp_stage,
+                    parallel_state.get_tensor_model_parallel_rank(),
+                    sum(p.numel() for p in model.parameters()),
+                    routers,
+                )
+            )
         results[name] = rows
     for name, (fields, overrides) in activation_cases.items():
         layout = Layout(**fields)
@@ -389,10 +466,17 @@ def test_estimate_equals_every_rank_of_parallel_layouts():
     per_rank = run_distributed(_rank_checks, 4, LAYOUTS, TP_ACTIVATION_CASES, TP_STACK_CASES)
     for name, (fields, overrides) in LAYOUTS.items():
         config = _layout_config(Layout(**fields), overrides)
-        result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
-                            num_microbatches=4, share_embeddings_and_output_weights=config.lime)
-        expected = {(s.pp_rank, c.vp_stage): (c.parameters, c.router_parameters)
-                    for s in result.stages for c in s.chunks}
+        result = E.estimate(
+            config,
+            vocab_size=VOCAB,
+            seq_length=SEQ,
+            micro_batch_size=BATCH,
+            num_microbatches=4,
+            share_embeddings_and_output_weights=config.lime,
+        )
+        expected = {
+            (s.pp_rank, c.vp_stage): (c.parameters, c.router_parameters) for s in result.stages for c in s.chunks
+        }
         built = {}
         for rows in per_rank:
             for pp_rank, vp, _tp_rank, params, routers in rows[name]:
@@ -400,17 +484,19 @@ def test_estimate_equals_every_rank_of_parallel_layouts():
         assert built == {key: {value} for key, value in expected.items()}, name
     for name, (fields, overrides) in TP_ACTIVATION_CASES.items():
         config = _layout_config(Layout(**fields), overrides)
-        result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
-                            num_microbatches=1)
+        result = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH, num_microbatches=1)
         activations = result.stages[0].chunks[0].activations
         estimated = activations.total - activations.router_stack  # not a saved tensor
         for rows in per_rank:
             assert abs(rows[name] - estimated) <= SAVED_BYTES_SLACK, (name, rows[name], estimated)
     for name, (fields, overrides) in TP_STACK_CASES.items():
         config = _layout_config(Layout(**fields), overrides)
-        (stage,) = E.estimate(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH,
-                              num_microbatches=1).stages
-        expected = {"forward": stage.chunks[0].activations.router_stack,
-                    "backward": stage.chunks[0].backward_working_bytes}
+        (stage,) = E.estimate(
+            config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH, num_microbatches=1
+        ).stages
+        expected = {
+            "forward": stage.chunks[0].activations.router_stack,
+            "backward": stage.chunks[0].backward_working_bytes,
+        }
         assert sum(expected.values()) > 0
         assert all(rows[name] == expected for rows in per_rank), (name, [rows[name] for rows in per_rank], expected)

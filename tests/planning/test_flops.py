@@ -14,8 +14,15 @@ from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning import flops
 
 # 2 layers, hidden 8, 4 query heads of dim 2 sharing 2 kv heads (GQA), FFN 12 (SwiGLU), vocab 16.
-TINY = dict(num_layers=2, hidden_size=8, ffn_hidden_size=12, num_attention_heads=4, num_query_groups=2,
-            use_cpu_initialization=True, transformer_impl="local")
+TINY = dict(
+    num_layers=2,
+    hidden_size=8,
+    ffn_hidden_size=12,
+    num_attention_heads=4,
+    num_query_groups=2,
+    use_cpu_initialization=True,
+    transformer_impl="local",
+)
 VOCAB, SEQ, BATCH = 16, 4, 2
 TOKENS = SEQ * BATCH  # 8
 
@@ -54,7 +61,8 @@ def test_hand_counted_tiny_model():
     assert flops.forward_flops_per_token(baseline, SEQ, VOCAB) * TOKENS == 2 * (layers + attention / 2 + logits)
     # One training iteration of 3 sequences: 3x forward.
     assert flops.training_flops_per_iteration(config, SEQ, VOCAB, 3) == 3 * 3 * SEQ * (
-        2 * (layers + attention / 2 + router + logits) / TOKENS)
+        2 * (layers + attention / 2 + router + logits) / TOKENS
+    )
 
 
 def measured_forward_flops(config) -> int:
@@ -120,11 +128,14 @@ def test_paper_table_8_forward_flops(kv_heads):
     """Table 8 reproduced to its 5 digits under the official counter's convention at 2048 tokens
     (docs/estimate.md); this project's convention gives larger ratios (attention counted at a
     quarter of the official counter's weight relative to the linear layers)."""
-    counted = {lime: flops.paper_table_8_forward_flops(paper_1b(lime, kv_heads), 2048, PAPER_VOCAB_SIZE)
-               for lime in (False, True)}
+    counted = {
+        lime: flops.paper_table_8_forward_flops(paper_1b(lime, kv_heads), 2048, PAPER_VOCAB_SIZE)
+        for lime in (False, True)
+    }
     for lime, value in counted.items():
         assert round(value / 1e12, 4) == TABLE_8_TFLOPS[lime, kv_heads]
     assert round(100 * (counted[True] / counted[False] - 1), 2) == TABLE_8_RATIO_PERCENT[kv_heads]
-    project = {lime: flops.forward_flops_per_token(paper_1b(lime, kv_heads), 2048, PAPER_VOCAB_SIZE)
-               for lime in (False, True)}
+    project = {
+        lime: flops.forward_flops_per_token(paper_1b(lime, kv_heads), 2048, PAPER_VOCAB_SIZE) for lime in (False, True)
+    }
     assert round(100 * (project[True] / project[False] - 1), 2) == PROJECT_RATIO_PERCENT[kv_heads]

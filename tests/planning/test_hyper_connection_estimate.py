@@ -41,4 +41,3 @@ def test_activation_estimate_equals_saved_tensor_bytes(overrides):
     measured = saved_bytes(config)
     assert abs(chunk.activations.total - measured) <= SAVED_BYTES_SLACK
     assert measured > llama.activations.total  # the streams cost something
-

@@ -55,11 +55,14 @@ def test_host_operators_model_the_operators_blocking_adds():
     from tests.lime_fixtures import tiny_model
     from tests.models.test_memory import step_operators
 
-    counted = {block: step_operators(tiny_model(num_layers=16, lime_routing_block=block, dtype=torch.float32))
-               for block in (1, 4, 8)}
+    counted = {
+        block: step_operators(tiny_model(num_layers=16, lime_routing_block=block, dtype=torch.float32))
+        for block in (1, 4, 8)
+    }
     modelled = {block: R.host_operators(range(16), block) for block in counted}
-    assert {block: counted[block] - counted[1] for block in counted} == \
-           {block: modelled[block] - modelled[1] for block in counted}
+    assert {block: counted[block] - counted[1] for block in counted} == {
+        block: modelled[block] - modelled[1] for block in counted
+    }
 
 
 def test_host_time_decides_in_a_launch_bound_regime():
@@ -97,17 +100,21 @@ def test_on_the_cpu_host_and_kernels_add():
     seconds = R.routing_step_seconds(layers, 8, 4, ROW_1B, 4, R.CPU_2_CORE, baseline=base)
     alone = R.routing_step_seconds(layers, 8, 4, ROW_1B, 4, R.CPU_2_CORE)
     assert seconds == pytest.approx(alone + sum(base))
-    assert R.routing_block_size(layers, 8, ROW_1B, 4, R.CPU_2_CORE, baseline=base) == \
-        R.routing_block_size(layers, 8, ROW_1B, 4, R.CPU_2_CORE)
+    assert R.routing_block_size(layers, 8, ROW_1B, 4, R.CPU_2_CORE, baseline=base) == R.routing_block_size(
+        layers, 8, ROW_1B, 4, R.CPU_2_CORE
+    )
 
 
-@pytest.mark.parametrize("name,capability,machine", [
-    ("NVIDIA H100 80GB HBM3", (9, 0), R.H100_SXM),
-    ("NVIDIA H100 PCIe", (9, 0), R.H100_PCIE),
-    ("NVIDIA H200", (9, 0), R.H200),
-    ("NVIDIA A100-SXM4-80GB", (8, 0), R.A100_80GB),
-    ("NVIDIA A100-PCIE-40GB", (8, 0), R.A100_40GB),
-])
+@pytest.mark.parametrize(
+    "name,capability,machine",
+    [
+        ("NVIDIA H100 80GB HBM3", (9, 0), R.H100_SXM),
+        ("NVIDIA H100 PCIe", (9, 0), R.H100_PCIE),
+        ("NVIDIA H200", (9, 0), R.H200),
+        ("NVIDIA A100-SXM4-80GB", (8, 0), R.A100_80GB),
+        ("NVIDIA A100-PCIE-40GB", (8, 0), R.A100_40GB),
+    ],
+)
 def test_known_gpus_map_to_their_figures(name, capability, machine):
     with warnings.catch_warnings():
         warnings.simplefilter("error")
@@ -140,8 +147,10 @@ def test_the_present_device_decides_not_cuda_alone(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device: "NVIDIA A100-SXM4-80GB")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device: (8, 0))
     assert R.present_machine() is R.A100_80GB
-    assert R.routing_machine(lime_config(num_layers=2, hidden_size=32, num_attention_heads=4,
-                                         lime_machine="h200")) is R.H200
+    assert (
+        R.routing_machine(lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, lime_machine="h200"))
+        is R.H200
+    )
 
 
 def test_a_machine_outside_the_table_is_refused():
@@ -151,9 +160,17 @@ def test_a_machine_outside_the_table_is_refused():
 
 
 def _config(**overrides):
-    settings = dict(num_layers=64, hidden_size=2048, num_attention_heads=32, num_query_groups=32,
-                    ffn_hidden_size=64, params_dtype=torch.bfloat16, bf16=True, use_cpu_initialization=True,
-                    lime_machine="h100")
+    settings = dict(
+        num_layers=64,
+        hidden_size=2048,
+        num_attention_heads=32,
+        num_query_groups=32,
+        ffn_hidden_size=64,
+        params_dtype=torch.bfloat16,
+        bf16=True,
+        use_cpu_initialization=True,
+        lime_machine="h100",
+    )
     return lime_config(**{**settings, **overrides})
 
 
@@ -163,8 +180,9 @@ def test_later_pipeline_chunks_choose_from_their_received_rows():
     per received block at B = 1, blocks all its 8 layers."""
     from lime_megatron.parallel.pipeline import chunk_layers
 
-    config = _config(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
-                     pipeline_dtype=torch.bfloat16)
+    config = _config(
+        pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16
+    )
     blocks = [R.chunk_routing_block(config, chunk, 2048, 1) for chunk in chunk_layers(config)]
     assert blocks[0] == R.chunk_routing_block(_config(num_layers=8), range(8), 2048, 1)
     assert blocks[1:] == [8] * 7
@@ -176,9 +194,17 @@ def test_the_chooser_takes_the_override_recompute_and_dynamic_rules():
     baseline = R.baseline_work(config, range(56, 64), 2048, 1, R.H100_SXM)
     assert chosen == R.routing_block_size(range(56, 64), 32, ROW_1B, 2, R.H100_SXM, baseline=baseline) > 1
     assert R.chunk_routing_block(_config(lime_routing_block=3), range(56, 64), 2048, 1) == 3
-    assert R.chunk_routing_block(_config(lime_routing_block=6, recompute_granularity="full",
-                                         recompute_method="uniform", recompute_num_layers=4),
-                                 range(8), 2048, 1) == 2
+    assert (
+        R.chunk_routing_block(
+            _config(
+                lime_routing_block=6, recompute_granularity="full", recompute_method="uniform", recompute_num_layers=4
+            ),
+            range(8),
+            2048,
+            1,
+        )
+        == 2
+    )
     assert R.chunk_routing_block(_config(lime_router="dynamic"), range(56, 64), 2048, 1) == 1
 
 
@@ -191,8 +217,15 @@ def test_the_trainer_builds_each_chunk_with_the_choosers_block():
     from lime_megatron.training.trainer import build_model_chunks
     from tests.lime_fixtures import tiny_model
 
-    config = _config(num_layers=16, hidden_size=64, num_attention_heads=4, num_query_groups=4,
-                     params_dtype=torch.float32, bf16=False, lime_machine="cpu")
+    config = _config(
+        num_layers=16,
+        hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=4,
+        params_dtype=torch.float32,
+        bf16=False,
+        lime_machine="cpu",
+    )
     (chunk,) = build_model_chunks(config, 64, 2048, micro_batch_size=4)
     assert chunk.module.routing_block == R.chunk_routing_block(config, range(16), 2048, 4) > 1
     (fixed,) = build_model_chunks(dataclasses.replace(config, lime_routing_block=3), 64, 2048, micro_batch_size=4)
@@ -221,10 +254,13 @@ def test_the_dry_run_prints_the_block_of_every_chunk():
     machine whose figures chose it."""
     from lime_megatron.planning.estimate import estimate, report_lines
 
-    config = _config(pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2,
-                     pipeline_dtype=torch.bfloat16)
+    config = _config(
+        pipeline_model_parallel_size=4, virtual_pipeline_model_parallel_size=2, pipeline_dtype=torch.bfloat16
+    )
     result = estimate(config, vocab_size=128, seq_length=2048, micro_batch_size=1, num_microbatches=8)
     line = next(line for line in report_lines(result) if line.startswith("LIMe routing"))
-    expected = ", ".join(f"layers {chunk.start}-{chunk.stop - 1}: {R.chunk_routing_block(config, chunk, 2048, 1)}"
-                         for chunk in chunks_of(64, 8))
+    expected = ", ".join(
+        f"layers {chunk.start}-{chunk.stop - 1}: {R.chunk_routing_block(config, chunk, 2048, 1)}"
+        for chunk in chunks_of(64, 8)
+    )
     assert f"block size B per chunk {expected} (cost model on {R.H100_SXM.name};" in line

@@ -13,8 +13,11 @@ from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.testing.routing_reads import RoutingReads, routing_reads
 from tests.lime_fixtures import BATCH, SEQ, batch, loss_of, megatron_logits, tiny_model
 
-pytestmark = [pytest.mark.usefixtures("megatron"), pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.usefixtures("megatron"),
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 VARIANTS = {
     "full": dict(lime_router="full"),
@@ -37,8 +40,13 @@ def counted_step(model) -> tuple[RoutingReads, int]:
 @pytest.mark.parametrize("kv_heads", [4, 2], ids=["mha", "gqa"])
 @pytest.mark.parametrize("num_layers,block", [(7, 1), (7, 3), (9, 4)])
 def test_counted_reads_match_the_plan(variant, num_layers, block, kv_heads, rebuild):
-    model = tiny_model(num_layers=num_layers, num_query_groups=kv_heads, lime_routing_block=block,
-                       lime_recompute_routed_kv=rebuild, **variant)
+    model = tiny_model(
+        num_layers=num_layers,
+        num_query_groups=kv_heads,
+        lime_routing_block=block,
+        lime_recompute_routed_kv=rebuild,
+        **variant,
+    )
     counted, _ = counted_step(model)
     planned = {kind: read for kind, read in routing_bytes_per_step(model.config, SEQ, BATCH, block).items() if read}
     assert counted.by_kind == planned
@@ -67,8 +75,9 @@ def test_counted_product_flops_are_the_routers(block, kv_heads, rebuild):
     from lime_megatron.models.lime.recompute import drops_routed_kv
     from lime_megatron.planning.flops import router_flops_per_token
 
-    model = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_routing_block=block,
-                       lime_recompute_routed_kv=rebuild)
+    model = tiny_model(
+        num_layers=7, num_query_groups=kv_heads, lime_routing_block=block, lime_recompute_routed_kv=rebuild
+    )
     counted, _ = counted_step(model)
     step_flops = router_flops_per_token(model.config) * SEQ * BATCH
     dropped = rebuild and kv_heads == 4
@@ -85,8 +94,7 @@ def test_dynamic_router_reads_match_the_plan(kv_heads, rebuild):
     """The dynamic router's per-token multiply-adds read what the plan says at B = 1 (each source
     row once per consumer, in forward, in the weight gradient and in a rebuild; each kept g_m once
     per source it reads)."""
-    model = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_router="dynamic",
-                       lime_recompute_routed_kv=rebuild)
+    model = tiny_model(num_layers=7, num_query_groups=kv_heads, lime_router="dynamic", lime_recompute_routed_kv=rebuild)
     counted, _ = counted_step(model)
     planned = {kind: read for kind, read in routing_bytes_per_step(model.config, SEQ, BATCH, 1).items() if read}
     assert counted.by_kind == planned
@@ -110,8 +118,15 @@ def test_dry_run_reports_the_block_and_the_bytes_read(fixed):
     from lime_megatron.planning.estimate import estimate, report_lines
     from lime_megatron.planning.routing_block import chunk_routing_block
 
-    config = lime_config(num_layers=32, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4,
-                         num_query_groups=4, use_cpu_initialization=True, lime_routing_block=fixed)
+    config = lime_config(
+        num_layers=32,
+        hidden_size=64,
+        ffn_hidden_size=128,
+        num_attention_heads=4,
+        num_query_groups=4,
+        use_cpu_initialization=True,
+        lime_routing_block=fixed,
+    )
     result = estimate(config, vocab_size=128, seq_length=64, micro_batch_size=2, num_microbatches=1)
     block = chunk_routing_block(config, range(32), 64, 2)
     per_layer, blocked = (sum(routing_bytes_per_step(config, 64, 2, b).values()) / 2**30 for b in (1, block))

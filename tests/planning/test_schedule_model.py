@@ -106,11 +106,19 @@ def test_interleaved_by_hand():
 
 
 def test_work_of_a_lime_layout_uses_its_flops_and_exact_hop_widths():
-    config = lime_config(num_layers=8, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4,
-                         pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                         pipeline_dtype=torch.float32, use_cpu_initialization=True)
-    work = pipeline_work(config, vocab_size=128, seq_length=32, micro_batch_size=2, num_microbatches=4,
-                         compute_tflops=1e-6)
+    config = lime_config(
+        num_layers=8,
+        hidden_size=64,
+        ffn_hidden_size=96,
+        num_attention_heads=4,
+        pipeline_model_parallel_size=2,
+        virtual_pipeline_model_parallel_size=2,
+        pipeline_dtype=torch.float32,
+        use_cpu_initialization=True,
+    )
+    work = pipeline_work(
+        config, vocab_size=128, seq_length=32, micro_batch_size=2, num_microbatches=4, compute_tflops=1e-6
+    )
     tokens, per_second = 32 * 2, 1e6
     assert sum(work.forward_s) == pytest.approx(tokens * flops.forward_flops_per_token(config, 32, 128) / per_second)
     assert work.backward_s == pytest.approx(tuple(2 * f for f in work.forward_s))
@@ -129,8 +137,7 @@ def test_bad_input_fails_with_one_clear_message():
         Link("no link", 0.0, 1.0)
     config = lime_config(num_layers=2, hidden_size=64, ffn_hidden_size=96, num_attention_heads=4)
     with pytest.raises(ValueError, match="compute_tflops must be positive, got -1"):
-        pipeline_work(config, vocab_size=128, seq_length=32, micro_batch_size=2, num_microbatches=4,
-                      compute_tflops=-1)
+        pipeline_work(config, vocab_size=128, seq_length=32, micro_batch_size=2, num_microbatches=4, compute_tflops=-1)
 
 
 def test_a_run_overlaps_its_transfers_only_in_the_interleaved_schedule():

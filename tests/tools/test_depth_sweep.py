@@ -15,8 +15,10 @@ from lime_megatron.cli import depth_sweep
 
 ROOT = Path(__file__).resolve().parents[2]
 
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 def _sweep_file(tmp_path, **changes) -> Path:
@@ -26,8 +28,16 @@ def _sweep_file(tmp_path, **changes) -> Path:
         tokens=4096,
         families={"LIMe": {"lime": True}, "LLaMA": {"lime": False}},
         depths=[{"num_layers": 2, "nproc": 1}, {"num_layers": 4, "nproc": 2, "pipeline_model_parallel_size": 2}],
-        common=dict(hidden_size=32, num_attention_heads=4, seq_length=16, micro_batch_size=4,
-                    global_batch_size=16, lr=1e-3, eval_interval=4, eval_iters=1),
+        common=dict(
+            hidden_size=32,
+            num_attention_heads=4,
+            seq_length=16,
+            micro_batch_size=4,
+            global_batch_size=16,
+            lr=1e-3,
+            eval_interval=4,
+            eval_iters=1,
+        ),
     )
     spec.update(changes)
     path = tmp_path / "sweep.yaml"
@@ -71,8 +81,16 @@ def test_a_hyper_connections_family_resolves_at_a_pipeline_layout(tmp_path):
 def test_node_flags_come_from_the_environment():
     assert depth_sweep.node_flags({}) == ["--standalone"]
     env = {"NNODES": "2", "NODE_RANK": "1", "MASTER_ADDR": "node0", "MASTER_PORT": "6000"}
-    assert depth_sweep.node_flags(env) == ["--nnodes", "2", "--node-rank", "1", "--master-addr", "node0",
-                                           "--master-port", "6000"]
+    assert depth_sweep.node_flags(env) == [
+        "--nnodes",
+        "2",
+        "--node-rank",
+        "1",
+        "--master-addr",
+        "node0",
+        "--master-port",
+        "6000",
+    ]
     with pytest.raises(depth_sweep.SweepError, match="needs NODE_RANK and MASTER_ADDR"):
         depth_sweep.node_flags({"NNODES": "2"})
 
@@ -156,16 +174,27 @@ def test_the_paper_sweep_resolves_at_its_layouts(tmp_path):
     from lime_megatron.training import arguments
 
     sweep = depth_sweep.load_sweep(str(ROOT / "examples" / "sweeps" / "depth_paper.yaml"), str(tmp_path))
-    assert [run.name for run in sweep.runs] == ["LIMe-L32", "LLaMA-L32", "LIMe-L64", "LLaMA-L64", "LIMe-L128",
-                                                "LLaMA-L128"]
+    assert [run.name for run in sweep.runs] == [
+        "LIMe-L32",
+        "LLaMA-L32",
+        "LIMe-L64",
+        "LLaMA-L64",
+        "LIMe-L128",
+        "LLaMA-L128",
+    ]
     for run in sweep.runs:
-        args = arguments.parse_args([*depth_sweep.trainer_argv(sweep, run, []), "--dry-run", "--dry-run-world-size",
-                                     str(run.nproc)])
+        args = arguments.parse_args(
+            [*depth_sweep.trainer_argv(sweep, run, []), "--dry-run", "--dry-run-world-size", str(run.nproc)]
+        )
         shape = (args.num_layers, args.hidden_size, args.ffn_hidden_size, args.train_iters)
         assert shape == (run.depth, 256, 1024, 5000)
         example = yaml.safe_load((ROOT / "examples" / f"{run.family.lower()}_deep{run.depth}.yaml").read_text())
-        for key in ("pipeline_model_parallel_size", "decoder_first_pipeline_num_layers",
-                    "decoder_last_pipeline_num_layers", "num_virtual_stages_per_pipeline_rank"):
+        for key in (
+            "pipeline_model_parallel_size",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+            "num_virtual_stages_per_pipeline_rank",
+        ):
             assert run.options.get(key) == example.get(key), (run.name, key)
 
 
@@ -177,7 +206,8 @@ def test_the_pruned_sweep_adds_pruned_lime_at_every_depth(tmp_path):
     sweep = depth_sweep.load_sweep(str(ROOT / "examples" / "sweeps" / "depth_pruned.yaml"), str(tmp_path))
     assert [run.name for run in sweep.runs if run.depth == 32] == ["LIMe-L32", "LIMe-pruned-L32", "LLaMA-L32"]
     for run in sweep.runs:
-        args = arguments.parse_args([*depth_sweep.trainer_argv(sweep, run, []), "--dry-run", "--dry-run-world-size",
-                                     str(run.nproc)])
+        args = arguments.parse_args(
+            [*depth_sweep.trainer_argv(sweep, run, []), "--dry-run", "--dry-run-world-size", str(run.nproc)]
+        )
         pruned = run.family == "LIMe-pruned"
         assert (args.lime_prune_top_p, args.lime_prune_iters) == ((0.9, [2500]) if pruned else (None, None))

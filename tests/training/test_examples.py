@@ -24,9 +24,22 @@ ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "examples"
 
 # Paper Table 2 (and App. A for the router), as the trainer's parsed options.
-TABLE_2 = dict(optimizer="adam", lr=1e-3, min_lr=1e-6, lr_decay_style="cosine", lr_warmup_iters=200,
-               weight_decay=0.1, adam_beta1=0.9, adam_beta2=0.95, adam_eps=1e-8, clip_grad=1.0,
-               bf16=True, seq_length=2048, global_batch_size=1024, train_iters=20000)
+TABLE_2 = dict(
+    optimizer="adam",
+    lr=1e-3,
+    min_lr=1e-6,
+    lr_decay_style="cosine",
+    lr_warmup_iters=200,
+    weight_decay=0.1,
+    adam_beta1=0.9,
+    adam_beta2=0.95,
+    adam_eps=1e-8,
+    clip_grad=1.0,
+    bf16=True,
+    seq_length=2048,
+    global_batch_size=1024,
+    train_iters=20000,
+)
 LIME_ROUTER = dict(lime_router_lr=1e-2, lime_router_weight_decay=0.0)
 # What the paper's runs (the official implementation) used beyond Table 2.
 OFFICIAL = dict(norm_epsilon=1e-6, weight_decay_grouping="official", init_style="official")
@@ -68,10 +81,14 @@ def test_1b_configs_are_table_3_and_count_table_8(configs):
         assert shape(args) == (16, 2048, 8192, 32, 8 if kv_heads == 8 else None), stem
         run = RunConfig.from_namespace(args)
         vocab = tokenizer_of(run.data, run.model.vocab_size).vocab_size
-        result = estimate.estimate(arguments.transformer_config(run), vocab_size=vocab,
-                                   seq_length=2048, micro_batch_size=args.micro_batch_size,
-                                   num_microbatches=args.num_microbatches,
-                                   transformer_impl=args.transformer_impl)
+        result = estimate.estimate(
+            arguments.transformer_config(run),
+            vocab_size=vocab,
+            seq_length=2048,
+            micro_batch_size=args.micro_batch_size,
+            num_microbatches=args.num_microbatches,
+            transformer_impl=args.transformer_impl,
+        )
         assert result.total_parameters == exact + (vocab - GPT2_VOCAB) * 2048, stem
 
 
@@ -82,9 +99,14 @@ def test_v1_dynamic_config_counts_v1_table_6(configs):
     assert shape(args) == shape(static) and args.lime_router == "dynamic" and static.lime_router == "full"
     run = RunConfig.from_namespace(args)
     vocab = tokenizer_of(run.data, run.model.vocab_size).vocab_size
-    result = estimate.estimate(arguments.transformer_config(run), vocab_size=vocab, seq_length=2048,
-                               micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
-                               transformer_impl=args.transformer_impl)
+    result = estimate.estimate(
+        arguments.transformer_config(run),
+        vocab_size=vocab,
+        seq_length=2048,
+        micro_batch_size=args.micro_batch_size,
+        num_microbatches=args.num_microbatches,
+        transformer_impl=args.transformer_impl,
+    )
     assert result.total_parameters == 1_185_583_104 + (vocab - GPT2_VOCAB) * 2048
 
 
@@ -100,17 +122,30 @@ def test_hc_1b_configs_count_table_8(configs):
         assert args.hyper_connections == 4 and not args.hyper_connections_static and not args.lime, stem
         run = RunConfig.from_namespace(args)
         vocab = tokenizer_of(run.data, run.model.vocab_size).vocab_size
-        result = estimate.estimate(arguments.transformer_config(run), vocab_size=vocab, seq_length=2048,
-                                   micro_batch_size=args.micro_batch_size, num_microbatches=args.num_microbatches,
-                                   transformer_impl=args.transformer_impl)
+        result = estimate.estimate(
+            arguments.transformer_config(run),
+            vocab_size=vocab,
+            seq_length=2048,
+            micro_batch_size=args.micro_batch_size,
+            num_microbatches=args.num_microbatches,
+            transformer_impl=args.transformer_impl,
+        )
         assert result.total_parameters == exact + (vocab - GPT2_VOCAB) * 2048, stem
 
 
 def test_ablation_configs_cover_app_d(configs):
     ablation = {name: args for name, args in configs.items() if "_150m" in name}
     routers = {(args.lime_router, args.lime_router_window) for args in ablation.values() if args.lime}
-    assert routers == {("full", None), ("average", None), ("last", 2), ("last", 4), ("last", 6),
-                       ("first", 2), ("first", 4), ("first", 6)}
+    assert routers == {
+        ("full", None),
+        ("average", None),
+        ("last", 2),
+        ("last", 4),
+        ("last", 6),
+        ("first", 2),
+        ("first", 4),
+        ("first", 6),
+    }
     assert {shape(args) for args in ablation.values()} == {(12, 768, 3072, 12, None)}
     assert sum(not args.lime for args in ablation.values()) == 1
 
@@ -120,8 +155,12 @@ def test_deep_configs_pair_lime_and_llama_with_pipeline_layouts(configs):
         lime, llama = configs[f"lime_deep{depth}"], configs[f"llama_deep{depth}"]
         assert shape(lime) == shape(llama) == (depth, 256, 1024, 8, None)  # the official deep config
         assert lime.lime_router == "full" and not llama.lime
-        layout = ("pipeline_model_parallel_size", "virtual_pipeline_size",
-                  "decoder_first_pipeline_num_layers", "decoder_last_pipeline_num_layers")
+        layout = (
+            "pipeline_model_parallel_size",
+            "virtual_pipeline_size",
+            "decoder_first_pipeline_num_layers",
+            "decoder_last_pipeline_num_layers",
+        )
         assert [getattr(lime, key) for key in layout] == [getattr(llama, key) for key in layout]
         assert lime.pipeline_model_parallel_size > 1
 
@@ -161,23 +200,35 @@ def stub_torchrun(tmp_path):
     stub.parent.mkdir()
     stub.write_text('#!/bin/sh\necho "$CUDA_DEVICE_MAX_CONNECTIONS $*" >> "$STUB_LOG"\n')
     stub.chmod(0o755)
-    env = {key: value for key, value in os.environ.items()
-           if key not in ("GPUS_PER_NODE", "NNODES", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT",
-                          "SLURM_NNODES", "SLURM_NODEID", "CUDA_DEVICE_MAX_CONNECTIONS")}
+    env = {
+        key: value
+        for key, value in os.environ.items()
+        if key
+        not in (
+            "GPUS_PER_NODE",
+            "NNODES",
+            "NODE_RANK",
+            "MASTER_ADDR",
+            "MASTER_PORT",
+            "SLURM_NNODES",
+            "SLURM_NODEID",
+            "CUDA_DEVICE_MAX_CONNECTIONS",
+        )
+    }
     env.update(PATH=f"{stub.parent}:{env['PATH']}", STUB_LOG=str(log))
     return env, log
 
 
 def run_script(script: str, *args, env) -> subprocess.CompletedProcess:
-    return subprocess.run(["bash", str(EXAMPLES / script), *map(str, args)], env=env,
-                          capture_output=True, text=True, timeout=60)
+    return subprocess.run(
+        ["bash", str(EXAMPLES / script), *map(str, args)], env=env, capture_output=True, text=True, timeout=60
+    )
 
 
 def test_launch_passes_the_environment_to_torchrun(stub_torchrun):
     env, log = stub_torchrun
     config = EXAMPLES / "lime_1b_gqa8.yaml"
-    multi_node = dict(env, GPUS_PER_NODE="8", NNODES="4", NODE_RANK="2", MASTER_ADDR="node0",
-                      MASTER_PORT="29500")
+    multi_node = dict(env, GPUS_PER_NODE="8", NNODES="4", NODE_RANK="2", MASTER_ADDR="node0", MASTER_PORT="29500")
     assert run_script("launch.sh", config, "--train-iters", "10", env=multi_node).returncode == 0
     slurm = dict(env, GPUS_PER_NODE="4", SLURM_NNODES="2", SLURM_NODEID="1")
     assert run_script("launch.sh", config, env=slurm).returncode == 0
@@ -207,7 +258,11 @@ def test_run_paper_launches_every_config_once(stub_torchrun):
     log.unlink()
     assert run_script("run_paper.sh", "v1", env=env).returncode == 0
     assert [line.split("--config ")[1].split()[0].rsplit("/", 1)[1] for line in log.read_text().splitlines()] == [
-        "llama_1b_mha.yaml", "lime_1b_mha.yaml", "lime_1b_dynamic.yaml", "hc_1b_mha.yaml"]
+        "llama_1b_mha.yaml",
+        "lime_1b_mha.yaml",
+        "lime_1b_dynamic.yaml",
+        "hc_1b_mha.yaml",
+    ]
 
 
 def test_readme_lists_every_config():
@@ -222,13 +277,27 @@ def test_prosqa_finetune_launches_the_papers_schedule_and_scores(stub_torchrun, 
     checkpoint (the stub torchrun trains nothing) and says so."""
     env, log = stub_torchrun
     published = tmp_path / "published"
-    made = subprocess.run([sys.executable, "-m", "lime_megatron.cli.make_prosqa_data", "--output-dir", str(published),
-                           "--train-samples", "300", "--test-samples", "5"], cwd=ROOT, capture_output=True)
+    made = subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "lime_megatron.cli.make_prosqa_data",
+            "--output-dir",
+            str(published),
+            "--train-samples",
+            "300",
+            "--test-samples",
+            "5",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+    )
     assert made.returncode == 0
     out = tmp_path / "out"
     script = ["bash", str(EXAMPLES / "prosqa_finetune.sh"), "lime", str(tmp_path / "base"), "3", str(out)]
-    result = subprocess.run(script, env=dict(env, PUBLISHED=str(published), EPOCHS="2"), capture_output=True,
-                            text=True, timeout=300)
+    result = subprocess.run(
+        script, env=dict(env, PUBLISHED=str(published), EPOCHS="2"), capture_output=True, text=True, timeout=300
+    )
     examples = len(json.loads((published / "prosqa_train.json").read_text()))
     argv = log.read_text().split(f"{ROOT / 'pretrain_lime.py'} ")[1].split()
     run = arguments.parse_run([*argv, "--dry-run"])

@@ -11,18 +11,27 @@ import pytest
 from lime_megatron.training import trainer
 from lime_megatron.training.checkpointing import CheckpointError
 
-HC_RUN = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 "
-          "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --mock-data --vocab-size 128 --log-interval 100 "
-          "--eval-iters 0 --train-iters 6 --weight-decay 0.1 --weight-decay-grouping official "
-          "--hyper-connections 2").split()
+HC_RUN = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 "
+    "--micro-batch-size 2 --global-batch-size 4 --lr 1e-2 --mock-data --vocab-size 128 --log-interval 100 "
+    "--eval-iters 0 --train-iters 6 --weight-decay 0.1 --weight-decay-grouping official "
+    "--hyper-connections 2"
+).split()
 
 
 VARIANTS = {  # flags -> (other flags, the mismatch named) a checkpoint of it refuses
-    "hc": ([], ((["--hyper-connections", "4"], "hyper_connections 2 vs 4"),
-                (["--hyper-connections-static"], "hyper_connections_static False vs True"),
-                (["--hyper-connections-manifold"], "hyper_connections_manifold False vs True"))),
-    "mhc": (["--hyper-connections-manifold"],
-            ((["--hyper-connections-sinkhorn-iterations", "5"], "hyper_connections_sinkhorn_iterations 20 vs 5"),)),
+    "hc": (
+        [],
+        (
+            (["--hyper-connections", "4"], "hyper_connections 2 vs 4"),
+            (["--hyper-connections-static"], "hyper_connections_static False vs True"),
+            (["--hyper-connections-manifold"], "hyper_connections_manifold False vs True"),
+        ),
+    ),
+    "mhc": (
+        ["--hyper-connections-manifold"],
+        ((["--hyper-connections-sinkhorn-iterations", "5"], "hyper_connections_sinkhorn_iterations 20 vs 5"),),
+    ),
 }
 
 

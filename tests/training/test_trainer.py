@@ -33,12 +33,16 @@ from lime_megatron.training.trainer import optimizer_config, router_group
 
 ROOT = Path(__file__).resolve().parents[2]
 # megatron-core's notices on CPU (no apex/TE, deprecated defaults) repeat for every model built.
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
-TINY = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
-        "--seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data "
-        "--vocab-size 128 --log-interval 100 --eval-iters 0").split()
+TINY = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+    "--seq-length 32 --micro-batch-size 2 --global-batch-size 4 --lr 1e-3 --mock-data "
+    "--vocab-size 128 --log-interval 100 --eval-iters 0"
+).split()
 # LIMe with its own router schedule (lr 1e-2) and dropout, so that resuming needs the optimizer's
 # router group, the scheduler and the RNG states to come back exactly.
 RESUMABLE = TINY + "--lime --hidden-dropout 0.1 --train-iters 6".split()
@@ -46,8 +50,7 @@ RESUMABLE = TINY + "--lime --hidden-dropout 0.1 --train-iters 6".split()
 
 def flatten(parts) -> list[str]:
     """Command-line tokens from strings, paths and (nested) lists of them."""
-    return [token for part in parts
-            for token in (flatten(part) if isinstance(part, list) else [str(part)])]
+    return [token for part in parts for token in (flatten(part) if isinstance(part, list) else [str(part)])]
 
 
 def run(*argv):
@@ -64,19 +67,34 @@ def metrics(path) -> list:
 
 def test_config_file_command_line_and_defaults(tmp_path):
     config = tmp_path / "run.yaml"
-    config.write_text("num_layers: 8\nhidden_size: 64\nlime: true\nlime_router: last\n"
-                      "lime_router_window: 2\ndata_path: [0.3, data/a, 0.7, data/b]\n"
-                      "sequence_parallel: false\nlr: 1.0e-3\n")
-    args = parse_args(["--config", str(config), "--num-layers", "4", "--num-attention-heads", "4",
-                       "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "5"],
-                      world_size=2)
+    config.write_text(
+        "num_layers: 8\nhidden_size: 64\nlime: true\nlime_router: last\n"
+        "lime_router_window: 2\ndata_path: [0.3, data/a, 0.7, data/b]\n"
+        "sequence_parallel: false\nlr: 1.0e-3\n"
+    )
+    args = parse_args(
+        [
+            "--config",
+            str(config),
+            "--num-layers",
+            "4",
+            "--num-attention-heads",
+            "4",
+            "--seq-length",
+            "16",
+            "--micro-batch-size",
+            "2",
+            "--train-iters",
+            "5",
+        ],
+        world_size=2,
+    )
     assert (args.num_layers, args.hidden_size, args.lime, args.lime_router) == (4, 64, True, "last")
     assert args.data_path == ["0.3", "data/a", "0.7", "data/b"] and args.lr == 1e-3
     assert (args.data_parallel_size, args.global_batch_size, args.num_microbatches) == (2, 4, 1)
     assert args.lime_router_lr == arguments.PAPER_ROUTER_LR and args.lime_router_weight_decay == 0.0
     assert args.lr_decay_iters == 5 and args.split == "969,30,1"
-    rest = ["--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2",
-            "--train-iters", "5"]
+    rest = ["--num-attention-heads", "4", "--seq-length", "16", "--micro-batch-size", "2", "--train-iters", "5"]
     with pytest.raises(ArgumentsError, match="--lime-router, --lime-router-window only apply to LIMe"):
         parse_args(["--config", str(config), "--no-lime", *rest], world_size=1)
     config.write_text("num_layers: 8\nhidden_size: 64\nlime: true\nmock_data: true\nlr: 1.0e-3\n")
@@ -87,24 +105,52 @@ def test_config_file_command_line_and_defaults(tmp_path):
     assert real.data_path == ["data/x"] and not real.mock_data
 
 
-BASE = ["--num-layers", "4", "--hidden-size", "64", "--num-attention-heads", "4", "--seq-length",
-        "16", "--micro-batch-size", "2", "--train-iters", "10", "--lr", "1e-3", "--mock-data"]
+BASE = [
+    "--num-layers",
+    "4",
+    "--hidden-size",
+    "64",
+    "--num-attention-heads",
+    "4",
+    "--seq-length",
+    "16",
+    "--micro-batch-size",
+    "2",
+    "--train-iters",
+    "10",
+    "--lr",
+    "1e-3",
+    "--mock-data",
+]
 INVALID = [
     ([], 1, "missing required option.*--num-layers.*--lr"),
     (BASE + ["--sequence-parallel"], 1, "--sequence-parallel needs --tensor-model-parallel-size > 1"),
     (BASE + ["--tensor-model-parallel-size", "2"], 3, "world size 3 is not divisible"),
     (BASE + ["--global-batch-size", "6"], 2, "--global-batch-size 6 is not divisible by micro batch"),
     (BASE + ["--num-virtual-stages-per-pipeline-rank", "2"], 1, "virtual pipeline stages need"),
-    (BASE + ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
-             "--num-layers-per-virtual-pipeline-stage", "1"], 2, "give one of"),
+    (
+        BASE
+        + [
+            "--pipeline-model-parallel-size",
+            "2",
+            "--num-virtual-stages-per-pipeline-rank",
+            "2",
+            "--num-layers-per-virtual-pipeline-stage",
+            "1",
+        ],
+        2,
+        "give one of",
+    ),
     (BASE + ["--lime-router", "last"], 1, "only apply to LIMe: add --lime"),
     (BASE + ["--lime", "--lime-router", "first"], 1, "--lime-router first needs --lime-router-window"),
     (BASE + ["--lime", "--lime-router-window", "2"], 1, "applies to the last/first routers, not to full"),
-    (BASE + ["--lime", "--lime-router-weight-decay", "0.1", "--weight-decay", "0"], 1,
-     "needs --weight-decay > 0"),
+    (BASE + ["--lime", "--lime-router-weight-decay", "0.1", "--weight-decay", "0"], 1, "needs --weight-decay > 0"),
     (BASE + ["--lime", "--lime-prune-top-p", "0.9"], 1, "needs both --lime-prune-top-p and --lime-prune-iters"),
-    (BASE + ["--lime", "--lime-prune-top-p", "0.9", "--lime-prune-iters", "11"], 1,
-     r"--lime-prune-iters \[11\] are outside the run's iterations 1..10"),
+    (
+        BASE + ["--lime", "--lime-prune-top-p", "0.9", "--lime-prune-iters", "11"],
+        1,
+        r"--lime-prune-iters \[11\] are outside the run's iterations 1..10",
+    ),
     (BASE + ["--lime-prune-top-p", "0.9", "--lime-prune-iters", "2"], 1, "only apply to LIMe"),
     (BASE + ["--bf16", "--fp16"], 1, "choose one of --bf16 and --fp16"),
     (BASE + ["--fp8-format", "e4m3"], 1, "--fp8-format needs --transformer-impl transformer_engine"),
@@ -117,21 +163,38 @@ INVALID = [
     (BASE + ["--save-interval", "5"], 1, "--save-interval needs --save"),
     (BASE + ["--lr-warmup-iters", "10"], 1, "--lr-warmup-iters 10 must be smaller than the decay"),
     (BASE + ["--min-lr", "1"], 1, "--min-lr 1.0 must lie in"),
-    (BASE + ["--tensor-model-parallel-size", "3", "--num-attention-heads", "6"], 3,
-     "--make-vocab-size-divisible-by 128 must be divisible by --tensor-model-parallel-size 3"),
+    (
+        BASE + ["--tensor-model-parallel-size", "3", "--num-attention-heads", "6"],
+        3,
+        "--make-vocab-size-divisible-by 128 must be divisible by --tensor-model-parallel-size 3",
+    ),
     (BASE + ["--use-distributed-optimizer", "--optimizer", "sgd"], 1, "supports only --optimizer adam"),
     (BASE + ["--num-layers", "x"], 1, "command line: argument --num-layers: invalid int value"),
     (BASE + ["--lime-router", "middle"], 1, "invalid choice: 'middle'"),
     (BASE + ["--tokenizer-type", "NullTokenizer"], 1, "--tokenizer-type NullTokenizer needs --vocab-size"),
     (BASE + ["--use-pytorch-profiler"], 1, "--use-pytorch-profiler needs --profile"),
     (BASE + ["--profile", "--use-pytorch-profiler"], 1, "needs --profile-dir or --tensorboard-dir"),
-    (BASE + ["--profile", "--use-pytorch-profiler", "--profile-dir", "p", "--profile-step-start", "3",
-             "--profile-step-end", "3"], 1, "--profile-step-end 3 must be larger than --profile-step-start 3"),
+    (
+        BASE
+        + [
+            "--profile",
+            "--use-pytorch-profiler",
+            "--profile-dir",
+            "p",
+            "--profile-step-start",
+            "3",
+            "--profile-step-end",
+            "3",
+        ],
+        1,
+        "--profile-step-end 3 must be larger than --profile-step-start 3",
+    ),
 ]
 
 
-@pytest.mark.parametrize("argv, world_size, message", INVALID,
-                         ids=[f"{i}-{m.split()[0]}" for i, (_, _, m) in enumerate(INVALID)])
+@pytest.mark.parametrize(
+    "argv, world_size, message", INVALID, ids=[f"{i}-{m.split()[0]}" for i, (_, _, m) in enumerate(INVALID)]
+)
 def test_invalid_options_fail_with_one_clear_message(argv, world_size, message):
     if "--bf16" in argv and "--fp16" not in argv and torch.cuda.is_available():
         pytest.skip("bf16 is valid on GPU")
@@ -142,8 +205,10 @@ def test_invalid_options_fail_with_one_clear_message(argv, world_size, message):
 def test_gpu_only_options_fail_on_cpu():
     if torch.cuda.is_available():
         pytest.skip("CPU-only check")
-    for flags, message in ((["--fp16"], "--fp16 needs a CUDA GPU"),
-                           (["--transformer-impl", "transformer_engine"], "needs a CUDA GPU")):
+    for flags, message in (
+        (["--fp16"], "--fp16 needs a CUDA GPU"),
+        (["--transformer-impl", "transformer_engine"], "needs a CUDA GPU"),
+    ):
         with pytest.raises(ArgumentsError, match=message):
             parse_args(BASE + flags, world_size=1)
 
@@ -154,7 +219,7 @@ def test_bf16_command_line_run_trains_on_cpu_near_the_float32_run():
     flags = BASE + ["--lime", "--train-iters", "3", "--global-batch-size", "4"]
     fp32, bf16 = run(flags).losses, run(flags + ["--bf16"]).losses
     assert sorted(bf16) == sorted(fp32) == [1, 2, 3]
-    assert all(abs(bf16[i] - fp32[i]) <= 2.0 ** -9 * fp32[i] for i in fp32), (fp32, bf16)
+    assert all(abs(bf16[i] - fp32[i]) <= 2.0**-9 * fp32[i] for i in fp32), (fp32, bf16)
     assert bf16 != fp32  # the run did change precision
 
 
@@ -164,14 +229,17 @@ def test_invalid_model_shape_fails_at_start(capsys):
     assert "pretrain_lime.py: error: invalid model configuration" in error and "must divide" in error
 
 
-@pytest.mark.parametrize("content, message", [
-    ("num_layerz: 4\n", "unknown option 'num_layerz'"),
-    ("lime: yes please\n", "lime must be true or false"),
-    ("num_layers: [1, 2]\n", "num_layers takes one value"),
-    ("num_layers: four\n", "argument --num-layers: invalid int value: 'four'"),
-    ("- 1\n- 2\n", "must hold a mapping"),
-    ("a: [\n", "is not valid YAML"),
-])
+@pytest.mark.parametrize(
+    "content, message",
+    [
+        ("num_layerz: 4\n", "unknown option 'num_layerz'"),
+        ("lime: yes please\n", "lime must be true or false"),
+        ("num_layers: [1, 2]\n", "num_layers takes one value"),
+        ("num_layers: four\n", "argument --num-layers: invalid int value: 'four'"),
+        ("- 1\n- 2\n", "must hold a mapping"),
+        ("a: [\n", "is not valid YAML"),
+    ],
+)
 def test_config_file_errors(tmp_path, content, message):
     config = tmp_path / "bad.yaml"
     config.write_text(content)
@@ -192,17 +260,22 @@ def _groups(args):
 
 def test_router_group_is_distinct_or_merged():
     paper = parse_args(BASE + ["--lime", "--weight-decay", "0.1", "--min-lr", "1e-6"], world_size=1)
-    assert router_override(*_groups(paper)) == dict(wd_mult=0.0, max_lr=1e-2, min_lr=pytest.approx(1e-5),
-                                          lr_mult=pytest.approx(10.0))
+    assert router_override(*_groups(paper)) == dict(
+        wd_mult=0.0, max_lr=1e-2, min_lr=pytest.approx(1e-5), lr_mult=pytest.approx(10.0)
+    )
     # Same lr and no decay: exactly the no-weight-decay group's override, so megatron merges them
     # (a group differing only in max_lr would collide with it when a checkpoint is loaded).
     same_lr = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3"], world_size=1)
     assert router_override(*_groups(same_lr)) == param_group_overrides(*_groups(same_lr))[NO_WEIGHT_DECAY]
-    default = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.05",
-                                 "--lime-router-weight-decay", "0.05"], world_size=1)
+    default = parse_args(
+        BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.05", "--lime-router-weight-decay", "0.05"],
+        world_size=1,
+    )
     assert router_override(*_groups(default)) == {} and len(param_group_overrides(*_groups(default))) == 1
-    halved = parse_args(BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.1",
-                                "--lime-router-weight-decay", "0.05"], world_size=1)
+    halved = parse_args(
+        BASE + ["--lime", "--lime-router-lr", "1e-3", "--weight-decay", "0.1", "--lime-router-weight-decay", "0.05"],
+        world_size=1,
+    )
     assert router_override(*_groups(halved)) == {"wd_mult": 0.5}
 
 
@@ -215,8 +288,7 @@ def _param_groups(*flags) -> dict[str, dict]:
     """The trainer's optimizer group of each parameter (by name) of a tiny LIMe run."""
     from megatron.core.utils import unwrap_model
 
-    run = arguments.parse_run(TINY + ["--lime", "--weight-decay", "0.1", "--train-iters", "1", *flags],
-                              world_size=1)
+    run = arguments.parse_run(TINY + ["--lime", "--weight-decay", "0.1", "--train-iters", "1", *flags], world_size=1)
     with trainer.distributed(run):
         built = trainer.build_trainer(run)
         built.metrics.close()
@@ -263,10 +335,13 @@ def arithmetic_data(tmp_path_factory):
 
 
 def test_loss_decreases_on_the_main_jobs_data(arithmetic_data, tmp_path):
-    result = run(main_job.TRAINER_OPTIONS, main_job.trainer_data_flags(arithmetic_data),
-                 "--lime --train-iters 20 --global-batch-size 16 --lr-warmup-iters 5 "
-                 "--eval-interval 20 --eval-iters 1".split(),
-                 "--metrics-file", tmp_path / "m.jsonl")
+    result = run(
+        main_job.TRAINER_OPTIONS,
+        main_job.trainer_data_flags(arithmetic_data),
+        "--lime --train-iters 20 --global-batch-size 16 --lr-warmup-iters 5 --eval-interval 20 --eval-iters 1".split(),
+        "--metrics-file",
+        tmp_path / "m.jsonl",
+    )
     losses = [result.losses[i] for i in sorted(result.losses)]
     # From log(vocabulary) (random guessing) to clearly below: ~4.2 -> ~3.3 nats in 20 steps.
     assert len(losses) == 20 and losses[0] > 3.5
@@ -288,8 +363,19 @@ def uninterrupted(tmp_path_factory):
 def test_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
     reference, reference_records = uninterrupted
     save = tmp_path / "ckpt"
-    flags = [RESUMABLE, "--save", save, "--load", save, "--save-interval", "2", "--ckpt-keep-last",
-             "2", "--metrics-file", tmp_path / "m.jsonl"]
+    flags = [
+        RESUMABLE,
+        "--save",
+        save,
+        "--load",
+        save,
+        "--save-interval",
+        "2",
+        "--ckpt-keep-last",
+        "2",
+        "--metrics-file",
+        tmp_path / "m.jsonl",
+    ]
     first = run(flags, "--exit-interval", "3")
     assert sorted(first.losses) == [1, 2, 3] and published_iterations(save) == [2, 3]
     (save / "iter_0000004.tmp").mkdir()  # a save that was killed half-way
@@ -386,16 +472,22 @@ def _break(root: Path, how: str) -> None:
             shard.write_bytes(shard.read_bytes()[:100])
 
 
-@pytest.mark.parametrize("how, flags, message", [
-    ("tracker", [], "corrupt checkpoint tracker .*found 'latest'"),
-    ("missing", [], "names iteration 7, but .*iter_0000007 does not exist"),
-    ("incomplete", [], "is not a complete checkpoint"),
-    ("truncated", [], "cannot load checkpoint .*iter_0000001"),
-    (None, ["--vocab-size", "200"], "vocabulary mismatch: .*128 tokens, padded 128.*200 tokens, padded 256"),
-    (None, ["--num-layers", "2", "--hidden-size", "32"],
-     "model shape mismatch.*num_layers 4 vs 2, hidden_size 64 vs 32"),
-    (None, ["--use-distributed-optimizer"], "state of the regular optimizer, this run uses the distributed"),
-])
+@pytest.mark.parametrize(
+    "how, flags, message",
+    [
+        ("tracker", [], "corrupt checkpoint tracker .*found 'latest'"),
+        ("missing", [], "names iteration 7, but .*iter_0000007 does not exist"),
+        ("incomplete", [], "is not a complete checkpoint"),
+        ("truncated", [], "cannot load checkpoint .*iter_0000001"),
+        (None, ["--vocab-size", "200"], "vocabulary mismatch: .*128 tokens, padded 128.*200 tokens, padded 256"),
+        (
+            None,
+            ["--num-layers", "2", "--hidden-size", "32"],
+            "model shape mismatch.*num_layers 4 vs 2, hidden_size 64 vs 32",
+        ),
+        (None, ["--use-distributed-optimizer"], "state of the regular optimizer, this run uses the distributed"),
+    ],
+)
 def test_bad_checkpoints_fail_with_one_clear_message(checkpoint, tmp_path, capsys, how, flags, message):
     root = tmp_path / "ckpt"
     shutil.copytree(checkpoint, root)
@@ -419,8 +511,15 @@ def test_missing_checkpoint_and_data(tmp_path, checkpoint):
     with pytest.raises(DataError, match="data path '.*nothing': .*nothing.bin and .*nothing.idx not found"):
         run(argv, "--data-path", tmp_path / "nothing")
     with pytest.raises(DataError, match="cannot build the SentencePieceTokenizer tokenizer"):
-        run(argv, "--data-path", tmp_path / "nothing", "--tokenizer-type", "SentencePieceTokenizer",
-            "--tokenizer-model", tmp_path / "none.model")
+        run(
+            argv,
+            "--data-path",
+            tmp_path / "nothing",
+            "--tokenizer-type",
+            "SentencePieceTokenizer",
+            "--tokenizer-model",
+            tmp_path / "none.model",
+        )
 
 
 def test_finetune_and_pretrained_checkpoint(tmp_path, checkpoint):
@@ -450,9 +549,18 @@ def test_finetune_and_pretrained_checkpoint(tmp_path, checkpoint):
 def test_tensorboard_wandb_and_metrics_file(tmp_path, monkeypatch):
     monkeypatch.setenv("WANDB_MODE", "offline")
     monkeypatch.setenv("WANDB_SILENT", "true")
-    result = run(TINY, "--train-iters 3 --eval-iters 1 --eval-interval 2 --log-interval 1".split(),
-                 "--tensorboard-dir", tmp_path / "tb", "--wandb-project", "lime-test",
-                 "--wandb-save-dir", tmp_path / "wandb", "--metrics-file", tmp_path / "m.jsonl")
+    result = run(
+        TINY,
+        "--train-iters 3 --eval-iters 1 --eval-interval 2 --log-interval 1".split(),
+        "--tensorboard-dir",
+        tmp_path / "tb",
+        "--wandb-project",
+        "lime-test",
+        "--wandb-save-dir",
+        tmp_path / "wandb",
+        "--metrics-file",
+        tmp_path / "m.jsonl",
+    )
     records = metrics(tmp_path / "m.jsonl")
     assert [r["iteration"] for r in records] == [1, 2, 3]
     assert {"iteration", "lm_loss", "lr", "grad_norm", "tokens_per_sec"} <= set(records[0])
@@ -471,8 +579,9 @@ def test_null_tokenizer_is_megatrons_mock_data_vocabulary():
     tokenizer = tokenizer_of(run.data, run.model.vocab_size)
     assert (tokenizer.unpadded_vocab_size, tokenizer.vocab_size, tokenizer.eod) == (100, 128, 99)
     # pre-tokenized real data with a known vocabulary
-    real = arguments.parse_run(BASE[:-1] + ["--data-path", "data/x", "--tokenizer-type", "NullTokenizer",
-                                            "--vocab-size", "64"], world_size=1)
+    real = arguments.parse_run(
+        BASE[:-1] + ["--data-path", "data/x", "--tokenizer-type", "NullTokenizer", "--vocab-size", "64"], world_size=1
+    )
     assert real.data.data_path == ["data/x"] and tokenizer_of(real.data, real.model.vocab_size).vocab_size == 128
 
 
@@ -484,8 +593,12 @@ def test_profile_without_the_pytorch_profiler_needs_a_gpu():
 
 
 def test_pytorch_profiler_traces_the_window_and_throughput_is_logged_on_request(tmp_path, capsys):
-    run(TINY, "--tokenizer-type NullTokenizer --train-iters 3 --log-interval 1 --profile --use-pytorch-profiler "
-              "--profile-step-start 1 --profile-step-end 2 --profile-dir".split(), tmp_path / "profile")
+    run(
+        TINY,
+        "--tokenizer-type NullTokenizer --train-iters 3 --log-interval 1 --profile --use-pytorch-profiler "
+        "--profile-step-start 1 --profile-step-end 2 --profile-dir".split(),
+        tmp_path / "profile",
+    )
     [trace] = (tmp_path / "profile").iterdir()
     assert trace.name == "rank0.iterations2-2.pt.trace.json"
     events = json.loads(trace.read_text())["traceEvents"]
@@ -501,9 +614,24 @@ def test_dry_run_needs_no_distributed(capsys, monkeypatch):
         raise AssertionError("the dry run must not start torch.distributed")
 
     monkeypatch.setattr(torch.distributed, "init_process_group", refuse)
-    assert trainer.main(BASE[:-1] + ["--lime", "--dry-run", "--tensor-model-parallel-size", "2",
-                                      "--pipeline-model-parallel-size", "2", "--vocab-size", "96",
-                                      "--global-batch-size", "8"]) == 0
+    assert (
+        trainer.main(
+            BASE[:-1]
+            + [
+                "--lime",
+                "--dry-run",
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--vocab-size",
+                "96",
+                "--global-batch-size",
+                "8",
+            ]
+        )
+        == 0
+    )
     report = capsys.readouterr().out
     assert "TP 2, PP 2" in report and "parameters" in report
 
@@ -518,8 +646,24 @@ def test_main_job_end_to_end(tmp_path):
     import subprocess
 
     completed = subprocess.run(
-        [sys.executable, "-m", "lime_megatron", "--output-dir", str(tmp_path), "--train-iters", "8",
-         "--num-samples", "2000", "--test-samples", "40"], cwd=ROOT, capture_output=True, text=True, timeout=600)
+        [
+            sys.executable,
+            "-m",
+            "lime_megatron",
+            "--output-dir",
+            str(tmp_path),
+            "--train-iters",
+            "8",
+            "--num-samples",
+            "2000",
+            "--test-samples",
+            "40",
+        ],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     assert completed.returncode == 0, completed.stderr[-3000:]
     assert "LIMe - LLaMA validation loss" in completed.stdout
     assert (tmp_path / "loss.png").stat().st_size > 0 and (tmp_path / "accuracy.png").stat().st_size > 0
@@ -535,10 +679,17 @@ def test_main_job_end_to_end(tmp_path):
 
 
 def test_constant_answer_baseline_of_the_main_jobs_table():
-    train = [{"num_operands": 2, "answer": 1}] * 3 + [{"num_operands": 2, "answer": 5},
-                                                        {"num_operands": 3, "answer": 7}]
-    test = [{"num_operands": 2, "answer": 1}, {"num_operands": 2, "answer": 4}, {"num_operands": 2, "answer": 5},
-            {"num_operands": 3, "answer": 7}, {"num_operands": 3, "answer": 8}]
+    train = [{"num_operands": 2, "answer": 1}] * 3 + [
+        {"num_operands": 2, "answer": 5},
+        {"num_operands": 3, "answer": 7},
+    ]
+    test = [
+        {"num_operands": 2, "answer": 1},
+        {"num_operands": 2, "answer": 4},
+        {"num_operands": 2, "answer": 5},
+        {"num_operands": 3, "answer": 7},
+        {"num_operands": 3, "answer": 8},
+    ]
     assert main_job.constant_answer_accuracy(train, test) == {2: (1, 1 / 3), 3: (7, 0.5)}
 
 
@@ -547,21 +698,37 @@ def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figur
     from lime_megatron.training.metrics import IterationMetrics, console_line
 
     def config(*flags):
-        return arguments.transformer_config(arguments.parse_run(BASE + ["--global-batch-size", "8", *flags],
-                                                                world_size=1))
+        return arguments.transformer_config(
+            arguments.parse_run(BASE + ["--global-batch-size", "8", *flags], world_size=1)
+        )
 
     lime, baseline = config("--lime"), config()
-    extra = (flops.training_flops_per_iteration(lime, 16, 128, 8)
-             - flops.training_flops_per_iteration(baseline, 16, 128, 8))
+    extra = flops.training_flops_per_iteration(lime, 16, 128, 8) - flops.training_flops_per_iteration(
+        baseline, 16, 128, 8
+    )
     # BASE: 4 layers, 4 heads of dim 16, no GQA. Full router: layer l >= 1 mixes l + 1 sources, 2 + 3 + 4 = 9;
     # per token and source, keys and values: 2 * (4 x 4 weights x 16 dims) multiply-adds, 2 FLOPs each;
     # 3x forward over 8 sequences of 16 tokens.
     assert extra == 3 * 8 * 16 * 9 * 2 * 4 * 4 * 16 * 2
-    line = console_line(IterationMetrics(iteration=5, lm_loss=2.5, lr=1e-3, grad_norm=0.5,
-                                         tokens_per_sec=1234.0, router_lr=1e-2, tflops_per_gpu=400.0,
-                                         mfu=0.4, loss_scale=1024.0), 10, throughput=True)
-    assert ("iteration       5/     10 | lm loss 2.500000E+00 | lr 1.000E-03 | router lr 1.000E-02 | "
-            "grad norm 0.500 | tokens/s 1,234 | TFLOP/s/GPU 400.0 | MFU 40.0% | loss scale 1024.0") in line
+    line = console_line(
+        IterationMetrics(
+            iteration=5,
+            lm_loss=2.5,
+            lr=1e-3,
+            grad_norm=0.5,
+            tokens_per_sec=1234.0,
+            router_lr=1e-2,
+            tflops_per_gpu=400.0,
+            mfu=0.4,
+            loss_scale=1024.0,
+        ),
+        10,
+        throughput=True,
+    )
+    assert (
+        "iteration       5/     10 | lm loss 2.500000E+00 | lr 1.000E-03 | router lr 1.000E-02 | "
+        "grad norm 0.500 | tokens/s 1,234 | TFLOP/s/GPU 400.0 | MFU 40.0% | loss scale 1024.0"
+    ) in line
 
 
 def test_overlap_p2p_communication_default_and_refusal():
@@ -570,7 +737,8 @@ def test_overlap_p2p_communication_default_and_refusal():
     config = arguments.transformer_config(arguments.parse_run(interleaved, world_size=2))
     assert config.overlap_p2p_comm and not config.batch_p2p_comm  # megatron: one or the other
     off = arguments.transformer_config(
-        arguments.parse_run(interleaved + ["--no-overlap-p2p-communication"], world_size=2))
+        arguments.parse_run(interleaved + ["--no-overlap-p2p-communication"], world_size=2)
+    )
     assert not off.overlap_p2p_comm and off.batch_p2p_comm  # megatron's GPU default, on CPU too
     plain = arguments.transformer_config(arguments.parse_run(layout, world_size=2))
     assert not plain.overlap_p2p_comm and plain.batch_p2p_comm and plain.batch_p2p_sync

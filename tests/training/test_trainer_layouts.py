@@ -24,11 +24,15 @@ from lime_megatron.training.checkpointing import published_iterations
 ROOT = Path(__file__).resolve().parents[2]
 TOLERANCE = 1e-5  # absolute, on the mean loss per token
 # LIMe, 4 layers, 4 microbatches of 2 per iteration (8 samples), its own router schedule.
-LIME = ("--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
-        "--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data "
-        "--vocab-size 128 --log-interval 100 --eval-iters 0 --lime --train-iters 6").split()
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+LIME = (
+    "--num-layers 4 --hidden-size 64 --num-attention-heads 4 --num-query-groups 2 "
+    "--seq-length 32 --micro-batch-size 2 --global-batch-size 8 --lr 1e-3 --mock-data "
+    "--vocab-size 128 --log-interval 100 --eval-iters 0 --lime --train-iters 6"
+).split()
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 
 def _train_runs(runs: list) -> list:
@@ -47,11 +51,14 @@ def reference(tmp_path_factory):
     """Single process: the uninterrupted losses (iterations 1-6) and checkpoints after
     iteration 1 with the regular (``regular``) and the distributed (``distributed``) optimizer."""
     root = tmp_path_factory.mktemp("reference")
-    uninterrupted, *_ = _launch(1, [
-        LIME,
-        LIME + ["--save", root / "regular", "--exit-interval", "1"],
-        LIME + ["--save", root / "distributed", "--exit-interval", "1", "--use-distributed-optimizer"],
-    ])
+    uninterrupted, *_ = _launch(
+        1,
+        [
+            LIME,
+            LIME + ["--save", root / "regular", "--exit-interval", "1"],
+            LIME + ["--save", root / "distributed", "--exit-interval", "1", "--use-distributed-optimizer"],
+        ],
+    )
     return uninterrupted, root
 
 
@@ -64,18 +71,40 @@ def _assert_same_losses(got: dict, expected: dict, iterations) -> None:
 CASES = {
     "default": [
         # (id, flags, checkpoint to start from or None, first iteration)
-        ("tp2-pp2-from-tp1-pp1-checkpoint",
-         ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"], "regular", 2),
-        ("tp2-sp-dp2-from-scratch",
-         ["--tensor-model-parallel-size", "2", "--sequence-parallel"], None, 1),
+        (
+            "tp2-pp2-from-tp1-pp1-checkpoint",
+            ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2"],
+            "regular",
+            2,
+        ),
+        ("tp2-sp-dp2-from-scratch", ["--tensor-model-parallel-size", "2", "--sequence-parallel"], None, 1),
     ],
     "slow": [
-        ("pp2-vpp2-dp2-distributed-optimizer-from-checkpoint",
-         ["--pipeline-model-parallel-size", "2", "--num-virtual-stages-per-pipeline-rank", "2",
-          "--use-distributed-optimizer"], "distributed", 2),
-        ("pp2-uneven-dp2-from-checkpoint",
-         ["--pipeline-model-parallel-size", "2", "--decoder-first-pipeline-num-layers", "1",
-          "--decoder-last-pipeline-num-layers", "3"], "regular", 2),
+        (
+            "pp2-vpp2-dp2-distributed-optimizer-from-checkpoint",
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--num-virtual-stages-per-pipeline-rank",
+                "2",
+                "--use-distributed-optimizer",
+            ],
+            "distributed",
+            2,
+        ),
+        (
+            "pp2-uneven-dp2-from-checkpoint",
+            [
+                "--pipeline-model-parallel-size",
+                "2",
+                "--decoder-first-pipeline-num-layers",
+                "1",
+                "--decoder-last-pipeline-num-layers",
+                "3",
+            ],
+            "regular",
+            2,
+        ),
         ("llama-tp2-dp2-from-scratch", ["--tensor-model-parallel-size", "2", "--no-lime"], None, 1),
     ],
 }
@@ -89,8 +118,7 @@ def launched(reference):
 
     def results(group):
         if group not in cache:
-            runs = [LIME + flags + (["--load", root / ckpt] if ckpt else [])
-                    for _, flags, ckpt, _ in CASES[group]]
+            runs = [LIME + flags + (["--load", root / ckpt] if ckpt else []) for _, flags, ckpt, _ in CASES[group]]
             cache[group] = dict(zip([case[0] for case in CASES[group]], _launch(4, runs)))
         return cache[group]
 
@@ -100,7 +128,8 @@ def launched(reference):
 @pytest.mark.parametrize(
     "group, case",
     [pytest.param("default", case, id=case[0]) for case in CASES["default"]]
-    + [pytest.param("slow", case, id=case[0], marks=pytest.mark.slow) for case in CASES["slow"]])
+    + [pytest.param("slow", case, id=case[0], marks=pytest.mark.slow) for case in CASES["slow"]],
+)
 def test_layout_reproduces_the_single_process_losses(reference, launched, group, case):
     uninterrupted, _ = reference
     name, flags, _, first = case
@@ -115,8 +144,24 @@ def test_layout_reproduces_the_single_process_losses(reference, launched, group,
 def test_checkpoint_from_tp2_pp2_resumes_in_one_process(reference, tmp_path):
     uninterrupted, root = reference
     save = tmp_path / "tp2pp2"
-    _launch(4, [LIME + ["--tensor-model-parallel-size", "2", "--pipeline-model-parallel-size", "2",
-                        "--load", root / "regular", "--save", save, "--exit-interval", "4"]])
+    _launch(
+        4,
+        [
+            LIME
+            + [
+                "--tensor-model-parallel-size",
+                "2",
+                "--pipeline-model-parallel-size",
+                "2",
+                "--load",
+                root / "regular",
+                "--save",
+                save,
+                "--exit-interval",
+                "4",
+            ]
+        ],
+    )
     resumed = _launch(1, [LIME + ["--load", save]])[0]
     _assert_same_losses(resumed, uninterrupted, range(5, 7))
 
@@ -127,9 +172,25 @@ def test_sigterm_to_one_torchrun_rank_stops_every_rank_with_a_checkpoint(referen
     save, path = tmp_path / "ckpt", tmp_path / "metrics.jsonl"
     flags = [str(a) for a in LIME + ["--pipeline-model-parallel-size", "2", "--train-iters", "200"]]
     launcher = subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
-         "pretrain_lime.py", *flags, "--save", str(save), "--metrics-file", str(path)],
-        cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--standalone",
+            "--nproc-per-node",
+            "2",
+            "pretrain_lime.py",
+            *flags,
+            "--save",
+            str(save),
+            "--metrics-file",
+            str(path),
+        ],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
     deadline = time.monotonic() + 300
     while (not path.exists() or not path.read_text()) and time.monotonic() < deadline:
         assert launcher.poll() is None, launcher.stdout.read()

@@ -24,12 +24,16 @@ from lime_megatron.training import arguments, trainer
 from lime_megatron.training.run_config import GROUPS, transformer_field
 
 # megatron-core's notices on CPU (no apex/TE, deprecated defaults) repeat for every model built.
-pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),
-              pytest.mark.filterwarnings("ignore::DeprecationWarning")]
+pytestmark = [
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+]
 
 VOCAB = 128
-BASE = (f"--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
-        f"--train-iters 2 --lr 1e-3 --mock-data --vocab-size {VOCAB}").split()
+BASE = (
+    f"--num-layers 4 --hidden-size 64 --num-attention-heads 4 --seq-length 16 --micro-batch-size 1 "
+    f"--train-iters 2 --lr 1e-3 --mock-data --vocab-size {VOCAB}"
+).split()
 PIPELINE = ["--pipeline-model-parallel-size", "2"]
 INTERLEAVED = ["--num-layers", "8", *PIPELINE, "--num-virtual-stages-per-pipeline-rank", "2"]
 TE = ["--dry-run", "--transformer-impl", "transformer_engine"]  # the dry run checks no GPU
@@ -49,31 +53,72 @@ CASES = [  # flags added to BASE, world size -> the config fields they set, with
     ([*TE, "--attention-backend", "flash"], 1, dict(attention_backend=AttnBackend.flash)),
     (["--init-style", "official"], 1, dict(init_style="official")),
     (["--seed", "7"], 1, dict(init_seed=7)),
-    (["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"], 1,
-     dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)),
-    (["--hyper-connections", "2", "--hyper-connections-static"], 1,
-     dict(hyper_connections=2, hyper_connections_static=True)),
-    (["--hyper-connections", "2", "--hyper-connections-manifold", "--hyper-connections-sinkhorn-iterations", "5"], 1,
-     dict(hyper_connections_manifold=True, hyper_connections_sinkhorn_iterations=5)),
+    (
+        ["--recompute-granularity", "full", "--recompute-method", "uniform", "--recompute-num-layers", "2"],
+        1,
+        dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2),
+    ),
+    (
+        ["--hyper-connections", "2", "--hyper-connections-static"],
+        1,
+        dict(hyper_connections=2, hyper_connections_static=True),
+    ),
+    (
+        ["--hyper-connections", "2", "--hyper-connections-manifold", "--hyper-connections-sinkhorn-iterations", "5"],
+        1,
+        dict(hyper_connections_manifold=True, hyper_connections_sinkhorn_iterations=5),
+    ),
     (["--lime"], 1, dict(lime=True)),
-    (["--lime", "--lime-router", "last", "--lime-router-window", "2"], 1,
-     dict(lime_router="last", lime_router_window=2)),
+    (
+        ["--lime", "--lime-router", "last", "--lime-router-window", "2"],
+        1,
+        dict(lime_router="last", lime_router_window=2),
+    ),
     (["--lime", "--lime-routing-block", "2"], 1, dict(lime_routing_block=2)),
     (["--lime", "--lime-machine", "h100"], 1, dict(lime_machine="h100")),
     (["--lime", "--lime-recompute-routed-kv"], 1, dict(lime_recompute_routed_kv=True)),
     (["--lime", "--lime-prune-top-p", "0.5", "--lime-prune-iters", "1"], 1, dict(lime_prune_top_p=0.5)),
-    (["--tensor-model-parallel-size", "2", "--sequence-parallel"], 2,
-     dict(tensor_model_parallel_size=2, sequence_parallel=True)),
-    (INTERLEAVED, 2, dict(pipeline_model_parallel_size=2, virtual_pipeline_model_parallel_size=2,
-                          overlap_p2p_comm=True, batch_p2p_comm=False)),
+    (
+        ["--tensor-model-parallel-size", "2", "--sequence-parallel"],
+        2,
+        dict(tensor_model_parallel_size=2, sequence_parallel=True),
+    ),
+    (
+        INTERLEAVED,
+        2,
+        dict(
+            pipeline_model_parallel_size=2,
+            virtual_pipeline_model_parallel_size=2,
+            overlap_p2p_comm=True,
+            batch_p2p_comm=False,
+        ),
+    ),
     ([*PIPELINE, "--decoder-first-pipeline-num-layers", "1"], 2, dict(num_layers_in_first_pipeline_stage=1)),
     ([*PIPELINE, "--decoder-last-pipeline-num-layers", "1"], 2, dict(num_layers_in_last_pipeline_stage=1)),
-    (["--bf16"], 1, dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16,
-                         autocast_dtype=torch.bfloat16)),
+    (
+        ["--bf16"],
+        1,
+        dict(bf16=True, params_dtype=torch.bfloat16, pipeline_dtype=torch.bfloat16, autocast_dtype=torch.bfloat16),
+    ),
     (["--dry-run", "--fp16"], 1, dict(fp16=True, params_dtype=torch.float16)),
-    ([*TE, "--bf16", "--fp8-format", "hybrid", "--fp8-recipe", "tensorwise", "--fp8-margin", "1",
-      "--fp8-amax-history-len", "16", "--fp8-amax-compute-algo", "max"], 1,
-     dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_margin=1, fp8_amax_history_len=16, fp8_amax_compute_algo="max")),
+    (
+        [
+            *TE,
+            "--bf16",
+            "--fp8-format",
+            "hybrid",
+            "--fp8-recipe",
+            "tensorwise",
+            "--fp8-margin",
+            "1",
+            "--fp8-amax-history-len",
+            "16",
+            "--fp8-amax-compute-algo",
+            "max",
+        ],
+        1,
+        dict(fp8="hybrid", fp8_recipe="tensorwise", fp8_margin=1, fp8_amax_history_len=16, fp8_amax_compute_algo="max"),
+    ),
     (["--dry-run", "--sft"], 1, dict(calculate_per_token_loss=True)),
 ]
 
@@ -94,15 +139,20 @@ def model_of(flags: list[str]):
     """The model the trainer builds for the run of ``BASE + flags`` (one process, one chunk), unwrapped."""
     run = arguments.parse_run(BASE + flags, world_size=1)
     with trainer.distributed(run):
-        (chunk,) = trainer.build_model_chunks(arguments.transformer_config(run), VOCAB, run.model.max_sequence_length,
-                                              seq_length=run.model.seq_length)
+        (chunk,) = trainer.build_model_chunks(
+            arguments.transformer_config(run), VOCAB, run.model.max_sequence_length, seq_length=run.model.seq_length
+        )
     return unwrap_model(chunk)
 
 
 def declared_fields() -> dict[str, str]:
     """The ``TransformerConfig`` field of each run option that declares one, by option name."""
-    return {spec.name: transformer_field(spec) for group in GROUPS.values() for spec in dataclasses.fields(group)
-            if transformer_field(spec)}
+    return {
+        spec.name: transformer_field(spec)
+        for group in GROUPS.values()
+        for spec in dataclasses.fields(group)
+        if transformer_field(spec)
+    }
 
 
 @pytest.mark.parametrize("flags,world_size,expected", CASES, ids=[" ".join(case[0]) for case in CASES])
@@ -142,11 +192,14 @@ def test_lime_option_defaults_are_the_configs_or_unset():
     assert routing_machine(config_of(["--lime", "--lime-machine", "h100"])) is MACHINES["h100"]
 
 
-@pytest.mark.parametrize("flags,sources", [
-    (["--lime"], [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]),
-    (["--lime", "--lime-router", "last", "--lime-router-window", "2"], [[0], [0, 1], [1, 2], [2, 3]]),
-    (["--lime", "--lime-router", "first", "--lime-router-window", "1"], [[0], [0, 1], [0, 2], [0, 3]]),
-])
+@pytest.mark.parametrize(
+    "flags,sources",
+    [
+        (["--lime"], [[0], [0, 1], [0, 1, 2], [0, 1, 2, 3]]),
+        (["--lime", "--lime-router", "last", "--lime-router-window", "2"], [[0], [0, 1], [1, 2], [2, 3]]),
+        (["--lime", "--lime-router", "first", "--lime-router-window", "1"], [[0], [0, 1], [0, 2], [0, 3]]),
+    ],
+)
 def test_router_options_reach_the_models_routers(flags, sources):
     routers = [layer.self_attention.router for layer in model_of(flags).decoder.layers]
     assert [router.sources for router in routers] == sources
@@ -155,8 +208,18 @@ def test_router_options_reach_the_models_routers(flags, sources):
 def test_lime_options_reach_the_model():
     lime = model_of(["--lime"])
     assert not any(hasattr(layer.self_attention, "router") for layer in model_of([]).decoder.layers)
-    model = model_of(["--lime", "--lime-routing-block", "3", "--lime-recompute-routed-kv", "--lime-prune-top-p",
-                      "0.5", "--lime-prune-iters", "1"])
+    model = model_of(
+        [
+            "--lime",
+            "--lime-routing-block",
+            "3",
+            "--lime-recompute-routed-kv",
+            "--lime-prune-top-p",
+            "0.5",
+            "--lime-prune-iters",
+            "1",
+        ]
+    )
     routers = [layer.self_attention.router for layer in model.decoder.layers]
     assert model.routing_block == 3 != lime.routing_block
     assert [router.prunable for router in routers] == [False, True, True, True]  # layer 0 routes by identity
@@ -168,14 +231,18 @@ def test_lime_options_reach_the_model():
 def test_hyper_connection_options_reach_the_model():
     static = model_of(["--hyper-connections", "2", "--hyper-connections-static"])
     assert {(hc.streams, hc.dynamic) for hc in static.modules() if isinstance(hc, HyperConnection)} == {(2, False)}
-    manifold = model_of(["--hyper-connections", "3", "--hyper-connections-manifold",
-                         "--hyper-connections-sinkhorn-iterations", "5"])
-    assert {(hc.streams, hc.iterations) for hc in manifold.modules()
-            if isinstance(hc, ManifoldHyperConnection)} == {(3, 5)}
+    manifold = model_of(
+        ["--hyper-connections", "3", "--hyper-connections-manifold", "--hyper-connections-sinkhorn-iterations", "5"]
+    )
+    assert {(hc.streams, hc.iterations) for hc in manifold.modules() if isinstance(hc, ManifoldHyperConnection)} == {
+        (3, 5)
+    }
 
 
 def test_initialisation_options_reach_the_models_weights():
     # the attention output projection: another seed draws other values, the official style unscaled ones
-    default, seeded, official = [model_of(flags).decoder.layers[0].self_attention.linear_proj.weight
-                                 for flags in ([], ["--seed", "7"], ["--init-style", "official"])]
+    default, seeded, official = [
+        model_of(flags).decoder.layers[0].self_attention.linear_proj.weight
+        for flags in ([], ["--seed", "7"], ["--init-style", "official"])
+    ]
     assert not torch.equal(default, seeded) and not torch.equal(default, official)

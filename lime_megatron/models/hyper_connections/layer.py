@@ -32,8 +32,17 @@ from megatron.core.utils import make_viewless_tensor
 
 from lime_megatron.models.hyper_connections.connection import HyperConnection
 
-ATTENTION_ARGUMENTS = ("attention_mask", "inference_context", "rotary_pos_emb", "rotary_pos_cos", "rotary_pos_sin",
-                       "rotary_pos_cos_sin", "attention_bias", "packed_seq_params", "sequence_len_offset")
+ATTENTION_ARGUMENTS = (
+    "attention_mask",
+    "inference_context",
+    "rotary_pos_emb",
+    "rotary_pos_cos",
+    "rotary_pos_sin",
+    "rotary_pos_cos_sin",
+    "attention_bias",
+    "packed_seq_params",
+    "sequence_len_offset",
+)
 """The keyword arguments megatron's block hands a layer that its self-attention takes."""
 
 

@@ -78,8 +78,7 @@ class ManifoldHyperConnection(torch.nn.Module):
         streams, hidden = config.hyper_connections, config.hidden_size
         self.streams, self.iterations = streams, config.hyper_connections_sinkhorn_iterations
         dtype = config.params_dtype
-        self.mapping_proj = torch.nn.Linear(streams * hidden, streams * streams + 2 * streams, bias=False,
-                                            dtype=dtype)
+        self.mapping_proj = torch.nn.Linear(streams * hidden, streams * streams + 2 * streams, bias=False, dtype=dtype)
         self.alpha_pre = torch.nn.Parameter(torch.empty(1, dtype=dtype))
         self.alpha_post = torch.nn.Parameter(torch.empty(1, dtype=dtype))
         self.alpha_res = torch.nn.Parameter(torch.empty(1, dtype=dtype))
@@ -113,8 +112,8 @@ class ManifoldHyperConnection(torch.nn.Module):
         gates = torch.cat([self.alpha_pre.expand(n), self.alpha_post.expand(n), self.alpha_res.expand(n * n)])
         mixes = inverse_rms * (flat @ self.mapping_proj.weight.to(dtype).t()) * gates.to(dtype) + self.bias.to(dtype)
         pre = torch.sigmoid(mixes[..., :n]) + EPS
-        post = 2.0 * torch.sigmoid(mixes[..., n:2 * n])
-        res = RecomputedSinkhorn.apply(mixes[..., 2 * n:].unflatten(-1, (n, n)), self.iterations)
+        post = 2.0 * torch.sigmoid(mixes[..., n : 2 * n])
+        res = RecomputedSinkhorn.apply(mixes[..., 2 * n :].unflatten(-1, (n, n)), self.iterations)
         return pre.to(streams.dtype), post.to(streams.dtype), res.to(streams.dtype)
 
     def forward(self, streams: torch.Tensor, sublayer: Callable[[torch.Tensor], torch.Tensor]) -> torch.Tensor:

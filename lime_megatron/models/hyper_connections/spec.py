@@ -35,8 +35,9 @@ from lime_megatron.models.hyper_connections.layer import (
 from lime_megatron.models.hyper_connections.manifold import ManifoldHyperConnection
 
 
-def hyper_connection_layer_spec(transformer_impl: str, baseline: Callable[[], ModuleSpec],
-                                manifold: bool = False) -> ModuleSpec:
+def hyper_connection_layer_spec(
+    transformer_impl: str, baseline: Callable[[], ModuleSpec], manifold: bool = False
+) -> ModuleSpec:
     """The Hyper-Connections layer built from megatron's baseline layer spec (``baseline()``) for
     ``transformer_impl`` (``local`` or ``transformer_engine``); ``manifold``: mHC."""
     submodules = baseline().submodules
@@ -53,8 +54,10 @@ def hyper_connection_layer_spec(transformer_impl: str, baseline: Callable[[], Mo
 
 def _hyper_connection_layer(submodules: dict, connection: type) -> ModuleSpec:
     """``HyperConnectionTransformerLayer`` of megatron's layer ``submodules`` and two ``connection``s."""
-    return ModuleSpec(module=HyperConnectionTransformerLayer,
-                      submodules=HyperConnectionLayerSubmodules(**submodules, hc_attn=connection, hc_mlp=connection))
+    return ModuleSpec(
+        module=HyperConnectionTransformerLayer,
+        submodules=HyperConnectionLayerSubmodules(**submodules, hc_attn=connection, hc_mlp=connection),
+    )
 
 
 def without_fused_norm(spec: ModuleSpec | partial, linear: str, model: str) -> ModuleSpec | partial:
@@ -71,8 +74,10 @@ def without_fused_norm(spec: ModuleSpec | partial, linear: str, model: str) -> M
     submodules = spec.keywords["submodules"] if isinstance(spec, partial) else spec.submodules
     fused = getattr(submodules, linear)
     if fused is not TELayerNormColumnParallelLinear:
-        raise LimeConfigError(f"{model} needs TransformerEngine's norm-fused {linear} in megatron's "
-                              f"spec, found {getattr(fused, '__name__', fused)!r}")
+        raise LimeConfigError(
+            f"{model} needs TransformerEngine's norm-fused {linear} in megatron's "
+            f"spec, found {getattr(fused, '__name__', fused)!r}"
+        )
     submodules = dataclasses.replace(submodules, **{linear: TEColumnParallelLinear})
     if isinstance(spec, partial):
         return partial(spec.func, *spec.args, **{**spec.keywords, "submodules": submodules})

@@ -55,8 +55,11 @@ class LimeSelfAttention(SelfAttention):
         )
         layer = layer_number - 1
         dynamic = config.lime_router == "dynamic" and layer > 0
-        self.router = DynamicLimeRouter(config, layer, sharding, self.tp_group) if dynamic else \
-            LimeRouter(config, layer, sharding)
+        self.router = (
+            DynamicLimeRouter(config, layer, sharding, self.tp_group)
+            if dynamic
+            else LimeRouter(config, layer, sharding)
+        )
         self.memory: LayerIntegratedMemory | None = None
 
     def forward(
@@ -94,9 +97,7 @@ class LimeSelfAttention(SelfAttention):
             (key, value), probs = route_keys_values(self.memory, self.router, key, value), None
         routed_keys = key
         if rotary_pos_emb is not None:
-            q_freqs, k_freqs = (
-                rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
-            )
+            q_freqs, k_freqs = rotary_pos_emb if isinstance(rotary_pos_emb, tuple) else (rotary_pos_emb,) * 2
             query = self._rotate(query, q_freqs)
             key = self._rotate(key, k_freqs)
         else:
@@ -109,8 +110,10 @@ class LimeSelfAttention(SelfAttention):
         """One KV-cache decoding step on the new tokens ``hidden_states`` [s_new, b, hidden]:
         route their K/V (Eq. 2), append them to the cache (megatron), attend over the cache."""
         if not inference_context.is_static_batching():
-            raise NotImplementedError("LIMe decodes with megatron's StaticInferenceContext; dynamic batching "
-                                      "(paged KV cache) is not supported")
+            raise NotImplementedError(
+                "LIMe decodes with megatron's StaticInferenceContext; dynamic batching "
+                "(paged KV cache) is not supported"
+            )
         if self.config.flash_decode:
             raise NotImplementedError("LIMe decoding does not support flash_decode")
         query, key, value = self.get_query_key_value_tensors(hidden_states)
@@ -145,8 +148,9 @@ class LimeSelfAttention(SelfAttention):
             )
         return self.core_attention(query, key, value, attention_mask, attn_mask_type=self.attn_mask_type)
 
-    def _recompute_routed(self, routed_keys: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_freqs,
-                          probs: torch.Tensor | None):
+    def _recompute_routed(
+        self, routed_keys: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_freqs, probs: torch.Tensor | None
+    ):
         """With ``config.lime_recompute_routed_kv``, drop the routed keys/values and the rotated keys
         from attention's saved tensors; backward rebuilds them from the memory buffer (a dynamic
         router's from its weights ``probs``, which its backward keeps anyway).  What was dropped and
@@ -156,13 +160,17 @@ class LimeSelfAttention(SelfAttention):
             return nullcontext()
         log, layer = routed_kv_log, self.router.layer
         routed_again = Rebuilt(self._routed_rebuild(probs), log.rebuilt(layer, "routed"))
-        rebuilds = {routed_keys: Rebuilt(lambda: routed_again.value()[0]),
-                    value: Rebuilt(lambda: routed_again.value()[1])}
+        rebuilds = {
+            routed_keys: Rebuilt(lambda: routed_again.value()[0]),
+            value: Rebuilt(lambda: routed_again.value()[1]),
+        }
         if k_freqs is not None:
-            rebuilds[key] = Rebuilt(lambda: self._rotate(routed_again.value()[0], k_freqs),
-                                    log.rebuilt(layer, "rotated keys"))
-        return log.recording(layer, type(self.core_attention).__name__,
-                             recompute_in_backward(rebuilds, {"keys": key, "values": value}))
+            rebuilds[key] = Rebuilt(
+                lambda: self._rotate(routed_again.value()[0], k_freqs), log.rebuilt(layer, "rotated keys")
+            )
+        return log.recording(
+            layer, type(self.core_attention).__name__, recompute_in_backward(rebuilds, {"keys": key, "values": value})
+        )
 
     def _routed_rebuild(self, probs: torch.Tensor | None):
         """The recipe of this layer's routed keys and values (``[s, b, local kv heads, d]`` each) from

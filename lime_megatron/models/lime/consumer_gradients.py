@@ -41,8 +41,17 @@ class ConsumerGradients:
     memory in this pass (``register``) and a block's later-consumer sums until their sources'
     backward takes them."""
 
-    def __init__(self, num_layers: int, variant: str, window: int | None, key_values: KeyValueRows,
-                 kept: KeptGradients, routing: StaticRouting, stacked: StackedRouting, by_token: TokenRouting):
+    def __init__(
+        self,
+        num_layers: int,
+        variant: str,
+        window: int | None,
+        key_values: KeyValueRows,
+        kept: KeptGradients,
+        routing: StaticRouting,
+        stacked: StackedRouting,
+        by_token: TokenRouting,
+    ):
         self.num_layers, self.variant, self.window = num_layers, variant, window
         self.key_values, self.kept = key_values, kept
         self.routing, self.stacked, self.by_token = routing, stacked, by_token

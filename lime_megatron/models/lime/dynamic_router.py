@@ -63,8 +63,14 @@ class DynamicLimeRouter(nn.Module):
         self.layer, self.sharding = layer, sharding
         self.sources = list(range(layer + 1))
         self.logits = ColumnParallelLinear(
-            config.hidden_size, config.kv_heads * len(self.sources), config=config,
-            init_method=nn.init.zeros_, bias=False, gather_output=False, tp_group=tp_group)
+            config.hidden_size,
+            config.kv_heads * len(self.sources),
+            config=config,
+            init_method=nn.init.zeros_,
+            bias=False,
+            gather_output=False,
+            tp_group=tp_group,
+        )
         setattr(self.logits.weight, ROUTER_PARAM_ATTR, True)
         self.own_offset = own_logit_offset(layer)
         self._prior = None
@@ -112,12 +118,20 @@ class DynamicLimeRouter(nn.Module):
         rows = by head across TP sizes."""
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         tp_rank, tp_size = self.sharding.rank, self.sharding.size
-        entries = {"logits.weight": self.weight, "route_mask": self.route_mask} if self.prunable else \
-            {"logits.weight": self.weight}
-        return {f"{prefix}{name}": ShardedTensor.from_rank_offsets(
-                    f"{prefix}{name.replace('.', '_')}_of_layer_{self.layer}", tensor, (0, tp_rank, tp_size),
-                    replica_id=(0, 0, dp_rank))
-                for name, tensor in entries.items()}
+        entries = (
+            {"logits.weight": self.weight, "route_mask": self.route_mask}
+            if self.prunable
+            else {"logits.weight": self.weight}
+        )
+        return {
+            f"{prefix}{name}": ShardedTensor.from_rank_offsets(
+                f"{prefix}{name.replace('.', '_')}_of_layer_{self.layer}",
+                tensor,
+                (0, tp_rank, tp_size),
+                replica_id=(0, 0, dp_rank),
+            )
+            for name, tensor in entries.items()
+        }
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, sources=0..{self.layer}, dynamic"
@@ -152,15 +166,25 @@ class RouteKeysValuesByToken(torch.autograd.Function):
         return grad_probs, grad_key, grad_value, None, None
 
 
-def route_keys_values_by_token(memory: LayerIntegratedMemory, router: DynamicLimeRouter, hidden_states: torch.Tensor,
-                               key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route_keys_values_by_token(
+    memory: LayerIntegratedMemory,
+    router: DynamicLimeRouter,
+    hidden_states: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """((routed keys, routed values) ``[s, b, kv_heads, d]`` each, the weights p_l ``[s, b, kv_heads, l+1]``)."""
     probs = router(hidden_states)
     return RouteKeysValuesByToken.apply(probs, key, value, memory, router), probs
 
 
-def route_new_tokens_by_token(memory: LayerIntegratedMemory, router: DynamicLimeRouter, hidden_states: torch.Tensor,
-                              key: torch.Tensor, value: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def route_new_tokens_by_token(
+    memory: LayerIntegratedMemory,
+    router: DynamicLimeRouter,
+    hidden_states: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """KV-cache decoding step: the new tokens' p_l from their own inputs, their keys/values stored
     and routed (no autograd): ``([s_new, b, h, d], [s_new, b, h, d])``."""
     if torch.is_grad_enabled():

@@ -67,9 +67,11 @@ class KeyValueRows:
         for layers, rows in self.external:
             if layers.start <= start and stop <= layers.stop:
                 return rows[(start - layers.start) * h : (stop - layers.start) * h]
-        raise IndexError(f"rows of layers {start}..{stop - 1} are not held by the chunk of layers "
-                         f"{self.layers.start}..{self.layers.stop - 1} (external: "
-                         f"{[layers for layers, _ in self.external]})")
+        raise IndexError(
+            f"rows of layers {start}..{stop - 1} are not held by the chunk of layers "
+            f"{self.layers.start}..{self.layers.stop - 1} (external: "
+            f"{[layers for layers, _ in self.external]})"
+        )
 
     def row_blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
         """``(start, stop)`` split where external blocks and the own rows begin and end."""

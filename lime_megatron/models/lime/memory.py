@@ -98,15 +98,24 @@ class LayerIntegratedMemory:
             ``RouterStack`` per pass).
     """
 
-    def __init__(self, num_layers: int, variant: str, window: int | None, layers: range | None = None,
-                 block: int = 1, *, routers: dict[int, LimeRouter]):
+    def __init__(
+        self,
+        num_layers: int,
+        variant: str,
+        window: int | None,
+        layers: range | None = None,
+        block: int = 1,
+        *,
+        routers: dict[int, LimeRouter],
+    ):
         self.key_values = KeyValueRows(range(num_layers) if layers is None else layers)
         self.kept = KeptGradients(self.key_values)
         self.routing = StaticRouting(self.key_values, block)
         self.stacked = StackedRouting(self.key_values, self.kept, self.routing, routers)
         self.by_token = TokenRouting(self.key_values, self.kept)
-        self.gradients = ConsumerGradients(num_layers, variant, window, self.key_values, self.kept,
-                                           self.routing, self.stacked, self.by_token)
+        self.gradients = ConsumerGradients(
+            num_layers, variant, window, self.key_values, self.kept, self.routing, self.stacked, self.by_token
+        )
         self.id = next(_NEXT_ID)
         _MEMORIES[self.id] = self
 
@@ -149,8 +158,9 @@ class RouteKeysValues(torch.autograd.Function):
     """
 
     @staticmethod
-    def forward(ctx, weight, key, value, earlier_keys, earlier_values, memory: LayerIntegratedMemory,
-                router: LimeRouter):
+    def forward(
+        ctx, weight, key, value, earlier_keys, earlier_values, memory: LayerIntegratedMemory, router: LimeRouter
+    ):
         own_rows = memory.key_values.store(router.layer, key, value)
         memory.gradients.register(router)
         # Saved so that saved-tensor accounting (and offloading hooks) see the buffer.

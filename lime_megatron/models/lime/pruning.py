@@ -43,8 +43,12 @@ def top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
 
 def routers_of(chunks: Iterable[nn.Module]) -> list[nn.Module]:
     """The learned routers (static and dynamic) of the model chunks, in layer order."""
-    routers = [module for chunk in chunks for module in chunk.modules()
-               if getattr(module, "learned", False) and hasattr(module, "route_mask")]
+    routers = [
+        module
+        for chunk in chunks
+        for module in chunk.modules()
+        if getattr(module, "learned", False) and hasattr(module, "route_mask")
+    ]
     return sorted(routers, key=lambda router: router.layer)
 
 
@@ -103,8 +107,10 @@ def share_route_reads(chunks: list[nn.Module]) -> None:
         reads[router.layer] = 0
         reads[router.layer, router.read_sources] = 1
     if torch.distributed.is_initialized() and parallel_state.model_parallel_is_initialized():
-        torch.distributed.all_reduce(reads, torch.distributed.ReduceOp.MAX,
-                                     group=parallel_state.get_tensor_model_parallel_group())
-        torch.distributed.all_reduce(reads, torch.distributed.ReduceOp.MIN,
-                                     group=parallel_state.get_pipeline_model_parallel_group())
+        torch.distributed.all_reduce(
+            reads, torch.distributed.ReduceOp.MAX, group=parallel_state.get_tensor_model_parallel_group()
+        )
+        torch.distributed.all_reduce(
+            reads, torch.distributed.ReduceOp.MIN, group=parallel_state.get_pipeline_model_parallel_group()
+        )
     config.lime_route_reads = tuple(tuple(row.nonzero().flatten().tolist()) for row in reads.cpu())

@@ -86,8 +86,9 @@ def _overlaps(saved: tuple[int, int], tensor: torch.Tensor) -> bool:
 
 
 @contextmanager
-def recompute_in_backward(rebuilds: dict[torch.Tensor, Rebuilt],
-                          watched: dict[str, torch.Tensor] | None = None) -> Iterator[Drops]:
+def recompute_in_backward(
+    rebuilds: dict[torch.Tensor, Rebuilt], watched: dict[str, torch.Tensor] | None = None
+) -> Iterator[Drops]:
     """Within the block, tensors saved for backward that are views of a key of ``rebuilds`` are
     not kept: backward rebuilds them through the paired ``Rebuilt`` instead.
 
@@ -160,7 +161,11 @@ class RoutedKVLog:
                 "layer and microbatch stay saved beside the layer-integrated memory (layer %d). "
                 "TransformerEngine: use the cuDNN fused attention (NVTE_FLASH_ATTN=0) without FP8 "
                 "dot-product attention, or turn lime_recompute_routed_kv off (it saves nothing here).",
-                attention, " and ".join(drops.kept), f"{drops.kept_bytes:,}", layer)
+                attention,
+                " and ".join(drops.kept),
+                f"{drops.kept_bytes:,}",
+                layer,
+            )
 
     @contextmanager
     def recording(self, layer: int, attention: str, block) -> Iterator[None]:
@@ -184,8 +189,10 @@ def describe(counts: dict[int, LayerDrops]) -> str:
     dropped = sum(1 for drops in counts.values() if drops.dropped and not drops.kept)
     kept = sorted(layer for layer, drops in counts.items() if drops.kept)
     rebuilt = sum((drops.rebuilt for drops in counts.values()), Counter())
-    line = (f"LIMe routed K/V: dropped from the saved tensors in {dropped}/{len(counts)} layers, rebuilt in backward: "
-            + (", ".join(f"{count} {name}" for name, count in sorted(rebuilt.items())) or "none"))
+    line = (
+        f"LIMe routed K/V: dropped from the saved tensors in {dropped}/{len(counts)} layers, rebuilt in backward: "
+        + (", ".join(f"{count} {name}" for name, count in sorted(rebuilt.items())) or "none")
+    )
     return line + (f"; copies kept in layers {kept}" if kept else "")
 
 

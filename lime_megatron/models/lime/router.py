@@ -60,9 +60,7 @@ def contiguous_runs(layers: list[int]) -> list[tuple[int, int]]:
     return runs
 
 
-def routing_consumers(
-    layer: int, num_layers: int, variant: str, window: int | None
-) -> tuple[int, int]:
+def routing_consumers(layer: int, num_layers: int, variant: str, window: int | None) -> tuple[int, int]:
     """Half-open range ``(layer, stop)`` of the layers (of ``num_layers``) that read ``layer``.
 
     The inverse of ``routing_sources``; it is a contiguous range for every variant.
@@ -94,8 +92,9 @@ def router_source_count(config: LimeTransformerConfig, layers: Iterable[int] | N
     if not config.lime:
         return 0
     layers = range(config.num_layers) if layers is None else layers
-    return sum(len(routing_sources(layer, config.lime_router, config.lime_router_window))
-               for layer in layers if layer > 0)
+    return sum(
+        len(routing_sources(layer, config.lime_router, config.lime_router_window)) for layer in layers if layer > 0
+    )
 
 
 def router_parameter_count(config: LimeTransformerConfig) -> int:
@@ -243,8 +242,10 @@ class LimeRouter(nn.Module):
         time in a host-bound step (docs/routing.md, "Host work per layer"); with grad mode on this
         raises rather than hand out columns autograd would track."""
         if torch.is_grad_enabled():
-            raise RuntimeError(f"router {self.layer}: weight_columns is for the routing products, which run "
-                               "with grad mode off; use the weight parameter itself under autograd")
+            raise RuntimeError(
+                f"router {self.layer}: weight_columns is for the routing products, which run "
+                "with grad mode off; use the weight parameter itself under autograd"
+            )
         columns = self.columns(start, stop)
         return self.weight if columns == slice(0, self.weight.shape[1]) else self.weight[:, columns]
 
@@ -278,9 +279,12 @@ class LimeRouter(nn.Module):
         dp_rank = parallel_state.get_data_parallel_rank(with_context_parallel=True)
         replica_id = (0, sharding.rank % sharding.replicas, dp_rank)
         entries = {"weight": self.weight, "route_mask": self.route_mask} if self.prunable else {"weight": self.weight}
-        return {f"{prefix}{name}": ShardedTensorFactory(f"{prefix}{name}_of_layer_{self.layer}", tensor, build,
-                                                        merge, replica_id)
-                for name, tensor in entries.items()}
+        return {
+            f"{prefix}{name}": ShardedTensorFactory(
+                f"{prefix}{name}_of_layer_{self.layer}", tensor, build, merge, replica_id
+            )
+            for name, tensor in entries.items()
+        }
 
     def extra_repr(self) -> str:
         return f"layer={self.layer}, sources={self.source_runs}, learned={self.learned}"

@@ -92,8 +92,9 @@ class RouterStack:
             for layer in layers:
                 router, top = routers[layer], (layer - self.first) * self.rows
                 for start, stop in router.source_runs:
-                    self.matrix[top : top + self.rows, start * self.local : stop * self.local] = \
-                        router.weight_columns(start, stop)
+                    self.matrix[top : top + self.rows, start * self.local : stop * self.local] = router.weight_columns(
+                        start, stop
+                    )
 
     def columns(self, consumers: Sequence[int], start: int, stop: int) -> torch.Tensor:
         """``[len(consumers) * kv_heads, (stop - start) * local heads]``: the columns of source
@@ -104,8 +105,9 @@ class RouterStack:
         top = (consumers[0] - self.first) * self.rows
         if consumers[-1] - consumers[0] + 1 == len(consumers):
             return self.matrix[top : top + len(consumers) * self.rows, columns].contiguous()
-        return torch.cat([self.matrix[(m - self.first) * self.rows : (m - self.first + 1) * self.rows, columns]
-                          for m in consumers])
+        return torch.cat(
+            [self.matrix[(m - self.first) * self.rows : (m - self.first + 1) * self.rows, columns] for m in consumers]
+        )
 
 
 @dataclass
@@ -137,11 +139,15 @@ def mix_earlier(sources: EarlierSources, kind: str = "forward") -> list[tuple[to
     s, b, kv_heads, d = sources.kv_shape
     partial = None
     for narrow, wide in zip(sources.columns, sources.rows):
-        partial = (routing_product_attention_layout(kind, narrow, wide, d, partial)
-                   if attention_layout else routing_product(kind, narrow, wide, partial))
+        partial = (
+            routing_product_attention_layout(kind, narrow, wide, d, partial)
+            if attention_layout
+            else routing_product(kind, narrow, wide, partial)
+        )
     if attention_layout:
-        halves = ([part.view(s, b, kv_heads, d) for part in half.chunk(len(readers), dim=1)]
-                  for half in partial.chunk(2))
+        halves = (
+            [part.view(s, b, kv_heads, d) for part in half.chunk(len(readers), dim=1)] for half in partial.chunk(2)
+        )
         return list(zip(*halves))
     return [key_value_halves(rows) for rows in partial.chunk(len(readers))]
 
@@ -196,8 +202,14 @@ class MixEarlierSources(torch.autograd.Function):
             block_grad = weight_grad_product(grads, ctx.key_values.rows(start, stop))
             for placed, router in zip(pieces, readers):
                 top, local = (router.layer - first) * rows, router.local_heads
-                placed += [(router.columns(a, b),
-                            block_grad[top : top + rows, (a - start) * local : (b - start) * local])
-                           for a, b in runs_within(router, start, stop)]
-        return None, None, None, None, *(placed_columns(placed, router.weight)
-                                         for placed, router in zip(pieces, readers))
+                placed += [
+                    (router.columns(a, b), block_grad[top : top + rows, (a - start) * local : (b - start) * local])
+                    for a, b in runs_within(router, start, stop)
+                ]
+        return (
+            None,
+            None,
+            None,
+            None,
+            *(placed_columns(placed, router.weight) for placed, router in zip(pieces, readers)),
+        )

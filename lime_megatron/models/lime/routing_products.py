@@ -51,8 +51,9 @@ def observed_read(kind: str, wide: torch.Tensor) -> torch.Tensor:
     return wide if _OBSERVER is None else _OBSERVER(kind, wide, None, lambda: wide)
 
 
-def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor,
-                    accumulate: torch.Tensor | None = None) -> torch.Tensor:
+def routing_product(
+    kind: str, narrow: torch.Tensor, wide: torch.Tensor, accumulate: torch.Tensor | None = None
+) -> torch.Tensor:
     """``narrow @ wide`` ([r, k] @ [k, N]) in ``wide``'s dtype (router weights may be kept in float32
     beside bf16 activations), plus ``accumulate`` ([r, N]) in the same kernel when given (a new
     tensor either way)."""
@@ -63,8 +64,9 @@ def routing_product(kind: str, narrow: torch.Tensor, wide: torch.Tensor,
     return observed_product(kind, wide, flops, lambda: torch.addmm(accumulate, narrow, wide))
 
 
-def routing_product_attention_layout(kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int,
-                                     accumulate: torch.Tensor | None = None) -> torch.Tensor:
+def routing_product_attention_layout(
+    kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int, accumulate: torch.Tensor | None = None
+) -> torch.Tensor:
     """``narrow @ wide`` written straight into attention's layout: ``[r, k] @ [k, M * inner]`` ->
     ``[M, r, inner]`` contiguous (with ``M * inner = 2*s*b*d``, ``inner = d``: ``[2, s, b, r, d]``),
     one strided-batched product instead of the ``[r, N]`` product and its rearranging copy, plus
@@ -79,8 +81,9 @@ def batched_narrow(narrow: torch.Tensor, batched: torch.Tensor) -> torch.Tensor:
     return narrow.to(batched.dtype).expand(batched.shape[0], -1, -1)
 
 
-def batched_product(kind: str, narrow: torch.Tensor, batched: torch.Tensor,
-                    accumulate: torch.Tensor | None = None) -> torch.Tensor:
+def batched_product(
+    kind: str, narrow: torch.Tensor, batched: torch.Tensor, accumulate: torch.Tensor | None = None
+) -> torch.Tensor:
     """``narrow @ batched`` (``[M, r, k] @ [M, k, inner]``, ``narrow`` one matrix broadcast over M)
     -> ``[M, r, inner]``, plus ``accumulate`` in the same kernel when given; its wide operand is
     ``batched``."""
@@ -97,9 +100,13 @@ def key_value_halves(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     return tuple(rows.view(rows.shape[0], 2, -1).unbind(1))
 
 
-def routing_product_keys_values(kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int,
-                                accumulate: tuple[torch.Tensor, torch.Tensor] | None = None
-                                ) -> tuple[torch.Tensor, torch.Tensor]:
+def routing_product_keys_values(
+    kind: str,
+    narrow: torch.Tensor,
+    wide: torch.Tensor,
+    inner: int,
+    accumulate: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing_product_attention_layout`` of the keys' and the values' halves of the rows
     ``wide`` apart, each plus its half of ``accumulate`` when given: keys and values
     ``[s*b, r, inner]``, two tensors, so that attention can keep the values without the keys
@@ -107,8 +114,7 @@ def routing_product_keys_values(kind: str, narrow: torch.Tensor, wide: torch.Ten
     and share one broadcast ``narrow`` (each operator is host time, docs/routing.md)."""
     halves = wide.view(wide.shape[0], 2, -1, inner).permute(1, 2, 0, 3).unbind(0)
     narrow = batched_narrow(narrow, halves[0])
-    return tuple(batched_product(kind, narrow, half, added)
-                 for half, added in zip(halves, accumulate or (None, None)))
+    return tuple(batched_product(kind, narrow, half, added) for half, added in zip(halves, accumulate or (None, None)))
 
 
 def weight_grad_dtype(weight: torch.Tensor) -> torch.dtype:

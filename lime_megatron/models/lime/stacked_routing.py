@@ -36,15 +36,15 @@ class StackedRouting:
     ``RouterStack`` (built by its first product) and a block's partial sums until its readers
     take them."""
 
-    def __init__(self, key_values: KeyValueRows, kept: KeptGradients, routing: StaticRouting,
-                 routers: dict[int, LimeRouter]):
+    def __init__(
+        self, key_values: KeyValueRows, kept: KeptGradients, routing: StaticRouting, routers: dict[int, LimeRouter]
+    ):
         self.key_values, self.kept, self.routing, self._routers = key_values, kept, routing, routers
         self._stack: RouterStack | None = None
         self._partials: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # forward: a block's earlier sums
         self._rebuild_partials: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the same, rebuilt in backward
 
-    def stacked_columns(self, consumers: Sequence[int], start: int, stop: int,
-                        wide: torch.Tensor) -> torch.Tensor:
+    def stacked_columns(self, consumers: Sequence[int], start: int, stop: int, wide: torch.Tensor) -> torch.Tensor:
         """The columns of source layers ``start..stop-1`` of the routers of own layers ``consumers``,
         stacked (``RouterStack.columns``, in the dtype of ``wide``, the rows they multiply)."""
         if self._stack is None:
@@ -76,8 +76,13 @@ class StackedRouting:
         if router.layer not in self._partials:  # the block's first reader (or first after a recompute boundary)
             block = self.routing.block_of(router.layer)
             readers = [reader for reader in self._earlier_readers(block) if reader.layer >= router.layer]
-            sums = MixEarlierSources.apply(self._earlier_sources(block, readers), self.key_values, self.kept, key,
-                                           *(reader.weight for reader in readers))
+            sums = MixEarlierSources.apply(
+                self._earlier_sources(block, readers),
+                self.key_values,
+                self.kept,
+                key,
+                *(reader.weight for reader in readers),
+            )
             self._partials = dict(zip((reader.layer for reader in readers), zip(sums[0::2], sums[1::2])))
         return self._partials.pop(router.layer)
 
@@ -95,8 +100,14 @@ class StackedRouting:
             self._rebuild_partials = dict(zip((reader.layer for reader in readers), sums))
         return self._rebuild_partials.pop(router.layer)
 
-    def row_grad(self, sources: range, consumers: range, grads: torch.Tensor, attention_layout: bool,
-                 accumulate: torch.Tensor | None = None) -> torch.Tensor:
+    def row_grad(
+        self,
+        sources: range,
+        consumers: range,
+        grads: torch.Tensor,
+        attention_layout: bool,
+        accumulate: torch.Tensor | None = None,
+    ) -> torch.Tensor:
         """sum_{m in consumers} W_m[:, block l]^T g_m for each l in ``sources``, stacked, one
         product reading the kept g_m ``grads`` ``[len(consumers) * kv_heads, 2*s*b*d]`` once:
         ``[2*s*b, len(sources) * kv_heads, d]`` with ``attention_layout``, else rows

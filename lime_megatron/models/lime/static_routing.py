@@ -70,11 +70,16 @@ class StaticRouting:
     def blocked(self, router: LimeRouter) -> bool:
         """Whether ``router``'s earlier sources are mixed once for its block (B > 1, a learned or
         fixed product, this rank the heads' primary, some source before the block)."""
-        return (self.block > 1 and not router.identity and router.sharding.primary
-                and router.read_sources[0] < self.block_of(router.layer).start)
+        return (
+            self.block > 1
+            and not router.identity
+            and router.sharding.primary
+            and router.read_sources[0] < self.block_of(router.layer).start
+        )
 
-    def mix(self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None = None,
-            kind: str = "forward") -> tuple[torch.Tensor, torch.Tensor]:
+    def mix(
+        self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None = None, kind: str = "forward"
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 2: ``W_l @ rows(sources)``, one product per contiguous block of sources (``W_l``: the
         router's weight itself, contiguous, a copy only for part of its sources; a product of one
         router needs no ``RouterStack``, so KV-cache decoding builds none); with
@@ -107,8 +112,9 @@ class StaticRouting:
             half.add_(part)
         return rows.from_rows(scatter_heads(partial, router.sharding))
 
-    def _mix_in_attention_layout(self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None,
-                                 kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+    def _mix_in_attention_layout(
+        self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None, kind: str
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """``mix`` without tensor parallelism: the products write the keys and the values
         ``[s, b, kv_heads, d]`` directly (``routing_product_keys_values``), so no rows-to-attention
         copy follows; each product adds the sum so far in its own kernel, starting from
@@ -123,12 +129,15 @@ class StaticRouting:
             routed = tuple(part.clone(memory_format=torch.contiguous_format) for part in earlier)
         return tuple(part.view(kv_shape) for part in routed)
 
-    def weight_grad_pieces(self, router: LimeRouter, grad_rows: torch.Tensor,
-                           since: int = 0) -> list[tuple[slice, torch.Tensor]]:
+    def weight_grad_pieces(
+        self, router: LimeRouter, grad_rows: torch.Tensor, since: int = 0
+    ) -> list[tuple[slice, torch.Tensor]]:
         """dL/dW_l = g_l @ rows(sources)^T for this rank's columns of the sources from layer
         ``since`` on, as ``(columns, [kv_heads, len(columns)])`` per contiguous block of sources
         (``routing_products.placed_columns`` places them), accumulated in float32
         (``weight_grad_product``); ``grad_rows`` holds all kv_heads rows of g_l.  Replica ranks
         compute the same value (their weight columns are one shared parameter)."""
-        return [(router.columns(start, stop), weight_grad_product(grad_rows, wide))
-                for start, stop, wide in self._source_blocks(router, since)]
+        return [
+            (router.columns(start, stop), weight_grad_product(grad_rows, wide))
+            for start, stop, wide in self._source_blocks(router, since)
+        ]
