@@ -9,6 +9,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lime_megatron"
 # Lowest first: each may import from itself and from anything before it.
 LAYERS = [
     "extras",
+    "choices",
     "data",
     "models.config",
     "models.lime",

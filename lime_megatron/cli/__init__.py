@@ -5,3 +5,7 @@ Installed as console scripts (``lime-pretrain``, ``lime-preprocess-data``, ...: 
 ``pretrain_lime.py`` and ``tools/<name>.py`` in a checkout run the same ``main`` under Megatron-LM's
 paths.  Nothing in the library imports this package.
 """
+
+from lime_megatron import harmless_warnings
+
+harmless_warnings.ignore()

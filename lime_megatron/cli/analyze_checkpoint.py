@@ -18,12 +18,10 @@ import argparse
 import os
 import sys
 import time
+from typing import TYPE_CHECKING
 
-import numpy as np
-import torch
-
-from lime_megatron.analysis import measures
-from lime_megatron.interop.checkpoint_model import load_model
+if TYPE_CHECKING:
+    import torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -39,11 +37,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--seq-length", type=int, help="tokens per sequence (default: the first run's)")
     parser.add_argument(
         "--words",
-        default=",".join(measures.DEFAULT_WORDS),
-        help="comma-separated tokens for the probe and t-SNE (paper: is,are,was,were)",
+        help="comma-separated tokens for the probe and t-SNE (default: is,are,was,were, the paper's)",
     )
     parser.add_argument("--per-word", type=int, help="at most this many occurrences per word")
-    parser.add_argument("--alpha", type=float, default=measures.DEFAULT_ALPHA, help="Rényi entropy order")
+    parser.add_argument("--alpha", type=float, help="Rényi entropy order (default: 0.5, the paper's)")
     parser.add_argument("--tsne-layers", help="comma-separated 1-based layers (default: first, middle, last)")
     parser.add_argument("--no-probe", action="store_true", help="skip the probe and t-SNE")
     parser.add_argument("--output-dir", required=True)
@@ -62,6 +59,8 @@ def named_checkpoints(specs: list[str]) -> dict[str, str]:
 def corpus_sequences(prefix: str, num_sequences: int, seq_length: int) -> torch.Tensor:
     """The first ``num_sequences * seq_length`` tokens of the indexed dataset ``prefix`` (documents
     concatenated in order) as ``[num_sequences, seq_length]``."""
+    import numpy as np
+    import torch
     from megatron.core.datasets.indexed_dataset import IndexedDataset
 
     dataset = IndexedDataset(prefix)
@@ -78,8 +77,18 @@ def corpus_sequences(prefix: str, num_sequences: int, seq_length: int) -> torch.
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    checkpoints = named_checkpoints(args.checkpoints)
+    missing = [path for path in checkpoints.values() if not os.path.exists(path)]
+    if missing:  # before the model code is imported
+        print(f"error: no checkpoint at {missing[0]}", file=sys.stderr)
+        return 1
+    import torch
+
+    from lime_megatron.analysis import measures
+    from lime_megatron.interop.checkpoint_model import load_model
+
     start = time.perf_counter()
-    loaded = {name: load_model(path, dtype=torch.float32) for name, path in named_checkpoints(args.checkpoints).items()}
+    loaded = {name: load_model(path, dtype=torch.float32) for name, path in checkpoints.items()}
     first = next(iter(loaded.values()))
     data_path = args.data_path or (first.options.data.data_path or [None])[-1]
     if not data_path:
@@ -87,8 +96,8 @@ def main(argv=None) -> int:
     tokens = corpus_sequences(data_path, args.num_sequences, args.seq_length or first.options.model.seq_length)
     load_seconds = time.perf_counter() - start
     options = measures.AnalysisOptions(
-        alpha=args.alpha,
-        words=tuple(args.words.split(",")),
+        alpha=measures.DEFAULT_ALPHA if args.alpha is None else args.alpha,
+        words=tuple(args.words.split(",")) if args.words else measures.DEFAULT_WORDS,
         per_word=args.per_word,
         tsne_layers=tuple(int(layer) - 1 for layer in args.tsne_layers.split(",")) if args.tsne_layers else None,
     )

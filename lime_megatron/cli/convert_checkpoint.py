@@ -5,10 +5,12 @@
     python pretrain_lime.py --config ... --load ckpt/from-hf --no-load-optim   # any TP/PP layout
 
 Export reads a checkpoint of any layout (a --save root: its newest checkpoint; or one
-iter_NNNNNNN directory) and writes config.json, safetensors and the run's tokenizer: the LLaMA
-baseline as transformers' LlamaForCausalLM, LIMe in the layout of the paper's official
-LIMeForCausalLM.  Import writes a weights-only checkpoint of global tensors, which the trainer
-reads at any layout.  See docs/export.md.
+iter_NNNNNNN directory) and writes config.json, generation_config.json, safetensors and the run's
+tokenizer, which puts the end-of-document token before every text as training did (so
+AutoTokenizer + generate continue a prompt as tools/generate.py does): the LLaMA baseline as
+transformers' LlamaForCausalLM, LIMe in the layout of the paper's official LIMeForCausalLM.
+Import writes a weights-only checkpoint of global tensors, which the trainer reads at any
+layout.  See docs/export.md.
 """
 
 from __future__ import annotations

@@ -13,9 +13,12 @@ same tokens; only rank 0 prints and writes ``--output``.  A launch whose process
 or a model whose heads or padded vocabulary do not split over N ranks, fails with one message.
 
 Prompts come from ``--prompt`` (repeatable) and/or ``--prompt-file`` (one prompt per line;
-``.jsonl``: a ``prompt`` field per line), decoded in batches of ``--batch-size``.
-Greedy by default; ``--temperature`` > 0 samples (``--top-k``, ``--top-p``, ``--seed``).  Stop
-strings take backslash escapes (``\\n``).  Prints every continuation and a summary with tokens/s;
+``.jsonl``: a ``prompt`` field per line), decoded in batches of ``--batch-size``.  Each prompt is
+fed after the end-of-document token (EOD), as training put EOD before every document and as
+``inference.scoring`` prompts (``[EOD, *tokenize(prompt)]``); ``--no-eod-prefix`` feeds the
+prompt's tokens alone.  Greedy by default; ``--temperature`` > 0 samples (``--top-k``,
+``--top-p``, ``--seed``).  Stop strings take backslash escapes (``\\n``).  Prints each prompt and
+its continuation apart (``repr``, so spaces and newlines show), then a summary with tokens/s;
 ``--no-cache`` recomputes the full sequence per token (for comparison).
 """
 
@@ -54,6 +57,11 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="tensor-parallel ranks (launch with torchrun --nproc-per-node N)",
     )
+    parser.add_argument(
+        "--no-eod-prefix",
+        action="store_true",
+        help="feed a prompt's tokens alone (default: after the end-of-document token, as in training and scoring)",
+    )
     parser.add_argument("--no-cache", action="store_true", help="recompute the full sequence per token")
     parser.add_argument("--output", help="also write one JSON line per prompt here")
     return parser.parse_args(argv)
@@ -69,6 +77,22 @@ def read_prompts(args: argparse.Namespace) -> list[str]:
     if not prompts:
         raise ValueError("no prompts: give --prompt TEXT or --prompt-file FILE")
     return prompts
+
+
+def prompt_tokens(tokenizer, prompt: str, eod_prefix: bool = True) -> list[int]:
+    """The tokens fed for ``prompt``: ``[EOD, *tokenize(prompt)]`` (``inference.scoring``'s
+    convention: training puts EOD before every document), or the prompt's alone."""
+    return [tokenizer.eod] * eod_prefix + tokenizer.tokenize(prompt)
+
+
+def format_generation(number: int, prompt: str, continuation: str, new_tokens: int, stopped_by: str) -> str:
+    """The printed record of one prompt: prompt and continuation on their own labelled lines."""
+    return (
+        f"=== {number}\n"
+        f"prompt:       {prompt!r}\n"
+        f"continuation: {continuation!r}\n"
+        f"({new_tokens} new tokens, stopped by {stopped_by})\n"
+    )
 
 
 def check_world(tensor_parallel: int) -> None:
@@ -107,16 +131,18 @@ def run(argv=None) -> int:
         )
         check_world(args.tensor_parallel)
         loaded = load_model(args.checkpoint, dtype=DTYPES.get(args.dtype), tensor_parallel=args.tensor_parallel)
-        generator = Generator(loaded.model.to(_device()), loaded.tokenizer(), use_cache=not args.no_cache)
+        tokenizer = loaded.tokenizer()
+        generator = Generator(loaded.model.to(_device()), tokenizer, use_cache=not args.no_cache)
         records, tokens, seconds = [], 0, 0.0
         for start in range(0, len(prompts), args.batch_size):
             batch = prompts[start : start + args.batch_size]
-            result = generator.generate(batch, options)
+            fed = [prompt_tokens(tokenizer, prompt, not args.no_eod_prefix) for prompt in batch]
+            result = generator.generate(fed, options)
             tokens, seconds = tokens + result.new_tokens, seconds + result.seconds
             for prompt, text, new, reason in zip(batch, result.texts, result.tokens, result.stopped_by):
                 records.append(dict(prompt=prompt, generation=text, new_tokens=len(new), stopped_by=reason))
                 if printing:
-                    print(f"=== prompt {len(records)}: {prompt!r}\n{prompt}{text}\n")
+                    print(format_generation(len(records), prompt, text, len(new), reason))
     except (ValueError, OSError, CheckpointError) as error:
         if printing:
             print(f"error: {error}", file=sys.stderr)

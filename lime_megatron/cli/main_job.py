@@ -18,7 +18,10 @@ subprocess, so the job runs wherever the package is installed:
 6. their losses and accuracies are printed side by side with a summary, and plotted to
    ``loss.png`` and ``accuracy.png`` (with the ``plots`` extra; without it the job says so once).
 
-Everything is written under ``--output-dir`` (default: a new temporary directory).
+Everything is written under ``--output-dir`` (default: ``runs/main-job-<date>-<time>`` in the
+working directory), said at the start. Training shows a progress bar of the iterations (read from
+the metrics file the trainer appends to) under the trainer's own lines, scoring the bar of
+``score_generation``; both bars only on a terminal.
 """
 
 from __future__ import annotations
@@ -26,14 +29,17 @@ from __future__ import annotations
 import argparse
 import importlib.util
 import json
+import os
 import subprocess
 import sys
-import tempfile
+import threading
 import time
 from collections import Counter
 from pathlib import Path
+from typing import IO
 
 import numpy as np
+from tqdm import tqdm
 
 from lime_megatron.extras import install_command, requires_extra
 
@@ -87,12 +93,37 @@ TRAINER_OPTIONS = [
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="python -m lime_megatron", description=__doc__.split("\n")[0])
-    parser.add_argument("--output-dir", help="where data, tokenizer, metrics and plot go")
-    parser.add_argument("--num-samples", type=int, default=20000, help="arithmetic expressions")
-    parser.add_argument("--test-samples", type=int, default=400, help="held-out expressions scored by generation")
-    parser.add_argument("--train-iters", type=int, default=600)
-    parser.add_argument("--layout", choices=sorted(LAYOUTS), default="pp2")
+    parser.add_argument(
+        "--output-dir",
+        help="where data, tokenizer, checkpoints, metrics and plots go (default: runs/main-job-<date>-<time>)",
+    )
+    parser.add_argument("--num-samples", type=int, default=20000, help="arithmetic expressions (default: %(default)s)")
+    parser.add_argument(
+        "--test-samples",
+        type=int,
+        default=400,
+        help="held-out expressions scored by generation (default: %(default)s)",
+    )
+    parser.add_argument("--train-iters", type=int, default=600, help="iterations of each model (default: %(default)s)")
+    parser.add_argument(
+        "--layout",
+        choices=sorted(LAYOUTS),
+        default="pp2",
+        help="parallel layout of the 2 processes (default: %(default)s)",
+    )
     return parser.parse_args(argv)
+
+
+def output_dir(given: str | None) -> Path:
+    """The job's directory: ``given``, else a new ``runs/main-job-<date>-<time>`` in the working
+    directory (a second one started in the same second waits for the next)."""
+    if given:
+        return Path(given).resolve()
+    while True:
+        out = Path("runs", time.strftime("main-job-%Y%m%d-%H%M%S")).resolve()
+        if not out.exists():
+            return out
+        time.sleep(0.2)
 
 
 def tool_command(tool: str, *arguments: str) -> list[str]:
@@ -107,6 +138,44 @@ def _run(step: str, command: list[str]) -> None:
     completed = subprocess.run(command)
     if completed.returncode:
         sys.exit(f"{step} failed with exit status {completed.returncode}")
+    print(f"({step}: {time.perf_counter() - start:.1f} s)", flush=True)
+
+
+def _relay(stream: IO[str], destination: IO[str]) -> None:
+    """Copy ``stream``'s lines to ``destination`` above the progress bars."""
+    for line in stream:
+        tqdm.write(line, file=destination, end="")
+
+
+def _completed_iterations(metrics_file: Path) -> int:
+    """Iterations the trainer has recorded so far (one line each in ``--metrics-file``)."""
+    try:
+        return metrics_file.read_bytes().count(b"\n")
+    except FileNotFoundError:
+        return 0
+
+
+def _run_training(step: str, command: list[str], metrics_file: Path, iterations: int) -> None:
+    """:func:`_run` for a training stage: its output passes through above a bar of the iterations
+    in ``metrics_file`` (on a terminal)."""
+    print(f"\n=== {step}\n$ {' '.join(command)}", flush=True)
+    start = time.perf_counter()
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}  # the trainer's lines as they come
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    relays = [
+        threading.Thread(target=_relay, args=(process.stdout, sys.stdout)),
+        threading.Thread(target=_relay, args=(process.stderr, sys.stderr)),
+    ]
+    for relay in relays:
+        relay.start()
+    with tqdm(total=iterations, desc=step.split(" (")[0], unit="it", disable=None, leave=False) as bar:
+        while process.poll() is None:
+            time.sleep(0.5)
+            bar.update(_completed_iterations(metrics_file) - bar.n)
+    for relay in relays:
+        relay.join()
+    if process.returncode:
+        sys.exit(f"{step} failed with exit status {process.returncode}")
     print(f"({step}: {time.perf_counter() - start:.1f} s)", flush=True)
 
 
@@ -219,7 +288,7 @@ def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> 
     for name, model_flags in MODELS.items():
         path = out / f"{name.lower()}.jsonl"
         path.unlink(missing_ok=True)
-        _run(
+        _run_training(
             f"training {name} ({args.layout}, 2 processes)",
             [
                 sys.executable,
@@ -243,6 +312,8 @@ def train_models(out: Path, data_flags: list[str], args: argparse.Namespace) -> 
                 "--save",
                 str(checkpoint_dir(out, name)),
             ],
+            path,
+            args.train_iters,
         )
         metrics[name] = [json.loads(line) for line in path.read_text().splitlines()]
     return metrics
@@ -267,7 +338,7 @@ def score_models(out: Path, names: list[str]) -> dict[str, list[dict]]:
                 str(test_file(out)),
                 "--output",
                 str(path),
-                "--no-progress",
+                *([] if sys.stderr.isatty() else ["--no-progress"]),
             ),
         )
         scores[name] = json.loads(path.read_text())["tiers"]
@@ -390,11 +461,15 @@ def report_accuracy(scores: dict[str, list[dict]], out: Path) -> None:
         answer, accuracy = constant[count]
         print(f"{count:>8} " + " ".join(f"{cell:>28}" for cell in cells) + f"{accuracy:>8.1%} ({answer:>3})")
     if can_plot():
-        _plot_accuracy(by_tier, tiers, out / "accuracy.png")
+        _plot_accuracy(by_tier, tiers, {count: constant[count][1] for count in tiers}, out / "accuracy.png")
         print(f"  accuracy plot: {out / 'accuracy.png'}")
 
 
-def _plot_accuracy(by_tier: dict[str, dict[int, dict]], tiers: list[int], path: Path) -> None:
+def _plot_accuracy(
+    by_tier: dict[str, dict[int, dict]], tiers: list[int], constant: dict[int, float], path: Path
+) -> None:
+    """Bars of each model's accuracy per tier with their intervals; over each tier's bars, a line
+    at the accuracy of always answering its most frequent training answer (``constant``)."""
     plt = _pyplot()
     figure, axis = plt.subplots(figsize=(7, 4))
     width = 0.8 / len(by_tier)
@@ -410,6 +485,15 @@ def _plot_accuracy(by_tier: dict[str, dict[int, dict]], tiers: list[int], path: 
             capsize=3,
             label=name,
         )
+    for position, count in enumerate(tiers):
+        axis.hlines(
+            100 * constant[count],
+            position - width / 2,
+            position + width * (len(by_tier) - 0.5),
+            colors="black",
+            linestyles="dashed",
+            label="constant answer" if position == 0 else None,
+        )
     axis.set_xticks(np.arange(len(tiers)) + width * (len(by_tier) - 1) / 2, [str(count) for count in tiers])
     axis.set(
         xlabel="operands",
@@ -424,8 +508,9 @@ def _plot_accuracy(by_tier: dict[str, dict[int, dict]], tiers: list[int], path: 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    out = Path(args.output_dir or tempfile.mkdtemp(prefix="lime-main-job-")).resolve()
+    out = output_dir(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
+    print(f"main job: every output goes to {out} (--output-dir to change)", flush=True)
     if not can_plot():
         print(f"matplotlib is not installed: the results are printed, not plotted ({install_command('plots')})")
     start = time.perf_counter()

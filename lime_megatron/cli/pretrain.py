@@ -6,25 +6,47 @@
     lime-pretrain ...                                                # one process
 
 Options: Megatron-LM's flag names plus the LIMe ones (``--help``; ``docs/training.md``).
+
+The command line is parsed and checked (options, config file, data paths) before the trainer,
+megatron-core and torch are imported, so ``--help`` and a wrong option or path are answered at
+once; the trainer parses it again when it starts.
 """
 
+from __future__ import annotations
+
 import sys
-import warnings
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-# megatron-core's notices that it falls back to torch where apex/TE are missing (every process
-# prints them on import), and 0.16's notice about its own default CUDA-graph scope.
-for notice in ("Transformer Engine and Apex are not installed", "Apex is not installed", "full scope is deprecated"):
-    warnings.filterwarnings("ignore", message=notice)
+from lime_megatron.training import arguments
+from lime_megatron.training.error_report import print_usage_error
 
-from lime_megatron.inference.scoring import generation_evaluator  # noqa: E402
-from lime_megatron.training.trainer import main as _main  # noqa: E402
-from lime_megatron.training.trainer import train  # noqa: E402
+if TYPE_CHECKING:
+    from lime_megatron.training.trainer import Evaluator, TrainingResult
 
 
 def main(argv=None) -> int:
     """Run the trainer on ``argv`` (default: the command line), with the accuracy by generation of
     ``--eval-generation-file`` at evaluations; returns the exit status."""
-    return _main(argv, evaluators=[generation_evaluator])
+    try:
+        run = arguments.parse_run(argv)
+        if not run.dry_run:
+            arguments.check_data_paths(run.data)
+    except arguments.UsageError as error:
+        print_usage_error(error)
+        return 2
+    from lime_megatron.inference.scoring import generation_evaluator
+    from lime_megatron.training.trainer import main as train_main
+
+    return train_main(argv, evaluators=[generation_evaluator])
+
+
+def train(argv=None, evaluators: Sequence[Evaluator] = ()) -> TrainingResult:
+    """``lime_megatron.training.trainer.train`` (imported at the first call): parse ``argv`` and
+    train, raising on a usage error; returns the :class:`TrainingResult`."""
+    from lime_megatron.training import trainer
+
+    return trainer.train(argv, evaluators)
 
 
 __all__ = ["main", "train"]

@@ -12,19 +12,24 @@ of the final answer, per operand count, with a 95% Wilson interval
 accuracy. Prints the table; ``--output`` writes it as JSON with every generation.
 """
 
+from __future__ import annotations
+
 import argparse
 import json
+import os
 import sys
+from typing import TYPE_CHECKING
 
-from lime_megatron.inference import scoring
-from lime_megatron.interop.checkpoint_model import load_model
-from lime_megatron.training.checkpointing import CheckpointError
+from lime_megatron.choices import GENERATION_TASKS
+
+if TYPE_CHECKING:
+    from lime_megatron.inference import scoring
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a --save directory (newest checkpoint) or one iter_NNNNNNN directory")
-    parser.add_argument("--task", choices=scoring.TASKS, default="arithmetic")
+    parser.add_argument("--task", choices=GENERATION_TASKS, default="arithmetic")
     parser.add_argument(
         "--test-file",
         required=True,
@@ -50,6 +55,14 @@ def table(tiers: list[scoring.Accuracy], group: str = "operands") -> str:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
+    for what, path in (("test file", args.test_file), ("checkpoint", args.checkpoint)):
+        if not os.path.exists(path):  # said before the model code is imported
+            print(f"error: no {what} at {path}", file=sys.stderr)
+            return 1
+    from lime_megatron.inference import scoring
+    from lime_megatron.interop.checkpoint_model import load_model
+    from lime_megatron.training.checkpointing import CheckpointError
+
     try:
         read, _, group = scoring.TASKS[args.task]
         records = read(args.test_file)

@@ -345,7 +345,8 @@ def add_tokenizer_args(parser: argparse.ArgumentParser):
         "--make-vocab-size-divisible-by",
         type=int,
         default=128,
-        help="pad the vocabulary to a multiple of this times the TP size",
+        help="pad the vocabulary to a multiple of this (the trainer: of this alone, which must be divisible by "
+        "the TP size, so that checkpoints do not depend on the layout)",
     )
     return group
 

@@ -4,9 +4,19 @@
 (``checkpoint_model.load_model``) and writes a Hugging Face directory::
 
     config.json                 LlamaConfig fields (+ "lime_config" and "lime_megatron", below)
+    generation_config.json      begin/end of text and padding = the end-of-document token (EOD);
+                                the padded vocabulary's ids suppressed
     model.safetensors           or model-0000k-of-0000n.safetensors + model.safetensors.index.json
-    tokenizer files             the run's: vocab.json + merges.txt (GPT-2 BPE), tokenizer.json
+    tokenizer.json              the run's tokenizer putting EOD before every text, as training did
+    tokenizer_config.json       (``lime_megatron.interop.hf_tokenizer``); beside them the files the
+    tokenizer files             import reads: vocab.json + merges.txt (GPT-2 BPE), run_tokenizer/
                                 (Hugging Face) or tokenizer.model (SentencePiece); none for mock data
+
+Training packs documents each followed by EOD, so the model always sees EOD before a document,
+and our decoding prompts with ``[EOD, *tokenize(prompt)]`` (``inference.scoring``,
+``tools/generate.py``).  The export does the same in transformers:
+``AutoTokenizer.from_pretrained(dir)(text)`` gives ``[EOD, *our tokenize(text)]``, EOD is the BOS
+token of the tokenizer and config.json, and ``generate`` stops at EOD (``eos_token_id``).
 
 The LLaMA baseline loads as transformers' ``LlamaForCausalLM``; LIMe and Hyper-Connections are
 written in the layouts of the paper's official ``LIMeForCausalLM`` and ``LlamaHCForCausalLM``
@@ -28,7 +38,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 import time
 from dataclasses import dataclass, field
 from typing import Any
@@ -49,6 +58,7 @@ from lime_megatron.interop.hf_layout import (
     from_hf_tensors,
     to_hf_tensors,
 )
+from lime_megatron.interop.hf_tokenizer import RUN_TOKENIZER, write_tokenizer
 from lime_megatron.models.lime.dynamic_router import OWN_WEIGHT_AT_INIT
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.training import arguments, checkpointing, data
@@ -60,6 +70,7 @@ SHARD_BYTES = 4 * 2**30
 """Default largest safetensors file; bigger models are split with an index (transformers' format)."""
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
+GENERATION_CONFIG = "generation_config.json"
 DTYPE_NAMES = {torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16", torch.float64: "float64"}
 
 
@@ -126,7 +137,7 @@ class Description:
             attention_dropout=0.0,
             mlp_bias=False,
             initializer_range=self.init_std,
-            bos_token_id=None,
+            bos_token_id=self.eos_token_id,  # EOD precedes every training document
             eos_token_id=self.eos_token_id,
             pad_token_id=self.pad_token_id,
             use_cache=not shape.lime,
@@ -147,6 +158,20 @@ class Description:
         )
         if shape.dynamic_router:
             config[EXTRA]["lime_dynamic_own_weight"] = OWN_WEIGHT_AT_INIT
+        return config
+
+    def generation_config_json(self) -> dict:
+        """generation_config.json: a text starts after EOD and generation stops at it, padding is
+        the run's pad token (else EOD), and the padded vocabulary's ids, which no tokenizer
+        produces and our decoding never picks, are suppressed."""
+        padding = range(self.unpadded_vocab_size, self.shape.vocab_size)
+        config: dict[str, Any] = dict(
+            bos_token_id=self.eos_token_id,
+            eos_token_id=self.eos_token_id,
+            pad_token_id=self.eos_token_id if self.pad_token_id is None else self.pad_token_id,
+        )
+        if padding:
+            config["suppress_tokens"] = list(padding)
         return config
 
     @classmethod
@@ -265,6 +290,13 @@ def _rope_base(config: dict) -> int:
 # --------------------------------------------------------------------------- safetensors files
 
 
+def new_file_mode() -> int:
+    """The mode ``open(..., "w")`` gives a new file under this process's umask (0644 under 022)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
+
+
 def write_safetensors(
     tensors: dict[str, torch.Tensor], directory: str, shard_bytes: int = SHARD_BYTES, progress: bool = True
 ) -> list[str]:
@@ -289,6 +321,8 @@ def write_safetensors(
     )
     for name, shard in zip(tqdm(names, desc="write safetensors", unit="file", disable=not progress), shards):
         save_file(shard, os.path.join(directory, name), metadata={"format": "pt"})
+        # safetensors creates its files 0600; give them the mode every other file of the export gets
+        os.chmod(os.path.join(directory, name), new_file_mode())
     if len(shards) > 1:
         index = dict(
             metadata=dict(total_size=sum(t.numel() * t.element_size() for t in tensors.values())),
@@ -341,44 +375,6 @@ def _read_json(path: str) -> dict:
 # --------------------------------------------------------------------------- tokenizer files
 
 
-def write_tokenizer(tokenizer, directory: str) -> list[str]:
-    """Copy the run's tokenizer into ``directory`` as transformers expects it; returns the files
-    (none for the mock-data vocabulary)."""
-    kind = type(tokenizer).__name__
-    sources = getattr(tokenizer, "unique_identifiers", {}).get("files", [])
-    settings: dict[str, str | bool]  # tokenizer_config.json
-    if kind == "GPT2BPETokenizer":
-        vocab, merges = sources
-        shutil.copyfile(vocab, os.path.join(directory, "vocab.json"))
-        shutil.copyfile(merges, os.path.join(directory, "merges.txt"))
-        settings = dict(
-            tokenizer_class="GPT2Tokenizer",
-            eos_token="<|endoftext|>",
-            bos_token="<|endoftext|>",
-            unk_token="<|endoftext|>",
-        )
-        files = ["vocab.json", "merges.txt"]
-    elif kind == "HuggingFaceTokenizer":
-        source = os.path.dirname(sources[0])
-        shutil.copyfile(sources[0], os.path.join(directory, "tokenizer.json"))
-        files = ["tokenizer.json"]
-        for extra in ("tokenizer_config.json", "special_tokens_map.json"):
-            if os.path.isfile(os.path.join(source, extra)):
-                shutil.copyfile(os.path.join(source, extra), os.path.join(directory, extra))
-                files.append(extra)
-        if "tokenizer_config.json" in files:
-            return files
-        settings = dict(tokenizer_class="PreTrainedTokenizerFast", eos_token=tokenizer.detokenize([tokenizer.eod]))
-    elif kind == "SentencePieceTokenizer":
-        shutil.copyfile(sources[0], os.path.join(directory, "tokenizer.model"))
-        settings = dict(tokenizer_class="LlamaTokenizer", add_bos_token=False)
-        files = ["tokenizer.model"]
-    else:
-        return []
-    _write_json(os.path.join(directory, "tokenizer_config.json"), settings)
-    return files + ["tokenizer_config.json"]
-
-
 def _tokenizer_flags(directory: str, description: Description) -> list[str]:
     """Trainer flags for the tokenizer files in ``directory`` (``--vocab-size``, the mock-data
     vocabulary, if there are none)."""
@@ -394,8 +390,11 @@ def _tokenizer_flags(directory: str, description: Description) -> list[str]:
     ]
     if description.tokenizer_type:  # ours: the type exported first
         kinds.sort(key=lambda kind: kind[0] != description.tokenizer_type)
+    own = os.path.join(directory, RUN_TOKENIZER, "tokenizer.json")
     for kind, needs in kinds:
         if needs <= present:
+            if kind == "HuggingFaceTokenizer" and os.path.isfile(own):  # ours: the run's, without EOD first
+                return ["--tokenizer-type", kind, "--tokenizer-model", os.path.abspath(own)]
             path = {name: os.path.abspath(os.path.join(directory, name)) for name in needs}
             if kind == "GPT2BPETokenizer":
                 return [
@@ -492,7 +491,8 @@ def write_hf(
     files = write_safetensors(tensors, directory, shard_bytes, progress)
     dtype = tensors["model.embed_tokens.weight"].dtype
     _write_json(os.path.join(directory, "config.json"), description.config_json(dtype))
-    return tensors, ["config.json", *files]
+    _write_json(os.path.join(directory, GENERATION_CONFIG), description.generation_config_json())
+    return tensors, ["config.json", GENERATION_CONFIG, *files]
 
 
 def export_checkpoint(

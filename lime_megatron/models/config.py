@@ -16,17 +16,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-ROUTER_VARIANTS = ("full", "average", "last", "first", "dynamic")
-"""Router variants of App. D: ``full`` (learned, all earlier layers), ``average`` (fixed uniform
-average, no parameters), ``last`` (learned, the last ``window`` layers up to and including the
-current one) and ``first`` (learned, the first ``window`` layers plus the current one); and v1's
-``dynamic`` (per-token softmax weights over all earlier layers, ``models.lime.dynamic_router``)."""
-
-WINDOWED_VARIANTS = ("last", "first")
-
-
-class LimeConfigError(ValueError):
-    """A LIMe configuration that cannot be built."""
+from lime_megatron.choices import DEFAULT_ROUTER, LimeConfigError, validate_router
 
 
 @dataclass
@@ -40,8 +30,8 @@ class LimeTransformerConfig(TransformerConfig):
     lime: bool = True
     """Route keys and values through the layer-integrated memory (False: LLaMA baseline)."""
 
-    lime_router: str = "full"
-    """Router variant: one of ``ROUTER_VARIANTS``."""
+    lime_router: str = DEFAULT_ROUTER
+    """Router variant: one of ``lime_megatron.choices.ROUTER_VARIANTS``."""
 
     lime_router_window: int | None = None
     """Window j of the ``last``/``first`` variants (App. D); must be None for the others."""
@@ -258,24 +248,6 @@ def reject_options_bypassing_lime(config: TransformerConfig) -> None:
         value = getattr(config, option, off)
         if value != off:
             raise LimeConfigError(f"{option}={value!r} is not supported with LIMe: {reason}")
-
-
-def validate_router(router: str, window: int | None, *, flags: bool = False) -> None:
-    """The rules of the router options, for the config and the trainer's flags alike: a known
-    variant (``ROUTER_VARIANTS``), a window >= 1 for the windowed ones and none for the others.
-    Raises one ``LimeConfigError``; ``flags`` names the options as command-line flags."""
-    router_name, window_name = (
-        ("--lime-router", "--lime-router-window") if flags else ("LIMe router", "lime_router_window")
-    )
-    if router not in ROUTER_VARIANTS:
-        raise LimeConfigError(f"unknown LIMe router variant {router!r}; choose one of {ROUTER_VARIANTS}")
-    if router in WINDOWED_VARIANTS:
-        if window is None or window < 1:
-            raise LimeConfigError(f"{router_name} {router} needs {window_name} >= 1, got {window}")
-    elif window is not None:
-        raise LimeConfigError(
-            f"{window_name} {window} only applies to the {'/'.join(WINDOWED_VARIANTS)} routers, not to {router}"
-        )
 
 
 def pipeline_layer_split(config: TransformerConfig) -> dict[tuple[int, int | None], range]:

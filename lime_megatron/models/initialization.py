@@ -43,11 +43,10 @@ import torch
 from megatron.core import parallel_state
 from torch import nn
 
+from lime_megatron.choices import INIT_STYLES
 from lime_megatron.models.hyper_connections.connection import HyperConnection
 from lime_megatron.models.hyper_connections.manifold import ManifoldHyperConnection
 from lime_megatron.models.lime.router import LimeRouter, init_router_weight
-
-INIT_STYLES = ("megatron", "official")
 
 HYPER_CONNECTIONS = (HyperConnection, ManifoldHyperConnection)
 """Modules that set their own initial values (``reset_parameters``), seeded by their first parameter's key."""

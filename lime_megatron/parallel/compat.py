@@ -94,6 +94,9 @@ Patches, all applied together by :func:`enable_cpu_support`:
    alias holds the storage until gloo is done, as NCCL's caching allocator does for a CUDA tensor
    recorded on the communication stream.
 
+7. megatron-core's notices about GPUs alone are filtered (``harmless_warnings.CPU_NOTICES``: the
+   ``CUDA_DEVICE_MAX_CONNECTIONS`` speed hint of tensor-parallel layers).
+
 No configuration changes on CPU: megatron's GPU defaults (``batch_p2p_comm`` without overlap)
 run over gloo as they are.  megatron's own batched posting order swaps activations and gradients
 at two stages with virtual stages, on NCCL as on gloo; ``pipeline.PipelineCommunicator``, which
@@ -144,7 +147,9 @@ parses the package and fails on a private name it reaches into that is not regis
 - torch's ``torch.utils._python_dispatch.TorchDispatchMode`` and ``aten._to_copy``
   (``testing.copied_bytes`` counts copies with them).
 - torch's ``distributed_c10d._world.pg_map`` (every live process group) and
-  ``distributed_c10d._get_default_group()`` (``parallel.destroy_parallel``).
+  ``distributed_c10d._get_default_group()`` (``parallel.destroy_parallel``);
+  ``distributed_c10d._get_default_store()``, the default group's store, whose ``add`` counts the
+  ranks that failed (``training.trainer`` prints a usage error from the first only).
 - The targets of the patches above: ``tensor_parallel.random._get_cuda_rng_state`` /
   ``_set_cuda_rng_state``; ``DistributedOptimizer._build_model_and_main_param_groups`` (a
   classmethod), ``get_parameter_state_dp_zero``, ``state_dict``, ``load_state_dict``,
@@ -166,6 +171,8 @@ import logging
 from collections.abc import Callable
 
 import torch
+
+from lime_megatron import harmless_warnings
 
 __all__ = [
     "default_device",
@@ -433,6 +440,7 @@ def enable_cpu_support() -> bool:
         _patch_distributed_optimizer_torch_adam()
         _patch_sends_keep_storage()
         logging.getLogger(_PREFIX + "tensor_parallel.random").addFilter(_drop_spurious_rng_warning)
+        harmless_warnings.ignore_cpu_notices()
         _enabled = True
     return True
 
@@ -583,6 +591,10 @@ def _probe_process_groups() -> list[str | None]:
         _present(
             "torch.distributed.distributed_c10d._get_default_group",
             getattr(distributed_c10d, "_get_default_group", None),
+        ),
+        _present(
+            "torch.distributed.distributed_c10d._get_default_store",
+            getattr(distributed_c10d, "_get_default_store", None),
         ),
     ]
 
@@ -767,6 +779,7 @@ PRIVATE_APIS: dict[str, Callable[[], list[str | None]]] = {
     "_top_saved_tensors_default_hooks": _probe_saved_tensor_hooks,
     "_world": _probe_process_groups,
     "_get_default_group": _probe_process_groups,
+    "_get_default_store": _probe_process_groups,
     "_checkpointed_forward": _probe_context_threading,
     "_checkpointed_attention_forward": _probe_attention,
     "_adjust_key_value_for_inference": _probe_decoding,

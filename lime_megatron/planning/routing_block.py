@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lime_megatron.choices import MACHINE_NAMES
 from lime_megatron.models.config import LimeConfigError
 from lime_megatron.models.lime.routing_blocks import recompute_safe_block
 from lime_megatron.parallel.pipeline import chunk_layers
@@ -120,14 +121,7 @@ H200 = MachineBalance("H200 (bf16 989 TFLOP/s, fp32 67, HBM3e 4.8 TB/s)", 989e12
 A100_80GB = MachineBalance("A100 80GB (bf16 312 TFLOP/s, fp32 19.5, HBM2e 2.04 TB/s)", 312e12, 19.5e12, 2.039e12)
 A100_40GB = MachineBalance("A100 40GB (bf16 312 TFLOP/s, fp32 19.5, HBM2 1.56 TB/s)", 312e12, 19.5e12, 1.555e12)
 
-MACHINES = {
-    "h100": H100_SXM,
-    "h100-pcie": H100_PCIE,
-    "h200": H200,
-    "a100": A100_80GB,
-    "a100-40gb": A100_40GB,
-    "cpu": CPU_2_CORE,
-}
+MACHINES = dict(zip(MACHINE_NAMES, (H100_SXM, H100_PCIE, H200, A100_80GB, A100_40GB, CPU_2_CORE), strict=True))
 """Machines ``--lime-machine`` names (besides ``auto``: the device present)."""
 
 DEVICE_NAMES = (

@@ -11,25 +11,28 @@ the run (layout, precision, FP8, recompute and LIMe options included).
 
 Boolean options can be switched both ways (``--lime`` / ``--no-lime``), so a command line can
 override a config file; Megatron-LM's own negative flags (``--no-load-optim``,
-``--no-load-rng``) keep their names.
+``--no-load-rng``) keep their names. As in Megatron-LM, a flag is never abbreviated; an unknown
+one is answered with the closest known flag.
+
+Parsing and validation import neither torch nor megatron-core (torch only to ask for CUDA where
+an option needs a GPU), so that ``--help`` and a wrong option or data path are answered before the
+trainer is imported; :func:`transformer_config` imports the model code it builds.
 """
 
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import difflib
 import os
 import sys
 from collections.abc import Sequence
 from typing import Any
 
-import torch
 import yaml
-from megatron.core.transformer.enums import AttnBackend
 
+from lime_megatron.choices import DEFAULT_ROUTER, LimeConfigError, validate_router
 from lime_megatron.data.tokenizer import add_tokenizer_args
-from lime_megatron.models.config import LimeConfigError, LimeTransformerConfig, lime_config, validate_router
-from lime_megatron.parallel import fusions
 from lime_megatron.training.run_config import (
     GROUPS,
     NULL_TOKENIZER,
@@ -40,6 +43,13 @@ from lime_megatron.training.run_config import (
 
 REQUIRED = ("num_layers", "hidden_size", "num_attention_heads", "seq_length", "micro_batch_size", "train_iters", "lr")
 """Options every training run must set (on the command line or in the config file)."""
+
+NOT_REQUIRED_FOR_DRY_RUN = ("train_iters", "lr")
+"""The options of ``REQUIRED`` a ``--dry-run`` (which trains nothing) does without."""
+
+DESCRIPTION = """Pretrain LIMe or LLaMA on megatron-core. Options marked required must be set on the
+command line or in the --config file, and so must one data source (--data-path, --train-data-path
+or --mock-data); the command line overrides the file."""
 
 
 class UsageError(Exception):
@@ -55,6 +65,25 @@ class _Parser(argparse.ArgumentParser):
 
     def error(self, message):
         raise ArgumentsError(message)
+
+
+def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
+    return [string for action in parser._actions for string in action.option_strings]
+
+
+def did_you_mean(unknown: str, known: Sequence[str]) -> str:
+    """``"; did you mean X?"`` with the entry of ``known`` closest to ``unknown``, or ``""``
+    when none is close."""
+    close = difflib.get_close_matches(unknown, known, n=1)
+    return f"; did you mean {close[0]}?" if close else ""
+
+
+def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+    """argparse's message for the ``unknown`` tokens, with the flag closest to the first unknown
+    flag among them."""
+    flags = [token.split("=", 1)[0] for token in unknown if token.startswith("-")]
+    hint = did_you_mean(flags[0], _option_strings(parser)) if flags else ""
+    return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 
 def _add_flag(group, spec: dataclasses.Field) -> None:
@@ -84,17 +113,37 @@ def _add_group(parser, options: type[Any]) -> None:
 
 def build_parser() -> argparse.ArgumentParser:
     """The trainer's argument parser (raises :class:`ArgumentsError` on bad input)."""
-    parser = _Parser(prog="pretrain_lime.py", description="Pretrain LIMe or LLaMA on megatron-core.")
-    parser.add_argument("--config", help="YAML file of options; the command line overrides it")
-    parser.add_argument(
+    parser = _Parser(prog="pretrain_lime.py", description=DESCRIPTION, allow_abbrev=False)
+    run = parser.add_argument_group("config file and dry run")
+    run.add_argument("--config", help="YAML file of options; the command line overrides it")
+    run.add_argument(
         "--dry-run", action="store_true", help="print parameters, FLOPs and memory per GPU for the layout; no training"
     )
-    parser.add_argument(
-        "--dry-run-world-size", type=int, help="GPUs assumed by --dry-run (default $WORLD_SIZE, else TP x PP)"
+    run.add_argument(
+        "--dry-run-world-size", type=int, help="GPUs assumed by --dry-run (default: $WORLD_SIZE, else TP x PP)"
     )
     for options in GROUPS.values():
         _add_group(parser, options)
+    for action in parser._actions:
+        action.help = _help_of(action)
     return parser
+
+
+def _help_of(action: argparse.Action) -> str | None:
+    """``action``'s help followed by ``(required)`` for the options of ``REQUIRED`` and by
+    ``(default: X)`` where the option has a default; not for flags that only switch on
+    (``store_true``, whose ``const`` is True: ``--dry-run`` given means on)."""
+    if action.dest in REQUIRED:
+        note = "required, but not with --dry-run" if action.dest in NOT_REQUIRED_FOR_DRY_RUN else "required"
+    elif action.default is None or action.default is argparse.SUPPRESS or action.const is not None:
+        return action.help
+    elif action.help and "%(default)" in action.help:  # argparse's BooleanOptionalAction adds it (Python < 3.13)
+        return action.help
+    else:
+        default = action.default
+        text = " ".join(map(str, default)) if isinstance(default, list | tuple) else str(default)
+        note = "default: " + text.replace("%", "%%")
+    return f"{action.help} ({note})" if action.help else note
 
 
 # --------------------------------------------------------------------------- config files
@@ -122,8 +171,10 @@ def _yaml_tokens(parser: argparse.ArgumentParser, path: str, skip=()) -> list[st
     for key, value in values.items():
         action = actions.get(key)
         if action is None or key in ("config", "help"):
+            keys = [dest for dest in actions if dest not in ("config", "help")]
             raise ArgumentsError(
-                f"config file {path}: unknown option {key!r} (keys are flag names with underscores, e.g. num_layers)"
+                f"config file {path}: unknown option {key!r} (keys are flag names with underscores, e.g. "
+                f"num_layers){did_you_mean(key, keys)}"
             )
         if key not in skip:
             tokens += _tokens_of(action, value, path, key)
@@ -150,9 +201,12 @@ def _tokens_of(action: argparse.Action, value: Any, path: str, key: str) -> list
 
 def _parse(parser: argparse.ArgumentParser, tokens: list[str], where: str) -> argparse.Namespace:
     try:
-        return parser.parse_args(tokens)
+        args, unknown = parser.parse_known_args(tokens)
+        if unknown:
+            raise ArgumentsError(_unrecognized(parser, unknown))
     except ArgumentsError as error:
         raise ArgumentsError(f"{where}: {error}") from None
+    return args
 
 
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
@@ -188,7 +242,7 @@ def validate(args: argparse.Namespace, world_size: int) -> None:
     missing = [
         f"--{name.replace('_', '-')}"
         for name in REQUIRED
-        if getattr(args, name) is None and not (args.dry_run and name in ("train_iters", "lr"))
+        if getattr(args, name) is None and not (args.dry_run and name in NOT_REQUIRED_FOR_DRY_RUN)
     ]
     if missing:
         raise ArgumentsError(f"missing required option(s): {', '.join(missing)}")
@@ -308,7 +362,7 @@ def _check_lime(args, world_size) -> None:
             options = ", ".join("--" + name.replace("_", "-") for name in given)
             raise ArgumentsError(f"{options} only apply to LIMe: add --lime (or drop them)")
         return
-    args.lime_router = args.lime_router or LimeTransformerConfig.lime_router
+    args.lime_router = args.lime_router or DEFAULT_ROUTER
     try:
         validate_router(args.lime_router, args.lime_router_window, flags=True)
     except LimeConfigError as error:
@@ -335,13 +389,22 @@ def _check_pruning(args) -> None:
             raise ArgumentsError(f"--lime-prune-iters {outside} are outside the run's iterations 1..{args.train_iters}")
 
 
+def _cuda(args) -> bool:
+    """Whether the run has CUDA GPUs: a dry run plans for them; else torch is asked (imported
+    here, for the options that need a GPU only)."""
+    if args.dry_run:
+        return True
+    import torch
+
+    return torch.cuda.is_available()
+
+
 def _check_precision(args, world_size) -> None:
     if args.bf16 and args.fp16:
         raise ArgumentsError("choose one of --bf16 and --fp16")
-    cuda = torch.cuda.is_available() or args.dry_run
-    if args.fp16 and not cuda:
+    if args.fp16 and not _cuda(args):
         raise ArgumentsError("--fp16 needs a CUDA GPU (CPU runs train in float32 or --bf16)")
-    if args.transformer_impl == "transformer_engine" and not cuda:
+    if args.transformer_impl == "transformer_engine" and not _cuda(args):
         raise ArgumentsError("--transformer-impl transformer_engine needs a CUDA GPU")
     if args.attention_backend != "auto" and args.transformer_impl != "transformer_engine":
         raise ArgumentsError(
@@ -397,6 +460,28 @@ def _check_data(args, world_size) -> None:
     for path in [args.data_path] + per_split:
         if path is not None:
             parse_blend(path)
+
+
+def missing_dataset(prefix: str) -> str | None:
+    """The error for the data path ``prefix`` when its .bin/.idx pair is missing, else None."""
+    missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
+    if not missing:
+        return None
+    return (
+        f"data path {prefix!r}: {' and '.join(missing)} not found (a data path is the "
+        "prefix of a .bin/.idx pair written by tools/preprocess_data.py, e.g. "
+        "data/fwe_text_document)"
+    )
+
+
+def check_data_paths(options: DataOptions) -> None:
+    """Raise :class:`ArgumentsError` for the first data path whose files are missing: the command
+    line's check before the trainer is imported (the trainer checks again when it reads them)."""
+    for tokens in (options.data_path, options.train_data_path, options.valid_data_path, options.test_data_path):
+        for prefix in parse_blend(tokens)[0] if tokens is not None else ():
+            problem = missing_dataset(prefix)
+            if problem:
+                raise ArgumentsError(problem)
 
 
 def parse_blend(tokens: Sequence[str]) -> tuple[list[str], list[float] | None]:
@@ -465,7 +550,7 @@ def _check_profiling(args, world_size) -> None:
         )
     if args.use_pytorch_profiler and not (args.profile_dir or args.tensorboard_dir):
         raise ArgumentsError("--use-pytorch-profiler needs --profile-dir or --tensorboard-dir for its trace")
-    if not args.use_pytorch_profiler and not (torch.cuda.is_available() or args.dry_run):
+    if not args.use_pytorch_profiler and not _cuda(args):
         raise ArgumentsError("--profile without --use-pytorch-profiler drives nsys and needs a CUDA GPU")
 
 
@@ -482,6 +567,12 @@ def transformer_config(run: RunConfig):
     declares as ``TransformerConfig`` fields (``RunConfig.transformer_options``) and the values
     computed from options below; fused kernels as ``lime_megatron.parallel.fusions`` decides.
     Raises :class:`ArgumentsError` for shapes or layouts megatron or LIMe reject."""
+    import torch
+    from megatron.core.transformer.enums import AttnBackend
+
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.parallel import fusions
+
     options = run.transformer_options()
     if run.precision.fp8_format is None:  # megatron's FP8 settings apply only with FP8: keep its defaults
         options = {name: value for name, value in options.items() if not name.startswith("fp8")}

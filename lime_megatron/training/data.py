@@ -15,7 +15,6 @@ microbatches. Resuming only needs ``c`` (stored in checkpoints). Validation alwa
 
 from __future__ import annotations
 
-import os
 from dataclasses import dataclass, field
 
 import torch
@@ -26,7 +25,7 @@ from megatron.core.datasets.gpt_dataset import GPTDataset, GPTDatasetConfig, Moc
 from lime_megatron.data.sft_dataset import SFTDataError, SFTDataset
 from lime_megatron.data.tokenizer import NO_PAD, build_tokenizer, padded_vocab_size, tokenizer_kwargs
 from lime_megatron.parallel.compat import default_device
-from lime_megatron.training.arguments import UsageError, parse_blend
+from lime_megatron.training.arguments import UsageError, missing_dataset, parse_blend
 from lime_megatron.training.run_config import NULL_TOKENIZER, DataOptions, RunConfig, TrainingOptions
 
 BATCH_KEYS = ("tokens", "labels", "loss_mask", "position_ids")
@@ -80,13 +79,9 @@ def _blend(tokens):
         return None
     prefixes, weights = parse_blend(tokens)
     for prefix in prefixes:
-        missing = [prefix + ext for ext in (".bin", ".idx") if not os.path.isfile(prefix + ext)]
-        if missing:
-            raise DataError(
-                f"data path {prefix!r}: {' and '.join(missing)} not found (a data path is the "
-                "prefix of a .bin/.idx pair written by tools/preprocess_data.py, e.g. "
-                "data/fwe_text_document)"
-            )
+        problem = missing_dataset(prefix)
+        if problem:
+            raise DataError(problem)
     return prefixes, weights
 
 

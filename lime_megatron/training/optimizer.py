@@ -40,6 +40,7 @@ from megatron.core.optimizer import (
 from megatron.core.optimizer_param_scheduler import OptimizerParamScheduler
 from megatron.core.utils import get_model_config
 
+from lime_megatron.choices import WEIGHT_DECAY_GROUPINGS
 from lime_megatron.models.hyper_connections.connection import DYNAMIC_PARAM_ATTR, STATIC_PARAM_ATTR
 from lime_megatron.models.lime.router import ROUTER_PARAM_ATTR
 
@@ -71,11 +72,6 @@ ROUTER = ParamKey(attr=ROUTER_PARAM_ATTR)
 EMBEDDING = ParamKey(name="*embedding.word_embeddings.weight", attr="shared_embedding")
 """The word embedding, and the last pipeline stage's copy of it when the output layer is tied to
 it (megatron marks both copies ``shared_embedding``; an untied output layer is not included)."""
-
-WEIGHT_DECAY_GROUPINGS = ("megatron", "official")
-"""``--weight-decay-grouping``: ``megatron`` decays every weight but biases and 1-D weights (norms),
-embedding included; ``official`` (the paper's implementation, minGPT's rule) also spares the
-word embedding (and so a tied output layer)."""
 
 
 @dataclass(frozen=True)

@@ -24,15 +24,20 @@ import argparse
 import dataclasses
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
+from lime_megatron.choices import (
+    ATTENTION_BACKENDS,
+    DEFAULT_ROUTER,
+    GENERATION_TASKS,
+    INIT_STYLES,
+    MACHINE_NAMES,
+    ROUTER_VARIANTS,
+    WEIGHT_DECAY_GROUPINGS,
+)
 
-from lime_megatron.models.config import ROUTER_VARIANTS, LimeTransformerConfig
-from lime_megatron.models.initialization import INIT_STYLES
-from lime_megatron.models.lime.recompute import ATTENTION_BACKENDS
-from lime_megatron.planning.routing_block import MACHINES
-from lime_megatron.training.optimizer import WEIGHT_DECAY_GROUPINGS
+if TYPE_CHECKING:
+    import torch
 
 PAPER_ROUTER_LR = 1e-2
 """Router learning rate of the paper (Table 2); the default of ``--lime-router-lr``."""
@@ -80,17 +85,23 @@ def transformer_field(spec: dataclasses.Field) -> str | None:
 class ModelOptions:
     """The model's shape and architecture (paper Table 3)."""
 
-    group = "model"
+    group = "model shape and architecture"
 
-    num_layers: int | None = option(type=int, transformer=True)
-    hidden_size: int | None = option(type=int, transformer=True)
-    ffn_hidden_size: int | None = option(type=int, help="default 4 * hidden size", transformer=True)
-    num_attention_heads: int | None = option(type=int, transformer=True)
+    num_layers: int | None = option(type=int, help="transformer layers", transformer=True)
+    hidden_size: int | None = option(type=int, help="width of the residual stream", transformer=True)
+    ffn_hidden_size: int | None = option(
+        type=int, help="width of the MLP (default: 4 x --hidden-size)", transformer=True
+    )
+    num_attention_heads: int | None = option(type=int, help="attention (query) heads", transformer=True)
     group_query_attention: bool = option(type=bool, help="grouped-query attention; needs --num-query-groups")
-    num_query_groups: int | None = option(type=int, help="key/value heads (default: attention heads)", transformer=True)
-    kv_channels: int | None = option(type=int, help="head dimension (default hidden / heads)", transformer=True)
-    seq_length: int | None = option(type=int)
-    max_position_embeddings: int | None = option(type=int, help="default: --seq-length")
+    num_query_groups: int | None = option(
+        type=int, help="key/value heads (default: --num-attention-heads)", transformer=True
+    )
+    kv_channels: int | None = option(
+        type=int, help="head dimension (default: --hidden-size / --num-attention-heads)", transformer=True
+    )
+    seq_length: int | None = option(type=int, help="tokens per sample")
+    max_position_embeddings: int | None = option(type=int, help="positions the model supports (default: --seq-length)")
     rotary_base: int = option(10000, type=int)
     norm_epsilon: float = option(1e-5, type=float, transformer="layernorm_epsilon")
     init_method_std: float = option(0.02, type=float, transformer=True)
@@ -128,13 +139,13 @@ class ModelOptions:
         transformer=True,
     )
     hyper_connections_static: bool = option(
-        type=bool, help="static Hyper-Connections (default: dynamic)", transformer=True
+        type=bool, help="static Hyper-Connections (off: dynamic ones)", transformer=True
     )
     hyper_connections_manifold: bool = option(
         type=bool,
         help="manifold-constrained Hyper-Connections (mHC: "
         "Sinkhorn-projected residual mixing, as megatron-core "
-        "main; default: the paper's dynamic HC)",
+        "main; off: the paper's dynamic HC)",
         transformer=True,
     )
     hyper_connections_sinkhorn_iterations: int = option(
@@ -157,19 +168,19 @@ class LimeOptions:
     Their meaning and their defaults as model options are ``LimeTransformerConfig``'s: an option
     left at None here (not given) takes the config's default there."""
 
-    group = "LIMe"
+    group = "LIMe: the layer-integrated memory and its routers"
 
     lime: bool = option(type=bool, help="LIMe attention (without it: the LLaMA baseline)", transformer=True)
     lime_router: str | None = option(
-        choices=ROUTER_VARIANTS, help=f"router variant (default {LimeTransformerConfig.lime_router})", transformer=True
+        choices=ROUTER_VARIANTS, help=f"router variant (default: {DEFAULT_ROUTER})", transformer=True
     )
     lime_router_window: int | None = option(type=int, help="window j of the last/first routers", transformer=True)
     lime_router_lr: float | None = option(
         type=float,
-        help=f"router learning rate (default {PAPER_ROUTER_LR}, the paper's); the router schedule "
+        help=f"router learning rate (default: {PAPER_ROUTER_LR}, the paper's); the router schedule "
         "is the main one scaled by lime-router-lr / lr",
     )
-    lime_router_weight_decay: float | None = option(type=float, help="router weight decay (default 0)")
+    lime_router_weight_decay: float | None = option(type=float, help="router weight decay (default: 0)")
     lime_routing_block: int | None = option(
         type=int,
         help="routing block size B: the routing products of B "
@@ -179,17 +190,17 @@ class LimeOptions:
         transformer=True,
     )
     lime_machine: str | None = option(
-        choices=("auto", *MACHINES),
+        choices=("auto", *MACHINE_NAMES),
         help="the machine whose figures (peak, "
         "bandwidth, host time per operator) choose the routing block size "
-        "(default auto: the GPU present, else the CPU VM's)",
+        "(default: auto, the GPU present, else the CPU VM's)",
         transformer=True,
     )
     lime_recompute_routed_kv: bool = option(
         type=bool,
         help="rebuild the routed keys/values in backward instead of saving "
         "them: 2 x kv heads less saved per layer for one more router "
-        "product per layer (default off: saves no more than the baseline)",
+        "product per layer (off: saves no more than the baseline)",
         transformer=True,
     )
     lime_prune_top_p: float | None = option(
@@ -209,7 +220,7 @@ class ParallelOptions:
     """The parallel layout: tensor, pipeline (virtual stages, uneven split), sequence and data
     parallelism."""
 
-    group = "parallelism"
+    group = "parallel layout: tensor, pipeline, sequence and data parallelism"
 
     tensor_model_parallel_size: int = option(1, type=int, transformer=True)
     pipeline_model_parallel_size: int = option(1, type=int, transformer=True)
@@ -235,20 +246,22 @@ class ParallelOptions:
 class TrainingOptions:
     """Batch, length of the run, optimizer and learning-rate schedule."""
 
-    group = "training"
+    group = "batch, length of the run, optimizer and learning-rate schedule"
 
-    micro_batch_size: int | None = option(type=int)
-    global_batch_size: int | None = option(type=int, help="default: micro batch x data-parallel size")
-    train_iters: int | None = option(type=int)
+    micro_batch_size: int | None = option(type=int, help="samples per forward-backward pass of one data-parallel rank")
+    global_batch_size: int | None = option(
+        type=int, help="samples per iteration (default: --micro-batch-size x data-parallel size)"
+    )
+    train_iters: int | None = option(type=int, help="iterations of the run")
     exit_interval: int | None = option(type=int, help="stop (and save) after this iteration")
     seed: int = option(1234, type=int, transformer="init_seed")
     optimizer: str = option("adam", choices=("adam", "sgd"), help="adam is AdamW (decoupled weight decay)")
-    lr: float | None = option(type=float)
+    lr: float | None = option(type=float, help="peak learning rate")
     min_lr: float = option(0.0, type=float)
     lr_decay_style: str = option("linear", choices=("constant", "linear", "cosine", "inverse-square-root"))
     lr_warmup_iters: int = option(0, type=int)
     lr_warmup_init: float = option(0.0, type=float)
-    lr_decay_iters: int | None = option(type=int, help="default: --train-iters")
+    lr_decay_iters: int | None = option(type=int, help="iterations of the decay (default: --train-iters)")
     weight_decay: float = option(0.01, type=float)
     weight_decay_grouping: str = option(
         "megatron",
@@ -271,12 +284,12 @@ class TrainingOptions:
 
 @dataclass(frozen=True)
 class PrecisionOptions:
-    """Mixed precision and FP8 (GPU)."""
+    """Mixed precision (bf16 on CPU and GPU, fp16 on GPU) and FP8 (GPU)."""
 
-    group = "mixed precision (GPU)"
+    group = "precision: bf16 (CPU and GPU), fp16 and FP8 (GPU)"
 
-    bf16: bool = option(type=bool, transformer=True)
-    fp16: bool = option(type=bool, transformer=True)
+    bf16: bool = option(type=bool, help="bfloat16 weights and compute (CPU and GPU; off: float32)", transformer=True)
+    fp16: bool = option(type=bool, help="float16 weights and compute with loss scaling (GPU)", transformer=True)
     loss_scale: float | None = option(type=float, help="static fp16 loss scale (default: dynamic)")
     initial_loss_scale: float = option(2.0**32, type=float)
     min_loss_scale: float = option(1.0, type=float)
@@ -295,6 +308,8 @@ class PrecisionOptions:
     @property
     def params_dtype(self) -> torch.dtype:
         """Parameter dtype of the run: bfloat16, float16 or float32."""
+        import torch
+
         return torch.bfloat16 if self.bf16 else torch.float16 if self.fp16 else torch.float32
 
 
@@ -302,7 +317,7 @@ class PrecisionOptions:
 class DataOptions:
     """Tokenizer and datasets."""
 
-    group = "data"
+    group = "training data"
 
     tokenizer_type: str = external("GPT2BPETokenizer")
     tokenizer_model: str | None = external()
@@ -330,7 +345,7 @@ class DataOptions:
 class CheckpointOptions:
     """Saving and resuming."""
 
-    group = "checkpointing"
+    group = "saving and resuming checkpoints"
 
     save: str | None = option(help="directory of the distributed checkpoints")
     load: str | None = option(help="directory to resume from (may be the same as --save)")
@@ -361,7 +376,7 @@ class CheckpointOptions:
 class LoggingOptions:
     """Metrics sinks, evaluation and profiling."""
 
-    group = "logging and evaluation"
+    group = "logging, evaluation and profiling"
 
     log_interval: int = option(100, type=int)
     eval_interval: int = option(1000, type=int)
@@ -371,13 +386,15 @@ class LoggingOptions:
         "evaluation (tools/score_generation.py's --test-file)"
     )
     eval_generation_task: str = option(
-        "arithmetic", choices=("arithmetic", "prosqa"), help="the task of --eval-generation-file"
+        "arithmetic", choices=GENERATION_TASKS, help="the task of --eval-generation-file"
     )
     tensorboard_dir: str | None = option()
     wandb_project: str | None = option()
     wandb_exp_name: str | None = option()
     wandb_save_dir: str | None = option()
-    wandb_mode: str | None = option(choices=("online", "offline", "disabled"), help="default: $WANDB_MODE, else online")
+    wandb_mode: str | None = option(
+        choices=("online", "offline", "disabled"), help="wandb's mode (default: $WANDB_MODE, else online)"
+    )
     metrics_file: str | None = option(help="append one JSON object per iteration to this file")
     gpu_peak_tflops: float | None = option(
         type=float, help="dense bf16 peak of one GPU for MFU (default: known devices)"
@@ -410,7 +427,7 @@ class LoggingOptions:
 class StepTimeOptions:
     """``--dry-run``'s step-time model of the pipeline schedule (``lime_megatron.planning.schedule_model``)."""
 
-    group = "dry-run step-time model"
+    group = "--dry-run's step-time model"
 
     compute_tflops: float = option(
         400.0, type=float, help="achieved TFLOP/s per GPU the step-time model converts FLOPs with"

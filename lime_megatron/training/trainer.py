@@ -19,8 +19,9 @@ is that loop, kept short. ``train(argv)`` parses the flags into a typed
 :func:`build_model_chunks`, :func:`forward_backward`, :func:`train_step` and :func:`run_schedule`
 take explicit parameters: the parallel-exactness tests build and train their models with them.
 
-``main(argv)`` returns an exit status and prints one line per usage error; ``train(argv)`` raises
-instead and returns a :class:`TrainingResult` (tests call it in-process). Both take
+``main(argv)`` returns an exit status and prints a usage error as one line, once per launch
+(``lime_megatron.training.error_report``); ``train(argv)`` raises instead and returns a
+:class:`TrainingResult` (tests call it in-process). Both take
 ``evaluators``: further evaluations at every validation point (:data:`Evaluator`), such as
 ``lime_megatron.inference.scoring.generation_evaluator``, which ``pretrain_lime.py`` passes for
 ``--eval-generation-file`` (the trainer cannot import the inference package, which sits above it).
@@ -29,11 +30,12 @@ instead and returns a :class:`TrainingResult` (tests call it in-process). Both t
 from __future__ import annotations
 
 import contextlib
+import itertools
 import math
 import os
 import signal
-import sys
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from functools import partial
@@ -61,6 +63,7 @@ from lime_megatron.planning import estimate, flops
 from lime_megatron.planning.routing_block import chunk_routing_block
 from lime_megatron.training import arguments, checkpointing, data
 from lime_megatron.training.arguments import UsageError
+from lime_megatron.training.error_report import print_usage_error
 from lime_megatron.training.metrics import (
     IterationMetrics,
     MetricsLogger,
@@ -114,11 +117,12 @@ Evaluator = Callable[["Trainer"], dict]
 
 
 def main(argv=None, evaluators: Sequence[Evaluator] = ()) -> int:
-    """Run the trainer; returns the process exit status (2 for a usage error)."""
+    """Run the trainer; returns the process exit status (2 for a usage error, printed as one line
+    by one process of the launch: ``lime_megatron.training.error_report``)."""
     try:
         train(argv, evaluators)
     except (UsageError, LimeConfigError) as error:
-        print(f"pretrain_lime.py: error: {error}", file=sys.stderr, flush=True)
+        print_usage_error(error, _first_to_fail.get(error))
         return 2
     return 0
 
@@ -168,6 +172,7 @@ def distributed(run: RunConfig):
     """torch.distributed (created if needed, then destroyed) and megatron's parallel state for
     the run's layout, seeded (``lime_megatron.parallel.process_groups.set_random_seed``)."""
     created = not torch.distributed.is_initialized()
+    launch = next(_launches)
     if torch.cuda.is_available():
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     destroy_parallel()
@@ -180,10 +185,32 @@ def distributed(run: RunConfig):
     )
     try:
         yield
+    except (UsageError, LimeConfigError) as error:
+        _first_to_fail[error] = _count_failure(launch)
+        raise
     finally:
         destroy_parallel()
         if created:
             torch.distributed.destroy_process_group()
+
+
+_first_to_fail: weakref.WeakKeyDictionary[BaseException, bool] = weakref.WeakKeyDictionary()
+"""Whether this process was the first of the launch to fail, for each usage error raised while
+:func:`distributed` was up (:func:`main` prints the error only then)."""
+_launches = itertools.count()
+"""Numbers the runs of :func:`distributed` in this process, alike on every rank."""
+
+
+def _count_failure(launch: int) -> bool:
+    """Count this process's failure in run ``launch`` in torch.distributed's store, shared by the
+    processes; True for the first. Where the store is gone (a launcher whose rank 0 hosted it and
+    has exited), True: the error is then printed by more than one process rather than by none."""
+    if torch.distributed.get_world_size() == 1:
+        return True
+    try:
+        return torch.distributed.distributed_c10d._get_default_store().add(f"lime_megatron/failures/{launch}", 1) == 1
+    except torch.distributed.DistError:
+        return True
 
 
 # --------------------------------------------------------------------------- building

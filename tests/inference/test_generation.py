@@ -1,7 +1,9 @@
 """lime_megatron.inference.generation and lime_megatron.cli.generate: the KV cache generates what recomputing the
 full sequence per token generates (greedy and sampled), sampling is reproducible with a seed,
 top-k/top-p restrict the choice, generation stops at stop strings and the end of document, and
-the command line generates from a checkpoint what the module generates from the loaded model.
+the command line generates from a checkpoint what the module generates from the loaded model for
+the prompt after the end-of-document token (or alone, ``--no-eod-prefix``), printing prompt and
+continuation apart.
 
 Tensor parallelism (2 gloo ranks, one launch): a checkpoint saved by one process, read at TP=2,
 decodes with the KV cache to the one-process full forward's logits (float64) and generates the
@@ -136,11 +138,31 @@ def test_generate_tool_reads_a_checkpoint_and_prompt_file(tmp_path, capsys):
     )
     assert status == 0 and "tokens/s (KV cache" in capsys.readouterr().out
     records = [json.loads(line) for line in output.read_text().splitlines()]
+    prompts = ["x = ", "1 + 2 =", "ab"]
     expected = Generator(load_model(checkpoint).model, tokenizer).generate(
-        ["x = ", "1 + 2 =", "ab"], SamplingOptions(max_new_tokens=5)
+        [[tokenizer.eod, *tokenizer.tokenize(prompt)] for prompt in prompts], SamplingOptions(max_new_tokens=5)
     )
     assert [record["generation"] for record in records] == expected.texts
     assert tool.run([checkpoint]) == 1 and "no prompts" in capsys.readouterr().err
+
+
+def test_generate_tool_prompts_after_the_end_of_document_token_and_prints_apart(tmp_path, capsys):
+    """As scoring does (training puts EOD before every document), unless --no-eod-prefix; the
+    prompt and its continuation are printed on their own labelled lines."""
+    checkpoint, tokenizer = tiny_checkpoint(tmp_path)
+    generator = Generator(load_model(checkpoint).model, tokenizer)
+    options = SamplingOptions(max_new_tokens=6)
+    for flags, prompt in (([], [tokenizer.eod, *tokenizer.tokenize("7 + 5 =")]), (["--no-eod-prefix"], "7 + 5 =")):
+        assert tool.run([checkpoint, "--prompt", "7 + 5 =", "--max-new-tokens", "6", *flags]) == 0
+        result = generator.generate([prompt], options)
+        printed = capsys.readouterr().out.splitlines()
+        assert printed[:4] == [
+            "=== 1",
+            "prompt:       '7 + 5 ='",
+            f"continuation: {result.texts[0]!r}",
+            f"({len(result.tokens[0])} new tokens, stopped by {result.stopped_by[0]})",
+        ]
+    assert tool.prompt_tokens(tokenizer, "") == [tokenizer.eod]  # an empty prompt starts a document
 
 
 # --------------------------------------------------------------------------- tensor parallelism
@@ -217,7 +239,8 @@ def test_tensor_parallel_decoding_equals_one_process(tmp_path, tokenizer):
     (status, printed), (other_status, other_printed) = ranks[0]["tool"], ranks[1]["tool"]
     assert status == other_status == 0 and "TP=2" in printed and other_printed == ""
     expected = Generator(load_model(checkpoints["lime-gqa"]).model, tokenizer).generate(
-        ["x = ", "ab"], SamplingOptions(max_new_tokens=5, temperature=0.8, seed=2)
+        [[tokenizer.eod, *tokenizer.tokenize(prompt)] for prompt in ("x = ", "ab")],
+        SamplingOptions(max_new_tokens=5, temperature=0.8, seed=2),
     )
     assert [json.loads(line)["generation"] for line in output.read_text().splitlines()] == expected.texts
 

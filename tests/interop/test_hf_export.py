@@ -516,8 +516,8 @@ def test_gpt2_tokenizer_files_load_in_transformers(tmp_path):
     ours = load_model(source).tokenizer()
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     text = "Layer-integrated memory, exported to  Hugging Face!"
-    assert theirs.encode(text) == list(ours.tokenize(text))
-    assert theirs.eos_token_id == ours.eod
+    assert theirs.encode(text) == [ours.eod, *ours.tokenize(text)]  # EOD first, as training put it
+    assert theirs.eos_token_id == theirs.bos_token_id == ours.eod
 
 
 @pytest.mark.slow
@@ -615,3 +615,14 @@ def test_an_mhc_checkpoint_is_not_exported(tmp_path):
     with pytest.raises(ConversionError, match="mHC .* has no Hugging Face layout"):
         export_checkpoint(source, str(tmp_path / "hf"), progress=False)
     assert not os.path.exists(tmp_path / "hf")
+
+
+def test_exported_files_share_one_mode(tmp_path):
+    """Every file of an export, the safetensors ones (which the library creates 0600) included,
+    gets the mode a new file gets under the process's umask."""
+    directory = _write(_model(), tmp_path / "hf")
+    umask = os.umask(0)
+    os.umask(umask)
+    modes = {name: os.stat(os.path.join(directory, name)).st_mode & 0o777 for name in os.listdir(directory)}
+    assert "model.safetensors" in modes
+    assert set(modes.values()) == {0o666 & ~umask}, modes

@@ -166,11 +166,33 @@ def test_deep_configs_pair_lime_and_llama_with_pipeline_layouts(configs):
 
 
 def dry_run(path: Path, capsys) -> str:
+    """The dry run's report of ``path``, whose parameters and peak activations are those
+    examples/README.md's table states for it."""
     argv = ["--config", str(path), "--dry-run", "--dry-run-world-size", str(world_size(path))]
     assert pretrain.main(argv) == 0
     report = capsys.readouterr().out
     assert "parameters:" in report and "peak activation memory per GPU" in report
+    assert readme_figures(path.name) == report_figures(report), f"examples/README.md's row of {path.name}"
     return report
+
+
+def readme_figures(config: str) -> tuple[str, ...]:
+    """Parameters, GPUs per model replica, micro batch and peak activations per GPU in
+    examples/README.md's row of ``config``."""
+    rows = [line for line in (EXAMPLES / "README.md").read_text().splitlines() if line.startswith(f"| `{config}` |")]
+    assert len(rows) == 1, f"examples/README.md has {len(rows)} rows for {config}"
+    cells = [cell.strip() for cell in rows[0].strip("|").split("|")]
+    return cells[3], cells[4].rsplit("(", 1)[1].rstrip(")"), cells[5], cells[6]
+
+
+def report_figures(report: str) -> tuple[str, ...]:
+    """The same figures of a dry run's report (peak activations to 0.1 GiB)."""
+    parameters = report.split("\nparameters: ")[1].split()[0]
+    layout = report.split("\nlayout: ")[1].split("\n")[0]
+    gpus = layout.split(" GPU")[0].rsplit("(", 1)[1]
+    micro_batch = layout.split("micro batch ")[1].split()[0]
+    peak = float(report.split("peak activation memory per GPU: ")[1].split()[0])
+    return parameters, gpus, micro_batch, f"{peak:.1f} GiB"
 
 
 REPRESENTATIVE = ["lime_1b_gqa8", "lime_1b_dynamic", "lime_150m_first2", "lime_deep128", "hc_1b_gqa8"]

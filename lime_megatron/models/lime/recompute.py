@@ -200,10 +200,6 @@ routed_kv_log = RoutedKVLog()
 """The process's log of LIMe's routed-K/V drops (every ``LimeSelfAttention`` records here)."""
 
 
-ATTENTION_BACKENDS = ("auto", "fused", "flash")
-"""TransformerEngine attention backends a run may ask for (megatron's ``AttnBackend`` names)."""
-
-
 def te_flash_attention(config) -> bool:
     """Whether ``config`` asks TransformerEngine for its flash-attn backend, which saves
     contiguous ``bshd`` copies of q, k, v and of its output instead of the tensors given."""

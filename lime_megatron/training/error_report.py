@@ -1,0 +1,28 @@
+"""A usage error printed once per launch, as one line, by the process that reports it.
+
+Under torchrun every process runs the same command line, so every process finds the same wrong
+option or path; one line per process (eight on a node, more on a cluster) buries the message.
+:func:`print_usage_error` prints it from one process: rank 0 for an error found before the
+processes talk to each other (the command line, the config file: the same on every rank), and
+for an error found later (data, tokenizer, checkpoint files, which can differ between nodes) the
+first process to fail, as ``lime_megatron.training.trainer`` counts them. Every process still
+exits with status 2; torchrun then adds its own summary of the failed processes.
+
+This module imports neither torch nor megatron: ``lime_megatron.cli.pretrain`` reports the errors
+of its command-line check with it before importing them.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+
+def print_usage_error(error: Exception, first_to_fail: bool | None = None) -> None:
+    """Print ``error`` on stderr as ``pretrain_lime.py: error: ...`` if this process reports it:
+    when ``first_to_fail`` (counted by the processes together), or, where they have not counted
+    (``None``), when this is rank 0 (``RANK``; 0 outside a launcher)."""
+    if first_to_fail is None:
+        first_to_fail = int(os.environ.get("RANK", "0")) == 0
+    if first_to_fail:
+        print(f"pretrain_lime.py: error: {error}", file=sys.stderr, flush=True)
