@@ -20,12 +20,14 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
+from lime_megatron.cli.command_parser import CommandParser
+
 if TYPE_CHECKING:
     import torch
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser = CommandParser(description=__doc__.split("\n")[1])
     parser.add_argument(
         "checkpoints",
         nargs="+",

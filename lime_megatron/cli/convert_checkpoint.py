@@ -20,6 +20,7 @@ import sys
 
 import torch
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.interop.hf_export import SHARD_BYTES, export_checkpoint, import_checkpoint
 from lime_megatron.training.arguments import UsageError
 
@@ -28,7 +29,7 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     commands = parser.add_subparsers(dest="command", required=True)
     export = commands.add_parser("export", help="distributed checkpoint -> Hugging Face directory")
     export.add_argument("checkpoint", help="a --save directory (newest checkpoint) or an iter_NNNNNNN directory")

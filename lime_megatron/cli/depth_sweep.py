@@ -41,6 +41,7 @@ from typing import Any
 import numpy as np
 import yaml
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.cli.main_job import data_steps, tool_command, trainer_data_flags
 from lime_megatron.extras import requires_extra
 
@@ -372,7 +373,7 @@ def plot(rows: list[dict], out: Path) -> list[Path]:
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[1])
+    parser = CommandParser(description=__doc__.split("\n")[1])
     parser.add_argument("sweep", help="sweep YAML (tools/depth_sweep_cpu.yaml, examples/depth_sweep_paper.yaml)")
     parser.add_argument("--output-dir", help="overrides the YAML's output_dir")
     parser.add_argument("--only", help="comma-separated run names to run (others: results only)")

@@ -30,6 +30,7 @@ import sys
 
 import torch
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.inference.generation import DTYPES, Generator, SamplingOptions
 from lime_megatron.interop.checkpoint_model import load_model
 from lime_megatron.parallel.process_groups import launch_world_size
@@ -38,7 +39,7 @@ from lime_megatron.training.checkpointing import CheckpointError
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a --save directory (newest checkpoint) or one iter_NNNNNNN directory")
     parser.add_argument("--prompt", action="append", default=[], help="a prompt (repeatable)")
     parser.add_argument("--prompt-file", help="prompts, one per line (.jsonl: a 'prompt' field per line)")

@@ -11,6 +11,7 @@ import sys
 
 import numpy as np
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.corpus import dataset_paths, dataset_prefix, require_dataset
 from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs
 
@@ -19,7 +20,7 @@ BAR_WIDTH = 40
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     parser.add_argument("prefix", help="dataset prefix (a .bin/.idx suffix is accepted)")
     parser.add_argument("--decode", type=int, default=0, metavar="N", help="print the text of the first N documents")
     parser.add_argument("--max-chars", type=int, default=1000, help="cut each decoded document to this many characters")

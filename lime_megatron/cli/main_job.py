@@ -41,6 +41,7 @@ from typing import IO
 import numpy as np
 from tqdm import tqdm
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.extras import install_command, requires_extra
 
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "tp2": ["--tensor-model-parallel-size", "2"]}
@@ -92,7 +93,7 @@ TRAINER_OPTIONS = [
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m lime_megatron", description=__doc__.split("\n")[0])
+    parser = CommandParser(prog="python -m lime_megatron", description=__doc__.split("\n")[0])
     parser.add_argument(
         "--output-dir",
         help="where data, tokenizer, checkpoints, metrics and plots go (default: runs/main-job-<date>-<time>)",

@@ -56,6 +56,7 @@ from typing import Union
 import numpy as np
 from tqdm import tqdm
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.arithmetic_task import prompt_of, response_of
 
 # A parse tree: an int (a number) or (operator, left, right) with operator in "+-*/".
@@ -384,7 +385,7 @@ def write_jsonl(path: str, records: Iterable[dict], num_samples: int, progress: 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags; a bad value ends the run with one message."""
     defaults = ArithmeticSpec()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output", required=True, help="the .jsonl file to write")
     parser.add_argument("--num-samples", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)

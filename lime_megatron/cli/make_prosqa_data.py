@@ -17,12 +17,13 @@ import json
 import os
 import sys
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data import prosqa
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     defaults = prosqa.ProsQASpec()
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", required=True)
     parser.add_argument("--train-samples", type=int)
     parser.add_argument("--test-samples", type=int)

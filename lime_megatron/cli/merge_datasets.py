@@ -14,12 +14,13 @@ import sys
 
 from tqdm import tqdm
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.corpus import DatasetWriter, dataset_prefix, require_dataset
 
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags (Megatron-LM names)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help="dataset prefixes or directories of .bin/.idx pairs")
     parser.add_argument("--output-prefix", required=True)
     parser.add_argument("--no-progress", action="store_true", help="no progress bar")

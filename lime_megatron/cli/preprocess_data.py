@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.corpus import (
     BadInputError,
     Chunk,
@@ -61,7 +62,7 @@ IGNORED_MEGATRON_FLAGS: dict[str, dict[str, Any]] = {
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags (Megatron-LM names where they exist)."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     add_input_args(parser)
     group = add_tokenizer_args(parser)
     group.add_argument(

@@ -21,13 +21,14 @@ import sys
 from typing import TYPE_CHECKING
 
 from lime_megatron.choices import GENERATION_TASKS
+from lime_megatron.cli.command_parser import CommandParser
 
 if TYPE_CHECKING:
     from lime_megatron.inference import scoring
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     parser.add_argument("checkpoint", help="a --save directory (newest checkpoint) or one iter_NNNNNNN directory")
     parser.add_argument("--task", choices=GENERATION_TASKS, default="arithmetic")
     parser.add_argument(

@@ -19,6 +19,7 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
+from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.corpus import (
     PARTIAL,
     InputReport,
@@ -38,7 +39,7 @@ KINDS = {  # kind: (output file, how to load it)
 
 def parse_args(argv=None) -> argparse.Namespace:
     """Command-line flags."""
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser = CommandParser(description=__doc__.split("\n")[0])
     add_input_args(parser)
     group = parser.add_argument_group("model")
     group.add_argument("--kind", default="sentencepiece", choices=KINDS)

@@ -68,7 +68,13 @@ class _Parser(argparse.ArgumentParser):
 
 
 def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
-    return [string for action in parser._actions for string in action.option_strings]
+    """Every flag of ``parser`` and of its subcommands' parsers."""
+    strings: list[str] = []
+    for action in parser._actions:
+        strings += action.option_strings
+        if isinstance(action, argparse._SubParsersAction):
+            strings += [string for sub in action.choices.values() for string in _option_strings(sub)]
+    return strings
 
 
 def did_you_mean(unknown: str, known: Sequence[str]) -> str:
@@ -78,7 +84,7 @@ def did_you_mean(unknown: str, known: Sequence[str]) -> str:
     return f"; did you mean {close[0]}?" if close else ""
 
 
-def _unrecognized(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
+def unrecognized_arguments(parser: argparse.ArgumentParser, unknown: list[str]) -> str:
     """argparse's message for the ``unknown`` tokens, with the flag closest to the first unknown
     flag among them."""
     flags = [token.split("=", 1)[0] for token in unknown if token.startswith("-")]
@@ -203,7 +209,7 @@ def _parse(parser: argparse.ArgumentParser, tokens: list[str], where: str) -> ar
     try:
         args, unknown = parser.parse_known_args(tokens)
         if unknown:
-            raise ArgumentsError(_unrecognized(parser, unknown))
+            raise ArgumentsError(unrecognized_arguments(parser, unknown))
     except ArgumentsError as error:
         raise ArgumentsError(f"{where}: {error}") from None
     return args
