@@ -58,7 +58,7 @@ from lime_megatron.interop.hf_layout import (
     from_hf_tensors,
     to_hf_tensors,
 )
-from lime_megatron.interop.hf_tokenizer import RUN_TOKENIZER, write_tokenizer
+from lime_megatron.interop.hf_tokenizer import RUN_TOKENIZER, exported_tokenizer, write_tokenizer
 from lime_megatron.models.lime.dynamic_router import OWN_WEIGHT_AT_INIT
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.training import arguments, checkpointing, data
@@ -515,10 +515,11 @@ def export_checkpoint(
             "code (the layouts here) has only Hyper-Connections; the checkpoint is left as it is"
         )
     description = Description.of_run(loaded.run, ModelShape.of_model(loaded.model), tokenizer)
+    exported = exported_tokenizer(tokenizer)  # checked before any file is written
     tensors, files = write_hf(
         loaded.model, description, directory, dtype=dtype, shard_bytes=shard_bytes, progress=progress
     )
-    files += write_tokenizer(tokenizer, directory)
+    files += write_tokenizer(exported, directory)
     watch.lap("map and write safetensors")
     return Summary(
         loaded.directory,

@@ -23,6 +23,7 @@ encode it.  Beside it, the files the import reads, unchanged:
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -39,29 +40,50 @@ NORMAL, UNKNOWN, CONTROL, USER_DEFINED = 1, 2, 3, 4
 """SentencePiece piece types (``SentencePiece.type``; 5 is unused, 6 a byte)."""
 
 
-def write_tokenizer(tokenizer, directory: str) -> list[str]:
-    """Write the run's tokenizer into ``directory`` for transformers and for the import (module
-    docstring); returns the files (none for the mock-data vocabulary)."""
+@dataclasses.dataclass
+class ExportedTokenizer:
+    """What ``write_tokenizer`` writes, built and checked before anything is written (a tokenizer
+    the export refuses leaves no partial directory): ``spec`` the tokenizer.json with EOD put
+    first, ``settings`` its tokenizer_config.json, ``copies`` (source file, name in the export)."""
+
+    spec: dict
+    settings: dict
+    copies: list[tuple[str, str]]
+
+
+def exported_tokenizer(tokenizer) -> ExportedTokenizer | None:
+    """The run's tokenizer as the export writes it (module docstring); None for the mock-data
+    vocabulary, which has no files.  Raises ``DataError`` for a tokenizer it cannot write."""
     kind = type(tokenizer).__name__
     sources = getattr(tokenizer, "unique_identifiers", {}).get("files", [])
-    pad = None if getattr(tokenizer, "pad", NO_PAD) == NO_PAD else tokenizer.pad
     if kind == "GPT2BPETokenizer":
-        for source, name in zip(sources, ("vocab.json", "merges.txt")):
-            shutil.copyfile(source, os.path.join(directory, name))
-        files = ["vocab.json", "merges.txt"]
+        copies = list(zip(sources, ("vocab.json", "merges.txt")))
         spec = _gpt2_spec(*sources)
     elif kind == "HuggingFaceTokenizer":
-        files = _copy_run_tokenizer(sources[0], directory)
+        copies = _run_tokenizer_files(sources[0])
         with open(sources[0], encoding="utf-8") as handle:
             spec = json.load(handle)
     elif kind == "SentencePieceTokenizer":
-        shutil.copyfile(sources[0], os.path.join(directory, "tokenizer.model"))
-        files = ["tokenizer.model"]
+        copies = [(sources[0], "tokenizer.model")]
         spec = _sentencepiece_spec(sources[0])
     else:
+        return None
+    pad = None if getattr(tokenizer, "pad", NO_PAD) == NO_PAD else tokenizer.pad
+    return _fast_tokenizer(spec, tokenizer.eod, pad, copies)
+
+
+def write_tokenizer(exported: ExportedTokenizer | None, directory: str) -> list[str]:
+    """Write ``exported`` (``exported_tokenizer``) into ``directory``; returns the files."""
+    if exported is None:
         return []
-    _write_fast_tokenizer(spec, tokenizer.eod, pad, directory)
-    return ["tokenizer.json", "tokenizer_config.json", *files]
+    for source, name in exported.copies:
+        os.makedirs(os.path.dirname(os.path.join(directory, name)), exist_ok=True)
+        shutil.copyfile(source, os.path.join(directory, name))
+    for name, content in (("tokenizer.json", exported.spec), ("tokenizer_config.json", exported.settings)):
+        with open(os.path.join(directory, name), "w", encoding="utf-8") as handle:
+            json.dump(content, handle, indent=2 if name == "tokenizer_config.json" else None, ensure_ascii=False)
+            handle.write("\n" if name == "tokenizer_config.json" else "")
+    return ["tokenizer.json", "tokenizer_config.json", *(name for _, name in exported.copies)]
 
 
 def _gpt2_spec(vocab: str, merges: str) -> dict:
@@ -75,29 +97,23 @@ def _gpt2_spec(vocab: str, merges: str) -> dict:
     return json.loads(bpe.to_str())
 
 
-def _copy_run_tokenizer(source: str, directory: str) -> list[str]:
+def _run_tokenizer_files(source: str) -> list[tuple[str, str]]:
     """The run's tokenizer.json ``source`` and the tokenizer_config.json / special_tokens_map.json
-    beside it into ``directory/run_tokenizer``; returns their paths in ``directory``."""
-    own = os.path.join(directory, RUN_TOKENIZER)
-    os.makedirs(own, exist_ok=True)
-    files = []
-    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
-        path = source if name == "tokenizer.json" else os.path.join(os.path.dirname(source), name)
-        if os.path.isfile(path):
-            shutil.copyfile(path, os.path.join(own, name))
-            files.append(f"{RUN_TOKENIZER}/{name}")
-    return files
+    beside it, as copies into ``run_tokenizer/``."""
+    names = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+    paths = {
+        name: source if name == "tokenizer.json" else os.path.join(os.path.dirname(source), name) for name in names
+    }
+    return [(path, f"{RUN_TOKENIZER}/{name}") for name, path in paths.items() if os.path.isfile(path)]
 
 
-def _write_fast_tokenizer(spec: dict, eod: int, pad: int | None, directory: str) -> None:
+def _fast_tokenizer(spec: dict, eod: int, pad: int | None, copies: list[tuple[str, str]]) -> ExportedTokenizer:
     """tokenizer.json ``spec`` with EOD put before every text, and its tokenizer_config.json."""
     from tokenizers import Tokenizer
 
     vocabulary = Tokenizer.from_str(json.dumps(spec))
     eod_token = vocabulary.id_to_token(eod)
     spec["post_processor"] = _document_post_processor(spec.get("post_processor"), eod_token, eod)
-    with open(os.path.join(directory, "tokenizer.json"), "w", encoding="utf-8") as handle:
-        json.dump(spec, handle, ensure_ascii=False)
     settings = dict(
         tokenizer_class="PreTrainedTokenizerFast",
         bos_token=eod_token,
@@ -106,9 +122,7 @@ def _write_fast_tokenizer(spec: dict, eod: int, pad: int | None, directory: str)
     )
     if pad is not None:
         settings["pad_token"] = vocabulary.id_to_token(pad)
-    with open(os.path.join(directory, "tokenizer_config.json"), "w", encoding="utf-8") as handle:
-        json.dump(settings, handle, indent=2, ensure_ascii=False)
-        handle.write("\n")
+    return ExportedTokenizer(spec, settings, copies)
 
 
 def _document_post_processor(post_processor: dict | None, token: str, token_id: int) -> dict:

@@ -33,9 +33,10 @@ from lime_megatron.data.tokenizer import GPT2BPETokenizer, HuggingFaceTokenizer,
 from lime_megatron.inference.generation import Generator, SamplingOptions  # noqa: E402
 from lime_megatron.interop.checkpoint_model import load_model, save_model  # noqa: E402
 from lime_megatron.interop.hf_export import export_checkpoint  # noqa: E402
-from lime_megatron.interop.hf_tokenizer import write_tokenizer  # noqa: E402
+from lime_megatron.interop.hf_tokenizer import exported_tokenizer, write_tokenizer  # noqa: E402
 from lime_megatron.models.gpt_model import build_model  # noqa: E402
 from lime_megatron.training import arguments, checkpointing, data  # noqa: E402
+from lime_megatron.training.data import DataError  # noqa: E402
 from tests import reference_lime  # noqa: E402
 from tests.decoding_fixtures import TINY_RUN, char_tokenizer  # noqa: E402
 from tests.interop.test_hf_export import read_official  # noqa: E402
@@ -109,13 +110,22 @@ def test_exported_tokenizer_puts_the_end_of_document_token_first(tmp_path, kind)
     build, texts = TOKENIZERS[kind]
     ours = build(tmp_path / "source")
     (tmp_path / "hf").mkdir()
-    write_tokenizer(ours, str(tmp_path / "hf"))
+    write_tokenizer(exported_tokenizer(ours), str(tmp_path / "hf"))
     theirs = transformers.AutoTokenizer.from_pretrained(str(tmp_path / "hf"))
     assert theirs.bos_token_id == theirs.eos_token_id == ours.eod
     for text in texts:
         encoded = theirs(text)["input_ids"]
         assert encoded == [ours.eod, *ours.tokenize(text)], text
         assert theirs.decode(encoded[1:]) == ours.detokenize(ours.tokenize(text)), text
+
+
+def test_a_tokenizer_the_export_cannot_write_is_refused_before_any_file(tmp_path):
+    """A post-processor EOD cannot be put before (two templates) fails in ``exported_tokenizer``,
+    which the export calls before it writes anything, with one message naming the problem."""
+    two_templates = tokenizers.processors.Sequence([BOS_TEMPLATE, BOS_TEMPLATE])
+    ours = _with_post_processor(tmp_path / "source", two_templates)
+    with pytest.raises(DataError, match="cannot put the end-of-document token before every text"):
+        exported_tokenizer(ours)
 
 
 # --------------------------------------------------------------------------- generation
