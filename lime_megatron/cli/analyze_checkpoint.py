@@ -20,7 +20,7 @@ import sys
 import time
 from typing import TYPE_CHECKING
 
-from lime_megatron.cli.command_parser import CommandParser
+from lime_megatron.training.arguments import CommandParser
 
 if TYPE_CHECKING:
     import torch

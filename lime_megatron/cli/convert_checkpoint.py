@@ -20,9 +20,8 @@ import sys
 
 import torch
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.interop.hf_export import SHARD_BYTES, export_checkpoint, import_checkpoint
-from lime_megatron.training.arguments import UsageError
+from lime_megatron.training.arguments import CommandParser, UsageError
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 

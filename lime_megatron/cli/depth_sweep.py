@@ -41,9 +41,9 @@ from typing import Any
 import numpy as np
 import yaml
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.cli.main_job import data_steps, tool_command, trainer_data_flags
 from lime_megatron.extras import requires_extra
+from lime_megatron.training.arguments import CommandParser
 
 LAYOUT_KEYS = ("nproc",)
 """Depth entry keys that are not trainer options."""

@@ -30,10 +30,10 @@ import sys
 
 import torch
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.inference.generation import DTYPES, Generator, SamplingOptions
 from lime_megatron.interop.checkpoint_model import load_model
 from lime_megatron.parallel.process_groups import launch_world_size
+from lime_megatron.training.arguments import CommandParser
 from lime_megatron.training.checkpointing import CheckpointError
 
 

@@ -11,9 +11,9 @@ import sys
 
 import numpy as np
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.corpus import dataset_paths, dataset_prefix, require_dataset
 from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs
+from lime_megatron.training.arguments import CommandParser
 
 BAR_WIDTH = 40
 

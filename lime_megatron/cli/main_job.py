@@ -41,8 +41,8 @@ from typing import IO
 import numpy as np
 from tqdm import tqdm
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.extras import install_command, requires_extra
+from lime_megatron.training.arguments import CommandParser
 
 LAYOUTS = {"pp2": ["--pipeline-model-parallel-size", "2"], "tp2": ["--tensor-model-parallel-size", "2"]}
 MODELS = {"LLaMA": [], "LIMe": ["--lime"]}

@@ -56,8 +56,8 @@ from typing import Union
 import numpy as np
 from tqdm import tqdm
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.arithmetic_task import prompt_of, response_of
+from lime_megatron.training.arguments import CommandParser
 
 # A parse tree: an int (a number) or (operator, left, right) with operator in "+-*/".
 Node = Union[int, tuple[str, "Node", "Node"]]  # noqa: UP007 - a recursive alias needs the string form

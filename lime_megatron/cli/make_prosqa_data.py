@@ -17,8 +17,8 @@ import json
 import os
 import sys
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data import prosqa
+from lime_megatron.training.arguments import CommandParser
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -14,8 +14,8 @@ import sys
 
 from tqdm import tqdm
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.corpus import DatasetWriter, dataset_prefix, require_dataset
+from lime_megatron.training.arguments import CommandParser
 
 
 def parse_args(argv=None) -> argparse.Namespace:

@@ -33,7 +33,6 @@ from typing import Any
 import numpy as np
 from tqdm import tqdm
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.corpus import (
     BadInputError,
     Chunk,
@@ -50,6 +49,7 @@ from lime_megatron.data.corpus import (
     total_disk_bytes,
 )
 from lime_megatron.data.tokenizer import add_tokenizer_args, build_tokenizer, tokenizer_kwargs
+from lime_megatron.training.arguments import CommandParser
 
 # Megatron-LM flags that change nothing here (progress is a bar, order is always kept).
 IGNORED_MEGATRON_FLAGS: dict[str, dict[str, Any]] = {

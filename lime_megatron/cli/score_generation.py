@@ -21,7 +21,7 @@ import sys
 from typing import TYPE_CHECKING
 
 from lime_megatron.choices import GENERATION_TASKS
-from lime_megatron.cli.command_parser import CommandParser
+from lime_megatron.training.arguments import CommandParser
 
 if TYPE_CHECKING:
     from lime_megatron.inference import scoring

@@ -19,7 +19,6 @@ from collections.abc import Iterator
 
 from tqdm import tqdm
 
-from lime_megatron.cli.command_parser import CommandParser
 from lime_megatron.data.corpus import (
     PARTIAL,
     InputReport,
@@ -30,6 +29,7 @@ from lime_megatron.data.corpus import (
     total_disk_bytes,
 )
 from lime_megatron.data.tokenizer import GPT2_EOD_TOKEN
+from lime_megatron.training.arguments import CommandParser
 
 KINDS = {  # kind: (output file, how to load it)
     "sentencepiece": ("tokenizer.model", "--tokenizer-type SentencePieceTokenizer --tokenizer-model {output}"),

@@ -92,6 +92,17 @@ def unrecognized_arguments(parser: argparse.ArgumentParser, unknown: list[str]) 
     return f"unrecognized arguments: {' '.join(unknown)}{hint}"
 
 
+class CommandParser(argparse.ArgumentParser):
+    """The other commands' parser (``lime_megatron.cli``): argparse's, with an unknown argument
+    reported as the trainer's are, the closest known flag named (exit status 2)."""
+
+    def parse_args(self, args: Sequence[str] | None = None, namespace=None):  # type: ignore[override]
+        parsed, unknown = self.parse_known_args(args, namespace)
+        if unknown:
+            self.error(unrecognized_arguments(self, unknown))
+        return parsed
+
+
 def _add_flag(group, spec: dataclasses.Field) -> None:
     """Add the flag of the :func:`run_config.option` field ``spec`` to ``group``; booleans
     (``type=bool``) get ``--name`` / ``--no-name``."""

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from lime_megatron.cli.command_parser import CommandParser
+from lime_megatron.training.arguments import CommandParser
 
 
 def _parser() -> CommandParser:
