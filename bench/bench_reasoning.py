@@ -28,7 +28,7 @@ from pathlib import Path
 
 from tqdm import tqdm
 
-from lime_megatron.cli.main_job import tool_command
+from lime_megatron.cli.main_job import tokenizer_flags, tool_command
 
 MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
 SHAPES = {
@@ -105,14 +105,7 @@ def make_data(args: argparse.Namespace, out: Path) -> tuple[Path, list[str]]:
                 str(args.min_hops),
             ]
         ]
-    tokenizer = [
-        "--tokenizer-type",
-        "SentencePieceTokenizer",
-        "--tokenizer-model",
-        str(out / "tokenizer" / "tokenizer.model"),
-        "--make-vocab-size-divisible-by",
-        "64",
-    ]
+    tokenizer = tokenizer_flags(out)
     # AET: the task's 18 characters and merges; ProsQA: byte fallback keeps the newlines between steps.
     vocabulary = ["48", "--no-byte-fallback"] if args.task == "aet" else ["512"]
     steps += [
