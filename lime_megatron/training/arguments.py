@@ -72,7 +72,7 @@ def _option_strings(parser: argparse.ArgumentParser) -> list[str]:
     strings: list[str] = []
     for action in parser._actions:
         strings += action.option_strings
-        if isinstance(action, argparse._SubParsersAction):
+        if isinstance(action.choices, dict):  # subcommands: their parsers by name
             strings += [string for sub in action.choices.values() for string in _option_strings(sub)]
     return strings
 
