@@ -8,6 +8,10 @@ and LIMe over the baseline, and checks that both modes generated the same tokens
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_decoding.py
+On a GPU at the paper's 1B GQA-8 shape (the GPU session's decoding step, ``tools/gpu/session.py``):
+    python bench/bench_decoding.py --device cuda --dtype bfloat16 --transformer-impl transformer_engine \
+        --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --kv-heads 8 --ffn-hidden-size 8192 \
+        --vocab-size 50304 --prompt-length 128 --new-tokens 128 --repeats 2
 """
 
 from __future__ import annotations
@@ -16,12 +20,11 @@ import argparse
 import statistics
 
 import torch
-from tables import field, print_table
+from bench_lime_overhead import add_device_options, build_on_device, device_config
+from tables import field, print_table, write_json
 from tqdm import tqdm
 
 from lime_megatron.inference.generation import Generator, SamplingOptions
-from lime_megatron.models.config import lime_config
-from lime_megatron.models.gpt_model import build_model
 from lime_megatron.parallel.process_groups import initialize_parallel
 
 
@@ -37,21 +40,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--prompt-length", type=int, default=16)
     parser.add_argument("--new-tokens", type=int, default=256)
     parser.add_argument("--repeats", type=int, default=3)
+    add_device_options(parser)
+    parser.add_argument("--json", metavar="PATH", help="also write the measured rows to PATH")
     return parser.parse_args(argv)
 
 
 def build(args, lime: bool):
-    torch.manual_seed(0)
-    config = lime_config(
+    config = device_config(
+        args,
         num_layers=args.num_layers,
         hidden_size=args.hidden_size,
         ffn_hidden_size=args.ffn_hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=args.kv_heads,
         lime=lime,
-        use_cpu_initialization=True,
     )
-    return build_model(config, args.vocab_size, args.prompt_length + args.new_tokens).eval()
+    return build_on_device(args, config, args.prompt_length + args.new_tokens).eval()
 
 
 def main(argv=None) -> None:
@@ -70,6 +74,17 @@ def main(argv=None) -> None:
         rates[name, cache].append(result.tokens_per_second)
         tokens.setdefault((name, cache), result.tokens)
     median = {key: statistics.median(values) for key, values in rates.items()}
+    if args.json:
+        records = [
+            dict(
+                model=name,
+                cached_tokens_per_s=median[name, True],
+                recompute_tokens_per_s=median[name, False],
+                same_tokens=tokens[name, True] == tokens[name, False],
+            )
+            for name in models
+        ]
+        write_json(args.json, args, records)
     print(
         f"\n{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads / "
         f"{args.kv_heads} kv heads, batch {args.batch_size}, prompt {args.prompt_length}, "

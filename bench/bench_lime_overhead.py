@@ -58,11 +58,13 @@ import statistics
 import time
 
 import torch
-from tables import field, print_table, ratio
+from tables import field, print_table, ratio, write_json
 from tqdm import tqdm
 
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
+from lime_megatron.parallel import fusions
+from lime_megatron.parallel.fusions import Platform
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.planning.flops import forward_flops_per_token, router_flops_per_token
 from lime_megatron.planning.routing_block import CPU_2_CORE, MachineBalance, chunk_routing_block, present_machine
@@ -88,11 +90,47 @@ def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser
     )
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--warmup", type=int, default=1)
+    add_device_options(parser)
+    return parser
+
+
+def add_device_options(parser: argparse.ArgumentParser) -> None:
+    """``--device``, ``--dtype`` and ``--transformer-impl``: where a bench's models run, in which
+    dtype, with which layer spec (``device_config`` and ``build_on_device`` apply them)."""
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="the parameters' and activations' dtype"
     )
-    return parser
+    parser.add_argument(
+        "--transformer-impl",
+        choices=("local", "transformer_engine"),
+        default="local",
+        help="the layer spec (transformer_engine: GPU with TransformerEngine); on CUDA the models use the "
+        "fused kernels a training run of that spec uses (lime_megatron.parallel.fusions)",
+    )
+
+
+def device_config(args, **fields):
+    """The LIMe/LLaMA config of ``fields`` in ``args``' dtype and spec, with the fused kernels a
+    training run on ``args.device`` uses (none on a CPU; none that needs megatron's DDP)."""
+    dtype = getattr(torch, args.dtype)
+    config = lime_config(
+        bf16=dtype is torch.bfloat16,
+        params_dtype=dtype,
+        pipeline_dtype=dtype,
+        use_cpu_initialization=args.device == "cpu",
+        transformer_impl=args.transformer_impl,
+        **fields,
+    )
+    platform = Platform.detect() if args.device == "cuda" else Platform(cuda=False)
+    return fusions.without_ddp(fusions.resolve(platform, args.transformer_impl, 1)).apply(config)
+
+
+def build_on_device(args, config, max_sequence_length: int):
+    """The model of ``config`` (seed 0) with ``args``' spec on ``args.device``."""
+    torch.manual_seed(0)
+    model = build_model(config, args.vocab_size, max_sequence_length, transformer_impl=args.transformer_impl)
+    return model.to(args.device)
 
 
 def parse_paired_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Namespace:
@@ -104,32 +142,28 @@ def parse_paired_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Na
 
 
 def parse_args(argv=None) -> argparse.Namespace:
-    return parse_paired_args(shape_parser(__doc__, [8, 16, 32, 64, 128]), argv)
+    parser = shape_parser(__doc__, [8, 16, 32, 64, 128])
+    parser.add_argument("--json", metavar="PATH", help="also write the measured rows to PATH, after each case")
+    return parse_paired_args(parser, argv)
 
 
 def shape_config(args, num_layers: int, kv_heads: int, **overrides):
     """The config of ``args``' shape and dtype with ``num_layers`` layers and ``kv_heads`` kv heads;
     ``overrides`` choose the model (``lime``, ``hyper_connections``, the routing options...)."""
-    dtype = getattr(torch, args.dtype)
-    return lime_config(
+    return device_config(
+        args,
         num_layers=num_layers,
         hidden_size=args.hidden_size,
         num_attention_heads=args.num_attention_heads,
         num_query_groups=kv_heads,
         ffn_hidden_size=args.ffn_hidden_size,
-        bf16=dtype is torch.bfloat16,
-        params_dtype=dtype,
-        pipeline_dtype=dtype,
-        use_cpu_initialization=args.device == "cpu",
         **overrides,
     )
 
 
 def build_shape(args, num_layers: int, kv_heads: int, **overrides):
     """A model of ``shape_config`` (seed 0) on ``args.device``."""
-    torch.manual_seed(0)
-    config = shape_config(args, num_layers, kv_heads, **overrides)
-    return build_model(config, vocab_size=args.vocab_size, max_sequence_length=args.seq_length).to(args.device)
+    return build_on_device(args, shape_config(args, num_layers, kv_heads, **overrides), args.seq_length)
 
 
 def build(
@@ -220,12 +254,18 @@ def copied_bytes(model, batch) -> int:
     return counter.bytes
 
 
-def measure_cases(args, measure) -> list:
+def measure_cases(args, measure, json_path: str | None = None) -> list:
     """``measure(args, layers, kv_heads)`` for each of ``args.kv_heads`` and, inside, each of
-    ``args.depths``, in one process with megatron's parallel state set up and a progress bar."""
+    ``args.depths``, in one process with megatron's parallel state set up and a progress bar;
+    with ``json_path`` the rows so far are written there after each case (``tables.write_json``)."""
     initialize_parallel()
     cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
-    return [measure(args, layers, kv) for layers, kv in tqdm(cases, desc="depth x kv-heads")]
+    rows = []
+    for layers, kv in tqdm(cases, desc="depth x kv-heads"):
+        rows.append(measure(args, layers, kv))
+        if json_path:
+            write_json(json_path, args, rows)
+    return rows
 
 
 def round_times(
@@ -288,6 +328,7 @@ def time_split(args, config, times: dict[str, list[float]], counters: list[Routi
     the routing products' seconds (``counters``), the rest of the difference, the products' rate,
     and their seconds at the baseline's rate (its FLOPs per step over its step time)."""
     product_s = [sum(counter.seconds_by_kind.values()) for counter in counters]
+    weight_grad_s = [counter.seconds_by_kind.get("weight_grad", 0.0) for counter in counters]
     extra_s = [lime - base for lime, base in zip(times["blocked"], times["base"])]
     router_flops = sum(counters[0].flops_by_kind.values())
     base_flops = 3 * args.seq_length * args.micro_batch_size * baseline_flops_per_token(args, config)
@@ -296,6 +337,7 @@ def time_split(args, config, times: dict[str, list[float]], counters: list[Routi
     return dict(
         extra_ms=1e3 * statistics.median(extra_s),
         products_ms=1e3 * products,
+        weight_grad_ms=1e3 * statistics.median(weight_grad_s),
         rest_ms=1e3 * statistics.median(extra - product for extra, product in zip(extra_s, product_s)),
         products_gflops=router_flops / products / 1e9,
         products_gbs=counters[0].total / products / 1e9,
@@ -391,7 +433,8 @@ TIME_SPLIT_COLUMNS = SHAPE_COLUMNS + [
 
 
 def main(argv=None) -> list[dict]:
-    rows = measure_cases(parse_args(argv), measure)
+    args = parse_args(argv)
+    rows = measure_cases(args, measure, args.json)
     print_table(OVERHEAD_COLUMNS, rows)
     print("\nwhere blocked LIMe's time over the baseline goes (medians over counted rounds of those two models):")
     print_table(TIME_SPLIT_COLUMNS, rows)

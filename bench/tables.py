@@ -4,10 +4,16 @@ A column is a title and a function from a row (the dict a bench measured) to the
 ``field`` makes the usual one, a row's value under a key in a format spec.  ``print_table`` prints
 the columns right-aligned, each as wide as its title or widest cell and two spaces apart, under
 a rule of dashes, or as a Markdown table (the form BENCHMARKS.md holds) with ``markdown=True``.
+``write_json`` writes the rows themselves, with the command that measured them, for a script
+(the GPU session, ``tools/gpu/session.py``) to read.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
+import os
+import sys
 from collections.abc import Callable
 
 Column = tuple[str, Callable[[dict], str]]
@@ -40,3 +46,12 @@ def table_lines(columns: list[Column], rows: list[dict], markdown: bool = False)
 def print_table(columns: list[Column], rows: list[dict], markdown: bool = False) -> None:
     """Print ``table_lines(columns, rows, markdown)``."""
     print("\n".join(table_lines(columns, rows, markdown)))
+
+
+def write_json(path: str, args: argparse.Namespace, rows: list[dict]) -> None:
+    """``{"command": argv, "args": args, "rows": rows}`` at ``path``, replaced whole (a reader never
+    sees half a file: a bench killed between cases leaves the cases before)."""
+    document = dict(command=sys.argv, args=vars(args), rows=rows)
+    with open(path + ".part", "w") as file:
+        json.dump(document, file, indent=1)
+    os.replace(path + ".part", path)

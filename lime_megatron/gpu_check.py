@@ -3,13 +3,13 @@
 On one CUDA GPU, in a few minutes, in one process:
 
 1. **bf16 against fp32.**  LIMe, the LLaMA baseline, Hyper-Connections and mHC (``BF16_FAMILIES``,
-   ``CHECK_SHAPE``) are built with the TransformerEngine spec in bf16, with the fused kernels
+   ``CheckScale``) are built with the TransformerEngine spec in bf16, with the fused kernels
    ``lime_megatron.parallel.fusions`` picks for the machine; the same weights are copied
    (``copy_weights``: TE fuses the input norms into ``linear_qkv``/``linear_fc1``) into the local
    spec in fp32 with no fusions.  The loss and every gradient (routers included; the
    hyper-connection parameters pooled into one vector, ``pooled_hyper_connections``) are compared:
    relative error ``||a - b|| / ||b||`` within ``TOLERANCES``.
-2. **FP8.**  ``FP8_STEPS`` AdamW steps with TE's FP8 (``hybrid`` format; delayed scaling and
+2. **FP8.**  ``CheckScale.fp8_steps`` AdamW steps with TE's FP8 (``hybrid`` format; delayed scaling and
    current/tensorwise scaling) from the bf16 run's initial weights on the same batches: every
    loss finite and within ``TOLERANCES.fp8_loss`` (relative) of the bf16 run's.  Skipped (not
    failed) on GPUs without FP8 (compute capability < 8.9).
@@ -21,7 +21,7 @@ On one CUDA GPU, in a few minutes, in one process:
    iterations): ``--bf16`` through megatron's ``Float16Module`` with the distributed optimizer
    against the float32 run (``TOLERANCES.loss_bf16``); under ``torchrun`` with 2 or more GPUs also
    TP2 + SP and PP2 (LIMe's rows over NCCL) against the data-parallel run over the same GPUs, in
-   float32 (``TOLERANCES.layout_loss``); on one GPU the layout row says it was skipped.
+   float32 (``TOLERANCES.layout_loss``); on one GPU the layout rows say they were skipped.
 5. **Speed and memory.**  Forward+backward of LIMe and the baseline at the paper's 1B shapes
    (GQA-8 and MHA, 16 layers) and at the deep-narrow shape (128 layers, hidden 512), timed
    interleaved (LIMe, baseline, LIMe, ...) in bf16 with the TE spec: median step time, LIMe's
@@ -35,8 +35,13 @@ TransformerEngine: megatron's own fused kernels in bf16 against fp32, the speed 
 spec, the training legs); FP8 and the attention backend need TransformerEngine and are skipped.
 
 Prints one table and exits 1 if a tolerance is missed, 0 otherwise; on a machine without CUDA it
-prints one line and exits 2.  The GPU-free pieces (tolerances, the table, the weight copy
-between specs, the comparison) are tested on CPU (``tests/test_gpu_check.py``).
+prints one line and exits 2.  Every row has a name that is the same on every machine and run
+(``Row.name``: ``check | model | key``), and a check a machine cannot make leaves its rows
+``skipped`` with the reason, so the table always has the same rows; ``--json PATH`` writes them
+after each check (the GPU session, ``tools/gpu/session.py``, reads them).  ``--rehearse`` runs on
+a CPU what a CPU can, at ``REHEARSAL_SCALE`` with the local spec: the session's CPU rehearsal.
+The GPU-free pieces (tolerances, the table, the weight copy between specs, the comparison, the
+checks themselves at the rehearsal's scale) are tested on CPU (``tests/test_gpu_check.py``).
 """
 
 from __future__ import annotations
@@ -45,6 +50,7 @@ import argparse
 import contextlib
 import dataclasses
 import functools
+import json
 import logging
 import math
 import os
@@ -61,7 +67,7 @@ import torch
 from lime_megatron.models.config import PAPER_1B, lime_config
 from lime_megatron.models.lime.recompute import drops_routed_kv, routed_kv_log, te_flash_attention
 from lime_megatron.parallel import fusions
-from lime_megatron.parallel.fusions import Choice, Platform
+from lime_megatron.parallel.fusions import Platform
 from lime_megatron.planning import flops
 from lime_megatron.training import short_runs
 from lime_megatron.training.short_runs import ShortRun
@@ -131,6 +137,28 @@ TRAINING_RUN = ShortRun()
 """The training legs' model and run (4 layers, hidden 256, 4 iterations of 8 x 256 tokens)."""
 
 
+@dataclass(frozen=True)
+class CheckScale:
+    """The size the correctness checks run at: the model (config fields), the batch (micro batch,
+    sequence), the vocabulary, the FP8 run's steps and the training legs' run."""
+
+    shape: dict = dataclasses.field(default_factory=lambda: dict(CHECK_SHAPE))
+    batch: tuple[int, int] = CHECK_BATCH
+    vocab: int = VOCAB
+    fp8_steps: int = FP8_STEPS
+    training: ShortRun = TRAINING_RUN
+
+
+REHEARSAL_SCALE = CheckScale(
+    shape=dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2),
+    batch=(2, 16),
+    vocab=128,
+    fp8_steps=2,
+    training=ShortRun(num_layers=4, hidden_size=64, num_attention_heads=4, seq_length=32, vocab_size=128, iterations=3),
+)
+"""The checks shrunk to seconds on a CPU: ``--rehearse`` and the CPU tests."""
+
+
 # --------------------------------------------------------------------------- weights between specs
 
 TE_FUSED_NORMS = {
@@ -189,10 +217,20 @@ class Row:
     """``value`` must be >= ``limit`` (MFU) instead of <= ``limit``."""
     enforced: bool = True
     """A missed limit fails the check (tolerances) or is only reported (speed targets)."""
+    key: str = ""
+    """The row's stable name within its check and model (default ``quantity``, which may carry
+    measured details such as a parameter's name): ``name`` is what a report looks rows up by."""
+    skipped: str = ""
+    """Why the row was not measured on this machine (then ``value`` is nan and nothing is checked)."""
+
+    @property
+    def name(self) -> str:
+        """``check | model | key``: the same on every machine and every run of the check."""
+        return f"{self.check} | {self.model} | {self.key or self.quantity}"
 
     @property
     def passed(self) -> bool:
-        if self.limit is None:
+        if self.limit is None or self.skipped:
             return True
         if not math.isfinite(self.value):
             return False
@@ -200,11 +238,28 @@ class Row:
 
     @property
     def status(self) -> str:
+        if self.skipped:
+            return "skipped"
         if self.limit is None:
             return ""
         if self.passed:
             return "ok" if self.enforced else "target met"
         return "FAILED" if self.enforced else "target missed"
+
+    @property
+    def limit_text(self) -> str:
+        """``<= limit`` (``>= limit`` for a lower bound), empty for a row without one."""
+        return "" if self.limit is None else (">= " if self.lower_bound else "<= ") + _number(self.limit)
+
+    def as_dict(self) -> dict:
+        """The row for a JSON report (``--json``): its name, quantity, value, limit and status."""
+        value = self.value if math.isfinite(self.value) else None
+        return dict(name=self.name, quantity=self.quantity, value=value, limit=self.limit_text, status=self.status)
+
+
+def skipped_row(check: str, model: str, key: str, reason: str) -> Row:
+    """A row this machine cannot measure, kept in the table (and the report) with ``reason``."""
+    return Row(check, model, f"{key} (skipped: {reason})", math.nan, None, key=key, skipped=reason)
 
 
 def relative_error(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -244,20 +299,22 @@ def pooled_hyper_connections(grads: dict[str, torch.Tensor]) -> dict[str, torch.
 
 
 def summarize_gradients(rows: list[Row]) -> list[Row]:
-    """The failing gradient rows, plus the worst router and the worst other parameter."""
-    kept = [row for row in rows if not row.passed]
+    """The worst router gradient and the worst other parameter's (keys ``worst router grad`` and
+    ``worst grad``), then every failing gradient row."""
+    summary = []
     for routers in (True, False):
         group = [row for row in rows if ("router" in row.quantity) == routers]
         if group:
             worst = max(group, key=lambda row: row.value if math.isfinite(row.value) else math.inf)
-            if worst not in kept:
-                kept.append(
-                    dataclasses.replace(
-                        worst,
-                        quantity=f"worst of {len(group)} {'router ' if routers else ''}grads: {worst.quantity[5:]}",
-                    )
+            kind = "router grad" if routers else "grad"
+            summary.append(
+                dataclasses.replace(
+                    worst,
+                    quantity=f"worst of {len(group)} {kind}s: {worst.quantity[5:]}",
+                    key=f"worst {kind}",
                 )
-    return kept
+            )
+    return summary + [row for row in rows if not row.passed]
 
 
 def format_table(rows: list[Row]) -> str:
@@ -269,7 +326,7 @@ def format_table(rows: list[Row]) -> str:
             row.model,
             row.quantity,
             _number(row.value),
-            "" if row.limit is None else (">= " if row.lower_bound else "<= ") + _number(row.limit),
+            row.limit_text,
             row.status,
         )
         for row in rows
@@ -304,6 +361,7 @@ class Machine:
 
     device: str = "cuda"
     te: bool = True
+    scale: CheckScale = CheckScale()
 
     @property
     def transformer_impl(self) -> str:
@@ -315,14 +373,16 @@ class Machine:
 
 
 GPU = Machine()
+REHEARSAL = Machine("cpu", te=False, scale=REHEARSAL_SCALE)
+"""``--rehearse``: every check a CPU can run, at ``REHEARSAL_SCALE``, with the local spec."""
 
 
 def check_config(lime: bool, *, te: bool, bf16: bool, fusions_on: bool, machine: Machine = GPU, **overrides):
-    """A LIMe (or baseline) config of ``overrides`` (else ``CHECK_SHAPE``) for the checks: bf16 or
-    fp32, with ``machine``'s fused kernels (``fusions``) or none.  Gradient-accumulation fusion
-    stays off: the checks run without DDP's ``main_grad``."""
+    """A LIMe (or baseline) config of ``overrides`` (else ``machine.scale.shape``) for the checks:
+    bf16 or fp32, with ``machine``'s fused kernels (``fusions``) or none.  Gradient-accumulation
+    fusion stays off: the checks run without DDP's ``main_grad``."""
     dtype = torch.bfloat16 if bf16 else torch.float32
-    shape = {**CHECK_SHAPE, **overrides}
+    shape = {**machine.scale.shape, **overrides}
     config = lime_config(
         lime=lime,
         bf16=bf16,
@@ -333,23 +393,23 @@ def check_config(lime: bool, *, te: bool, bf16: bool, fusions_on: bool, machine:
         **shape,
     )
     platform = machine.platform() if fusions_on else Platform(cuda=False)
-    choices = fusions.resolve(platform, config.transformer_impl, 1)
-    choices = dataclasses.replace(choices, gradient_accumulation_fusion=Choice(False, "no DDP main_grad"))
-    return choices.apply(config)
+    return fusions.without_ddp(fusions.resolve(platform, config.transformer_impl, 1)).apply(config)
 
 
 def build(config, seq: int, machine: Machine = GPU):
     """The model of ``config`` (spec ``config.transformer_impl``) on ``machine``'s device."""
     from lime_megatron.models.gpt_model import build_model
 
-    return build_model(config, VOCAB, seq, transformer_impl=config.transformer_impl).to(machine.device)
+    return build_model(config, machine.scale.vocab, seq, transformer_impl=config.transformer_impl).to(machine.device)
 
 
-def make_batch(micro_batch: int, seq: int, seed: int, device: str = "cuda") -> tuple[torch.Tensor, torch.Tensor]:
-    """(tokens, labels) ``[b, s]`` of a learnable sequence: random start, then +1 mod ``VOCAB``."""
+def make_batch(
+    micro_batch: int, seq: int, seed: int, device: str = "cuda", vocab: int = VOCAB
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(tokens, labels) ``[b, s]`` of a learnable sequence: random start, then +1 mod ``vocab``."""
     generator = torch.Generator().manual_seed(seed)
-    start = torch.randint(0, VOCAB, (micro_batch, 1), generator=generator)
-    tokens = (start + torch.arange(seq + 1)) % VOCAB
+    start = torch.randint(0, vocab, (micro_batch, 1), generator=generator)
+    tokens = (start + torch.arange(seq + 1)) % vocab
     return tokens[:, :-1].to(device), tokens[:, 1:].to(device)
 
 
@@ -373,20 +433,23 @@ def check_bf16(label: str, tolerances: Tolerances, machine: Machine = GPU) -> li
     were dropped where the dry run predicts."""
     family = BF16_FAMILIES[label]
     lime = family["lime"]
-    micro_batch, seq = CHECK_BATCH
+    micro_batch, seq = machine.scale.batch
     torch.manual_seed(1)
     config = check_config(**family, te=machine.te, bf16=True, fusions_on=True, machine=machine)
     candidate = build(config, seq, machine)
     reference = build(check_config(**family, te=False, bf16=False, fusions_on=False, machine=machine), seq, machine)
     copy_weights(candidate, reference)
-    batch = make_batch(micro_batch, seq, seed=0, device=machine.device)
+    batch = make_batch(micro_batch, seq, seed=0, device=machine.device, vocab=machine.scale.vocab)
     routed_kv_log.take()
     with captured_log_messages() as messages:
         loss, grads = loss_and_gradients(candidate, batch)
     drops = routed_kv_log.take()
     ref_loss, ref_grads = loss_and_gradients(reference, batch)
     rows = [Row("bf16 vs fp32", label, "loss", abs(loss - ref_loss) / abs(ref_loss), tolerances.loss_bf16)]
-    rows += attention_backend_rows(label, config, messages) if machine.te else []
+    if machine.te:
+        rows += attention_backend_rows(label, config, messages)
+    else:
+        rows.append(skipped_row("attention backend", label, BACKEND_KEY, "the local spec has no attention backends"))
     rows += routed_kv_rows(label, config, drops) if lime else []
     grads, ref_grads = pooled_hyper_connections(grads), pooled_hyper_connections(ref_grads)
     return rows + summarize_gradients(compare_gradients("bf16 vs fp32", label, grads, ref_grads, tolerances.grad_bf16))
@@ -403,12 +466,13 @@ def routed_kv_rows(label: str, config, drops: dict) -> list[Row]:
         f"layers whose routed K/V were {'kept' if predicted else 'dropped'} against the dry run's "
         f"'{'dropped' if predicted else 'kept'}' ({len(drops)} logged)"
     )
-    return [Row("routed K/V", label, quantity, len(wrong) if drops else math.inf, 0)]
+    return [Row("routed K/V", label, quantity, len(wrong) if drops else math.inf, 0, key="layers against the dry run")]
 
 
 TE_DEBUG_ENVIRONMENT = {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "2"}
 """TransformerEngine logs its attention backend selection with these (read when it is imported)."""
 SELECTED_BACKEND = re.compile(r"Selected backend = (\w+)")
+BACKEND_KEY = "selected backend"
 
 
 def expected_te_backend(config) -> str:
@@ -423,7 +487,7 @@ def attention_backend_rows(label: str, config, messages: list[str]) -> list[Row]
     selected = sorted({match.group(1) for message in messages for match in SELECTED_BACKEND.finditer(message)})
     expected = expected_te_backend(config)
     quantity = f"backends selected {selected or 'none logged'}, the dry run assumes {expected}"
-    return [Row("attention backend", label, quantity, 0 if selected == [expected] else math.inf, 0)]
+    return [Row("attention backend", label, quantity, 0 if selected == [expected] else math.inf, 0, key=BACKEND_KEY)]
 
 
 @contextlib.contextmanager
@@ -461,13 +525,16 @@ def train_losses(model, batches, lr: float = 1e-3) -> list[float]:
 def check_fp8(
     lime: bool, tolerances: Tolerances, machine: Machine = GPU, capability: tuple[int, int] | None = None
 ) -> list[Row]:
-    """FP8_STEPS steps with each FP8 recipe against bf16, from the same weights and batches
-    (``capability``: the GPU's compute capability, asked from CUDA when None)."""
+    """``machine.scale.fp8_steps`` steps with each FP8 recipe against bf16, from the same weights
+    and batches (``capability``: the GPU's compute capability, asked from CUDA when None)."""
     label = "LIMe" if lime else "baseline"
     if (capability or torch.cuda.get_device_capability()) < (8, 9):
-        return [Row("fp8", label, "skipped: FP8 needs compute capability >= 8.9", math.nan, None)]
-    micro_batch, seq = CHECK_BATCH
-    batches = [make_batch(micro_batch, seq, seed=step, device=machine.device) for step in range(FP8_STEPS)]
+        return skipped_fp8_rows(label, "FP8 needs compute capability >= 8.9")
+    micro_batch, seq = machine.scale.batch
+    batches = [
+        make_batch(micro_batch, seq, seed=step, device=machine.device, vocab=machine.scale.vocab)
+        for step in range(machine.scale.fp8_steps)
+    ]
     torch.manual_seed(2)
     bf16 = build(check_config(lime, te=machine.te, bf16=True, fusions_on=True, machine=machine), seq, machine)
     initial = {name: param.detach().clone() for name, param in bf16.named_parameters()}
@@ -486,25 +553,52 @@ def check_fp8(
     return rows
 
 
+FP8_KEYS = ("loss distance to bf16", "FP8 changed the losses")
+"""The stable keys of the two rows ``fp8_rows`` makes for each recipe."""
+
+
+def skipped_fp8_rows(label: str, reason: str) -> list[Row]:
+    """The FP8 rows of ``label`` (each recipe, each key), skipped for ``reason``."""
+    return [skipped_row(f"fp8 {recipe}", label, key, reason) for recipe in FP8_RECIPES for key in FP8_KEYS]
+
+
 def fp8_rows(check: str, label: str, losses: list[float], reference: list[float], tolerances: Tolerances) -> list[Row]:
     """The largest relative distance of the FP8 ``losses`` to the bf16 ``reference`` losses, twice:
     within ``tolerances.fp8_loss``, and above ``FP8_MIN_DISTANCE`` (a distance of 0 means FP8 was
     never applied: the same losses as bf16)."""
     distance = max(abs(a - b) / abs(b) if math.isfinite(a) else math.inf for a, b in zip(losses, reference))
     steps = len(losses)
+    distance_key, changed_key = FP8_KEYS
     return [
-        Row(check, label, f"max rel. loss distance to bf16 over {steps} steps", distance, tolerances.fp8_loss),
-        Row(check, label, "FP8 changed the losses (distance to bf16)", distance, FP8_MIN_DISTANCE, lower_bound=True),
+        Row(
+            check,
+            label,
+            f"max rel. loss distance to bf16 over {steps} steps",
+            distance,
+            tolerances.fp8_loss,
+            key=distance_key,
+        ),
+        Row(
+            check,
+            label,
+            "FP8 changed the losses (distance to bf16)",
+            distance,
+            FP8_MIN_DISTANCE,
+            lower_bound=True,
+            key=changed_key,
+        ),
     ]
 
 
 def training_rows(
-    lime: bool, tolerances: Tolerances, world_size: int, machine: Machine = GPU, run: ShortRun = TRAINING_RUN
+    lime: bool, tolerances: Tolerances, world_size: int, machine: Machine = GPU, run: ShortRun | None = None
 ) -> list[Row]:
-    """The training legs (``short_runs``): bf16 + distributed optimizer against float32 (the
-    machine's spec), and with a world of 2 or more processes TP2 + SP and PP2 against data
-    parallelism (float32, local spec); one skipped row for the layouts on a world of one."""
+    """The training legs (``short_runs``) of ``run`` (default ``machine.scale.training``): bf16 +
+    distributed optimizer against float32 (the machine's spec), and with a world of 2 or more
+    processes TP2 + SP and PP2 against data parallelism (float32, local spec); on a world of one
+    the layout rows are skipped."""
     label = "LIMe" if lime else "baseline"
+    run = run or machine.scale.training
     distance = short_runs.mixed_precision_difference(run, lime, machine.transformer_impl)
     rows = [
         Row(
@@ -513,12 +607,12 @@ def training_rows(
             f"Float16Module + dist. optimizer vs fp32, max rel. loss diff over {run.iterations} its",
             distance,
             tolerances.loss_bf16,
+            key="Float16Module + dist. optimizer vs fp32",
         )
     ]
     if world_size < 2 or world_size % 2:
-        return rows + [
-            Row("layouts", label, f"skipped: TP2/PP2 need torchrun on 2k GPUs (world {world_size})", math.nan, None)
-        ]
+        reason = f"the layouts need torchrun on 2k GPUs (world {world_size})"
+        return rows + [skipped_row("layouts", label, f"{leg} vs DP", reason) for leg in short_runs.LAYOUT_LEGS]
     for leg, difference in short_runs.layout_differences(run, lime).items():
         rows.append(
             Row(
@@ -527,6 +621,7 @@ def training_rows(
                 f"{leg} vs DP{world_size} fp32, max rel. loss diff over {run.iterations} its",
                 difference,
                 tolerances.layout_loss,
+                key=f"{leg} vs DP",
             )
         )
     return rows
@@ -611,8 +706,10 @@ def guarded(check: str, run: Callable[[], list[Row]]) -> list[Row]:
     try:
         return run()
     except Exception as error:  # noqa: BLE001 - a check that cannot run is a failed check
-        torch.cuda.empty_cache()
-        return [Row(check, "-", f"{type(error).__name__}: {str(error).splitlines()[0][:90]}", math.nan, math.inf)]
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+        message = f"{type(error).__name__}: {(str(error).splitlines() or [''])[0][:90]}"
+        return [Row(check, "-", message, math.nan, math.inf, key="error")]
 
 
 SPECS = ("transformer_engine", "local")
@@ -629,6 +726,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="the candidates' layer spec: 'local' checks a GPU without TransformerEngine (megatron's "
         "own layers and fused kernels; the FP8 and attention-backend checks are skipped)",
     )
+    parser.add_argument(
+        "--rehearse",
+        action="store_true",
+        help="run every check a CPU can run, shrunk to seconds (local spec, no timing; the rows that "
+        "need CUDA or TransformerEngine say why they were skipped): the GPU session's rehearsal",
+    )
+    parser.add_argument("--json", metavar="PATH", help="also write the rows to PATH as JSON, after each check")
     return parser.parse_args(argv)
 
 
@@ -642,59 +746,67 @@ def timed_shapes(machine: Machine) -> list[TimedShape]:
     ]
 
 
-def all_checks(machine: Machine, skip_timing: bool, peak: float | None, world_size: int) -> list[Row]:
-    """The rows of every check on ``machine``: bf16, FP8 (TransformerEngine spec only; one skipped
-    row with the local spec), speed and memory (``timed_shapes``, unless ``skip_timing``), the training
-    legs."""
-    rows = []
+def check_groups(machine: Machine, skip_timing: bool, peak: float | None, world_size: int) -> Iterator[list[Row]]:
+    """The rows of every check on ``machine``, one list per check as it ends: bf16, FP8
+    (TransformerEngine spec only; skipped rows with the local spec), speed and memory
+    (``timed_shapes``, unless ``skip_timing``), the training legs."""
     for label in BF16_FAMILIES:
-        rows += guarded("bf16 vs fp32", functools.partial(check_bf16, label, TOLERANCES, machine))
-    if machine.te:
-        for lime in (True, False):
-            rows += guarded("fp8", functools.partial(check_fp8, lime, TOLERANCES, machine))
-    else:
-        rows.append(
-            Row("fp8", "-", "skipped: FP8 and the attention backend need the TransformerEngine spec", math.nan, None)
-        )
+        yield guarded("bf16 vs fp32", functools.partial(check_bf16, label, TOLERANCES, machine))
+    for lime in (True, False):
+        if machine.te:
+            yield guarded("fp8", functools.partial(check_fp8, lime, TOLERANCES, machine))
+        else:
+            yield skipped_fp8_rows("LIMe" if lime else "baseline", "FP8 needs the TransformerEngine spec")
     if not skip_timing:
         for shape in timed_shapes(machine):
-            rows += guarded(f"speed {shape.name}", functools.partial(time_shape, shape, peak, machine))
+            yield guarded(f"speed {shape.name}", functools.partial(time_shape, shape, peak, machine))
     for lime in (True, False):  # last: the trainer re-initialises the parallel state
-        rows += guarded("training", functools.partial(training_rows, lime, TOLERANCES, world_size, machine))
-    return rows
+        yield guarded("training", functools.partial(training_rows, lime, TOLERANCES, world_size, machine))
+
+
+def all_checks(machine: Machine, skip_timing: bool, peak: float | None, world_size: int) -> list[Row]:
+    """Every row of :func:`check_groups`, in order."""
+    return [row for group in check_groups(machine, skip_timing, peak, world_size) for row in group]
+
+
+def write_json(path: str, header: dict, rows: list[Row]) -> None:
+    """``header`` and ``rows`` (``Row.as_dict``) as one JSON object at ``path``, replaced whole."""
+    with open(path + ".part", "w") as file:
+        json.dump(dict(header, rows=[row.as_dict() for row in rows]), file, indent=1)
+    os.replace(path + ".part", path)
 
 
 def main(argv=None) -> int:
     args = parse_args(argv)
     for name, value in TE_DEBUG_ENVIRONMENT.items():
         os.environ.setdefault(name, value)
-    if not torch.cuda.is_available():
-        print("gpu_check: no CUDA GPU on this machine; nothing checked", flush=True)
+    if not torch.cuda.is_available() and not args.rehearse:
+        print("gpu_check: no CUDA GPU on this machine; nothing checked (--rehearse runs the CPU's part)", flush=True)
         return 2
     from lime_megatron.parallel.process_groups import initialize_parallel, launch_world_size
 
     initialize_parallel()
-    name = torch.cuda.get_device_name()
+    name = "CPU rehearsal" if args.rehearse else torch.cuda.get_device_name()
     peak = args.peak_tflops or device_peak_tflops(name)
-    platform = Platform.detect()
-    machine = Machine(te=args.spec == "transformer_engine")
+    platform = Platform(cuda=False) if args.rehearse else Platform.detect()
+    machine = REHEARSAL if args.rehearse else Machine(te=args.spec == "transformer_engine")
+    header = dict(device=name, spec=machine.transformer_impl, platform=platform.describe())
     print(
         f"gpu_check on {name} (bf16 peak {peak or 'unknown'} TFLOP/s), {machine.transformer_impl} spec; "
         f"{platform.describe()}",
         flush=True,
     )
+    rows: list[Row] = []
     if machine.te and not platform.te:
-        rows = [
-            Row(
-                "setup",
-                "-",
-                f"TransformerEngine: {platform.te_problem} (--spec local checks without it)",
-                math.nan,
-                math.inf,
-            )
-        ]
+        problem = f"TransformerEngine: {platform.te_problem} (--spec local checks without it)"
+        rows.append(Row("setup", "-", problem, math.nan, math.inf, key="TransformerEngine"))
     else:
-        rows = all_checks(machine, args.skip_timing, peak, launch_world_size())
+        for group in check_groups(machine, args.skip_timing or args.rehearse, peak, launch_world_size()):
+            rows += group
+            if args.json and torch.distributed.get_rank() == 0:
+                write_json(args.json, header, rows)
+    if args.json and torch.distributed.get_rank() == 0:
+        write_json(args.json, header, rows)
     if torch.distributed.get_rank() != 0:
         return exit_code(rows)
     print(format_table(rows), flush=True)

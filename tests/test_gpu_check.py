@@ -30,20 +30,7 @@ def megatron():
     init_single_process()
 
 
-CPU = gpu_check.Machine("cpu", te=False)  # the GPU checks' code paths with the local spec on CPU
-
-
-@pytest.fixture
-def small_checks(monkeypatch):
-    """The checks' model, batch and FP8 run shrunk to a CPU test's size."""
-    monkeypatch.setattr(
-        gpu_check,
-        "CHECK_SHAPE",
-        dict(num_layers=2, hidden_size=64, ffn_hidden_size=128, num_attention_heads=4, num_query_groups=2),
-    )
-    monkeypatch.setattr(gpu_check, "CHECK_BATCH", (2, 16))
-    monkeypatch.setattr(gpu_check, "VOCAB", VOCAB)
-    monkeypatch.setattr(gpu_check, "FP8_STEPS", 2)
+CPU = gpu_check.REHEARSAL  # the GPU checks' code paths, shrunk, with the local spec on CPU
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the machine without CUDA")
@@ -77,8 +64,9 @@ def test_all_checks_run_on_the_spec_asked_for(monkeypatch, te):
         assert kinds.count("fp8") == (2 if te else 0)
         assert kinds.count("speed") == (0 if skip_timing else len(gpu_check.TIMED_SHAPES))
         assert all(passed is machine for _, passed in calls)
-        skipped = [row for row in rows if row.check == "fp8"]
-        assert len(skipped) == (0 if te else 1) and all(row.limit is None for row in skipped)
+        skipped = [row for row in rows if row.check.startswith("fp8")]
+        assert len(skipped) == (0 if te else 2 * len(gpu_check.FP8_RECIPES) * len(gpu_check.FP8_KEYS))
+        assert all(row.status == "skipped" and row.passed for row in skipped)
     batches = {shape.micro_batch for shape in gpu_check.timed_shapes(machine)}
     assert batches == ({4} if te else {gpu_check.LOCAL_SPEC_MICRO_BATCH})
 
@@ -201,7 +189,7 @@ def test_bf16_tolerances_hold_for_bf16_rounding_on_cpu():
     assert max(row.value for row in rows) > 1e-4  # bf16 did round: the comparison is not vacuous
 
 
-def test_check_configs_and_the_training_loop_on_cpu(small_checks):
+def test_check_configs_and_the_training_loop_on_cpu():
     """The pieces the GPU runs share with CPU: configs (no fusions for the fp32 reference, no
     gradient-accumulation fusion without DDP), loss and local-named gradients, AdamW steps."""
     reference = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False)
@@ -216,7 +204,7 @@ def test_check_configs_and_the_training_loop_on_cpu(small_checks):
     )
     assert reference.params_dtype == torch.float32 and reference.num_query_groups == 2
     model = tiny_model(dtype=torch.float32, seed=5)
-    batch_ = gpu_check.make_batch(2, SEQ, seed=0, device="cpu")
+    batch_ = gpu_check.make_batch(2, SEQ, seed=0, device="cpu", vocab=VOCAB)
     loss, grads = gpu_check.loss_and_gradients(model, batch_)
     assert math.isfinite(loss) and sum("router" in name for name in grads) == 4
     assert set(grads) == set(gpu_check.local_named(model.named_parameters()))
@@ -225,11 +213,13 @@ def test_check_configs_and_the_training_loop_on_cpu(small_checks):
 
 
 @pytest.mark.parametrize("family", gpu_check.BF16_FAMILIES)
-def test_bf16_check_runs_on_cpu_for_each_family(small_checks, family):
+def test_bf16_check_runs_on_cpu_for_each_family(family):
     rows = gpu_check.check_bf16(family, gpu_check.TOLERANCES, CPU)
     assert gpu_check.exit_code(rows) == 0, gpu_check.format_table(rows)
     assert [row.quantity for row in rows][0] == "loss" and {row.model for row in rows} == {family}
     assert any(row.check == "routed K/V" for row in rows) == (family == "LIMe")
+    backend = [row for row in rows if row.check == "attention backend"]
+    assert [row.status for row in backend] == ["skipped"]  # the local spec has no backends
     assert max(row.value for row in rows if row.quantity.startswith("worst")) > 1e-4  # bf16 rounded
 
 
@@ -258,7 +248,7 @@ def test_hyper_connection_gradients_are_compared_pooled():
     assert [row.quantity for row in rows if not row.passed] == [f"grad {gpu_check.POOLED_HYPER_CONNECTIONS}"]
 
 
-def test_bf16_check_catches_a_wrong_routed_kv_prediction(small_checks, monkeypatch):
+def test_bf16_check_catches_a_wrong_routed_kv_prediction(monkeypatch):
     # a dry run predicting the opposite (GQA on the local spec keeps copies) is caught
     monkeypatch.setattr(gpu_check, "drops_routed_kv", lambda config, impl: True)
     routed = [row for row in gpu_check.check_bf16("LIMe", gpu_check.TOLERANCES, CPU) if row.check == "routed K/V"]
@@ -271,7 +261,7 @@ def test_bf16_check_catches_a_wrong_routed_kv_prediction(small_checks, monkeypat
     )  # nothing logged: LIMe's attention never ran
 
 
-def test_fp8_that_changes_nothing_fails(small_checks):
+def test_fp8_that_changes_nothing_fails():
     """The local spec ignores ``fp8``: the FP8 run repeats the bf16 losses exactly, and the check
     must say FAILED instead of passing on a distance of 0."""
     rows = gpu_check.check_fp8(True, gpu_check.TOLERANCES, CPU, capability=(9, 0))
@@ -280,7 +270,8 @@ def test_fp8_that_changes_nothing_fails(small_checks):
     assert gpu_check.exit_code(rows) == 1 and "FAILED" in gpu_check.format_table(rows)
     changed = gpu_check.fp8_rows("fp8 delayed", "LIMe", [2.01, 1.52], [2.0, 1.5], gpu_check.TOLERANCES)
     assert [row.status for row in changed] == ["ok", "ok"]
-    assert gpu_check.check_fp8(True, gpu_check.TOLERANCES, CPU, capability=(8, 0))[0].limit is None  # skipped
+    older = gpu_check.check_fp8(True, gpu_check.TOLERANCES, CPU, capability=(8, 0))
+    assert {row.status for row in older} == {"skipped"} and len(older) == 2 * len(gpu_check.FP8_RECIPES)
 
 
 def test_attention_backend_row_names_the_selection_and_fails_on_another():
@@ -332,7 +323,8 @@ def test_layout_legs_match_data_parallel_on_two_ranks(lime):
 def test_bf16_training_leg_on_cpu_and_layouts_skipped_on_one_process(monkeypatch):
     try:
         rows = gpu_check.training_rows(True, gpu_check.TOLERANCES, 1, CPU, SMALL_RUN)
-        assert [(row.check, row.status) for row in rows] == [("bf16 training", "ok"), ("layouts", "")]
+        statuses = [(row.check, row.status) for row in rows]
+        assert statuses == [("bf16 training", "ok")] + [("layouts", "skipped")] * len(short_runs.LAYOUT_LEGS)
         assert 0 < rows[0].value  # bf16 did round
         monkeypatch.setattr(short_runs, "MIXED_PRECISION_LEG", short_runs.MIXED_PRECISION_LEG + ["--lr", "1e-2"])
         assert gpu_check.training_rows(True, gpu_check.TOLERANCES, 1, CPU, SMALL_RUN)[0].status == "FAILED"

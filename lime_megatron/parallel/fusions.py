@@ -179,6 +179,12 @@ def resolve(platform: Platform, transformer_impl: str, pipeline_model_parallel_s
     )
 
 
+def without_ddp(choices: FusionChoices) -> FusionChoices:
+    """``choices`` for a model run without megatron's DDP (the GPU check, the benches): no
+    gradient-accumulation fusion, whose kernels add into DDP's ``main_grad`` buffers."""
+    return dataclasses.replace(choices, gradient_accumulation_fusion=Choice(False, "no DDP main_grad"))
+
+
 def _softmax_choice(platform: Platform, te_layers: bool) -> Choice:
     if te_layers:
         return Choice(False, "TransformerEngine's attention fuses its softmax (flag unused)")

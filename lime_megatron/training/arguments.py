@@ -11,8 +11,10 @@ the run (layout, precision, FP8, recompute and LIMe options included).
 
 Boolean options can be switched both ways (``--lime`` / ``--no-lime``), so a command line can
 override a config file; Megatron-LM's own negative flags (``--no-load-optim``,
-``--no-load-rng``) keep their names. As in Megatron-LM, a flag is never abbreviated; an unknown
-one is answered with the closest known flag.
+``--no-load-rng``) keep their names. An empty value on the command line (``--save ""``,
+``--save-interval ""``) sets an option back to its default: it turns a config file's setting
+off. As in Megatron-LM, a flag is never abbreviated; an unknown one is answered with the closest
+known flag.
 
 Parsing and validation import neither torch nor megatron-core (torch only to ask for CUDA where
 an option needs a GPU), so that ``--help`` and a wrong option or data path are answered before the
@@ -226,12 +228,27 @@ def _parse(parser: argparse.ArgumentParser, tokens: list[str], where: str) -> ar
     return args
 
 
+def _without_emptied(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
+    """``argv`` without its ``--flag ""`` pairs, and the options those flags set: an empty value
+    sets an option back to its default (``--save ""`` turns a config file's ``save`` off)."""
+    kept, emptied, index = [], [], 0
+    while index < len(argv):
+        action = parser._option_string_actions.get(argv[index])
+        if action is not None and action.nargs is None and argv[index + 1 : index + 2] == [""]:
+            emptied.append(action.dest)
+            index += 2
+        else:
+            kept.append(argv[index])
+            index += 1
+    return kept, emptied
+
+
 def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None) -> argparse.Namespace:
     """Defaults < ``--config`` file < command line, validated for a world of ``world_size``
     processes (default ``$WORLD_SIZE``, else 1). A data source on the command line replaces the
     file's (``--mock-data`` for a file with ``data_path``). Raises :class:`ArgumentsError`."""
     parser = build_parser()
-    argv = list(sys.argv[1:] if argv is None else argv)
+    argv, emptied = _without_emptied(parser, list(sys.argv[1:] if argv is None else argv))
     command_line = _parse(parser, argv, "command line")
     tokens = []
     if command_line.config:
@@ -239,6 +256,8 @@ def parse_args(argv: Sequence[str] | None = None, world_size: int | None = None)
         tokens = _yaml_tokens(parser, command_line.config, DATA_SOURCES if data_given else ())
         _parse(parser, tokens, f"config file {command_line.config}")
     args = _parse(parser, tokens + argv, "command line")
+    for name in emptied:
+        setattr(args, name, parser.get_default(name))
     if world_size is None:
         world_size = int(os.environ.get("WORLD_SIZE", 1))
     validate(args, world_size)

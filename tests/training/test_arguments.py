@@ -79,6 +79,19 @@ def test_an_unknown_config_key_gets_the_closest_known_one(tmp_path):
         parse_args(["--config", str(config)], world_size=1)
 
 
+def test_an_empty_value_turns_a_config_file_setting_off(tmp_path):
+    config = tmp_path / "run.yaml"
+    config.write_text("save: ckpt\nload: ckpt\nsave_interval: 5\nwandb_project: p\nlime: true\nlime_router: average\n")
+    args = parse_args(["--config", str(config), *BASE], world_size=1)
+    assert (args.save, args.load, args.save_interval, args.wandb_project) == ("ckpt", "ckpt", 5, "p")
+    emptied = ["--save", "", "--load", "", "--save-interval", "", "--wandb-project", ""]
+    args = parse_args(["--config", str(config), *BASE, *emptied], world_size=1)
+    assert (args.save, args.load, args.save_interval, args.wandb_project) == (None, None, None, None)
+    assert args.lime_router == "average"  # the settings not emptied stay
+    with pytest.raises(ArgumentsError, match="--save-interval needs --save"):
+        parse_args(["--config", str(config), *BASE, "--save", ""], world_size=1)
+
+
 def test_data_paths_are_checked_before_the_trainer(tmp_path):
     real_data = [a for a in BASE if a != "--mock-data"] + ["--tokenizer-type", "NullTokenizer"]
     run = arguments.parse_run(real_data + ["--data-path", str(tmp_path / "x")], 1)

@@ -1,0 +1,33 @@
+"""``tools/gpu/prepare.py``'s limits and its device call (the carry itself is built and checked by
+running prepare.py, which downloads and compiles: BENCHMARKS.md "GPU session" says when)."""
+
+from __future__ import annotations
+
+import subprocess
+
+import pytest
+
+from tests.gpu_kit import carry_manifest, prepare, session_steps
+
+
+def test_a_carry_over_its_limit_is_refused(tmp_path):
+    with open(tmp_path / "big.whl", "wb") as file:  # sparse: no disk used
+        file.truncate(carry_manifest.MAX_CARRY_BYTES + 1)
+    with pytest.raises(SystemExit, match="the carry is 60.0 MiB, over 60 MiB"):
+        prepare.check_sizes(tmp_path)
+    (tmp_path / "big.whl").unlink()
+    with open(tmp_path / "fits.whl", "wb") as file:
+        file.truncate(carry_manifest.MAX_CARRY_BYTES)
+    carried, tree = prepare.check_sizes(tmp_path)
+    assert carried == carry_manifest.MAX_CARRY_BYTES and 0 < tree < carry_manifest.MAX_CALL_BYTES - carried
+
+
+def test_the_device_call_runs_the_session_on_the_carry():
+    call = prepare.device_call(prepare.ROOT / ".gpu-carry")
+    assert call == (
+        'run(command="python3 tools/gpu/session.py --carry .gpu-carry --out $OUT", '
+        f'carry=[".gpu-carry"], timeout_s={prepare.SESSION_TIMEOUT_S})'
+    )
+    ignored = subprocess.run(["git", "check-ignore", "-q", ".gpu-carry/wheels/x.whl"], cwd=prepare.ROOT)
+    assert ignored.returncode == 0  # carried to the device, never committed
+    assert session_steps.GPU.budget_s < prepare.SESSION_TIMEOUT_S

@@ -1,0 +1,257 @@
+"""The GPU session (``tools/gpu/session.py``) rehearsed on this CPU, as CI runs it, so that the kit
+cannot rot between GPU windows: every step runs the project's own commands at tiny shapes and
+every row the GPU would report is there, measured or skipped with its reason; and the session's
+own machinery: a step that hangs is stopped at its budget (its process group with it) and costs
+only its rows, a failing command leaves its rows ``missing``, a spent budget skips the rest, a
+carry is installed (only what the Python lacks) and refused when it is altered."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import subprocess
+import sys
+import time
+import zipfile
+from pathlib import Path
+
+import pytest
+
+from tests.gpu_kit import KIT, carry_manifest, session, session_steps
+from tests.scripts import ROOT
+
+SKIPPED_ON_A_CPU = {
+    **{name: "TransformerEngine" for name in ("TransformerEngine", "cuDNN", "FP8")},
+    **{
+        f"attention backend | {family} | selected backend": "local spec" for family in ("LIMe", "baseline", "HC", "mHC")
+    },
+    **{
+        f"fp8 {recipe} | {model} | {key}": "TransformerEngine spec"
+        for recipe in ("delayed", "tensorwise")
+        for model in ("LIMe", "baseline")
+        for key in ("loss distance to bf16", "FP8 changed the losses")
+    },
+    **{f"layouts | {model} | {leg} vs DP": "torchrun" for model in ("LIMe", "baseline") for leg in ("TP2", "PP2")},
+    **{f"{model} | {name}": "CUDA only" for model in ("LIMe", "baseline") for name in ("TFLOP/s per GPU", "MFU")},
+}
+"""Rows a CPU cannot measure, and a word their reason must hold; every other row has a value."""
+
+
+@pytest.fixture(scope="module")
+def rehearsal(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
+    out = tmp_path_factory.mktemp("rehearsal")
+    command = [sys.executable, str(KIT / "session.py"), "--rehearse", "--out", str(out)]
+    return subprocess.run(command, cwd=ROOT, capture_output=True, text=True), out
+
+
+def test_the_rehearsal_reports_every_row(rehearsal):
+    completed, out = rehearsal
+    assert completed.returncode == 0, completed.stdout[-3000:]
+    results = json.loads((out / "results.json").read_text())
+    report = (out / "report.md").read_text()
+    assert [step["name"] for step in results["steps"]] == [step.name for step in session_steps.STEPS]
+    for step, declared in zip(results["steps"], session_steps.STEPS):
+        assert step["status"] == "ok", (step["name"], step["reason"])
+        names = [row["name"] for row in step["rows"]]
+        assert names[: len(declared.rows)] == list(declared.rows), step["name"]
+        for row in step["rows"][: len(declared.rows)]:
+            reason = SKIPPED_ON_A_CPU.get(row["name"])
+            if reason:
+                assert row["status"] == "skipped" and reason in row["note"], row
+            else:
+                assert row["status"] != "skipped" and row["value"] is not None, row
+            assert f"| {row['name'].replace('|', chr(92) + '|')} |" in report
+    skipped = [row["name"] for step in results["steps"] for row in step["rows"] if row["status"] == "skipped"]
+    assert sorted(skipped) == sorted(SKIPPED_ON_A_CPU)
+
+
+def test_the_rehearsal_runs_the_steps_commands(rehearsal):
+    """Each step ran the project's commands, at the rehearsal's shapes, with the modes' flags."""
+    _, out = rehearsal
+    steps = {step["name"]: step for step in json.loads((out / "results.json").read_text())["steps"]}
+    assert steps["gpu-check"]["commands"][0].startswith("python -m lime_megatron.gpu_check --rehearse")
+    assert "--transformer-impl local" in steps["overhead-1b"]["commands"][0]
+    assert [c.split("--micro-batch-size ")[1][0] for c in steps["deep-128"]["commands"]] == ["1", "4"]
+    assert [c.split()[3] for c in steps["pretrain"]["commands"]] == list(session_steps.PRETRAIN_CONFIGS.values())
+    overhead = json.loads((out / "steps" / "overhead-1b" / "overhead.json").read_text())
+    assert overhead["args"]["device"] == "cpu" and len(overhead["rows"]) == 2
+
+
+def test_gpu_and_rehearsal_run_the_same_commands_at_other_shapes(tmp_path):
+    for step in session_steps.STEPS:
+        gpu = step.commands(session_steps.GPU, tmp_path)
+        rehearsal = step.commands(session_steps.REHEARSAL, tmp_path)
+        assert [c.argv[1] for c in gpu] == [c.argv[1] for c in rehearsal], step.name
+    overhead = session_steps.STEPS[2].commands(session_steps.GPU, tmp_path)[0].argv
+    assert "--transformer-impl transformer_engine" in " ".join(overhead) and "--dtype bfloat16" in " ".join(overhead)
+
+
+def test_the_gpu_session_fits_nine_minutes():
+    """The steps' budgets fit the session's, and the session (install included) 9 minutes of
+    device time, with the device call's limit above it to write the report."""
+    budgets = [step.budget(session_steps.GPU) for step in session_steps.STEPS]
+    assert sum(budgets) <= session_steps.GPU.budget_s <= 540
+    from tests.gpu_kit import prepare
+
+    assert session_steps.GPU.budget_s < prepare.SESSION_TIMEOUT_S <= 600
+
+
+def running(pid: int) -> bool:
+    """Whether process ``pid`` exists and is not a zombie (one nobody has reaped yet)."""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state not in ("Z", "X")
+
+
+def write_command(path: Path, code: str) -> list[str]:
+    """A command running ``code`` with the session's Python."""
+    return [sys.executable, "-c", code.replace("PATH", str(path))]
+
+
+def kit_step(name: str, rows: tuple[str, ...], code: str, budget: float = 30.0):
+    """A step of one command running ``code`` (``PATH``: its JSON output), whose rows are the
+    JSON object's items."""
+
+    def commands(mode, folder):
+        output = folder / "rows.json"
+        return [session_steps.Command(write_command(output, code), output)]
+
+    def read(mode, folder):
+        found = session_steps.load_json(folder / "rows.json")
+        return [session.ReportRow(key, value) for key, value in found.items()]
+
+    return session_steps.Step(name, name, budget, rows, commands, read)
+
+
+WRITES_A = "import json; json.dump({'a': 1.5}, open('PATH', 'w'))"
+
+
+def test_a_step_that_hangs_costs_only_its_rows(tmp_path):
+    pid_file = tmp_path / "child.pid"
+    hangs = (
+        "import json, subprocess, time; json.dump({'a': 1.0}, open('PATH', 'w')); "
+        f"child = subprocess.Popen(['sleep', '60']); open({str(pid_file)!r}, 'w').write(str(child.pid)); time.sleep(60)"
+    )
+    steps = [kit_step("hangs", ("a", "b"), hangs, budget=3), kit_step("next", ("a",), WRITES_A)]
+    started = time.monotonic()
+    report = session.run_session(session_steps.GPU, tmp_path / "out", steps, None, tmp_path)
+    assert time.monotonic() - started < 30
+    first, second = report.steps
+    assert first.status == "timeout" and [(r.name, r.value, r.status) for r in first.rows] == [
+        ("a", 1.0, ""),
+        ("b", None, "timeout"),
+    ]
+    assert "3 s budget" in first.rows[1].note
+    assert second.status == "ok" and second.rows[0].value == 1.5
+    assert not running(int(pid_file.read_text()))  # the hung command's own child went with it
+    assert report.problems == ["hangs: b (timeout)"]
+
+
+def test_a_failing_command_leaves_its_rows_missing(tmp_path):
+    steps = [kit_step("fails", ("a", "b"), WRITES_A + "; raise SystemExit(3)")]
+    [result] = session.run_session(session_steps.GPU, tmp_path / "out", steps, None, tmp_path).steps
+    assert result.status == "failed" and "exited 3" in result.reason
+    assert [(r.name, r.status) for r in result.rows] == [("a", ""), ("b", "missing")]
+    assert "exited 3" in result.rows[1].note and "logs/fails.log" in result.rows[1].note
+    assert "raise SystemExit(3)" in (tmp_path / "out" / "logs" / "fails.log").read_text()
+
+
+def test_malformed_output_leaves_the_rows_missing(tmp_path):
+    steps = [kit_step("garbled", ("a",), "open('PATH', 'w').write('{not json')")]
+    [result] = session.run_session(session_steps.GPU, tmp_path / "out", steps, None, tmp_path).steps
+    assert result.status == "failed" and "could not be read (JSONDecodeError" in result.reason
+    assert [(row.name, row.status) for row in result.rows] == [("a", "missing")]
+
+
+def test_a_spent_budget_skips_the_remaining_steps(tmp_path):
+    mode = dataclasses.replace(session_steps.GPU, budget_s=5)
+    steps = [kit_step("first", ("a",), WRITES_A), kit_step("second", ("a",), WRITES_A)]
+    report = session.run_session(mode, tmp_path / "out", steps, None, tmp_path)
+    assert [step.status for step in report.steps] == ["skipped", "skipped"]
+    assert report.steps[0].rows[0].note == "the session's time was spent"
+    assert "## 2. second (`second`): skipped" in (tmp_path / "out" / "report.md").read_text()
+
+
+# --------------------------------------------------------------------------- the carry
+
+
+def tiny_wheel(folder: Path, distribution: str, version: str, module: str) -> Path:
+    """A wheel of one module ``module`` (``VALUE = 1``)."""
+    name = distribution.replace("-", "_")
+    path = folder / f"{name}-{version}-py3-none-any.whl"
+    info = f"{name}-{version}.dist-info"
+    files = {
+        f"{module}.py": "VALUE = 1\n",
+        f"{info}/METADATA": f"Metadata-Version: 2.1\nName: {distribution}\nVersion: {version}\n",
+        f"{info}/WHEEL": "Wheel-Version: 1.0\nGenerator: test\nRoot-Is-Purelib: true\nTag: py3-none-any\n",
+    }
+    files[f"{info}/RECORD"] = "".join(f"{file},,\n" for file in [*files, f"{info}/RECORD"])
+    with zipfile.ZipFile(path, "w") as archive:
+        for file, text in files.items():
+            archive.writestr(file, text)
+    return path
+
+
+def tiny_carry(folder: Path) -> Path:
+    """A carry of a wheel to install always and one of a distribution this Python has (pytest)."""
+    wheels = folder / carry_manifest.WHEELS
+    wheels.mkdir(parents=True)
+    python = f"{sys.version_info.major}.{sys.version_info.minor}"
+    manifest = carry_manifest.Manifest(commit="abc1234", made="now", python=python, torch="any")
+    always = tiny_wheel(wheels, "lime-kit-probe", "1.0", "lime_kit_probe")
+    present = tiny_wheel(wheels, "pytest", "0.0.1", "pytest_stand_in")
+    manifest.wheels += [
+        carry_manifest.carried_wheel(always, "always", "lime_megatron"),
+        carry_manifest.carried_wheel(present, "missing", "lime_megatron"),
+    ]
+    manifest.write(folder)
+    return folder
+
+
+def test_a_carry_installs_what_this_python_lacks(tmp_path):
+    carry, site, folder = tiny_carry(tmp_path / "carry"), tmp_path / "site", tmp_path / "step"
+    folder.mkdir()
+    env = session.install(carry, site, folder, dict(PYTHONPATH="/elsewhere"))
+    assert (site / "lime_kit_probe.py").is_file() and not (site / "pytest_stand_in.py").exists()
+    assert env["PYTHONPATH"] == f"{site}{os.pathsep}/elsewhere" and env["NVTE_FRAMEWORK"] == "pytorch"
+    installed = json.loads((folder / "install.json").read_text())
+    assert installed["summary"].startswith("1 of 2 wheels") and "lime-kit-probe 1.0" in installed["note"]
+    probe = subprocess.run([sys.executable, "-c", "import lime_kit_probe; print(lime_kit_probe.VALUE)"], env=env)
+    assert probe.returncode == 0
+
+
+def test_an_altered_or_foreign_carry_is_refused(tmp_path):
+    carry = tiny_carry(tmp_path / "carry")
+    with pytest.raises(carry_manifest.CarryError, match="no manifest.json"):
+        session.install(tmp_path, tmp_path / "site", tmp_path, {})
+    wheel = next((carry / carry_manifest.WHEELS).glob("lime_kit_probe*"))
+    wheel.write_bytes(wheel.read_bytes() + b"\0")
+    with pytest.raises(carry_manifest.CarryError, match="lime_kit_probe-1.0-py3-none-any.whl differs"):
+        session.install(carry, tmp_path / "site", tmp_path, {})
+    wheel.unlink()
+    with pytest.raises(carry_manifest.CarryError, match="is missing"):
+        session.install(carry, tmp_path / "site", tmp_path, {})
+    other = tiny_carry(tmp_path / "other")
+    manifest = json.loads((other / "manifest.json").read_text())
+    (other / "manifest.json").write_text(json.dumps(dict(manifest, python="2.7")))
+    with pytest.raises(carry_manifest.CarryError, match="for Python 2.7"):
+        session.install(other, tmp_path / "site", tmp_path, {})
+
+
+def test_a_carry_that_cannot_install_skips_the_session(tmp_path):
+    (tmp_path / "carry").mkdir()
+    steps = [kit_step("environment", ("a",), WRITES_A), kit_step("next", ("a",), WRITES_A)]
+    report = session.run_session(session_steps.GPU, tmp_path / "out", steps, tmp_path / "carry", tmp_path)
+    assert [step.status for step in report.steps] == ["failed", "skipped"]
+    assert "could not be installed" in report.steps[1].rows[0].note
+
+
+def test_wheel_names():
+    assert carry_manifest.wheel_distribution("pyyaml-6.0.4-cp312-cp312-manylinux2014_x86_64.whl") == ("pyyaml", "6.0.4")
+    name = "transformer_engine_cu13-2.20.2-1sm90-py3-none-manylinux_2_28_x86_64.whl"
+    assert carry_manifest.wheel_distribution(name) == ("transformer-engine-cu13", "2.20.2")
+    with pytest.raises(ValueError, match="not a wheel"):
+        carry_manifest.wheel_distribution("megatron_core-0.19.2.tar.gz")

@@ -1,0 +1,458 @@
+"""The GPU session's steps: what each runs, within which time, and the rows it reports.
+
+Each step runs one or more commands of the project (the GPU check, the benches, the trainer),
+each writing JSON into the step's folder; the step then reads its rows from there.  A step
+declares its rows up front (``Step.rows``), the same on the GPU and in the CPU rehearsal: the
+report shows every one of them whatever happens to the step.  The two modes differ in the
+commands' shapes only (``Mode``): on the GPU the paper's shapes with the TransformerEngine spec in
+bf16, in the rehearsal tiny shapes with the local spec on the CPU, where the rows that need CUDA or
+TransformerEngine say why they were skipped.
+
+| step | GPU s | what |
+|---|---|---|
+| environment | 45 | install the carry (``session.install``); versions, the device, TE, cuDNN, FP8 |
+| gpu-check | 120 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
+| | | mHC) on the TE spec, FP8 (delayed, current scaling), the attention backend, bf16 training |
+| overhead-1b | 90 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
+| | | per-layer and blocked routing, the TE spec |
+| deep-128 | 110 | the same bench at 128 layers, hidden 512, micro batch 1 and 4 |
+| pretrain | 110 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
+| | | data, 20 iterations: tokens/s, MFU |
+| decoding | 45 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA |
+
+Standard library only, like the session.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import statistics
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from session_report import ReportRow, limit_status
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The checkout the session runs in: the commands are the project's own."""
+
+
+@dataclass(frozen=True)
+class Mode:
+    """Where and at what size the session runs."""
+
+    name: str
+    rehearsal: bool
+    device: str
+    dtype: str
+    transformer_impl: str
+    budget_s: float
+    """The whole session's time, install included."""
+    overhead_shape: list[str]
+    """``bench_lime_overhead.py`` flags of the 1B shape (depth, widths, micro batch, rounds)."""
+    overhead_kv_heads: dict[int, str]
+    """The kv-head counts of the 1B shape and the row label of each."""
+    deep_shape: list[str]
+    deep_micro_batches: dict[int, str]
+    pretrain_shape: list[str]
+    """Trainer flags on top of the 1B example configs (the rehearsal shrinks the model)."""
+    pretrain_iterations: int
+    pretrain_warmup: int
+    """Iterations left out of the tokens/s median (the first ones compile, allocate, warm up)."""
+    decoding_shape: list[str]
+
+    def bench_flags(self) -> list[str]:
+        """The device, dtype and spec flags every bench of this mode takes."""
+        return ["--device", self.device, "--dtype", self.dtype, "--transformer-impl", self.transformer_impl]
+
+
+GPU = Mode(
+    name="gpu",
+    rehearsal=False,
+    device="cuda",
+    dtype="bfloat16",
+    transformer_impl="transformer_engine",
+    budget_s=530,
+    overhead_shape="--depths 16 --hidden-size 2048 --num-attention-heads 32 --ffn-hidden-size 8192 "
+    "--seq-length 2048 --micro-batch-size 4 --repeats 5 --warmup 1".split(),
+    overhead_kv_heads={8: "1B GQA-8", 32: "1B MHA"},
+    deep_shape="--depths 128 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048 "
+    "--seq-length 2048 --kv-heads 8 --repeats 5 --warmup 1".split(),
+    deep_micro_batches={1: "deep-128 mb1", 4: "deep-128 mb4"},
+    pretrain_shape="--micro-batch-size 4 --global-batch-size 16".split(),
+    pretrain_iterations=20,
+    pretrain_warmup=5,
+    decoding_shape="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --kv-heads 8 "
+    "--ffn-hidden-size 8192 --vocab-size 50304 --prompt-length 128 --new-tokens 128 --repeats 2".split(),
+)
+REHEARSAL = Mode(
+    name="rehearsal",
+    rehearsal=True,
+    device="cpu",
+    dtype="float32",
+    transformer_impl="local",
+    budget_s=1200,
+    overhead_shape="--depths 4 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+    "--seq-length 32 --micro-batch-size 2 --repeats 2 --warmup 1".split(),
+    overhead_kv_heads={2: "1B GQA-8", 4: "1B MHA"},
+    deep_shape="--depths 8 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
+    "--seq-length 32 --kv-heads 4 --repeats 2 --warmup 1".split(),
+    deep_micro_batches={1: "deep-128 mb1", 4: "deep-128 mb4"},
+    pretrain_shape="--micro-batch-size 2 --global-batch-size 4 --num-layers 2 --hidden-size 64 "
+    "--ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 --vocab-size 128 "
+    "--transformer-impl local".split(),
+    pretrain_iterations=6,
+    pretrain_warmup=2,
+    decoding_shape="--num-layers 2 --hidden-size 64 --num-attention-heads 4 --kv-heads 2 "
+    "--ffn-hidden-size 128 --vocab-size 128 --prompt-length 8 --new-tokens 8 --repeats 1".split(),
+)
+"""The same steps on a CPU in about two minutes: every row, at tiny shapes (the labels keep the
+GPU's names; the commands in the report show the shapes that ran)."""
+
+
+@dataclass(frozen=True)
+class Command:
+    """One command of a step: its arguments (run in the checkout) and the JSON it writes."""
+
+    argv: list[str]
+    output: Path
+
+
+@dataclass(frozen=True)
+class Step:
+    """A step: its commands in a mode, the rows it declares, and how its rows are read back."""
+
+    name: str
+    title: str
+    budget_s: float
+    """Seconds on the GPU (the rehearsal gives every step ``REHEARSAL_STEP_S``)."""
+    rows: tuple[str, ...]
+    commands: Callable[[Mode, Path], list[Command]] = field(repr=False)
+    read: Callable[[Mode, Path], list[ReportRow]] = field(repr=False)
+    """The rows found in the step's folder (those of commands that did not run are absent)."""
+
+    def budget(self, mode: Mode) -> float:
+        return REHEARSAL_STEP_S if mode.rehearsal else self.budget_s
+
+
+REHEARSAL_STEP_S = 300.0
+
+
+def python(*arguments: str) -> list[str]:
+    """The session's Python running ``arguments``."""
+    return [sys.executable, *arguments]
+
+
+def load_json(path: Path) -> dict:
+    """The JSON object at ``path``; {} when the command never wrote it."""
+    return json.loads(path.read_text()) if path.is_file() else {}
+
+
+# --------------------------------------------------------------------------- environment
+
+ENVIRONMENT_ROWS = (
+    "python",
+    "torch",
+    "device",
+    "megatron-core",
+    "TransformerEngine",
+    "cuDNN",
+    "FP8",
+    "installed from the carry",
+)
+
+
+def environment_commands(mode: Mode, folder: Path) -> list[Command]:
+    output = folder / "environment.json"
+    return [Command(python("tools/gpu/environment_probe.py", "--json", str(output)), output)]
+
+
+def read_environment(mode: Mode, folder: Path) -> list[ReportRow]:
+    """The probe's findings (``environment_probe.py``) and the install's (``install.json``)."""
+    found = load_json(folder / "environment.json")
+    installed = load_json(folder / "install.json")
+    te_reason = "CPU machines never install TransformerEngine (it breaks import megatron.core)"
+    rows = []
+    for name in ENVIRONMENT_ROWS[:-1]:
+        problem = found.get(f"{name} problem")
+        if name in found:
+            rows.append(ReportRow(name, found[name]))
+        elif problem and mode.rehearsal and name in ("TransformerEngine", "cuDNN", "FP8"):
+            rows.append(ReportRow(name, status="skipped", note=f"asked of TransformerEngine: {te_reason}"))
+        elif problem:
+            rows.append(ReportRow(name, status="FAILED", note=problem))
+    if installed:
+        rows.append(ReportRow("installed from the carry", installed["summary"], note=installed["note"]))
+    else:
+        rows.append(ReportRow("installed from the carry", "nothing", note="no --carry: the environment as it is"))
+    return rows
+
+
+# --------------------------------------------------------------------------- the GPU check
+
+GPU_CHECK_FAMILIES = ("LIMe", "baseline", "HC", "mHC")
+GPU_CHECK_ROWS = (
+    *(
+        name
+        for family in GPU_CHECK_FAMILIES
+        for name in (
+            f"bf16 vs fp32 | {family} | loss",
+            f"attention backend | {family} | selected backend",
+            *((f"routed K/V | {family} | layers against the dry run",) if family == "LIMe" else ()),
+            *((f"bf16 vs fp32 | {family} | worst router grad",) if family == "LIMe" else ()),
+            f"bf16 vs fp32 | {family} | worst grad",
+        )
+    ),
+    *(
+        f"fp8 {recipe} | {model} | {key}"
+        for model in ("LIMe", "baseline")
+        for recipe in ("delayed", "tensorwise")
+        for key in ("loss distance to bf16", "FP8 changed the losses")
+    ),
+    *(
+        name
+        for model in ("LIMe", "baseline")
+        for name in (
+            f"bf16 training | {model} | Float16Module + dist. optimizer vs fp32",
+            f"layouts | {model} | TP2 vs DP",
+            f"layouts | {model} | PP2 vs DP",
+        )
+    ),
+)
+
+
+def gpu_check_commands(mode: Mode, folder: Path) -> list[Command]:
+    output = folder / "gpu_check.json"
+    flags = ["--rehearse"] if mode.rehearsal else ["--skip-timing"]
+    return [Command(python("-m", "lime_megatron.gpu_check", *flags, "--json", str(output)), output)]
+
+
+def read_gpu_check(mode: Mode, folder: Path) -> list[ReportRow]:
+    """``gpu_check --json``'s rows as they are (its failing gradients and errors included)."""
+    rows = load_json(folder / "gpu_check.json").get("rows", [])
+    return [ReportRow(r["name"], r["value"], r["limit"], r["status"], r["quantity"]) for r in rows]
+
+
+# --------------------------------------------------------------------------- overhead benches
+
+
+@dataclass(frozen=True)
+class BenchField:
+    """A row of a bench case: its name after the case's label, the value from the case's record,
+    and an optional target, for every case or by label (reported, not enforced)."""
+
+    name: str
+    value: Callable[[dict], float]
+    target: float | dict[str, float] | None = None
+
+    def row(self, label: str, record: dict) -> ReportRow:
+        value = self.value(record)
+        target = self.target.get(label) if isinstance(self.target, dict) else self.target
+        row = ReportRow(f"{label} | {self.name}", value)
+        if target is not None:
+            row.limit, row.status = limit_status(value, target)
+        return row
+
+
+OVERHEAD_FIELDS = (
+    BenchField("routing block B", lambda r: r["block"]),
+    BenchField("baseline fwd+bwd ms", lambda r: 1e3 * r["base_s"]),
+    BenchField("LIMe B=1 / baseline", lambda r: r["per_layer_x"]),
+    BenchField("LIMe blocked / baseline", lambda r: r["lime_x"], target={"1B GQA-8": 1.015, "1B MHA": 1.03}),
+    BenchField("FLOP floor", lambda r: r["floor"]),
+    BenchField("blocked / floor", lambda r: r["lime_x"] / r["floor"], target=1.05),
+    BenchField("IQR of blocked / floor", lambda r: r["lime_spread"] / r["floor"]),
+    BenchField("rebuilt K/V / baseline", lambda r: r["rebuilt_x"]),
+    BenchField("saved bytes blocked / baseline", lambda r: r["lime_saved"] / r["base_saved"], target=1.02),
+    BenchField("saved bytes rebuilt K/V / baseline", lambda r: r["rebuilt_saved"] / r["base_saved"]),
+    BenchField("routing products ms", lambda r: r["products_ms"]),
+    BenchField("router-weight gradient ms", lambda r: r["weight_grad_ms"]),
+    BenchField("rest ms (LIMe - baseline - products)", lambda r: r["rest_ms"]),
+    BenchField("operators per layer over baseline, B=1", lambda r: r["per_layer_operators"]),
+    BenchField("operators per layer over baseline, blocked", lambda r: r["blocked_operators"]),
+)
+"""The rows of one case of ``bench_lime_overhead.py`` (BENCHMARKS.md explains the columns); the
+targets: LIMe within 1.5% (GQA-8) and 3% (MHA) of the baseline at 1B (the paper's Table 9 on an
+H100: +1.2-1.6% and +10.5%), blocked routing within 1.05x of its FLOP floor, saved bytes within 2%."""
+
+
+def bench_rows(labels: list[str]) -> tuple[str, ...]:
+    return tuple(f"{label} | {field.name}" for label in labels for field in OVERHEAD_FIELDS)
+
+
+def overhead_commands(mode: Mode, folder: Path) -> list[Command]:
+    output = folder / "overhead.json"
+    kv_heads = [str(kv) for kv in mode.overhead_kv_heads]
+    argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.overhead_shape, "--kv-heads", *kv_heads)
+    return [Command(argv + ["--json", str(output)], output)]
+
+
+def read_overhead(mode: Mode, folder: Path) -> list[ReportRow]:
+    rows = []
+    for record in load_json(folder / "overhead.json").get("rows", []):
+        label = mode.overhead_kv_heads[record["kv_heads"]]
+        rows += [bench_field.row(label, record) for bench_field in OVERHEAD_FIELDS]
+    return rows
+
+
+def deep_commands(mode: Mode, folder: Path) -> list[Command]:
+    commands = []
+    for micro_batch in mode.deep_micro_batches:
+        output = folder / f"deep_mb{micro_batch}.json"
+        argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.deep_shape)
+        commands.append(Command(argv + ["--micro-batch-size", str(micro_batch), "--json", str(output)], output))
+    return commands
+
+
+def read_deep(mode: Mode, folder: Path) -> list[ReportRow]:
+    rows = []
+    for micro_batch, label in mode.deep_micro_batches.items():
+        for record in load_json(folder / f"deep_mb{micro_batch}.json").get("rows", []):
+            rows += [bench_field.row(label, record) for bench_field in OVERHEAD_FIELDS]
+    return rows
+
+
+# --------------------------------------------------------------------------- pretrain
+
+PRETRAIN_CONFIGS = {"LIMe": "examples/lime_1b_gqa8.yaml", "baseline": "examples/llama_1b_gqa8.yaml"}
+MFU_TARGET = 0.40
+PRETRAIN_ROWS = (
+    *(
+        f"{model} | {name}"
+        for model in PRETRAIN_CONFIGS
+        for name in ("tokens/s", "TFLOP/s per GPU", "MFU", "first loss", "last loss")
+    ),
+    "LIMe / baseline | tokens/s",
+)
+
+
+def pretrain_commands(mode: Mode, folder: Path) -> list[Command]:
+    commands = []
+    for model, config in PRETRAIN_CONFIGS.items():
+        output = folder / f"{model}.jsonl"
+        argv = python("pretrain_lime.py", "--config", config, "--mock-data", *PRETRAIN_RUN_FLAGS)
+        argv += ["--train-iters", str(mode.pretrain_iterations), *mode.pretrain_shape, "--metrics-file", str(output)]
+        commands.append(Command(argv, output))
+    return commands
+
+
+PRETRAIN_RUN_FLAGS = [
+    *("--save", "", "--load", "", "--save-interval", "", "--ckpt-keep-last", ""),  # the example's, off
+    *("--tensorboard-dir", "", "--wandb-project", ""),
+    *"--lr-warmup-iters 1 --eval-iters 0 --log-interval 1 --log-throughput".split(),
+]
+
+
+def iteration_records(path: Path) -> list[dict]:
+    """The trainer's ``--metrics-file`` records, one per iteration."""
+    if not path.is_file():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()]
+
+
+def read_pretrain(mode: Mode, folder: Path) -> list[ReportRow]:
+    rows, rates = [], {}
+    for model in PRETRAIN_CONFIGS:
+        records = iteration_records(folder / f"{model}.jsonl")
+        timed = records[mode.pretrain_warmup :]
+        if len(records) < mode.pretrain_iterations or not timed:
+            continue
+        rates[model] = statistics.median(r["tokens_per_sec"] for r in timed)
+        rows.append(
+            ReportRow(
+                f"{model} | tokens/s",
+                rates[model],
+                note=f"median of iterations {len(records) - len(timed) + 1}-{len(records)}",
+            )
+        )
+        rows += throughput_rows(mode, model, timed)
+        first, last = records[0]["lm_loss"], records[-1]["lm_loss"]
+        rows.append(ReportRow(f"{model} | first loss", first))
+        limit, status = limit_status(last, first, enforced=True)
+        rows.append(ReportRow(f"{model} | last loss", last, f"< first ({limit})", status))
+    if len(rates) == 2:
+        rows.append(ReportRow("LIMe / baseline | tokens/s", rates["LIMe"] / rates["baseline"]))
+    return rows
+
+
+def throughput_rows(mode: Mode, model: str, timed: list[dict]) -> list[ReportRow]:
+    """TFLOP/s per GPU and MFU (medians), which the trainer reports on CUDA only."""
+    if mode.rehearsal:
+        return [
+            ReportRow(f"{model} | {name}", status="skipped", note="the trainer measures FLOP rates on CUDA only")
+            for name in ("TFLOP/s per GPU", "MFU")
+        ]
+    tflops = statistics.median(r.get("tflops_per_gpu") or math.nan for r in timed)
+    mfu = statistics.median(r.get("mfu") or math.nan for r in timed)
+    row = ReportRow(f"{model} | MFU", mfu, note="of the dense bf16 peak")
+    if model == "LIMe":
+        row.limit, row.status = limit_status(mfu, MFU_TARGET, lower_bound=True)
+    return [ReportRow(f"{model} | TFLOP/s per GPU", tflops), row]
+
+
+# --------------------------------------------------------------------------- decoding
+
+DECODING_ROWS = (
+    *(
+        f"{model} | {name}"
+        for model in ("LIMe", "baseline")
+        for name in ("KV-cache tokens/s", "recompute tokens/s", "cached tokens = recomputed")
+    ),
+    "LIMe / baseline | KV-cache tokens/s",
+)
+
+
+def decoding_commands(mode: Mode, folder: Path) -> list[Command]:
+    output = folder / "decoding.json"
+    argv = python("bench/bench_decoding.py", *mode.bench_flags(), *mode.decoding_shape, "--json", str(output))
+    return [Command(argv, output)]
+
+
+def read_decoding(mode: Mode, folder: Path) -> list[ReportRow]:
+    records = {r["model"]: r for r in load_json(folder / "decoding.json").get("rows", [])}
+    rows = []
+    for model, record in records.items():
+        rows.append(ReportRow(f"{model} | KV-cache tokens/s", record["cached_tokens_per_s"]))
+        rows.append(ReportRow(f"{model} | recompute tokens/s", record["recompute_tokens_per_s"]))
+        same = "yes" if record["same_tokens"] else "no"
+        note = "" if record["same_tokens"] else "greedy ties may differ in bf16"
+        rows.append(ReportRow(f"{model} | cached tokens = recomputed", same, note=note))
+    if len(records) == 2:
+        ratio = records["LIMe"]["cached_tokens_per_s"] / records["baseline"]["cached_tokens_per_s"]
+        rows.append(ReportRow("LIMe / baseline | KV-cache tokens/s", ratio))
+    return rows
+
+
+STEPS = (
+    Step("environment", "Install and environment", 45, ENVIRONMENT_ROWS, environment_commands, read_environment),
+    Step(
+        "gpu-check",
+        "bf16, FP8 and the attention backend on TransformerEngine",
+        120,
+        GPU_CHECK_ROWS,
+        gpu_check_commands,
+        read_gpu_check,
+    ),
+    Step(
+        "overhead-1b",
+        "LIMe overhead at the paper's 1B shape, micro batch 4",
+        90,
+        bench_rows(list(GPU.overhead_kv_heads.values())),
+        overhead_commands,
+        read_overhead,
+    ),
+    Step(
+        "deep-128",
+        "128 narrow layers, micro batch 1 and 4",
+        110,
+        bench_rows(list(GPU.deep_micro_batches.values())),
+        deep_commands,
+        read_deep,
+    ),
+    Step(
+        "pretrain", "pretrain_lime.py, 1B GQA-8, bf16, mock data", 110, PRETRAIN_ROWS, pretrain_commands, read_pretrain
+    ),
+    Step("decoding", "Decoding, 1B GQA-8, KV cache", 45, DECODING_ROWS, decoding_commands, read_decoding),
+)
