@@ -214,10 +214,12 @@ def chosen_block(args, num_layers: int, kv_heads: int, **overrides) -> int:
 
 
 def make_batch(args):
+    """(tokens, positions, attention mask) of one micro batch; the mask is None, as the trainer
+    passes it: the causal layers make their own (TransformerEngine's fused attention never
+    materialises one)."""
     tokens = torch.randint(0, args.vocab_size, (args.micro_batch_size, args.seq_length))
     positions = torch.arange(args.seq_length).expand_as(tokens)
-    mask = torch.triu(torch.ones(args.seq_length, args.seq_length, dtype=torch.bool), diagonal=1)
-    return tokens.to(args.device), positions.to(args.device), mask[None, None].to(args.device)
+    return tokens.to(args.device), positions.to(args.device), None
 
 
 def train_step(model, batch) -> float:

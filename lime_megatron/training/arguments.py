@@ -231,9 +231,10 @@ def _parse(parser: argparse.ArgumentParser, tokens: list[str], where: str) -> ar
 def _without_emptied(parser: argparse.ArgumentParser, argv: list[str]) -> tuple[list[str], list[str]]:
     """``argv`` without its ``--flag ""`` pairs, and the options those flags set: an empty value
     sets an option back to its default (``--save ""`` turns a config file's ``save`` off)."""
+    actions = {option: action for action in parser._actions for option in action.option_strings}
     kept, emptied, index = [], [], 0
     while index < len(argv):
-        action = parser._option_string_actions.get(argv[index])
+        action = actions.get(argv[index])
         if action is not None and action.nargs is None and argv[index + 1 : index + 2] == [""]:
             emptied.append(action.dest)
             index += 2

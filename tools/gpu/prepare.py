@@ -4,7 +4,8 @@ what the GPU image lacks), check it, and print the device call that runs the ses
     python tools/gpu/prepare.py --build-te --check        # first time: about 10 minutes
     python tools/gpu/prepare.py --te-wheels DIR --check   # TransformerEngine wheels built before
 
-The GPU image has Python 3.12, torch 2.11.0+cu130 with its nvidia wheels, numpy, and no network.
+The GPU image has Python 3.12, torch 2.11.0+cu130 with its nvidia wheels, ``IMAGE_PACKAGES``
+(numpy, packaging, einops, onnx, onnxscript), and no network.
 The carry (``carry_manifest.py``) holds:
 
 - megatron-core 0.19.2 (installed always);
@@ -14,8 +15,8 @@ The carry (``carry_manifest.py``) holds:
 - numpy, packaging, pyyaml, tqdm: what the project imports at its top levels (installed where
   missing).
 
-``--check`` then, in a clean Python 3.12 venv holding torch 2.11.0+cu130 and numpy (the image's;
-``--check-python``, or one made under ``--work``):
+``--check`` then, in a clean Python 3.12 venv holding torch 2.11.0+cu130 and ``IMAGE_PACKAGES``
+(as the image; ``--check-python``, or one made under ``--work``):
 
 1. installs the carry with the session's own code and runs the session's environment step:
    Python, torch, megatron-core and ``import transformer_engine.pytorch`` must come out as the GPU
@@ -40,6 +41,10 @@ from session_steps import ROOT
 
 IMAGE_PYTHON = "3.12"
 IMAGE_TORCH = "2.11.0+cu130"
+IMAGE_PACKAGES = ("numpy", "packaging", "einops", "onnx", "onnxscript")
+"""What the lent GPU image holds beside torch and its nvidia wheels, as recorded when the
+TransformerEngine carry was first made; TransformerEngine imports onnx and onnxscript (megatron-core
+imports TransformerEngine when it is there), so ``--check``'s clean venv holds them too."""
 MEGATRON = "megatron-core==0.19.2"
 WHERE_MISSING = ("numpy", "packaging", "pyyaml", "tqdm")
 """What the project imports at its top levels besides torch and megatron (installed where missing)."""
@@ -170,13 +175,13 @@ def rehearse_on_image_torch(args: argparse.Namespace, python: Path, manifest: Ma
 
 
 def clean_venv(args: argparse.Namespace) -> Path:
-    """A Python 3.12 venv with the image's torch (and numpy, as the image), made once in ``--work``."""
+    """A Python 3.12 venv with the image's torch and ``IMAGE_PACKAGES``, made once in ``--work``."""
     venv = args.work / "venv312"
     python = venv / "bin" / "python"
     if not (venv / ".ready").is_file():
         shutil.rmtree(venv, ignore_errors=True)
         run([args.python312, "-m", "venv", str(venv)])
-        run([str(python), "-m", "pip", "install", "-q", f"torch=={IMAGE_TORCH.split('+')[0]}", "numpy"])
+        run([str(python), "-m", "pip", "install", "-q", f"torch=={IMAGE_TORCH.split('+')[0]}", *IMAGE_PACKAGES])
         (venv / ".ready").touch()
     return python
 

@@ -294,6 +294,7 @@ def main(argv=None) -> int:
     steps = [step for step in STEPS if not args.steps or step.name in args.steps]
     out = Path(args.out)
     report = run_session(mode, out, steps, args.carry, args.site)
+    print(report.markdown(), flush=True)  # also on stdout: the device returns its tail even without files
     problems = report.problems
     print(
         f"session: report in {out / 'report.md'}; " + (f"{len(problems)} problem rows" if problems else "no problems")
