@@ -37,7 +37,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 from carry_manifest import MAX_CALL_BYTES, MAX_CARRY_BYTES, WHEELS, Manifest, carried_wheel, folder_bytes
-from session_steps import ROOT
+from session_steps import ROOT, checkout_commit
 
 IMAGE_PYTHON = "3.12"
 IMAGE_TORCH = "2.11.0+cu130"
@@ -112,7 +112,7 @@ def fill(args: argparse.Namespace) -> Manifest:
     missing = [download(name, args.work / "downloads") for name in WHERE_MISSING]
     te = te_wheels(args)
     made = datetime.now(timezone.utc).isoformat(timespec="seconds")
-    manifest = Manifest(commit=git_commit(), made=made, python=IMAGE_PYTHON, torch=IMAGE_TORCH)
+    manifest = Manifest(commit=checkout_commit(), made=made, python=IMAGE_PYTHON, torch=IMAGE_TORCH)
     needs = [(megatron, "megatron-core")] + [(w, "lime_megatron") for w in missing] + [(w, TE) for w in te]
     for wheel, needed_by in needs:
         install = "always" if wheel == megatron or wheel.name.startswith(TE_ALWAYS) else "missing"
@@ -120,11 +120,6 @@ def fill(args: argparse.Namespace) -> Manifest:
         manifest.wheels.append(carried_wheel(args.out / WHEELS / wheel.name, install, needed_by))
     manifest.write(args.out)
     return manifest
-
-
-def git_commit() -> str:
-    completed = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
-    return completed.stdout.strip() or "unknown"
 
 
 def tree_bytes() -> int:
@@ -144,11 +139,10 @@ def check_sizes(carry: Path) -> tuple[int, int]:
     return carried, tree
 
 
-def check_install(args: argparse.Namespace) -> dict:
+def check_install(args: argparse.Namespace, python: Path) -> dict:
     """Install the carry with the session's own code into a clean 3.12 venv with the image's torch
     and run the session's environment step there (``import transformer_engine.pytorch`` and
     ``import megatron.core`` included); its rows by name."""
-    python = args.check_python or clean_venv(args)
     out, site = args.work / "check", args.work / "check-site"
     for folder in (out, site):
         shutil.rmtree(folder, ignore_errors=True)
@@ -201,7 +195,8 @@ def main(argv=None) -> int:
     for wheel in manifest.wheels:
         print(f"  {wheel.size / 2**20:6.2f} MiB  {wheel.install:7s}  {wheel.wheel}")
     if args.check:
-        rows = check_install(args)
+        python = args.check_python or clean_venv(args)
+        rows = check_install(args, python)
         print("\ncheck in a clean Python 3.12 venv with torch 2.11.0+cu130 (no GPU here):")
         for name, row in rows.items():
             print(f"  {name}: {row['value'] or ''} {row['status']} {row['note']}")
@@ -209,7 +204,7 @@ def main(argv=None) -> int:
         if any(rows[name]["value"] is None for name in wanted):
             raise SystemExit("prepare: the carry did not install as the GPU needs it (rows above)")
         print("\nthe rehearsal on the image's torch and megatron-core 0.19.2 (TransformerEngine left out):")
-        rehearse_on_image_torch(args, args.check_python or clean_venv(args), manifest)
+        rehearse_on_image_torch(args, python, manifest)
     print("\nthe device call (one NVIDIA H100 or H200):\n  " + device_call(args.out))
     return 0
 

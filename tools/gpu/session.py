@@ -36,7 +36,7 @@ from pathlib import Path
 
 from carry_manifest import WHEELS, CarryError, Manifest, verify
 from session_report import ReportRow, SessionReport, StepResult
-from session_steps import GPU, REHEARSAL, ROOT, STEPS, Command, Mode, Step, load_json
+from session_steps import GPU, REHEARSAL, ROOT, STEPS, Command, Mode, Step, checkout_commit, load_json
 
 MIN_STEP_S = 10.0
 """A step is not started with less than this (or its whole budget, if smaller) left of the
@@ -244,11 +244,12 @@ def run_session(mode: Mode, out: Path, steps: list[Step], carry: Path | None, si
                 spent = time.monotonic() - started
                 result = run_step(step, mode, folder, env, budget - spent, out / "logs" / f"{step.name}.log")
                 result.seconds += spent
+                if step.name == "environment":
+                    report.header.update(device_header(out))
             except CarryError as error:
                 stop_reason = f"the carry could not be installed: {error}"
                 result = skipped_step(step, stop_reason)
                 result.status = "failed"
-            report.header.update(device_header(out))
         report.steps.append(result)
         report.write(out)
         print(f"session: {step.name}: {result.status} ({result.seconds:.0f} s)", flush=True)
@@ -258,9 +259,9 @@ def run_session(mode: Mode, out: Path, steps: list[Step], carry: Path | None, si
 def session_header(mode: Mode, carry: Path | None) -> dict[str, str]:
     """Where and when the session ran: mode, budget, commit, start time."""
     try:
-        commit = Manifest.read(carry).commit if carry is not None else _git_commit()
+        commit = Manifest.read(carry).commit if carry is not None else checkout_commit()
     except CarryError:
-        commit = _git_commit()
+        commit = checkout_commit()
     return {
         "mode": mode.name + (" (CPU, tiny shapes, local spec)" if mode.rehearsal else ""),
         "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
@@ -275,11 +276,6 @@ def device_header(out: Path) -> dict[str, str]:
     found = load_json(out / "steps" / "environment" / "environment.json")
     names = ("device", "torch", "megatron-core", "TransformerEngine")
     return {name: found[name] for name in names if name in found}
-
-
-def _git_commit() -> str:
-    completed = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
-    return completed.stdout.strip() or "unknown (no git)"
 
 
 def _write_json(path: Path, document: dict) -> None:

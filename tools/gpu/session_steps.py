@@ -28,6 +28,7 @@ from __future__ import annotations
 import json
 import math
 import statistics
+import subprocess
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +38,12 @@ from session_report import ReportRow, limit_status
 
 ROOT = Path(__file__).resolve().parents[2]
 """The checkout the session runs in: the commands are the project's own."""
+
+
+def checkout_commit() -> str:
+    """``git describe --always --dirty`` of the checkout (``unknown (no git)`` without one)."""
+    completed = subprocess.run(["git", "describe", "--always", "--dirty"], cwd=ROOT, capture_output=True, text=True)
+    return completed.stdout.strip() or "unknown (no git)"
 
 
 @dataclass(frozen=True)
