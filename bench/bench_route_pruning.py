@@ -6,7 +6,13 @@ The main job's arithmetic-expression data (``python -m lime_megatron``'s data st
 with ``--lime-prune-top-p`` set after iteration ``--prune-iter``.  Both runs evaluate at that
 iteration (the pruned run just after its masks are set) and at the end, so the table shows:
 
-- the masked share of the routes (static: router weights; dynamic: (head, source) pairs);
+- the masked share of the routes in this project's unit (static: router weights; dynamic: (head,
+  source) pairs) and in v1 Table 5's (one per kv head and earlier source layer, the own layer not
+  counted: ``pruning.RouteCounts``), at ``--prune-iter`` and, from a third run stopped there, at
+  iteration 1 ("at start": the dynamic router's prior there is its initialisation's, own layer
+  0.9 and 0.1 / l for each earlier one, so top-p 0.9 keeps only the own layer; the static
+  weights are one warm-up step from their initialisation), so the trained share reads against
+  what the initialisation alone gives;
 - validation loss at the pruning iteration, unpruned ("before") and pruned ("after"), and at the
   end of both runs (pruned routes stay masked while training goes on);
 - the bytes the routing products read in one forward+backward of the final models
@@ -32,7 +38,7 @@ from tqdm import tqdm
 
 from lime_megatron.cli import main_job
 from lime_megatron.interop.checkpoint_model import load_model
-from lime_megatron.models.lime.pruning import share_route_reads
+from lime_megatron.models.lime.pruning import RouteCounts, share_route_reads
 from lime_megatron.parallel import pipeline
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.testing.routing_reads import routing_reads
@@ -101,21 +107,38 @@ def final_model_bytes(checkpoint: Path, pipeline_split: tuple[int, int]) -> tupl
     return reads.total, hops * model.config.params_dtype.itemsize
 
 
+def pruning_flags(top_p: float, iteration: int) -> list[str]:
+    return ["--lime-prune-top-p", str(top_p), "--lime-prune-iters", str(iteration)]
+
+
+def masked_at_start(args, data_flags: list[str], out: Path, router: str) -> RouteCounts:
+    """The counts top-p gives at iteration 1, where the run stops: the dynamic prior of the
+    initial model (iteration 1's forward passes), the static weights after one warm-up step."""
+    flags = trainer_flags(args, data_flags, router, out / f"{router}-start") + ["--exit-interval", "1"]
+    counts = trainer.train(flags + pruning_flags(args.top_p, 1)).pruned_routes
+    assert counts is not None
+    return counts
+
+
 def measure(args, data_flags: list[str], out: Path, router: str) -> dict:
     runs = {}
     for pruned in (False, True):
         save = out / f"{router}-{'pruned' if pruned else 'unpruned'}"
-        prune = ["--lime-prune-top-p", str(args.top_p), "--lime-prune-iters", str(args.prune_iter)] if pruned else []
+        prune = pruning_flags(args.top_p, args.prune_iter) if pruned else []
         runs[pruned] = (trainer.train(trainer_flags(args, data_flags, router, save) + prune), save)
     (plain, plain_dir), (pruned, pruned_dir) = runs[False], runs[True]
-    routes, masked = pruned.pruned_routes
+    counts, start = pruned.pruned_routes, masked_at_start(args, data_flags, out, router)
     (reads_plain, hops_plain), (reads_pruned, hops_pruned) = (
         final_model_bytes(save, tuple(args.pipeline)) for save in (plain_dir, pruned_dir)
     )
     return dict(
         router=router,
-        share=masked / routes,
-        routes=routes,
+        share=counts.masked / counts.routes,
+        routes=counts.routes,
+        v1_share=counts.v1_masked / counts.v1_routes,
+        v1_routes=counts.v1_routes,
+        start_share=start.masked / start.routes,
+        start_v1_share=start.v1_masked / start.v1_routes,
         before=plain.validation[args.prune_iter],
         after=pruned.validation[args.prune_iter],
         end_plain=plain.validation[args.train_iters],
@@ -131,6 +154,10 @@ COLUMNS = [
     ("router", field("router")),
     ("routes", field("routes", ",")),
     ("masked", lambda row: f"{100 * row['share']:.1f}%"),
+    ("at start", lambda row: f"{100 * row['start_share']:.1f}%"),
+    ("v1 routes", field("v1_routes", ",")),
+    ("v1 masked", lambda row: f"{100 * row['v1_share']:.1f}%"),
+    ("v1 at start", lambda row: f"{100 * row['start_v1_share']:.1f}%"),
     ("val before", field("before", ".4f")),
     ("val after", field("after", ".4f")),
     ("end unpruned", field("end_plain", ".4f")),
@@ -157,7 +184,11 @@ def main(argv=None) -> list[dict]:
     data_flags = main_job.prepare_data(out, args.num_samples, 100)
     rows = [measure(args, data_flags, out, router) for router in tqdm(args.routers, desc="routers")]
     print_results(rows, args)
-    masked = ", ".join(f"{r['router']} {100 * r['share']:.1f}%" for r in rows)
+    masked = ", ".join(
+        f"{r['router']} {100 * r['share']:.1f}% (v1's unit {100 * r['v1_share']:.1f}%; "
+        f"{100 * r['start_share']:.1f}% and {100 * r['start_v1_share']:.1f}% at iteration 1)"
+        for r in rows
+    )
     change = ", ".join(f"{r['router']} {r['after'] - r['before']:+.4f}" for r in rows)
     saved = ", ".join(f"{r['router']} {100 * (1 - r['hops_pruned'] / r['hops_plain']):.1f}%" for r in rows)
     print(

@@ -385,12 +385,12 @@ def _analyze_model(model, tokens, occurrences, options: AnalysisOptions) -> tupl
                 "expected_depth": expected_depth(shares).tolist(),
             }
         if model.config.lime and model.config.lime_prune_top_p is not None:  # v1 Table 5's columns
-            routes, masked = pruned_counts([model])
+            counts = pruned_counts([model])
             numbers["pruning"] = {
                 "top_p": model.config.lime_prune_top_p,
-                "routes": routes,
-                "masked": masked,
-                "share": masked / routes,
+                **counts._asdict(),
+                "share": counts.masked / counts.routes,
+                "v1_share": counts.v1_masked / counts.v1_routes,
             }
     with _timed(seconds, "forward"):
         reps = collect_representations(model, tokens)

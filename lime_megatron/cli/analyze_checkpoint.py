@@ -120,7 +120,8 @@ def main(argv=None) -> int:
             pruned = numbers["pruning"]
             print(
                 f"    route pruning (top-p {pruned['top_p']}): {pruned['masked']:,} of {pruned['routes']:,} routes "
-                f"masked ({100 * pruned['share']:.1f}%)"
+                f"masked ({100 * pruned['share']:.1f}%); in v1 Table 5's unit {pruned['v1_masked']:,} of "
+                f"{pruned['v1_routes']:,} ({100 * pruned['v1_share']:.1f}%)"
             )
         for circuit in numbers.get("circuits", [])[:5]:  # dynamic LIMe: v1 Table 2's L, R, H (1-based)
             print(

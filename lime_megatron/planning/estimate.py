@@ -25,6 +25,7 @@ from lime_megatron.models.config import LimeTransformerConfig, pipeline_layer_sp
 from lime_megatron.models.gpt_model import LimeGPTModel
 from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.head_parallel import HeadSharding
+from lime_megatron.models.lime.pruning import v1_route_count
 from lime_megatron.models.lime.router import LimeRouter, router_source_count, router_weights_per_source
 from lime_megatron.parallel.fusions import replace_config
 from lime_megatron.planning.activations import (
@@ -393,11 +394,22 @@ def _layers(layers: range) -> str:
     return f"{layers.start}-{layers.stop - 1}" if len(layers) > 1 else str(layers.start) if layers else "-"
 
 
-def _describe(config: LimeTransformerConfig) -> str:
-    model = "LLaMA baseline"
+def _model_name(config: LimeTransformerConfig) -> str:
+    """The family of ``config``: LIMe with its router, Hyper-Connections (dynamic or static), mHC, or
+    the LLaMA baseline."""
     if config.lime:
         window = f"-{config.lime_router_window}" if config.lime_router_window else ""
-        model = f"LIMe ({config.lime_router}{window} router)"
+        return f"LIMe ({config.lime_router}{window} router)"
+    if config.hyper_connections_manifold:
+        return f"mHC ({config.hyper_connections} streams)"
+    if config.hyper_connections:
+        kind = "static" if config.hyper_connections_static else "dynamic"
+        return f"Hyper-Connections ({kind}, {config.hyper_connections} streams)"
+    return "LLaMA baseline"
+
+
+def _describe(config: LimeTransformerConfig) -> str:
+    model = _model_name(config)
     return (
         f"{model}: {config.num_layers} layers, hidden {config.hidden_size}, FFN "
         f"{config.ffn_hidden_size}, {config.num_attention_heads} heads ({config.kv_heads} kv)"
@@ -425,16 +437,19 @@ def _layout(result: DryRunEstimate) -> str:
 
 
 def _pruning_lines(config: LimeTransformerConfig) -> list[str]:
-    """The routes route pruning chooses among (v1 Table 5's total; which are masked depends on the
-    trained weights: the trainer prints the count, the analyses report it)."""
+    """The routes route pruning chooses among, in this project's unit and in v1 Table 5's
+    (``pruning.RouteCounts``); which are masked depends on the trained weights: the trainer prints
+    the count, the analyses report it."""
     if not (config.lime and config.lime_prune_top_p is not None):
         return []
     per_source = config.kv_heads if config.lime_router == "dynamic" else config.kv_heads**2
     routes = per_source * router_source_count(config)
     unit = "(head, source) routes" if config.lime_router == "dynamic" else "router weights"
     return [
-        f"route pruning: top-p {config.lime_prune_top_p} at --lime-prune-iters over {routes:,} {unit}; "
-        f"the masked count depends on the trained weights (printed by the trainer, reported by the analyses)"
+        f"route pruning: top-p {config.lime_prune_top_p} at --lime-prune-iters over {routes:,} {unit}, "
+        f"{v1_route_count(config):,} routes in v1 Table 5's unit (one per kv head and earlier source layer, "
+        f"the own layer not counted); the masked count depends on the trained weights (printed by the "
+        f"trainer in both units, reported by the analyses)"
     ]
 
 

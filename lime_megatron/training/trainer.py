@@ -103,7 +103,7 @@ class TrainingResult:
     router_parameters: int = 0
     dry_run_report: str | None = None
     """The estimate report of a ``--dry-run`` (which trains nothing)."""
-    pruned_routes: tuple[int, int] | None = None
+    pruned_routes: pruning.RouteCounts | None = None
     """(routes, masked routes) of the model after the last route pruning (``--lime-prune-iters``)."""
 
 
@@ -383,20 +383,24 @@ def train_step(model: list, optimizer, scheduler, batches: list) -> tuple[float,
     return result
 
 
-def prune_routes(model: list, top_p: float, iteration: int) -> tuple[int, int]:
+def prune_routes(model: list, top_p: float, iteration: int) -> pruning.RouteCounts:
     """Set the route masks (``pruning.set_route_masks``) and the source layers every rank sees
     read (``pruning.share_route_reads``), and report the masked share of the whole model's routes
-    (summed over the model-parallel ranks): (routes, masked)."""
+    (summed over the model-parallel ranks) in this project's unit and in v1 Table 5's
+    (``pruning.RouteCounts``)."""
     pruning.set_route_masks(model, top_p)
     pruning.share_route_reads(model)
     counts = torch.tensor(pruning.pruned_counts(model), dtype=torch.float64, device=default_device())
     torch.distributed.all_reduce(counts, group=parallel_state.get_model_parallel_group())
-    total, masked = (int(count) for count in counts)
-    _print0(
-        f"route pruning at iteration {iteration} (top-p {top_p}): masked {masked:,} of {total:,} routes "
-        f"({100 * masked / max(total, 1):.1f}%)"
+    result = pruning.RouteCounts(*(int(count) for count in counts))
+    ours, v1 = (
+        f"{masked:,} of {total:,} ({100 * masked / max(total, 1):.1f}%)" for total, masked in (result[:2], result[2:])
     )
-    return total, masked
+    _print0(
+        f"route pruning at iteration {iteration} (top-p {top_p}): masked {ours} routes; "
+        f"in v1 Table 5's unit (head, earlier source) {v1}"
+    )
+    return result
 
 
 def evaluate(model: list, dataset, eval_iters: int, training: TrainingOptions) -> float:

@@ -14,6 +14,7 @@ from lime_megatron.models.lime.pruning import (
     routers_of,
     set_route_masks,
     top_p_mask,
+    v1_route_count,
 )
 from lime_megatron.parallel.process_groups import initialize_parallel
 from lime_megatron.testing.routing_reads import routing_reads
@@ -84,7 +85,7 @@ def reference_gradients(model):
 def test_static_masked_weights_are_zero_and_get_no_gradient(kv_heads, block):
     model = pruned_model(0.6, num_query_groups=kv_heads, num_layers=7, lime_routing_block=block)
     routers = routers_of([model])
-    routes, masked = pruned_counts([model])
+    routes, masked, _, _ = pruned_counts([model])
     assert routes == sum(router.weight.numel() for router in routers) and 0 < masked < routes
     assert all(torch.all(router.weight[~router.route_mask] == 0) for router in routers)
     error, leaves = reference_gradients(model)
@@ -100,7 +101,7 @@ def test_static_masked_weights_are_zero_and_get_no_gradient(kv_heads, block):
 
 def test_dynamic_masked_routes_have_weight_zero():
     model = pruned_model(0.6, lime_router="dynamic", num_query_groups=2)
-    routes, masked = pruned_counts([model])
+    routes, masked, _, _ = pruned_counts([model])
     assert routes == 2 * (2 + 3 + 4 + 5) and 0 < masked < routes
     error, leaves = reference_gradients(model)
     assert error <= TOLERANCE
@@ -173,3 +174,59 @@ def test_a_blocked_layer_reading_only_sources_before_its_block_equals_per_layer(
         assert router.read_sources == [0]
     loss_error, grad_errors = twin_errors(*models)
     assert loss_error <= 1e-13 and max(grad_errors.values()) <= 1e-13, grad_errors
+
+
+@pytest.mark.parametrize("num_layers, v1_total", [(32, 7936), (64, 32256), (128, 130048)], ids=["32", "64", "128"])
+def test_v1_unit_reproduces_v1_table_5_totals(num_layers, v1_total):
+    """v1 Table 5's "total router weights" at 16 heads: 16 L(L-1)/2, one per head and earlier source."""
+    config = lime_config(num_layers=num_layers, hidden_size=256, num_attention_heads=16, lime_prune_top_p=0.9)
+    assert v1_route_count(config) == v1_total
+    assert v1_route_count(lime_config(**{**config.__dict__, "lime_router": "dynamic"})) == v1_total
+
+
+def v1_masked_by_loops(router) -> int:
+    """Masked (head, earlier source) pairs of a router at TP=1, entry by entry: a pair is masked
+    when no route of the head from that source is kept."""
+    mask, sources = router.route_mask, router.sources
+    per_source = mask.shape[1] // len(sources)
+    return sum(
+        not any(bool(mask[head, j * per_source + k]) for k in range(per_source))
+        for head in range(mask.shape[0])
+        for j in range(len(sources) - 1)
+    )
+
+
+@pytest.mark.parametrize(
+    "top_p, overrides",
+    [(0.6, dict(num_query_groups=4)), (0.6, dict(num_query_groups=2)), (0.95, dict(lime_router="dynamic"))],
+    ids=["static-mha", "static-gqa", "dynamic"],
+)
+def test_counts_in_v1_unit(top_p, overrides):
+    """v1's unit counted by ``pruned_counts`` against the masks read entry by entry (some pairs
+    masked, some kept: the dynamic router's own layer takes most of each prior, hence its top-p)."""
+    model = pruned_model(top_p, num_layers=7, **overrides)
+    counts = pruned_counts([model])
+    assert counts.v1_routes == v1_route_count(model.config) == model.config.kv_heads * 7 * 6 // 2
+    assert counts.v1_masked == sum(v1_masked_by_loops(router) for router in routers_of([model]))
+    assert 0 < counts.v1_masked < counts.v1_routes
+
+
+def test_dynamic_pruning_at_initialisation_keeps_the_own_layer():
+    """W_l = 0: every token's p_l is the initialisation's (own layer 0.9, each earlier one 0.1 / l),
+    so top-p 0.9 keeps the own layer and at most one earlier source per head (which one, if any,
+    depends on the rounding of the own share around 0.9); in v1's unit at least (l-1)/l of the
+    routes of layer l are masked."""
+    model = tiny_model(lime_router="dynamic", num_layers=7, num_query_groups=2, lime_prune_top_p=0.9)
+    with torch.no_grad():
+        for router in routers_of([model]):
+            router.logits.weight.zero_()
+    collect_dynamic_prior([model])
+    tokens, positions, mask = batch(seed=3)
+    megatron_logits(model, tokens, positions, mask)
+    set_route_masks([model], 0.9)
+    for router in routers_of([model]):
+        kept = router.route_mask
+        assert kept[:, -1].all() and (kept[:, :-1].sum(dim=1) <= 1).all(), (router.layer, kept)
+    counts = pruned_counts([model])
+    print(f"at initialisation: {counts}")
+    assert counts.v1_masked >= counts.v1_routes - 2 * 6

@@ -90,7 +90,7 @@ def train(
     ``prune``: routes pruned at that top-p after the second step, as the trainer does; with
     ``keep``: routes pruned by hand before the first step, ``lime_fixtures.prune_by_hand``); returns
     (losses, [full grads per step], initial full weights, [router gradient norm per step as
-    megatron's clipping sees it])."""
+    megatron's clipping sees it], the trainer's ``RouteCounts`` with ``prune``, else None)."""
     from lime_megatron.models.config import lime_config
     from lime_megatron.models.lime.pruning import collect_dynamic_prior
     from lime_megatron.training.trainer import prune_routes, train_step
@@ -118,17 +118,17 @@ def train(
     batches = data_parallel_share(make_batches(MICRO_BATCHES, 2, SEQ, VOCAB))
     if keep is not None:
         prune_by_hand(chunks, keep)
-    losses, grads, norms = [], [], []
+    losses, grads, norms, counts = [], [], [], None
     for step in range(STEPS):
         if prune is not None:
             collect_dynamic_prior(chunks, step == 1)
         losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
         if prune is not None and step == 1:
-            routes, masked = prune_routes(chunks, prune, 2)
-            assert 0 < masked < routes, (routes, masked)
+            counts = prune_routes(chunks, prune, 2)
+            assert 0 < counts.masked < counts.routes, counts
         grads.append(gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules))
         norms.append(router_grad_norm(chunks))
-    return losses, grads, initial, norms
+    return losses, grads, initial, norms, counts
 
 
 def router_grad_norm(chunks) -> float:
@@ -170,11 +170,14 @@ def compare_layouts(
     """On every rank: each layout against TP=1 from the same initial weights."""
     report = []
     for kv_heads in sorted({kv for _, kv, _ in layouts}):
-        ref_losses, ref_grads, weights, ref_norms = train(Layout(), kv_heads, router=router, prune=prune, keep=keep)
+        ref_losses, ref_grads, weights, ref_norms, ref_counts = train(
+            Layout(), kv_heads, router=router, prune=prune, keep=keep
+        )
         for layout, kv, block in layouts:
             if kv != kv_heads:
                 continue
-            losses, grads, _, norms = train(layout, kv_heads, weights, block, router, prune, keep)
+            losses, grads, _, norms, counts = train(layout, kv_heads, weights, block, router, prune, keep)
+            assert counts == ref_counts, (layout.name, counts, ref_counts)  # both units, summed over ranks
             worst = max(
                 ((g[name] - ref[name]).norm() / ref[name].norm()).item()
                 for g, ref in zip(grads, ref_grads)

@@ -348,6 +348,33 @@ def test_report_of_the_paper_layout():
 
 
 @pytest.mark.parametrize(
+    "overrides, family",
+    [
+        (dict(lime=False), "LLaMA baseline"),
+        (dict(lime=False, hyper_connections=4), "Hyper-Connections (dynamic, 4 streams)"),
+        (dict(lime=False, hyper_connections=2, hyper_connections_static=True), "Hyper-Connections (static, 2 streams)"),
+        (dict(lime=False, hyper_connections=4, hyper_connections_manifold=True), "mHC (4 streams)"),
+        (dict(lime_router="last", lime_router_window=2), "LIMe (last-2 router)"),
+    ],
+    ids=["llama", "hc", "hc-static", "mhc", "lime-last"],
+)
+def test_report_names_the_family(overrides, family):
+    report = E.dry_run_report(
+        tiny_config(**overrides), vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH, num_microbatches=1
+    )
+    assert report.splitlines()[0].startswith(f"dry run: {family}: ")
+
+
+@pytest.mark.parametrize("router, ours", [("full", 8**2 * 527), ("dynamic", 8 * 527)])
+def test_report_counts_pruning_in_both_units(router, ours):
+    """32 layers, 8 kv heads: ours kv^2 (static) or kv (dynamic) per source, L(L+1)/2 - 1 = 527
+    sources; v1 Table 5's unit 8 * L(L-1)/2 = 3,968 for both."""
+    config = tiny_config(num_layers=32, num_attention_heads=8, lime_router=router, lime_prune_top_p=0.9)
+    report = E.dry_run_report(config, vocab_size=VOCAB, seq_length=SEQ, micro_batch_size=BATCH, num_microbatches=1)
+    assert f"over {ours:,} " in report and "3,968 routes in v1 Table 5's unit" in report
+
+
+@pytest.mark.parametrize(
     "overrides, kwargs, message",
     [
         (dict(tensor_model_parallel_size=2), dict(vocab_size=127), "embedding.word_embeddings.weight has 127 rows"),

@@ -408,8 +408,8 @@ def test_route_pruning_resumes_exactly_with_its_masks(router, tmp_path):
 
     flags = [RESUMABLE, "--lime-router", router, "--lime-prune-top-p", "0.9", "--lime-prune-iters", "2"]
     reference = run(flags)
-    routes, masked = reference.pruned_routes
-    assert 0 < masked < routes
+    routes, masked, v1_routes, v1_masked = reference.pruned_routes
+    assert 0 < masked < routes and 0 <= v1_masked <= v1_routes
     save = tmp_path / "ckpt"
     first = run(flags, "--save", save, "--save-interval", "3", "--exit-interval", "3")
     second = run(flags, "--load", save)

@@ -21,12 +21,13 @@ source layers each layer still reads, so the pipeline carries no row that no lat
 from __future__ import annotations
 
 from collections.abc import Iterable
+from typing import NamedTuple
 
 import torch
 from megatron.core import parallel_state
 from torch import nn
 
-from lime_megatron.models.lime.router import routing_sources
+from lime_megatron.models.lime.router import kept_by_source, routing_sources
 
 
 def top_p_mask(scores: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -82,15 +83,56 @@ def enforce_route_masks(chunks: Iterable[nn.Module]) -> None:
                 router.weight.mul_(router.route_mask)
 
 
-def pruned_counts(chunks: Iterable[nn.Module]) -> tuple[int, int]:
-    """(routes, masked routes) of this rank's routers: static weights, or dynamic (head, source)
-    pairs; a tensor-parallel replica of another rank's heads is not counted."""
-    total = masked = 0
+class RouteCounts(NamedTuple):
+    """The routes pruning chooses among and the masked ones, in two units.
+
+    Ours: a static router weight R^(l)[h, (j, h')], or a dynamic (head h, source j) pair, own
+    layer j = l included: ``kv_heads^2 * (L(L+1)/2 - 1)`` static, ``kv_heads * (L(L+1)/2 - 1)``
+    dynamic for the ``full`` and ``dynamic`` variants.  v1 Table 5's: one (head h, earlier source
+    j < l) pair, the own layer not counted: ``kv_heads * L(L-1)/2`` (v1's 7,936 / 32,256 / 130,048
+    at 16 heads and 32 / 64 / 128 layers); a v1 route is masked when every route of ours in it
+    is (static: all R^(l)[h, (j, h')] over h')."""
+
+    routes: int
+    masked: int
+    v1_routes: int
+    v1_masked: int
+
+
+def v1_route_count(config) -> int:
+    """v1 Table 5's total of ``config``: kv_heads times the earlier sources of every routed layer
+    (``RouteCounts``), from the variant's sources alone."""
+    layers = range(1, config.num_layers)
+    earlier = sum(len(routing_sources(layer, config.lime_router, config.lime_router_window)) - 1 for layer in layers)
+    return config.kv_heads * earlier
+
+
+def _v1_counts(router: nn.Module) -> tuple[int, int]:
+    """(v1 routes, masked v1 routes) of one router on this rank (``RouteCounts``).  A static
+    router's rows hold every consumer head over this rank's source heads, so whether a (head,
+    source) pair keeps a route is reduced over the tensor-parallel ranks (a collective) and
+    counted on rank 0; a dynamic router's rows are its own heads, counted on their primary rank."""
+    kept = kept_by_source(router.route_mask, len(router.sources))[:, :-1]  # the own layer is the last source
+    counted = router.sharding.primary
+    if not router.dynamic and router.sharding.size > 1:
+        reduced = kept.to(torch.int32)
+        torch.distributed.all_reduce(reduced, torch.distributed.ReduceOp.MAX, group=router.sharding.group)
+        kept, counted = reduced.bool(), router.sharding.rank == 0
+    return (kept.numel(), int((~kept).sum())) if counted else (0, 0)
+
+
+def pruned_counts(chunks: Iterable[nn.Module]) -> RouteCounts:
+    """``RouteCounts`` of this rank's routers (sum them over the model-parallel ranks); a
+    tensor-parallel replica of another rank's heads is not counted.  Every tensor-parallel rank
+    calls it (the static routers' v1 counts reduce over those ranks)."""
+    total = masked = v1_total = v1_masked = 0
     for router in routers_of(chunks):
         if router.sharding.primary:
             total += router.route_mask.numel()
             masked += int((~router.route_mask).sum())
-    return total, masked
+        routes, pruned = _v1_counts(router)
+        v1_total, v1_masked = v1_total + routes, v1_masked + pruned
+    return RouteCounts(total, masked, v1_total, v1_masked)
 
 
 def share_route_reads(chunks: list[nn.Module]) -> None:

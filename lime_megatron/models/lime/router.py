@@ -127,12 +127,19 @@ def add_route_mask(router: nn.Module, config, shape: tuple[int, ...]) -> None:
     router.read_sources, router.source_runs, router.pruned = router.sources, contiguous_runs(router.sources), False
 
 
+def kept_by_source(mask: torch.Tensor, n_sources: int) -> torch.Tensor:
+    """``[rows, n_sources]``: whether row ``r`` keeps some route from source ``j`` of a route mask
+    whose columns group by source (static ``[kv, sources * local heads]``: row = consumer head,
+    any of its source heads; dynamic ``[local heads, sources]``: the mask itself)."""
+    return mask.view(mask.shape[0], n_sources, -1).any(dim=2)
+
+
 def refresh_read_sources(router: nn.Module) -> None:
     """``router.read_sources`` (and their contiguous ``source_runs``) and ``router.pruned`` from
     its mask: the sources some kept route reads.  The mask's columns group by source (static
     ``[kv, sources * local heads]``, dynamic ``[local heads, sources]``)."""
     mask = router.route_mask
-    read = mask.view(mask.shape[0], len(router.sources), -1).any(dim=2).any(dim=0).tolist()
+    read = kept_by_source(mask, len(router.sources)).any(dim=0).tolist()
     router.pruned = not bool(mask.all())
     router.read_sources = [source for source, kept in zip(router.sources, read) if kept]
     router.source_runs = contiguous_runs(router.read_sources)
