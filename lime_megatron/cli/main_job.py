@@ -13,7 +13,7 @@ subprocess, so the job runs wherever the package is installed:
    schedule and paper optimizer settings;
 5. ``score_generation`` scores each trained checkpoint by greedy generation with the KV
    cache on held-out expressions (none of them in the training data): exact-match accuracy of
-   the final answer per operand count, with 95% Wilson intervals, beside the accuracy of always
+   the final answer per tier (operator count), with 95% Wilson intervals, beside the accuracy of always
    answering the tier's most frequent training answer;
 6. their losses and accuracies are printed side by side with a summary, and plotted to
    ``loss.png`` and ``accuracy.png`` (with the ``plots`` extra; without it the job says so once).
@@ -41,6 +41,7 @@ from typing import IO
 import numpy as np
 from tqdm import tqdm
 
+from lime_megatron.data.arithmetic_task import tier_of
 from lime_megatron.extras import install_command, requires_extra
 from lime_megatron.training.arguments import CommandParser
 
@@ -183,9 +184,14 @@ def _run_training(step: str, command: list[str], metrics_file: Path, iterations:
 TOKENIZER_VOCAB = 48  # SentencePiece pieces: the task's 18 characters and frequent merges
 
 
-def data_steps(out: Path, num_samples: int, test_samples: int) -> list[tuple[str, str, list[str]]]:
+def data_steps(
+    out: Path, num_samples: int, test_samples: int, tiers: tuple[str, ...] = ()
+) -> list[tuple[str, str, list[str]]]:
     """The data stages as ``(name, tool, its arguments)``, the tool a module of ``lime_megatron.cli``:
-    generate (with the held-out test expressions), train the tokenizer, preprocess."""
+    generate (with the held-out test expressions; ``tiers``: ``make_arithmetic_data``'s tier flags,
+    default its own), train the tokenizer, preprocess. The one AET protocol: the main job and
+    ``bench/bench_reasoning.py`` (so ``examples/aet_paper.sh``) make their data here and train
+    with :func:`trainer_data_flags` (``--sft``)."""
     jsonl, tokenizer = out / "arith.jsonl", out / "tokenizer"
     return [
         (
@@ -203,6 +209,7 @@ def data_steps(out: Path, num_samples: int, test_samples: int) -> list[tuple[str
                 str(test_file(out)),
                 "--test-samples",
                 str(test_samples),
+                *tiers,
             ],
         ),
         (
@@ -428,30 +435,32 @@ def _records(path: Path) -> list[dict]:
 
 
 def constant_answer_accuracy(train: list[dict], test: list[dict]) -> dict[int, tuple[int, float]]:
-    """Per operand count: the most frequent answer of the training expressions and the accuracy
-    of always answering it on the test expressions (what a model that ignores the expression
-    reaches)."""
+    """Per tier (``arithmetic_task.tier_of``): the most frequent answer of the training expressions
+    and the accuracy of always answering it on the test expressions (what a model that ignores the
+    expression reaches)."""
     baseline = {}
-    for count in sorted({record["num_operands"] for record in test}):
-        answers = Counter(record["answer"] for record in train if record["num_operands"] == count)
+    for count in sorted({tier_of(record) for record in test}):
+        answers = Counter(record["answer"] for record in train if tier_of(record) == count)
         answer = answers.most_common(1)[0][0] if answers else None
-        tier = [record["answer"] for record in test if record["num_operands"] == count]
+        tier = [record["answer"] for record in test if tier_of(record) == count]
         baseline[count] = (answer, sum(value == answer for value in tier) / len(tier))
     return baseline
 
 
 def report_accuracy(scores: dict[str, list[dict]], out: Path) -> None:
-    """Print the generation accuracies per operand count side by side with the constant-answer
-    baseline; plot them."""
+    """Print the generation accuracies per tier side by side with the constant-answer baseline;
+    plot them."""
     names = list(scores)
     tiers = sorted({tier["group"] for name in names for tier in scores[name]})
     by_tier = {name: {tier["group"]: tier for tier in scores[name]} for name in names}
-    constant = constant_answer_accuracy(_records(out / "arith.jsonl"), _records(test_file(out)))
+    test = _records(test_file(out))
+    unit = test[0]["tier_unit"]
+    constant = constant_answer_accuracy(_records(out / "arith.jsonl"), test)
     print(
         "\ngeneration accuracy on held-out expressions (greedy, KV cache; exact match of the final answer, "
         "95% Wilson interval; constant: always the tier's most frequent training answer):"
     )
-    print(f"{'operands':>8} " + " ".join(f"{name + ' accuracy':>28}" for name in names) + f"{'constant':>16}")
+    print(f"{unit:>9} " + " ".join(f"{name + ' accuracy':>28}" for name in names) + f"{'constant':>16}")
     for count in tiers:
         cells = []
         for name in names:
@@ -460,14 +469,14 @@ def report_accuracy(scores: dict[str, list[dict]], out: Path) -> None:
                 f"{tier['accuracy']:>7.1%} [{tier['ci95_low']:.1%}, {tier['ci95_high']:.1%}] of {tier['total']:>3}"
             )
         answer, accuracy = constant[count]
-        print(f"{count:>8} " + " ".join(f"{cell:>28}" for cell in cells) + f"{accuracy:>8.1%} ({answer:>3})")
+        print(f"{count:>9} " + " ".join(f"{cell:>28}" for cell in cells) + f"{accuracy:>8.1%} ({answer:>3})")
     if can_plot():
-        _plot_accuracy(by_tier, tiers, {count: constant[count][1] for count in tiers}, out / "accuracy.png")
+        _plot_accuracy(by_tier, tiers, {count: constant[count][1] for count in tiers}, unit, out / "accuracy.png")
         print(f"  accuracy plot: {out / 'accuracy.png'}")
 
 
 def _plot_accuracy(
-    by_tier: dict[str, dict[int, dict]], tiers: list[int], constant: dict[int, float], path: Path
+    by_tier: dict[str, dict[int, dict]], tiers: list[int], constant: dict[int, float], unit: str, path: Path
 ) -> None:
     """Bars of each model's accuracy per tier with their intervals; over each tier's bars, a line
     at the accuracy of always answering its most frequent training answer (``constant``)."""
@@ -497,7 +506,7 @@ def _plot_accuracy(
         )
     axis.set_xticks(np.arange(len(tiers)) + width * (len(by_tier) - 1) / 2, [str(count) for count in tiers])
     axis.set(
-        xlabel="operands",
+        xlabel=unit,
         ylabel="exact-match accuracy (%)",
         title="LIMe vs LLaMA, arithmetic task: generation accuracy (95% Wilson CI)",
     )

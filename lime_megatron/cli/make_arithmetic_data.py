@@ -2,28 +2,38 @@
 
     python tools/make_arithmetic_data.py --output data/arith.jsonl --num-samples 100000 --seed 0
     python tools/make_arithmetic_data.py --output data/aet_train.jsonl --num-samples 150000 \
-        --min-operands 4 --max-operands 6 --test-output data/aet_test.jsonl --test-samples 1500
+        --min-operators 4 --max-operators 6 --test-output data/aet_test.jsonl --test-samples 1500
 
 Each line is one expression over integer operands with + - * / and parentheses, followed by its
 step-by-step solution and the exact integer result::
 
     {"text": "(7 + 5) / (6 + 4 * 3 - 2 * 7) = 12 / (6 + 4 * 3 - 2 * 7) = 12 / (6 + 12 - 2 * 7)
      = 12 / (18 - 2 * 7) = 12 / (18 - 14) = 12 / 4 = 3",
-     "expression": "(7 + 5) / (6 + 4 * 3 - 2 * 7)", "answer": 3, "num_operands": 7,
-     "prompt": "(7 + 5) / (6 + 4 * 3 - 2 * 7) =", "response": " 12 / (6 + 4 * 3 - 2 * 7) = ... = 3"}
+     "expression": "(7 + 5) / (6 + 4 * 3 - 2 * 7)", "answer": 3, "num_operators": 6, "num_operands": 7,
+     "tier_unit": "operators", "prompt": "(7 + 5) / (6 + 4 * 3 - 2 * 7) =",
+     "response": " 12 / (6 + 4 * 3 - 2 * 7) = ... = 3"}
 
 (``text`` is one line; it is wrapped here.) ``prompt + response == text``: the split that
 fine-tuning (``preprocess_data.py --prompt-key prompt --json-keys response``, ``pretrain_lime.py
 --sft``) and scoring by generation use (``lime_megatron.data.arithmetic_task``).
 ``--symbols paper`` writes the paper's ``×``/``÷``.
 
+Tiers: counted in operators by default (``--min-operators``/``--max-operators``), as Feng et al.'s
+``length`` counts them and as the LIMe paper's App. B example implies: its expression, 7 operands
+and 6 operators, belongs to the hardest of its tiers "4, 5 and 6", which are operator counts (with
+operand counts it would be outside every tier). ``--min-operands``/``--max-operands`` count the
+tiers in operands instead (n operands = n - 1 operators). Every record has both counts and
+``tier_unit``, the unit its tier is counted in (``lime_megatron.data.arithmetic_task.tier_of``;
+scoring groups by it).
+
 Value range (our choice; Feng et al. work modulo a prime, the LIMe paper's example uses plain
 integers): operands are integers in [--min-operand, --max-operand] (default 1..9); every
-intermediate value and the answer is an integer in [0, --max-value] (default 100). So no value
-is negative, every division is exact and nothing is divided by zero.
+intermediate value and the answer is an integer in [0, --max-value] (default 1000: the paper's
+Fig. 8b probes the numbers 100-103, so its values exceed 100). So no value is negative, every
+division is exact and nothing is divided by zero.
 
-Distribution: an expression of n operands (n uniform in [--min-operands, --max-operands]) gets
-a random skeleton first, its shape (the split of the operands between the two sides of every
+Distribution: an expression of k operators (k uniform in the tier range) gets a random skeleton
+first, its shape (the split of the operands between the two sides of every
 operator is uniform) and its operators (uniform over + - * /); skeletons that no operand values
 can satisfy are redrawn. The operands are then drawn uniformly among all fillings of the
 skeleton that satisfy the bounds (exact counting, top-down). So the four operators are equally
@@ -56,7 +66,7 @@ from typing import Union
 import numpy as np
 from tqdm import tqdm
 
-from lime_megatron.data.arithmetic_task import prompt_of, response_of
+from lime_megatron.data.arithmetic_task import prompt_of, response_of, tier_of
 from lime_megatron.training.arguments import CommandParser
 
 # A parse tree: an int (a number) or (operator, left, right) with operator in "+-*/".
@@ -64,6 +74,7 @@ Node = Union[int, tuple[str, "Node", "Node"]]  # noqa: UP007 - a recursive alias
 
 OPERATORS = ("+", "-", "*", "/")
 PRECEDENCE = {"+": 1, "-": 1, "*": 2, "/": 2}
+TIER_UNITS = ("operators", "operands")
 SYMBOLS = {"ascii": {"+": "+", "-": "-", "*": "*", "/": "/"}, "paper": {"+": "+", "-": "-", "*": "×", "/": "÷"}}
 # Skeletons drawn for one expression before the bounds are declared too tight.
 MAX_SKELETON_DRAWS = 1000
@@ -72,26 +83,35 @@ TOKEN = re.compile(r"\s*(?:(\d+)|([-+*/×÷()]))")
 
 @dataclass(frozen=True)
 class ArithmeticSpec:
-    """What to generate: operand counts, value bounds (see the module docstring), symbols."""
+    """What to generate: tiers as operator counts, the unit records count their tier in, value
+    bounds (see the module docstring), symbols."""
 
-    min_operands: int = 2
-    max_operands: int = 5
+    min_operators: int = 1
+    max_operators: int = 4
     min_operand: int = 1
     max_operand: int = 9
-    max_value: int = 100
+    max_value: int = 1000
     symbols: str = "ascii"
+    tier_unit: str = "operators"
 
     def __post_init__(self):
         problem = self.problem()
         if problem:
             raise ValueError(problem)
 
+    def tier(self, operators: int) -> int:
+        """An expression of ``operators`` operators counted in ``tier_unit``."""
+        return operators + (self.tier_unit == "operands")
+
     def problem(self) -> str:
-        """The first thing wrong with this spec, or ''."""
-        if self.min_operands < 2:
-            return f"min_operands must be at least 2 (got {self.min_operands}): a solution needs at least one operator"
-        if self.max_operands < self.min_operands:
-            return f"max_operands ({self.max_operands}) is below min_operands ({self.min_operands})"
+        """The first thing wrong with this spec, or '' (tier bounds named in ``tier_unit``)."""
+        if self.tier_unit not in TIER_UNITS:
+            return f"tier_unit must be one of {list(TIER_UNITS)} (got {self.tier_unit!r})"
+        low, high = self.tier(self.min_operators), self.tier(self.max_operators)
+        if self.min_operators < 1:
+            return f"min_{self.tier_unit} must be at least {self.tier(1)} (got {low}): a solution needs an operator"
+        if self.max_operators < self.min_operators:
+            return f"max_{self.tier_unit} ({high}) is below min_{self.tier_unit} ({low})"
         if self.min_operand < 0:
             return f"min_operand must be >= 0 (got {self.min_operand}): values are never negative"
         if self.max_operand < self.min_operand:
@@ -297,16 +317,17 @@ def _pick(rng: random.Random, cumulative: np.ndarray) -> int:
 def generate(
     num_samples: int, seed: int, spec: ArithmeticSpec = ArithmeticSpec(), exclude: frozenset[str] = frozenset()
 ) -> Iterator[dict]:
-    """Yield `num_samples` records (text, expression, answer, num_operands, prompt, response); same seed, same
-    records. The operand count of each is uniform in [min_operands, max_operands]. A drawn
-    expression in `exclude` (a held-out test set) is skipped and another one drawn."""
+    """Yield `num_samples` records (text, expression, answer, num_operators, num_operands,
+    tier_unit, prompt, response); same seed, same records. The operator count of each is uniform
+    in [min_operators, max_operators]. A drawn expression in `exclude` (a held-out test set) is
+    skipped and another one drawn."""
     if num_samples < 1:
         raise ValueError(f"num_samples must be at least 1 (got {num_samples})")
     rng, sampler = random.Random(seed), ExpressionSampler(spec)
     produced = 0
     while produced < num_samples:
-        num_operands = rng.randint(spec.min_operands, spec.max_operands)
-        steps = solution(sampler.sample(rng, num_operands), spec.symbols)
+        num_operators = rng.randint(spec.min_operators, spec.max_operators)
+        steps = solution(sampler.sample(rng, num_operators + 1), spec.symbols)
         if steps[0] in exclude:
             continue
         produced += 1
@@ -314,7 +335,9 @@ def generate(
             "text": " = ".join(steps),
             "expression": steps[0],
             "answer": int(steps[-1]),
-            "num_operands": num_operands,
+            "num_operators": num_operators,
+            "num_operands": num_operators + 1,
+            "tier_unit": spec.tier_unit,
         }
         yield {**record, "prompt": prompt_of(record), "response": response_of(record)}
 
@@ -339,15 +362,16 @@ class Summary:
     samples: int
     bytes: int
     seconds: float
-    operands: Counter  # operand count -> samples
+    tiers: Counter  # tier -> samples
+    tier_unit: str
     answers: tuple[int, int]  # smallest, largest
     distinct: int  # distinct expressions
 
     def lines(self, path: str) -> list[str]:
-        counts = ", ".join(f"{k}: {n:,}" for k, n in sorted(self.operands.items()))
+        counts = ", ".join(f"{k}: {n:,}" for k, n in sorted(self.tiers.items()))
         return [
             f"wrote {self.samples:,} samples ({self.bytes / 1e6:.2f} MB) to {path} in {self.seconds:.1f} s",
-            f"operands per expression: {counts}",
+            f"{self.tier_unit} per expression: {counts}",
             f"answers in [{self.answers[0]}, {self.answers[1]}]; {self.distinct:,} distinct expressions",
         ]
 
@@ -358,14 +382,16 @@ def write_jsonl(path: str, records: Iterable[dict], num_samples: int, progress: 
     directory = os.path.dirname(os.path.abspath(path))
     os.makedirs(directory, exist_ok=True)
     temporary = os.path.join(directory, f".{os.path.basename(path)}.tmp-{os.getpid()}")
-    operands: Counter[int] = Counter()
+    tiers: Counter[int] = Counter()
+    units: set[str] = set()
     answers: list[int] = []
     expressions: set[str] = set()
     try:
         with open(temporary, "w", encoding="utf-8") as out:
             for record in tqdm(records, total=num_samples, desc="expressions", unit="expr", disable=not progress):
                 out.write(json.dumps(record, ensure_ascii=False) + "\n")
-                operands[record["num_operands"]] += 1
+                tiers[tier_of(record)] += 1
+                units.add(record["tier_unit"])
                 answers.append(record["answer"])
                 expressions.add(record["expression"])
         os.replace(temporary, path)
@@ -376,10 +402,26 @@ def write_jsonl(path: str, records: Iterable[dict], num_samples: int, progress: 
         num_samples,
         os.path.getsize(path),
         time.perf_counter() - start,
-        operands,
+        tiers,
+        "/".join(sorted(units)),
         (min(answers), max(answers)),
         len(expressions),
     )
+
+
+def tier_fields(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict:
+    """The spec's tier fields from the flags: operator counts, or operand counts (n operands
+    = n - 1 operators) with ``tier_unit`` "operands"; both kinds given is an error."""
+    operands, operators = (args.min_operands, args.max_operands), (args.min_operators, args.max_operators)
+    if operands == (None, None):
+        defaults = (ArithmeticSpec().min_operators, ArithmeticSpec().max_operators)
+        low, high = (given if given is not None else default for given, default in zip(operators, defaults))
+        return dict(min_operators=low, max_operators=high, tier_unit="operators")
+    if operators != (None, None):
+        parser.error("give the tiers in operators (--min/max-operators) or in operands (--min/max-operands), not both")
+    if None in operands:
+        parser.error("--min-operands and --max-operands go together")
+    return dict(min_operators=operands[0] - 1, max_operators=operands[1] - 1, tier_unit="operands")
 
 
 def parse_args(argv=None) -> argparse.Namespace:
@@ -389,8 +431,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--output", required=True, help="the .jsonl file to write")
     parser.add_argument("--num-samples", type=int, required=True)
     parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--min-operands", type=int, default=defaults.min_operands)
-    parser.add_argument("--max-operands", type=int, default=defaults.max_operands)
+    tiers = parser.add_argument_group("tiers (in operators, the default, or in operands; not both)")
+    tiers.add_argument("--min-operators", type=int, help=f"default {defaults.min_operators}")
+    tiers.add_argument("--max-operators", type=int, help=f"default {defaults.max_operators}")
+    tiers.add_argument("--min-operands", type=int, help="tiers counted in operands: n operands, n - 1 operators")
+    tiers.add_argument("--max-operands", type=int)
     parser.add_argument("--min-operand", type=int, default=defaults.min_operand, help="smallest operand")
     parser.add_argument("--max-operand", type=int, default=defaults.max_operand, help="largest operand")
     parser.add_argument(
@@ -410,7 +455,11 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     try:
         args.spec = ArithmeticSpec(
-            args.min_operands, args.max_operands, args.min_operand, args.max_operand, args.max_value, args.symbols
+            **tier_fields(args, parser),
+            min_operand=args.min_operand,
+            max_operand=args.max_operand,
+            max_value=args.max_value,
+            symbols=args.symbols,
         )
     except ValueError as err:
         parser.error(str(err).replace("_", "-"))

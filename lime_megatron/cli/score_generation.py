@@ -6,7 +6,7 @@
 The checkpoint (any layout) is read into this process with the tokenizer it trained with
 (``lime_megatron.interop.checkpoint_model.load_model``); each test expression
 (``tools/make_arithmetic_data.py --test-output``) is continued greedily and scored by exact match
-of the final answer, per operand count, with a 95% Wilson interval
+of the final answer, per tier (operators or operands, as the file says), with a 95% Wilson interval
 (``lime_megatron.inference.scoring``). ``--task prosqa`` scores a ProsQA JSON file (ours from
 ``tools/make_prosqa_data.py`` or Coconut's published ``prosqa_test.json``): answer and step
 accuracy. Prints the table; ``--output`` writes it as JSON with every generation.
@@ -43,7 +43,7 @@ def parse_args(argv=None) -> argparse.Namespace:
     return parser.parse_args(argv)
 
 
-def table(tiers: list[scoring.Accuracy], group: str = "operands") -> str:
+def table(tiers: list[scoring.Accuracy], group: str) -> str:
     """The accuracies as printed."""
     lines = [f"{group:>8} {'correct':>8} {'total':>6} {'accuracy':>9} {'95% Wilson CI':>16}"]
     for tier in tiers:
@@ -65,8 +65,9 @@ def main(argv=None) -> int:
     from lime_megatron.training.checkpointing import CheckpointError
 
     try:
-        read, _, group = scoring.TASKS[args.task]
+        read, _, group_of = scoring.TASKS[args.task]
         records = read(args.test_file)
+        group = group_of(records)
         loaded = load_model(args.checkpoint)
     except (OSError, ValueError, CheckpointError) as error:
         print(f"error: {error}", file=sys.stderr)

@@ -30,7 +30,7 @@ from megatron.core.utils import unwrap_model
 from tqdm import tqdm
 
 from lime_megatron.data import prosqa
-from lime_megatron.data.arithmetic_task import prompt_of
+from lime_megatron.data.arithmetic_task import prompt_of, tier_of
 from lime_megatron.inference.generation import Generator, SamplingOptions
 
 Z_95 = 1.959963984540054
@@ -104,14 +104,14 @@ def greedy_completer(
 
 
 def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list[Accuracy], list[dict]]:
-    """Per-tier accuracies (sorted by operand count) of ``complete`` on ``records``
-    (``expression``, ``answer``, ``num_operands``), and one row per record (prompt, generated
-    continuation, extracted and expected answer, correct)."""
+    """Per-tier accuracies (sorted by tier, ``arithmetic_task.tier_of``) of ``complete`` on
+    ``records`` (``expression``, ``answer``, the tier's counts and unit), and one row per record
+    (prompt, generated continuation, extracted and expected answer, tier, correct)."""
     if not records:
         raise ValueError("no test records to score")
     continuations = complete([prompt_of(record) for record in records])
     rows: list[dict] = []
-    tiers: dict[int, tuple[int, int]] = {}  # operand count -> (correct, records)
+    tiers: dict[int, tuple[int, int]] = {}  # tier -> (correct, records)
     for record, continuation in zip(records, continuations, strict=True):
         answer = final_answer(continuation)
         correct = answer == str(record["answer"])
@@ -121,27 +121,33 @@ def score_arithmetic(complete: Completer, records: Sequence[dict]) -> tuple[list
                 "generated": continuation,
                 "answer": answer,
                 "expected": record["answer"],
-                "num_operands": record["num_operands"],
+                "tier": tier_of(record),
                 "correct": correct,
             }
         )
-        hits, total = tiers.get(record["num_operands"], (0, 0))
-        tiers[record["num_operands"]] = (hits + correct, total + 1)
+        hits, total = tiers.get(tier_of(record), (0, 0))
+        tiers[tier_of(record)] = (hits + correct, total + 1)
     return [Accuracy(tier, *tiers[tier]) for tier in sorted(tiers)], rows
 
 
 def read_arithmetic(path: str) -> list[dict]:
-    """The test records of an arithmetic JSONL file; one message naming the first unusable line."""
-    records = []
+    """The test records of an arithmetic JSONL file, all with one tier unit; one message naming
+    the first unusable line."""
+    records: list[dict] = []
     with open(path, encoding="utf-8") as lines:
         for number, line in enumerate(lines, 1):
             record = json.loads(line)
-            missing = {"expression", "answer", "num_operands"} - set(record)
+            missing = {"expression", "answer", "num_operators", "num_operands", "tier_unit"} - set(record)
             if missing:
                 raise ValueError(
                     f"{path} line {number} lacks {sorted(missing)} (write it with "
                     "tools/make_arithmetic_data.py --test-output)"
                 )
+            if records and record["tier_unit"] != records[0]["tier_unit"]:
+                raise ValueError(
+                    f"{path} line {number}: tiers in {record['tier_unit']}, line 1's in {records[0]['tier_unit']}"
+                )
+            tier_of(record)
             records.append(record)
     return records
 
@@ -167,8 +173,11 @@ def score_prosqa(complete: Completer, records: Sequence[dict]) -> tuple[list[Acc
     ], rows
 
 
-TASKS = {"arithmetic": (read_arithmetic, score_arithmetic, "operands"), "prosqa": (prosqa.read, score_prosqa, "scored")}
-"""Task name: (reader of its test file, scorer, what a group is)."""
+TASKS = {
+    "arithmetic": (read_arithmetic, score_arithmetic, lambda records: records[0]["tier_unit"]),
+    "prosqa": (prosqa.read, score_prosqa, lambda records: "scored"),
+}
+"""Task name: (reader of its test file, scorer, what a group is given the records read)."""
 
 
 def generation_evaluator(trainer) -> dict[str, float]:

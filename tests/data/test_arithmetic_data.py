@@ -11,13 +11,16 @@ from fractions import Fraction
 import pytest
 
 from lime_megatron.cli import make_arithmetic_data as arith
+from lime_megatron.data.arithmetic_task import tier_of
 
 PAPER_INPUT = "(7 + 5) ÷ (6 + 4 × 3 - 2 × 7)"
 PAPER_SOLUTION = (
     "(7 + 5) ÷ (6 + 4 × 3 - 2 × 7) = 12 ÷ (6 + 4 × 3 - 2 × 7) = "
     "12 ÷ (6 + 12 - 2 × 7) = 12 ÷ (18 - 2 × 7) = 12 ÷ (18 - 14) = 12 ÷ 4 = 3"
 )
-SPEC = arith.ArithmeticSpec(min_operands=2, max_operands=6, min_operand=1, max_operand=12, max_value=150)
+SPEC = arith.ArithmeticSpec(min_operators=1, max_operators=5, min_operand=1, max_operand=12, max_value=150)
+PAPER_TIERS = arith.ArithmeticSpec(min_operators=4, max_operators=6)
+"""The paper's tiers 4, 5, 6 as operator counts, the default value range."""
 PYTHON_OPERATORS = {ast.Add: "+", ast.Sub: "-", ast.Mult: "*", ast.Div: "/"}
 
 
@@ -52,8 +55,9 @@ def check_record(record: dict, spec: arith.ArithmeticSpec) -> None:
     steps = record["text"].split(" = ")
     assert steps[0] == record["expression"] and steps[-1] == str(record["answer"])
     operands = [int(n) for n in re.findall(r"\d+", record["expression"])]
-    assert len(operands) == record["num_operands"] == len(steps)  # one reduction per step
-    assert spec.min_operands <= len(operands) <= spec.max_operands
+    assert len(operands) == record["num_operands"] == record["num_operators"] + 1 == len(steps)  # a reduction a step
+    assert spec.min_operators <= record["num_operators"] <= spec.max_operators
+    assert record["tier_unit"] == spec.tier_unit and tier_of(record) == spec.tier(record["num_operators"])
     assert all(spec.min_operand <= n <= spec.max_operand for n in operands)
     trees = [python_tree(step) for step in steps]
     for tree in trees:
@@ -65,13 +69,37 @@ def check_record(record: dict, spec: arith.ArithmeticSpec) -> None:
 
 
 def test_paper_example_reproduced_exactly():
+    """App. B's expression and solution, and the example is a record of the paper's hardest tier,
+    6 operators (7 operands), that the generator of the paper's tiers can draw: its operator tree
+    has fillings within the value bounds that evaluate to its answer."""
     assert arith.solve(PAPER_INPUT, "paper") == PAPER_SOLUTION
     ascii_solution = PAPER_SOLUTION.replace("×", "*").replace("÷", "/")
     assert arith.solve(PAPER_INPUT.replace("×", "*"), "ascii") == ascii_solution
-    check_record(
-        {"text": ascii_solution, "expression": ascii_solution.split(" = ")[0], "answer": 3, "num_operands": 7},
-        arith.ArithmeticSpec(max_operands=7),
+    record = {
+        "text": ascii_solution,
+        "expression": ascii_solution.split(" = ")[0],
+        "answer": 3,
+        "num_operators": 6,
+        "num_operands": 7,
+        "tier_unit": "operators",
+    }
+    check_record(record, PAPER_TIERS)
+    assert tier_of(record) == PAPER_TIERS.max_operators == 6
+
+    def skeleton(node):
+        return None if isinstance(node, int) else (node[0], skeleton(node[1]), skeleton(node[2]))
+
+    assert arith.ExpressionSampler(PAPER_TIERS).counts(skeleton(arith.parse(record["expression"])))[3] > 0
+
+
+def test_the_numbers_fig_8b_probes_occur():
+    """Fig. 8b probes 100-103: the default range holds them (the old bound of 100 did not), and
+    3,000 expressions of the paper's tiers (seed 1) contain each of them."""
+    numbers = Counter(
+        int(n) for record in arith.generate(3000, seed=1, spec=PAPER_TIERS) for n in re.findall(r"\d+", record["text"])
     )
+    assert all(numbers[n] > 0 for n in range(100, 104)), [numbers[n] for n in range(100, 104)]
+    assert PAPER_TIERS.max_value >= 103
 
 
 @pytest.mark.parametrize("symbols", ["ascii", "paper"])
@@ -80,7 +108,7 @@ def test_every_solution_checks_out_independently(symbols):
     records = list(arith.generate(1500, seed=7, spec=spec))
     for record in records:
         check_record(record, spec)
-    assert set(Counter(r["num_operands"] for r in records)) == set(range(2, 7))
+    assert set(Counter(r["num_operators"] for r in records)) == set(range(1, 6))
     # The tree is recovered from the text: parse(render(tree)) is the identity.
     for record in records[:200]:
         assert arith.render(arith.parse(record["expression"]), symbols) == record["expression"]
@@ -109,8 +137,10 @@ def test_cli_writes_the_records_of_generate(tmp_path, capsys):
         "400",
         "--seed",
         "5",
-        "--max-operands",
-        "6",
+        "--min-operators",
+        "1",
+        "--max-operators",
+        "5",
         "--max-operand",
         "12",
         "--max-value",
@@ -122,7 +152,11 @@ def test_cli_writes_the_records_of_generate(tmp_path, capsys):
     assert [json.loads(line) for line in lines] == list(arith.generate(400, 5, SPEC))
     assert sorted(p.name for p in out.parent.iterdir()) == ["arith.jsonl"]
     summary = capsys.readouterr().out
-    assert "wrote 400 samples" in summary and "operands per expression: 2:" in summary
+    assert "wrote 400 samples" in summary and "operators per expression: 1:" in summary
+    assert arith.main([*argv[:6], "--min-operands", "3", "--max-operands", "4", "--no-progress"]) == 0
+    records = [json.loads(line) for line in out.read_text(encoding="utf-8").splitlines()]
+    assert {(r["tier_unit"], r["num_operands"]) for r in records} == {("operands", 3), ("operands", 4)}
+    assert "operands per expression: 3:" in capsys.readouterr().out
     assert arith.main(argv + ["--symbols", "paper"]) == 0
     assert "×" in out.read_text(encoding="utf-8") or "÷" in out.read_text(encoding="utf-8")
 
@@ -145,8 +179,12 @@ def test_interrupted_run_keeps_the_previous_file(tmp_path, monkeypatch, capsys):
 @pytest.mark.parametrize(
     "flags, message",
     [
-        (["--min-operands", "1"], "min-operands must be at least 2"),
+        (["--min-operators", "0"], "min-operators must be at least 1"),
+        (["--min-operators", "4", "--max-operators", "3"], "max-operators (3) is below min-operators (4)"),
+        (["--min-operands", "1", "--max-operands", "3"], "min-operands must be at least 2"),
         (["--min-operands", "4", "--max-operands", "3"], "max-operands (3) is below min-operands (4)"),
+        (["--min-operands", "4"], "--min-operands and --max-operands go together"),
+        (["--max-operators", "4", "--max-operands", "5", "--min-operands", "3"], "not both"),
         (["--min-operand", "-1"], "min-operand must be >= 0"),
         (["--min-operand", "5", "--max-operand", "4"], "max-operand (4) is below min-operand (5)"),
         (["--max-operand", "20", "--max-value", "10"], "max-value (10) is below max-operand (20)"),

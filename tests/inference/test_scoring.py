@@ -46,7 +46,7 @@ class SolvingGenerator:
             assert text.endswith(" =")
             expression = text[:-2]
             steps = arith.solution(arith.parse(expression))[1:]
-            if len(re.findall(r"\d+", expression)) in self.wrong_tiers:
+            if len(re.findall(r"\d+", expression)) - 1 in self.wrong_tiers:  # tiers in operators
                 steps[-1] = str(int(steps[-1]) + self.offset)
             texts.append(" " + " = ".join(steps))
         return Generation([[1]] * len(prompts), ["eod"] * len(prompts), 0.0, texts)
@@ -54,7 +54,7 @@ class SolvingGenerator:
 
 @pytest.fixture(scope="module")
 def records() -> list[dict]:
-    spec = arith.ArithmeticSpec(min_operands=4, max_operands=6)
+    spec = arith.ArithmeticSpec(min_operators=4, max_operators=6)
     return arith.test_split(90, seed=3, spec=spec)
 
 
@@ -94,8 +94,8 @@ def test_a_generator_made_to_be_wrong_scores_0_and_one_wrong_tier_only_there(rec
     tiers, _ = scoring.score_arithmetic(scoring.greedy_completer(partly, 100), records)
     counts = {tier.group: (tier.correct, tier.total) for tier in tiers}
     assert counts[5][0] == 0 and counts[4][0] == counts[4][1] and counts[6][0] == counts[6][1]
-    table = score_generation.table(tiers)
-    assert "100.0%" in table and "  0.0%" in table and "[" in table
+    table = score_generation.table(tiers, scoring.TASKS["arithmetic"][2](records))
+    assert table.split()[0] == "operators" and "100.0%" in table and "  0.0%" in table and "[" in table
 
 
 def test_scoring_needs_records_and_a_tokenizer():

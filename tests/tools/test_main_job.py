@@ -49,8 +49,9 @@ def test_accuracy_plot_draws_the_constant_answer_line(tmp_path, monkeypatch):
     monkeypatch.setattr(plt, "close", figures.append)
     tier = dict(accuracy=0.5, ci95_low=0.4, ci95_high=0.6)
     scores = {"LLaMA": {2: tier, 3: tier}, "LIMe": {2: tier, 3: tier}}
-    main_job._plot_accuracy(scores, [2, 3], {2: 0.1, 3: 0.25}, Path(tmp_path / "accuracy.png"))
+    main_job._plot_accuracy(scores, [2, 3], {2: 0.1, 3: 0.25}, "operators", Path(tmp_path / "accuracy.png"))
     [axis] = figures[0].axes
+    assert axis.get_xlabel() == "operators"
     lines = [collection for collection in axis.collections if collection.get_label() == "constant answer"]
     assert len(lines) == 1 and "constant answer" in [text.get_text() for text in axis.get_legend().get_texts()]
     segments = [segment for collection in axis.collections for segment in collection.get_segments()]

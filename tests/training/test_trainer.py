@@ -679,18 +679,14 @@ def test_main_job_end_to_end(tmp_path):
 
 
 def test_constant_answer_baseline_of_the_main_jobs_table():
-    train = [{"num_operands": 2, "answer": 1}] * 3 + [
-        {"num_operands": 2, "answer": 5},
-        {"num_operands": 3, "answer": 7},
-    ]
-    test = [
-        {"num_operands": 2, "answer": 1},
-        {"num_operands": 2, "answer": 4},
-        {"num_operands": 2, "answer": 5},
-        {"num_operands": 3, "answer": 7},
-        {"num_operands": 3, "answer": 8},
-    ]
+    def record(operators: int, answer: int) -> dict:
+        return {"num_operators": operators, "num_operands": operators + 1, "tier_unit": "operators", "answer": answer}
+
+    train = [record(2, 1)] * 3 + [record(2, 5), record(3, 7)]
+    test = [record(2, 1), record(2, 4), record(2, 5), record(3, 7), record(3, 8)]
     assert main_job.constant_answer_accuracy(train, test) == {2: (1, 1 / 3), 3: (7, 0.5)}
+    by_operands = [{**r, "tier_unit": "operands"} for r in train], [{**r, "tier_unit": "operands"} for r in test]
+    assert main_job.constant_answer_accuracy(*by_operands) == {3: (1, 1 / 3), 4: (7, 0.5)}
 
 
 def test_flops_per_iteration_include_the_router_and_console_line_shows_gpu_figures():
