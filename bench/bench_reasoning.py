@@ -1,14 +1,19 @@
 """LIMe against LLaMA on a reasoning task, trained from scratch with the loss on the solutions
 (``pretrain_lime.py --sft``) and scored by greedy generation (``tools/score_generation.py``):
-accuracy per operand count (AET, LIMe paper §5.3.2) or answer and step accuracy (ProsQA-style,
-§5.3.1), per seed, with the mean and the spread over seeds.
+accuracy per tier (AET, LIMe paper §5.3.2) or answer and step accuracy (ProsQA-style, §5.3.1),
+per seed, with the mean and the spread over seeds.
 
     python bench/bench_reasoning.py --task aet --seeds 1 2 --train-iters 1500      # the paper's shape
+    python bench/bench_reasoning.py --task aet --models LIMe --seeds 1 --epochs 200  # examples/aet_paper.sh
     python bench/bench_reasoning.py --task prosqa --seeds 1 2 --train-iters 1200 --batch-size 32
 
-The data are made once under ``--output-dir`` by the project's tools (AET: App. B's tiers of 4, 5
-and 6 operands; ProsQA: ``make_prosqa_data.py`` with ``--num-concepts``/``--min-hops``), with a
-SentencePiece tokenizer trained on the training file; every run is one process on this machine.
+The data are made once under ``--output-dir`` by the project's tools, with a SentencePiece
+tokenizer trained on the training file; every run is one process on this machine. AET: the main
+job's data stages (``main_job.data_steps``) with the paper's tiers, 4, 5 and 6 operators (App. B's
+example is one of 6 operators), 50,000 expressions per tier, one example per sequence and the loss
+on the solution (``--sft``): the protocol the paper implies (it counts epochs over 50,000 samples
+per tier and scores the solution generated from the expression), shared by the main job and
+``examples/aet_paper.sh``. ProsQA: ``make_prosqa_data.py`` (Coconut's graph sizes by default).
 Models: AET at the paper's shape (4 layers, width 32, 4 heads, FFN 128, lr 1e-3 with linear
 decay); ProsQA at a small one (4 layers, width 64, 4 heads, FFN 256, lr 1e-3 linear). The
 sequence is the longest example rounded up to a multiple of 8. Each run's log, metrics, checkpoint,
@@ -20,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import statistics
 import subprocess
 import sys
@@ -28,9 +34,12 @@ from pathlib import Path
 
 from tqdm import tqdm
 
+from lime_megatron.cli import main_job
 from lime_megatron.cli.main_job import tokenizer_flags, tool_command
 
 MODELS = {"LLaMA": [], "LIMe": ["--lime"]}
+PAPER_TIERS = ("--min-operators", "4", "--max-operators", "6")
+"""The paper's AET tiers, 4, 5 and 6 operators (``make_arithmetic_data``'s module docstring)."""
 SHAPES = {
     "aet": "--num-layers 4 --hidden-size 32 --ffn-hidden-size 128 --num-attention-heads 4",
     "prosqa": "--num-layers 4 --hidden-size 64 --ffn-hidden-size 256 --num-attention-heads 4",
@@ -45,12 +54,17 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--task", choices=sorted(SHAPES), required=True)
     parser.add_argument("--seeds", type=int, nargs="+", default=[1, 2])
-    parser.add_argument("--train-iters", type=int, required=True)
+    budget = parser.add_mutually_exclusive_group(required=True)
+    budget.add_argument("--train-iters", type=int)
+    budget.add_argument("--epochs", type=float, help="passes over the training examples (the paper: 200 for AET)")
+    parser.add_argument("--models", nargs="+", choices=sorted(MODELS), default=sorted(MODELS))
     parser.add_argument("--batch-size", type=int, default=64)
     parser.add_argument("--train-samples", type=int, help="default: AET 150,000 (50,000 per tier), ProsQA 6,000")
     parser.add_argument("--test-samples", type=int, default=300)
-    parser.add_argument("--num-concepts", type=int, default=8, help="ProsQA graph size")
-    parser.add_argument("--min-hops", type=int, default=2, help="ProsQA question depth")
+    parser.add_argument(
+        "--coconut-dir",
+        help="ProsQA: Coconut's data directory (prosqa_train/valid/test.json) instead of generated questions",
+    )
     parser.add_argument("--output-dir", default="runs/bench_reasoning")
     return parser.parse_args(argv)
 
@@ -67,86 +81,46 @@ def run_tool(command: list[str], log: Path) -> None:
 
 def make_data(args: argparse.Namespace, out: Path) -> tuple[Path, list[str]]:
     """Write the task's data once; (test file, the trainer's data flags)."""
-    log, prefix = out / "data.log", out / "train"
     if args.task == "aet":
-        train, test = out / "train.jsonl", out / "test.jsonl"
         steps = [
-            [
-                "make_arithmetic_data",
-                "--output",
-                str(train),
-                "--num-samples",
-                str(args.train_samples or 150000),
-                "--min-operands",
-                "4",
-                "--max-operands",
-                "6",
-                "--no-progress",
-                "--test-output",
-                str(test),
-                "--test-samples",
-                str(args.test_samples),
-            ]
+            [tool, *tool_args]
+            for _, tool, tool_args in main_job.data_steps(
+                out, args.train_samples or 150000, args.test_samples, PAPER_TIERS
+            )
         ]
+        test, data_flags = main_job.test_file(out), main_job.trainer_data_flags(out)
     else:
-        train, test = out / "prosqa_train.jsonl", out / "prosqa_test.json"
-        steps = [
-            [
-                "make_prosqa_data",
-                "--output-dir",
-                str(out),
-                "--train-samples",
-                str(args.train_samples or 6000),
-                "--test-samples",
-                str(args.test_samples),
-                "--num-concepts",
-                str(args.num_concepts),
-                "--min-hops",
-                str(args.min_hops),
-            ]
-        ]
-    tokenizer = tokenizer_flags(out)
-    # AET: the task's 18 characters and merges; ProsQA: byte fallback keeps the newlines between steps.
-    vocabulary = ["48", "--no-byte-fallback"] if args.task == "aet" else ["512"]
-    steps += [
-        [
-            "train_tokenizer",
-            "--input",
-            str(train),
-            "--kind",
-            "sentencepiece",
-            "--vocab-size",
-            *vocabulary,
-            "--character-coverage",
-            "1.0",
-            "--output-dir",
-            str(out / "tokenizer"),
-            "--no-progress",
-        ],
-        [
-            "preprocess_data",
-            "--input",
-            str(train),
-            "--output-prefix",
-            str(prefix),
-            "--prompt-key",
-            "prompt",
-            "--json-keys",
-            "response",
-            "--no-progress",
-            *tokenizer,
-        ],
-    ]
-    if not Path(f"{prefix}_response_document.idx").exists():
+        test, data_flags = out / "prosqa_test.json", prosqa_data_flags(out)
+        steps = prosqa_steps(args, out)
+    if not Path(data_flags[2] + ".idx").exists():
         for step in steps:
-            run_tool(step, log)
-    return test, [
-        "--sft",
-        "--data-path",
-        f"{prefix}_response_document",
-        "--data-cache-path",
-        str(out / "cache"),
-        *tokenizer,
+            run_tool(step, out / "data.log")
+    return test, data_flags
+
+
+def prosqa_steps(args: argparse.Namespace, out: Path) -> list[list[str]]:
+    """ProsQA's data stages: the questions (generated, or converted from Coconut's files with
+    ``--coconut-dir``), a 512-piece tokenizer with byte fallback (it keeps the newlines between
+    steps), prompt/response data."""
+    if args.coconut_dir:
+        questions = ["--from-coconut", args.coconut_dir]
+    else:
+        sizes = ["--train-samples", str(args.train_samples or 6000), "--test-samples", str(args.test_samples)]
+        questions = sizes
+    train = str(out / "prosqa_train.jsonl")
+    return [
+        ["make_prosqa_data", "--output-dir", str(out), *questions],
+        ["train_tokenizer", "--input", train, "--kind", "sentencepiece", "--vocab-size", "512"]
+        + ["--character-coverage", "1.0", "--output-dir", str(out / "tokenizer"), "--no-progress"],
+        ["preprocess_data", "--input", train, "--output-prefix", str(out / "train"), "--prompt-key", "prompt"]
+        + ["--json-keys", "response", "--no-progress", *tokenizer_flags(out)],
+    ]
+
+
+def prosqa_data_flags(out: Path) -> list[str]:
+    """The trainer's data flags for the ProsQA data of :func:`prosqa_steps`."""
+    return ["--sft", "--data-path", str(out / "train_response_document"), "--data-cache-path", str(out / "cache")] + [
+        *tokenizer_flags(out)
     ]
 
 
@@ -216,21 +190,23 @@ def spread(values: list[float]) -> str:
     return f"{100 * mean:5.1f} ± {100 * statistics.stdev(values):4.1f}" if len(values) > 1 else f"{100 * mean:5.1f}"
 
 
-def report(results: dict, seeds: list[int]) -> None:
+def report(results: dict, models: list[str], seeds: list[int]) -> None:
     """Per group (tier, or answer/steps): each model's accuracy per seed, mean ± sample standard
-    deviation over seeds, and the LIMe - LLaMA gap of the means."""
+    deviation over seeds, and the LIMe - LLaMA gap of the means when both models ran."""
     groups = list(next(iter(results.values()))["tiers"])
     print(
         f"\n{'group':>8} {'model':>6} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds) + f" {'mean ± sd (%)':>14}"
     )
     for group in groups:
         means = {}
-        for name in MODELS:
+        for name in models:
             values = [results[(name, seed)]["tiers"][group] for seed in seeds]
             means[name] = statistics.mean(values)
             print(f"{group:>8} {name:>6} " + " ".join(f"{100 * v:7.1f}%" for v in values) + f" {spread(values):>14}")
-        print(f"{group:>8} {'gap':>6} {'':>{9 * len(seeds)}}{100 * (means['LIMe'] - means['LLaMA']):+6.1f} points")
-    for name in MODELS:
+        if set(means) == set(MODELS):
+            gap = 100 * (means["LIMe"] - means["LLaMA"])
+            print(f"{group:>8} {'gap':>6} {'':>{9 * len(seeds)}}{gap:+6.1f} points")
+    for name in models:
         runs = [results[(name, seed)] for seed in seeds]
         print(
             f"{name:>6}: final train loss "
@@ -246,15 +222,17 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     test, data_flags = make_data(args, out)
     seq, examples = sequence_length(data_flags[2])
+    if args.epochs is not None:
+        args.train_iters = math.ceil(args.epochs * examples / args.batch_size)
     print(
         f"{args.task}: {examples:,} training examples, sequence {seq}, {args.train_iters} iterations of "
         f"{args.batch_size} ({args.train_iters * args.batch_size / examples:.2f} epochs) per run"
     )
-    runs = [(name, seed) for seed in args.seeds for name in MODELS]
+    runs = [(name, seed) for seed in args.seeds for name in args.models]
     results = {}
     for name, seed in tqdm(runs, desc="runs", unit="run"):
         results[(name, seed)] = train_and_score(args, out, name, seed, data_flags, test, seq)
-    report(results, args.seeds)
+    report(results, args.models, args.seeds)
 
 
 if __name__ == "__main__":

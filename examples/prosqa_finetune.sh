@@ -16,8 +16,7 @@ case "$MODEL" in lime) CONFIG=examples/lime_150m_full.yaml;; llama) CONFIG=examp
   *) echo "MODEL must be lime or llama (got $MODEL)" >&2; exit 2;; esac
 if [ ! -f "$OUT/prosqa_response_document.idx" ]; then
   if [ -n "${PUBLISHED:-}" ]; then
-    python tools/make_prosqa_data.py --output-dir "$OUT" --from-json "$PUBLISHED/prosqa_train.json"
-    cp "$PUBLISHED/prosqa_test.json" "$OUT/prosqa_test.json"
+    python tools/make_prosqa_data.py --output-dir "$OUT" --from-coconut "$PUBLISHED"
   else
     python tools/make_prosqa_data.py --output-dir "$OUT" --train-samples 17886 --test-samples 500
   fi
