@@ -54,6 +54,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
+import os
 import statistics
 import time
 
@@ -61,6 +62,7 @@ import torch
 from tables import field, print_table, ratio, write_json
 from tqdm import tqdm
 
+from lime_megatron.choices import ROUTING_KERNELS
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
 from lime_megatron.parallel import fusions
@@ -95,8 +97,9 @@ def shape_parser(description: str, depths: list[int]) -> argparse.ArgumentParser
 
 
 def add_device_options(parser: argparse.ArgumentParser) -> None:
-    """``--device``, ``--dtype`` and ``--transformer-impl``: where a bench's models run, in which
-    dtype, with which layer spec (``device_config`` and ``build_on_device`` apply them)."""
+    """``--device``, ``--dtype``, ``--transformer-impl`` and ``--lime-routing-kernel``: where a
+    bench's models run, in which dtype, with which layer spec and routing path (``device_config``
+    and ``build_on_device`` apply them)."""
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument(
         "--dtype", choices=("float32", "bfloat16"), default="float32", help="the parameters' and activations' dtype"
@@ -107,6 +110,12 @@ def add_device_options(parser: argparse.ArgumentParser) -> None:
         default="local",
         help="the layer spec (transformer_engine: GPU with TransformerEngine); on CUDA the models use the "
         "fused kernels a training run of that spec uses (lime_megatron.parallel.fusions)",
+    )
+    parser.add_argument(
+        "--lime-routing-kernel",
+        choices=ROUTING_KERNELS,
+        default="auto",
+        help="LIMe's routing path (auto: Triton on CUDA, torch on a CPU; kernels.routing_path)",
     )
 
 
@@ -120,7 +129,7 @@ def device_config(args, **fields):
         pipeline_dtype=dtype,
         use_cpu_initialization=args.device == "cpu",
         transformer_impl=args.transformer_impl,
-        **fields,
+        **{"lime_routing_kernel": args.lime_routing_kernel, **fields},
     )
     platform = Platform.detect() if args.device == "cuda" else Platform(cuda=False)
     return fusions.without_ddp(fusions.resolve(platform, args.transformer_impl, 1)).apply(config)
@@ -243,10 +252,26 @@ def saved_bytes(model, batch) -> int:
 
 
 def dispatched_operators(model, batch) -> int:
-    """ATen operators dispatched in one forward+backward (the host's work)."""
+    """ATen operators dispatched in one forward+backward (the host's work; a Triton launch one)."""
+    train_step(model, batch)  # a first step dispatches one-off operators
     with DispatchedOperators() as counter:
         train_step(model, batch)
     return counter.total
+
+
+TRITON_COUNT_SHAPE = dict(seq_length=8, micro_batch_size=1)
+"""The shape the Triton path's operators are counted at: they do not depend on the sequence or
+the batch, and on a CPU the kernels run in Triton's interpreter, a program at a time in Python."""
+
+
+def triton_operators(args, num_layers: int, kv_heads: int) -> float:
+    """Operators per layer LIMe dispatches beyond the baseline on the Triton path at B = 1, counted
+    at ``TRITON_COUNT_SHAPE`` (on a CPU in Triton's interpreter, ``TRITON_INTERPRET=1``)."""
+    tiny = argparse.Namespace(**{**vars(args), **TRITON_COUNT_SHAPE, "lime_routing_kernel": "triton"})
+    batch = make_batch(tiny)
+    base = dispatched_operators(build_shape(tiny, num_layers, kv_heads, lime=False), batch)
+    lime = build_shape(tiny, num_layers, kv_heads, lime=True, lime_routing_block=1)
+    return (dispatched_operators(lime, batch) - base) / num_layers
 
 
 def copied_bytes(model, batch) -> int:
@@ -370,6 +395,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     batch = make_batch(args)
     times = round_times(args, models, batch)
     operators = {name: dispatched_operators(models[name], batch) for name in ("base", "per_layer", "blocked")}
+    triton = triton_operators(args, num_layers, kv_heads)
     products = {}
     counted = round_times(args, {name: models[name] for name in ("base", "blocked")}, batch, products)
     ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
@@ -396,6 +422,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         **{
             f"{name}_operators": (operators[name] - operators["base"]) / num_layers for name in ("per_layer", "blocked")
         },
+        triton_operators=triton,
         **time_split(args, config, counted, products["blocked"]),
     )
 
@@ -430,12 +457,15 @@ TIME_SPLIT_COLUMNS = SHAPE_COLUMNS + [
     ("prod at base rate ms", field("at_base_rate_ms", ".1f")),
     ("ops+/layer B=1", field("per_layer_operators", ".1f")),
     ("ops+/layer B", field("blocked_operators", ".1f")),
+    ("ops+/layer Triton B=1", field("triton_operators", ".1f")),
 ]
 """The second table: where blocked LIMe's time over the baseline goes, and the host's operators."""
 
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
+    if args.device == "cpu":  # the Triton path's operators are counted in Triton's interpreter
+        os.environ.setdefault("TRITON_INTERPRET", "1")
     rows = measure_cases(args, measure, args.json)
     print_table(OVERHEAD_COLUMNS, rows)
     print("\nwhere blocked LIMe's time over the baseline goes (medians over counted rounds of those two models):")

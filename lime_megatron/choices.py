@@ -31,6 +31,11 @@ ATTENTION_BACKENDS = ("auto", "fused", "flash")
 MACHINE_NAMES = ("h100", "h100-pcie", "h200", "a100", "a100-40gb", "cpu")
 """Machines ``--lime-machine`` names besides ``auto`` (``planning.routing_block.MACHINES``)."""
 
+ROUTING_KERNELS = ("auto", "triton", "torch")
+"""``--lime-routing-kernel``: the routing products as Triton kernels (``lime_megatron.kernels``) or
+as torch operators; ``auto`` takes Triton on CUDA where the kernels cover the run
+(``kernels.routing_path``)."""
+
 WEIGHT_DECAY_GROUPINGS = ("megatron", "official")
 """``--weight-decay-grouping``: ``megatron`` decays every weight but biases and 1-D weights (norms),
 embedding included; ``official`` (the paper's implementation, minGPT's rule) also spares the

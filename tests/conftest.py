@@ -1,12 +1,20 @@
 """Fixtures shared by modules.
 
+Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``) for every test.
+
 ``megatron``: torch.distributed and megatron's parallel state of one process (TP=1, PP=1), for
 modules that build models outside ``lime_megatron.testing.distributed``'s ranks; use it with
 ``pytest.mark.usefixtures("megatron")``.  ``tokenizer``: the character tokenizer of
 ``tests.decoding_fixtures`` (96 tokens, the tiny models' vocabulary).
 """
 
+import os
+
 import pytest
+
+# Triton's CPU interpreter runs the routing kernels on CPU tensors; it is chosen when triton is
+# imported, so before any test imports it (spawned ranks inherit it).
+os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
 @pytest.fixture(scope="module")

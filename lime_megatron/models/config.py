@@ -16,7 +16,7 @@ from megatron.core.transformer.transformer_block import get_num_layers_to_build
 from megatron.core.transformer.transformer_config import TransformerConfig
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
-from lime_megatron.choices import DEFAULT_ROUTER, LimeConfigError, validate_router
+from lime_megatron.choices import DEFAULT_ROUTER, ROUTING_KERNELS, LimeConfigError, validate_router
 
 
 @dataclass
@@ -52,6 +52,11 @@ class LimeTransformerConfig(TransformerConfig):
     lime_machine: str = "auto"
     """The machine whose figures choose the routing block size: ``auto`` (the device present) or a
     key of ``planning.routing_block.MACHINES`` (``h100``, ``h200``, ``a100``, ``cpu``, ...)."""
+
+    lime_routing_kernel: str = "auto"
+    """How the routing products run: ``triton`` (fused kernels, ``lime_megatron.kernels``),
+    ``torch`` (torch operators, the reference) or ``auto`` (Triton on CUDA where the kernels cover
+    the run, else torch; ``kernels.routing_path.routing_kernel`` decides per model chunk)."""
 
     lime_prune_top_p: float | None = None
     """Route pruning (v1 §5.4, ``models.lime.pruning``): the kept share of each head's routes once
@@ -114,6 +119,10 @@ def validate_lime_options(config: LimeTransformerConfig) -> None:
     if config.lime_routing_block is not None and config.lime_routing_block < 1:
         raise LimeConfigError(
             f"lime_routing_block must be >= 1 (or None for the cost model), got {config.lime_routing_block}"
+        )
+    if config.lime_routing_kernel not in ROUTING_KERNELS:
+        raise LimeConfigError(
+            f"unknown lime_routing_kernel {config.lime_routing_kernel!r}; choose one of {ROUTING_KERNELS}"
         )
     validate_hyper_connections(config)
     block_recompute = config.recompute_granularity == "full" and config.recompute_method == "block"
@@ -193,7 +202,8 @@ OPTIONS_BYPASSING_LIME: dict[str, tuple[Any, str]] = {
     "cuda_graph_impl": (
         "none",
         "CUDA-graph capture runs TransformerLayer._forward_attention directly, so the "
-        "layer-integrated memory is never bound",
+        "layer-integrated memory is never bound, and the memory is built per pass, not as the "
+        "static buffers per micro-batch slot a replayed graph reads (docs/routing.md, 'CUDA graphs')",
     ),
     "enable_cuda_graph": (
         False,

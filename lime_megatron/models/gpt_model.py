@@ -17,12 +17,13 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from lime_megatron.kernels.routing_path import routing_kernel
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.initialization import initialize_weights
 from lime_megatron.models.layer_specs import lime_block_spec
 from lime_megatron.models.lime.memory import LayerIntegratedMemory
 from lime_megatron.models.lime.router import LimeRouter
-from lime_megatron.models.lime.routing_blocks import default_routing_block
+from lime_megatron.models.lime.routing_blocks import StandingRouterStack, default_routing_block
 
 
 class LimeGPTModel(GPTModel):
@@ -73,6 +74,7 @@ class LimeGPTModel(GPTModel):
             self.own_layers,
             block=self.routing_block,
             routers=self._routers_by_layer(),
+            **self._routing_kernel_settings(),
         )
         pipelined = not (self.pre_process and self.post_process)
         kept = self._side_channel() if pipelined else None
@@ -102,6 +104,23 @@ class LimeGPTModel(GPTModel):
                 "for each call of megatron's forward-backward function"
             )
         return kept
+
+    def _routing_kernel_settings(self) -> dict:
+        """How this chunk's routing products run on the device its routers are on
+        (``kernels.routing_path.routing_kernel``, decided once per device): the memory's
+        ``triton``, ``deterministic`` (megatron's ``deterministic_mode``) and, on the Triton path,
+        the chunk's ``standing_stack`` of routers."""
+        routers = self._routers_by_layer()
+        if not routers:  # a pipeline chunk without layers: nothing is routed
+            return {}
+        device = next(iter(routers.values())).weight.device
+        chosen = getattr(self, "_routing_kernel_of", {})
+        if device not in chosen:
+            triton = routing_kernel(self.config, device) == "triton"
+            standing = StandingRouterStack(routers, self.own_layers) if triton and self.own_layers else None
+            settings = dict(triton=triton, deterministic=self.config.deterministic_mode, standing_stack=standing)
+            self._routing_kernel_of = chosen = {**chosen, device: settings}
+        return chosen[device]
 
     def _routers_by_layer(self) -> dict[int, LimeRouter]:
         """This chunk's routers by global layer index (found once)."""

@@ -145,7 +145,8 @@ parses the package and fails on a private name it reaches into that is not regis
 - torch's ``torch._C._autograd._top_saved_tensors_default_hooks(False)``: the innermost
   ``saved_tensors_hooks`` pair ``(pack, unpack)``, or None outside any (``recompute``).
 - torch's ``torch.utils._python_dispatch.TorchDispatchMode`` and ``aten._to_copy``
-  (``testing.copied_bytes`` counts copies with them).
+  (``testing.copied_bytes`` counts copies with them); ``torch._foreach_copy_`` (one operator
+  refreshes the router stack, ``routing_blocks.RouterStack``); ``NamedTuple._asdict``.
 - torch's ``distributed_c10d._world.pg_map`` (every live process group) and
   ``distributed_c10d._get_default_group()`` (``parallel.destroy_parallel``);
   ``distributed_c10d._get_default_store()``, the default group's store, whose ``add`` counts the
@@ -773,7 +774,31 @@ def _probe_copy_counting() -> list[str | None]:
     ]
 
 
+def _probe_foreach_copy() -> list[str | None]:
+    """Behaviour: ``torch._foreach_copy_(places, sources)`` copies each source into its place,
+    casting (a float32 weight into a bf16 strided view), as ``routing_blocks.RouterStack.refresh``
+    relies on."""
+    matrix = torch.zeros(2, 4, dtype=torch.bfloat16)
+    places, sources = [matrix[:, 1:3], matrix[:1, :1]], [torch.ones(2, 2), torch.full((1, 1), 2.0)]
+    torch._foreach_copy_(places, sources)
+    expected = torch.tensor([[2, 1, 1, 0], [0, 1, 1, 0]], dtype=torch.bfloat16)
+    return [None if torch.equal(matrix, expected) else "torch._foreach_copy_ no longer copies into strided places"]
+
+
+def _probe_namedtuple_fields() -> list[str | None]:
+    """Presence: ``NamedTuple._asdict`` (the documented namedtuple API, ``analysis.measures``)."""
+    from typing import NamedTuple
+
+    class Pair(NamedTuple):
+        first: int
+        second: int
+
+    return [None if Pair(1, 2)._asdict() == {"first": 1, "second": 2} else "NamedTuple._asdict changed"]
+
+
 PRIVATE_APIS: dict[str, Callable[[], list[str | None]]] = {
+    "_foreach_copy_": _probe_foreach_copy,
+    "_asdict": _probe_namedtuple_fields,
     "_C": _probe_saved_tensor_hooks,
     "_autograd": _probe_saved_tensor_hooks,
     "_top_saved_tensors_default_hooks": _probe_saved_tensor_hooks,

@@ -37,7 +37,7 @@ from lime_megatron.planning.activations import (
     router_stack_bytes,
 )
 from lime_megatron.planning.flops import chunk_forward_flops_per_token, forward_flops_per_token
-from lime_megatron.planning.routing_block import chunk_routing_block, routing_machine
+from lime_megatron.planning.routing_block import TRITON_OPERATORS, chunk_routing_block, path_machine, routing_machine
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.planning.schedule_model import (
     DEFAULT_COMPUTE_TFLOPS,
@@ -492,8 +492,17 @@ def _routing_lines(result: DryRunEstimate) -> list[str]:
         f"per layer (B=1) {_gib(reads['per layer'])}, "
         f"blocked {_gib(reads['blocked'])}; the routers stacked for its products: up to "
         f"{stack / 2**20:.2f} MiB per chunk (kept per microbatch where the forward mixes a "
-        f"block's earlier sources, else in the backward working set)",
+        f"block's earlier sources, else in the backward working set; on the Triton path one per chunk)",
+        f"LIMe routing products: {_routing_path(config)} (--lime-routing-kernel {config.lime_routing_kernel})",
     ]
+
+
+def _routing_path(config) -> str:
+    """Which path the routing products take on the machine the block size is chosen for."""
+    machine = path_machine(config, routing_machine(config))
+    if machine.operators == TRITON_OPERATORS:
+        return f"Triton kernels on {machine.name.split(' (')[0]}"
+    return f"torch operators on {machine.name.split(' (')[0]}"
 
 
 def report_lines(result: DryRunEstimate) -> list[str]:

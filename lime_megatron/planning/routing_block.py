@@ -27,6 +27,7 @@ is the one chooser: the trainer builds each chunk with its choice
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import math
 import warnings
@@ -35,6 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from lime_megatron.choices import MACHINE_NAMES
+from lime_megatron.kernels.routing_path import kernel_refusal
 from lime_megatron.models.config import LimeConfigError
 from lime_megatron.models.lime.routing_blocks import recompute_safe_block
 from lime_megatron.parallel.pipeline import chunk_layers
@@ -44,27 +46,40 @@ STEP_PRODUCTS_PER_FORWARD = 3
 """Products per forward product in a step: the forward's, the router-weight gradient's and the row
 gradient's, each reading the same rows (docs/routing.md, the table of products)."""
 
-OPERATORS_PER_LAYER = 39
-"""ATen operators LIMe dispatches per layer in one forward+backward beyond the baseline at B = 1
-(docs/routing.md "Host work per layer"; views included)."""
 
-OPERATORS_PER_BLOCK = 25
-"""Operators of a block's product over its earlier sources, forward and backward
-(``MixEarlierSources``: the stacked router columns, the product, its gradients)."""
+@dataclass(frozen=True)
+class HostOperators:
+    """ATen operators (a Triton launch counted as one) LIMe dispatches beyond the baseline in one
+    forward+backward, by where they fall (``host_operators``; docs/routing.md "Host work per
+    layer"; views included)."""
 
-OPERATORS_PER_BLOCKED_LAYER = 9
-"""Operators more per layer of a block with earlier sources (its partial sums taken and added, its
-weight-gradient pieces joined).  With the two above: counted at 16 layers, MHA, B = 1, 2, 4, 8, 16
-(625, 926, 808, 722, 625 operators beyond the baseline; the model fits all five exactly)."""
+    per_layer: float
+    """Per layer at B = 1."""
+    per_block: float
+    """Per block with earlier sources at B > 1 (``MixEarlierSources``: the stacked router columns,
+    the product, its gradients)."""
+    per_blocked_layer: float
+    """More per layer of such a block (its partial sums taken and added, its weight-gradient
+    pieces joined)."""
+    per_received_block_per_layer: float
+    """More per layer at B = 1 per block of rows a pipeline chunk received (one per earlier chunk):
+    its products run once per contiguous block of its sources, and the chunk hands back its share
+    of the received rows' gradient."""
+    per_received_block_per_block: float
+    """The same per block with earlier sources at B > 1."""
 
-OPERATORS_PER_RECEIVED_BLOCK_PER_LAYER = 20
-"""Operators more per layer at B = 1 for each block of rows a pipeline chunk received (one per
-earlier chunk): each layer's products run once per contiguous block of its sources."""
 
-OPERATORS_PER_RECEIVED_BLOCK_PER_BLOCK = 12
-"""The same per block with earlier sources at B > 1 (its product runs once per received block).
-With the one above: counted per micro-batch on PP = 4 ranks of 8 layers (32 layers, MHA), B = 1,
-2, 4, 8; the model is within 62 operators of every count (docs/routing.md)."""
+TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
+"""The torch path's (``--lime-routing-kernel torch``, the CPU's): counted at 16 layers, MHA, B = 1,
+2, 4, 8, 16 (625, 926, 808, 722, 625 operators beyond the baseline; the model fits all five
+exactly), and per micro-batch on PP = 4 ranks of 8 layers (32 layers, MHA), B = 1, 2, 4, 8 (the
+model within 62 operators of every count)."""
+
+TRITON_OPERATORS = HostOperators(10.6, 22, 4, 10, 16)
+"""The Triton path's (a GPU's default, ``models.lime.fused_routing``): counted at 16 layers, MHA,
+B = 1, 2, 4, 8, 16 (170, 381, 285, 225, 170; the model within 1 of each), and per micro-batch on
+PP = 2 ranks of 8 layers, B = 1, 4, 8 (the received figures fitted to the second rank's 180, 206,
+168 with 13 operators the chunk pays once)."""
 
 GPU_HOST_SECONDS_PER_OPERATOR = 17e-6
 """Host seconds per operator dispatched on a GPU machine (Python, dispatch and kernel launch):
@@ -91,7 +106,9 @@ class MachineBalance:
     """A machine's figures the block size is chosen on: dense matrix peaks (FLOP/s) for 16-bit and
     for 32/64-bit operands (no TF32: torch's default for float32 products), memory bandwidth
     (bytes/s), host seconds per operator dispatched, and whether its kernels run while the host
-    dispatches the next ones (``asynchronous``: a GPU; the CPU runs each operator as it comes)."""
+    dispatches the next ones (``asynchronous``: a GPU; the CPU runs each operator as it comes), and
+    the operators LIMe dispatches there (``operators``: the Triton path on a GPU, torch's on the
+    CPU; ``chunk_routing_block`` swaps them for a run that asks for the other path)."""
 
     name: str
     flops_per_s: float
@@ -99,6 +116,7 @@ class MachineBalance:
     bytes_per_s: float
     seconds_per_operator: float = GPU_HOST_SECONDS_PER_OPERATOR
     asynchronous: bool = True
+    operators: HostOperators = TRITON_OPERATORS
 
     def peak(self, element_size: int) -> float:
         """Matrix peak (FLOP/s) for operands of ``element_size`` bytes."""
@@ -114,6 +132,7 @@ CPU_2_CORE = MachineBalance(
     4e9,
     CPU_HOST_SECONDS_PER_OPERATOR,
     asynchronous=False,
+    operators=TORCH_OPERATORS,
 )
 H100_SXM = MachineBalance("H100 SXM (bf16 989 TFLOP/s, fp32 67, HBM3 3.35 TB/s)", 989e12, 67e12, 3.35e12)
 H100_PCIE = MachineBalance("H100 PCIe (bf16 756 TFLOP/s, fp32 51, HBM2e 2.0 TB/s)", 756e12, 51e12, 2.0e12)
@@ -175,6 +194,18 @@ def routing_machine(config) -> MachineBalance:
     return MACHINES[choice]
 
 
+def path_machine(config, machine: MachineBalance) -> MachineBalance:
+    """``machine`` with the operators of the path the run takes there (``kernels.routing_path``):
+    a GPU's Triton path unless the run asks for torch's, the CPU's torch path unless it asks for
+    Triton's."""
+    device = torch.device("cuda" if machine.asynchronous else "cpu")
+    if config.lime_routing_kernel != "auto":
+        triton = config.lime_routing_kernel == "triton"
+    else:
+        triton = device.type == "cuda" and kernel_refusal(config, device) is None
+    return dataclasses.replace(machine, operators=TRITON_OPERATORS if triton else TORCH_OPERATORS)
+
+
 def blocks_of(layers: range, block: int) -> list[range]:
     """The chunk's blocks: ``block`` consecutive layers from its first (the last may be shorter)."""
     return [range(first, min(first + block, layers.stop)) for first in range(layers.start, layers.stop, block)]
@@ -195,18 +226,17 @@ def forward_products(layers: range, kv_heads: int, block: int) -> list[tuple[int
     return products
 
 
-def host_operators(layers: range, block: int, received: int = 0) -> int:
+def host_operators(layers: range, block: int, received: int = 0, counts: HostOperators = TORCH_OPERATORS) -> float:
     """Operators LIMe dispatches beyond the baseline in one forward+backward of the chunk's
     ``layers`` at block size ``block``, the chunk having ``received`` blocks of earlier rows (one
-    per earlier pipeline chunk): per layer ``OPERATORS_PER_LAYER``, at B = 1 plus
-    ``OPERATORS_PER_RECEIVED_BLOCK_PER_LAYER`` per received block; at B > 1 per block with earlier
-    sources ``OPERATORS_PER_BLOCK``, ``OPERATORS_PER_BLOCKED_LAYER`` per layer of it and
-    ``OPERATORS_PER_RECEIVED_BLOCK_PER_BLOCK`` per received block."""
+    per earlier pipeline chunk), by ``counts`` (``HostOperators``): per layer, at B = 1 plus per
+    received block; at B > 1 per block with earlier sources, per layer of it and per received
+    block."""
     if block == 1:
-        return (OPERATORS_PER_LAYER + OPERATORS_PER_RECEIVED_BLOCK_PER_LAYER * received) * len(layers)
+        return (counts.per_layer + counts.per_received_block_per_layer * received) * len(layers)
     blocked = [len(consumers) for consumers in blocks_of(layers, block) if consumers.start > 0]
-    per_block = OPERATORS_PER_BLOCK + OPERATORS_PER_RECEIVED_BLOCK_PER_BLOCK * received
-    return OPERATORS_PER_LAYER * len(layers) + per_block * len(blocked) + OPERATORS_PER_BLOCKED_LAYER * sum(blocked)
+    per_block = counts.per_block + counts.per_received_block_per_block * received
+    return counts.per_layer * len(layers) + per_block * len(blocked) + counts.per_blocked_layer * sum(blocked)
 
 
 def routing_step_seconds(
@@ -234,7 +264,7 @@ def routing_step_seconds(
         )
         for rows, outputs in forward_products(layers, kv_heads, block)
     )
-    host = host_operators(layers, block, received) * machine.seconds_per_operator
+    host = host_operators(layers, block, received, machine.operators) * machine.seconds_per_operator
     base_host, base_device = baseline
     if machine.asynchronous:
         return max(base_host + host, base_device + STEP_PRODUCTS_PER_FORWARD * kernels)
@@ -299,7 +329,7 @@ def chunk_routing_block(
         row_elements = 2 * seq_length * micro_batch_size * config.kv_channels
         element_size = torch.empty(0, dtype=config.params_dtype).element_size()
         received = sum(1 for chunk in chunk_layers(config) if chunk and chunk.stop <= layers.start)
-        machine = machine or routing_machine(config)
+        machine = path_machine(config, machine or routing_machine(config))
         baseline = baseline_work(config, layers, seq_length, micro_batch_size, machine)
         block = routing_block_size(layers, kv_heads, row_elements, element_size, machine, received, baseline)
     return recompute_safe_block(config, block)

@@ -8,18 +8,39 @@ from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
+from lime_megatron.kernels.operands import set_launch_observer
+
 
 class DispatchedOperators(TorchDispatchMode):
     """ATen operators dispatched while active (views and other metadata-only ones included), in
     forward and in autograd's backward.
 
     Use ``with DispatchedOperators() as operators: ...``; read ``operators.total`` or
-    ``operators.by_name`` (operator name, e.g. ``"bmm"``, -> calls).
+    ``operators.by_name`` (operator name, e.g. ``"bmm"``, -> calls).  A Triton kernel launch
+    (``kernels.operands.launch``) counts as one, named ``"triton:<kernel>"``; what Triton's CPU
+    interpreter dispatches to run it is not counted (on a GPU a launch dispatches nothing).
     """
 
     def __init__(self):
         super().__init__()
         self.by_name: Counter[str] = Counter()
+        self._launching = False
+
+    def __enter__(self):
+        set_launch_observer(self._count_launch)
+        return super().__enter__()
+
+    def __exit__(self, *exc):
+        set_launch_observer(None)
+        return super().__exit__(*exc)
+
+    def _count_launch(self, kernel: str, run) -> None:
+        self.by_name[f"triton:{kernel}"] += 1
+        self._launching = True
+        try:
+            run()
+        finally:
+            self._launching = False
 
     @property
     def total(self) -> int:
@@ -27,5 +48,6 @@ class DispatchedOperators(TorchDispatchMode):
         return sum(self.by_name.values())
 
     def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-        self.by_name[func.overloadpacket.__name__] += 1
+        if not self._launching:
+            self.by_name[func.overloadpacket.__name__] += 1
         return func(*args, **(kwargs or {}))

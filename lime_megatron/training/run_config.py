@@ -33,6 +33,7 @@ from lime_megatron.choices import (
     INIT_STYLES,
     MACHINE_NAMES,
     ROUTER_VARIANTS,
+    ROUTING_KERNELS,
     WEIGHT_DECAY_GROUPINGS,
 )
 
@@ -194,6 +195,12 @@ class LimeOptions:
         help="the machine whose figures (peak, "
         "bandwidth, host time per operator) choose the routing block size "
         "(default: auto, the GPU present, else the CPU VM's)",
+        transformer=True,
+    )
+    lime_routing_kernel: str | None = option(
+        choices=ROUTING_KERNELS,
+        help="how the routing products run: triton (fused kernels), torch (operators, the "
+        "reference) or auto (default: Triton on CUDA where the kernels cover the run, else torch)",
         transformer=True,
     )
     lime_recompute_routed_kv: bool = option(

@@ -236,7 +236,7 @@ def test_full_recompute_keeps_its_savings():
 
     tokens, positions, mask = batch()
     saved, buffers = {}, []
-    original_allocate = KeyValueRows._allocate
+    original_allocate = KeyValueRows.allocate
 
     def allocate(key_values, key):
         original_allocate(key_values, key)
@@ -245,13 +245,13 @@ def test_full_recompute_keeps_its_savings():
     for lime in (False, True):
         for recompute in ({}, RECOMPUTE["full-uniform"]):
             model = tiny_model(num_query_groups=2, lime=lime, **recompute)
-            KeyValueRows._allocate = allocate
+            KeyValueRows.allocate = allocate
             try:
                 with SavedTensorBytes(model) as counter:
                     logits = megatron_logits(model, tokens, positions, mask)
                 logits.sum().backward()
             finally:
-                KeyValueRows._allocate = original_allocate
+                KeyValueRows.allocate = original_allocate
             saved[lime, bool(recompute)] = counter.bytes
     assert saved[True, True] <= saved[False, True] + 8
     assert saved[True, True] + buffers[0] < 0.5 * saved[True, False]

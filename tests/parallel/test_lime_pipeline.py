@@ -100,8 +100,8 @@ def train(
         losses.append(train_step(chunks, optimizer, scheduler, batches)[0])
         grads.append(gather_full(chunks, select=lambda p: p.main_grad, extra_shard_rules=rules))
         if prune:
-            routes, masked = prune_routes(chunks, config.lime_prune_top_p, 1)
-            assert 0 < masked < routes, (routes, masked)
+            counts = prune_routes(chunks, config.lime_prune_top_p, 1)
+            assert 0 < counts.masked < counts.routes, counts
     return losses, grads, initial
 
 
@@ -123,6 +123,7 @@ FULL_RECOMPUTE = dict(recompute_granularity="full", recompute_method="uniform", 
 FULL_RECOMPUTE_2 = dict(recompute_granularity="full", recompute_method="uniform", recompute_num_layers=2)
 OVERLAP = dict(overlap_p2p_comm=True, batch_p2p_comm=False)  # megatron's default with virtual stages
 BATCHED = dict(batch_p2p_comm=True)  # megatron's default without overlap: one batch_isend_irecv per exchange
+TRITON = dict(lime_routing_kernel="triton")  # the routing products as Triton kernels
 CASES = [  # (name, model settings, layouts[, pipeline options left out of the single-stage reference])
     ("mha", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4), Layout(pp=4, vpp=2)]),
     ("mha-16", dict(num_layers=16), [Layout(pp=4, vpp=4)]),
@@ -158,6 +159,11 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     # route pruning after the first step (dynamic: top-p away from the start's shares 0.9 + k 0.1 / l)
     ("pruned-blocked", dict(lime_prune_top_p=0.7), [Layout(pp=2, vpp=2)], dict(lime_routing_block=2)),
     ("dynamic-pruned", dict(lime_router="dynamic", lime_prune_top_p=0.915), [Layout(pp=4)]),
+    # the Triton kernels (Triton's CPU interpreter) against the torch single stage: TP-sharded
+    # heads, external rows, VPP chunks, blocks, pruned routers
+    ("mha-triton", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)], TRITON),
+    ("mha-16-blocked-triton", dict(num_layers=16), [Layout(pp=2, vpp=2)], dict(lime_routing_block=3, **TRITON)),
+    ("pruned-blocked-triton", dict(lime_prune_top_p=0.7), [Layout(pp=2, vpp=2)], dict(lime_routing_block=2, **TRITON)),
 ]
 SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
     ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
@@ -410,6 +416,7 @@ def test_pipeline_layouts_equal_single_stage(tmp_path):
     result = results[0]
     check_report(result["cases"])
     assert result["cases"]["mha tp1-pp4"]["routers"] == 7
+    assert {"mha-triton tp2-pp2-vpp2-sp", "pruned-blocked-triton tp1-pp2-vpp2"} <= set(result["cases"])
     for name, mutation in result["mutations"].items():
         print(f"mutation {name}: |loss diff| {mutation['loss']:.1e}, relative grad error {mutation['grad']:.1e}")
         assert mutation["grad"] > 100 * TOLERANCE, name

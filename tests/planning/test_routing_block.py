@@ -48,21 +48,37 @@ def test_a_single_stage_is_a_chunk_from_layer_0():
 
 
 @pytest.mark.usefixtures("megatron")
-def test_host_operators_model_the_operators_blocking_adds():
+@pytest.mark.parametrize(
+    "kernel, counts, slack",
+    [("torch", R.TORCH_OPERATORS, 0), ("triton", R.TRITON_OPERATORS, 1)],
+    ids=["torch", "triton"],
+)
+def test_host_operators_model_the_operators_blocking_adds(kernel, counts, slack):
     """What blocking adds to the operators one forward+backward dispatches (16 layers, MHA,
-    counted by ``DispatchedOperators``) is what ``host_operators`` adds: per block with earlier
-    sources ``OPERATORS_PER_BLOCK``, per layer of it ``OPERATORS_PER_BLOCKED_LAYER``."""
+    counted by ``DispatchedOperators``, a Triton launch as one) is what ``host_operators`` adds
+    with the path's ``HostOperators``: per block with earlier sources ``per_block``, per layer of
+    it ``per_blocked_layer`` (torch's exactly, Triton's within one operator)."""
     from tests.lime_fixtures import tiny_model
     from tests.models.test_memory import step_operators
 
     counted = {
-        block: step_operators(tiny_model(num_layers=16, lime_routing_block=block, dtype=torch.float32))
+        block: step_operators(
+            tiny_model(num_layers=16, lime_routing_block=block, dtype=torch.float32, lime_routing_kernel=kernel)
+        )
         for block in (1, 4, 8)
     }
-    modelled = {block: R.host_operators(range(16), block) for block in counted}
-    assert {block: counted[block] - counted[1] for block in counted} == {
-        block: modelled[block] - modelled[1] for block in counted
-    }
+    modelled = {block: R.host_operators(range(16), block, counts=counts) for block in counted}
+    for block in counted:
+        assert abs((counted[block] - counted[1]) - (modelled[block] - modelled[1])) <= slack, (counted, modelled)
+
+
+def test_the_path_a_run_takes_sets_its_operators():
+    """A GPU machine counts the Triton path's operators unless the run asks for torch's; the CPU
+    torch's unless the run asks for Triton's."""
+    assert R.path_machine(_config(), R.H100_SXM).operators == R.TRITON_OPERATORS
+    assert R.path_machine(_config(lime_routing_kernel="torch"), R.H100_SXM).operators == R.TORCH_OPERATORS
+    assert R.path_machine(_config(), R.CPU_2_CORE).operators == R.TORCH_OPERATORS
+    assert R.path_machine(_config(lime_routing_kernel="triton"), R.CPU_2_CORE).operators == R.TRITON_OPERATORS
 
 
 def test_host_time_decides_in_a_launch_bound_regime():

@@ -76,6 +76,7 @@ CASES = [  # flags added to BASE, world size -> the config fields they set, with
     ),
     (["--lime", "--lime-routing-block", "2"], 1, dict(lime_routing_block=2)),
     (["--lime", "--lime-machine", "h100"], 1, dict(lime_machine="h100")),
+    (["--lime", "--lime-routing-kernel", "torch"], 1, dict(lime_routing_kernel="torch")),
     (["--lime", "--lime-recompute-routed-kv"], 1, dict(lime_recompute_routed_kv=True)),
     (["--lime", "--lime-prune-top-p", "0.5", "--lime-prune-iters", "1"], 1, dict(lime_prune_top_p=0.5)),
     (

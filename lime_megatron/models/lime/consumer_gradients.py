@@ -104,7 +104,7 @@ class ConsumerGradients:
         grad = None
         if self.routing.block > 1 and layer >= own.start:
             block = self.routing.block_of(layer)
-            grad = self._later_consumer_grad(layer, block)
+            grad = self.later_consumer_grad(layer, block)
             mixing = range(mixing.start, min(mixing.stop, block.stop))
         if mixing and self._routers[mixing.start].sharding.primary:
             grad = self._mixed_grad(range(layer, layer + 1), mixing, grad)
@@ -126,7 +126,7 @@ class ConsumerGradients:
         grads = self.kept.grad_rows(consumers, routers[0].weight.shape[0])
         return self.stacked.row_grad(sources, consumers, grads, self._in_attention_layout(), accumulate)
 
-    def _later_consumer_grad(self, layer: int, sources: range) -> torch.Tensor | None:
+    def later_consumer_grad(self, layer: int, sources: range) -> torch.Tensor | None:
         """The share of layer ``layer``'s row gradient from this chunk's consumers after the
         source block ``sources`` (an own block, or an external one: then every consumer in this
         chunk), computed for the whole block at its first use."""
@@ -144,7 +144,7 @@ class ConsumerGradients:
     def _external_grad(self, layer: int, layers: range) -> torch.Tensor:
         """This chunk's share of the gradient of external layer ``layer`` (of the block
         ``layers``): with blocked routing from one product for the whole external block."""
-        grad = self._later_consumer_grad(layer, layers) if self.routing.block > 1 else None
+        grad = self.later_consumer_grad(layer, layers) if self.routing.block > 1 else None
         return grad if grad is not None else self._consumer_grad(layer)
 
     def _in_attention_layout(self) -> bool:

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import torch
 
+from lime_megatron.kernels.operands import Halves
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter
 
@@ -57,13 +58,23 @@ class KeptGradients:
         if not router.identity:
             kv_heads = grad_rows.shape[0]
             self.buffer(kv_heads)[local * kv_heads : (local + 1) * kv_heads].copy_(grad_rows)
-        self._kept[local] = True
+        self.mark_kept(router.layer)
+
+    def mark_kept(self, layer: int) -> None:
+        """Mark own layer ``layer``'s g as kept (its backward ran; a kernel wrote its rows)."""
+        self._kept[layer - self.key_values.layers.start] = True
 
     def grad_rows(self, layers: range, kv_heads: int) -> torch.Tensor:
         """The kept g_m of own layers ``layers``, stacked as rows: a view
         ``[len(layers) * kv_heads, 2*s*b*d]``."""
         first = self.key_values.layers.start
         return self.buffer(kv_heads)[(layers.start - first) * kv_heads : (layers.stop - first) * kv_heads]
+
+    def grad_halves(self, layers: range, kv_heads: int) -> Halves:
+        """``grad_rows(layers, kv_heads)`` (or where g of ``layers`` goes) as the kernels address it:
+        no view."""
+        first, width = self.key_values.layers.start, self.key_values.kv_shape[3]
+        return Halves.of_rows(self.buffer(kv_heads), (layers.start - first) * kv_heads, len(layers) * kv_heads, width)
 
     def require(self, layer: int, consumers: range) -> None:
         """Fail unless every own layer of ``consumers`` kept its g_m before ``layer``'s backward."""
@@ -85,6 +96,16 @@ class KeptGradients:
         """Gradient of the own rows of ``read_later`` from later chunks, stacked in that order:
         the share sum_{m later} W_m[:, block l]^T g_m of each own layer l read after this chunk."""
         self._downstream = grad_rows
+
+    def downstream_halves(self, layer: int) -> Halves | None:
+        """``downstream_rows(layer)`` as the kernels address it (no view); None where no later
+        chunk reads the layer."""
+        if layer not in self.read_later:
+            return None
+        if self._downstream is None:
+            raise RuntimeError(f"the gradient of layer {layer}'s keys/values from later pipeline stages is missing")
+        kv_heads, width = self.key_values.kv_heads, self.key_values.kv_shape[3]
+        return Halves.of_rows(self._downstream, self.read_later.index(layer) * kv_heads, kv_heads, width)
 
     def downstream_rows(self, layer: int) -> torch.Tensor | None:
         """The downstream gradient's rows ``[kv_heads, 2*s*b*d]`` of own layer ``layer``; None when

@@ -23,11 +23,16 @@ from __future__ import annotations
 
 import torch
 
+from lime_megatron.kernels.operands import Halves
+
 
 class KeyValueRows:
     """The raw keys/values of one pass: the chunk's own rows and the external blocks it reads.
 
-    ``layers``: the chunk's own layers (global 0-based indices).  The own rows are allocated by the
+    ``layers``: the chunk's own layers (global 0-based indices); ``triton``: the routing products
+    over these rows run as Triton kernels (``lime_megatron.kernels``), else as torch operators;
+    ``deterministic``: the kernels' router-weight gradients sum in a fixed order (megatron's
+    ``deterministic_mode``), else by atomic adds (one launch, no sum after).  The own rows are allocated by the
     first ``store`` (its keys fix shape, dtype and device) as ``[len(layers) * kv_heads,
     2 * s * b * d]``; ``kv_shape`` ``(s, b, kv_heads, d)`` is the shape of one layer's keys.
     Writes go through ``writer``, an alias of ``buffer`` with its own version counter: each row
@@ -35,15 +40,19 @@ class KeyValueRows:
     backward reuses the dead rows through it for gradients, ``row_gradients.KeptGradients``).
     """
 
-    def __init__(self, layers: range):
-        self.layers = layers
+    def __init__(self, layers: range, triton: bool = False, deterministic: bool = True):
+        self.layers, self.triton, self.deterministic = layers, triton, deterministic
         self.buffer: torch.Tensor | None = None
         self.writer: torch.Tensor | None = None
         self.kv_shape: tuple[int, int, int, int] | None = None
         self.external: list[tuple[range, torch.Tensor]] = []
 
-    def _allocate(self, key: torch.Tensor) -> None:
-        """Allocate the own rows for keys shaped like ``key`` ``[s, b, kv_heads, d]``."""
+    def allocate(self, key: torch.Tensor) -> None:
+        """Allocate the own rows for keys shaped like ``key`` ``[s, b, kv_heads, d]``, once per pass."""
+        if self.buffer is not None:
+            if tuple(key.shape) != self.kv_shape:
+                raise RuntimeError(f"keys {tuple(key.shape)} do not match the memory's {self.kv_shape}")
+            return
         s, b, h, d = key.shape
         if self.kv_shape not in (None, (s, b, h, d)):
             raise RuntimeError(f"keys {(s, b, h, d)} do not match the received ones {self.kv_shape}")
@@ -73,6 +82,16 @@ class KeyValueRows:
             f"{[layers for layers, _ in self.external]})"
         )
 
+    def halves(self, start: int, stop: int) -> Halves:
+        """``rows(start, stop)`` as the kernels address it (``kernels.operands.Halves``): no view."""
+        h, first, width = self.kv_heads, self.layers.start, self.kv_shape[3]
+        if start >= first:
+            return Halves.of_rows(self.buffer, (start - first) * h, (stop - start) * h, width)
+        for layers, rows in self.external:
+            if layers.start <= start and stop <= layers.stop:
+                return Halves.of_rows(rows, (start - layers.start) * h, (stop - start) * h, width)
+        raise IndexError(f"rows of layers {start}..{stop - 1} are not held by the chunk of layers {self.layers}")
+
     def row_blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
         """``(start, stop)`` split where external blocks and the own rows begin and end."""
         cuts = {self.layers.start} | {edge for layers, _ in self.external for edge in (layers.start, layers.stop)}
@@ -101,10 +120,7 @@ class KeyValueRows:
 
     def store(self, layer: int, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Eq. 1: write layer ``layer``'s keys/values ``[s, b, h, d]`` into its rows; returns them."""
-        if self.buffer is None:
-            self._allocate(key)
-        if tuple(key.shape) != self.kv_shape:
-            raise RuntimeError(f"layer {layer} keys {tuple(key.shape)} do not match the memory's {self.kv_shape}")
+        self.allocate(key)
         s, b, h, d = self.kv_shape
         local = layer - self.layers.start
         slot = self.writer[local * h : (local + 1) * h].view(h, 2, s, b, d)

@@ -70,11 +70,14 @@ import weakref
 
 import torch
 
+from lime_megatron.kernels.operands import Halves
+from lime_megatron.models.lime import fused_routing
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
 from lime_megatron.models.lime.head_parallel import gather_heads
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.routing_blocks import StandingRouterStack
 from lime_megatron.models.lime.routing_products import key_value_halves, placed_columns
 from lime_megatron.models.lime.stacked_routing import StackedRouting
 from lime_megatron.models.lime.static_routing import StaticRouting
@@ -96,6 +99,11 @@ class LayerIntegratedMemory:
         routers: the chunk's routers by layer (a block's first layer mixes the earlier sources of
             all its layers; every product of several routers reads their weights from one
             ``RouterStack`` per pass).
+        triton: the routing products run as Triton kernels (``lime_megatron.kernels``; the run's
+            ``--lime-routing-kernel``, ``kernels.routing_path``), else as torch operators.
+        deterministic: the kernels' router-weight gradients sum in a fixed order.
+        standing_stack: the chunk's ``RouterStack`` kept across passes (the Triton path), else
+            each pass builds its own.
     """
 
     def __init__(
@@ -107,11 +115,15 @@ class LayerIntegratedMemory:
         block: int = 1,
         *,
         routers: dict[int, LimeRouter],
+        triton: bool = False,
+        deterministic: bool = True,
+        standing_stack: StandingRouterStack | None = None,
     ):
-        self.key_values = KeyValueRows(range(num_layers) if layers is None else layers)
+        layers = range(num_layers) if layers is None else layers
+        self.key_values = KeyValueRows(layers, triton, deterministic)
         self.kept = KeptGradients(self.key_values)
         self.routing = StaticRouting(self.key_values, block)
-        self.stacked = StackedRouting(self.key_values, self.kept, self.routing, routers)
+        self.stacked = StackedRouting(self.key_values, self.kept, self.routing, routers, standing_stack)
         self.by_token = TokenRouting(self.key_values, self.kept)
         self.gradients = ConsumerGradients(
             num_layers, variant, window, self.key_values, self.kept, self.routing, self.stacked, self.by_token
@@ -161,16 +173,23 @@ class RouteKeysValues(torch.autograd.Function):
     def forward(
         ctx, weight, key, value, earlier_keys, earlier_values, memory: LayerIntegratedMemory, router: LimeRouter
     ):
-        own_rows = memory.key_values.store(router.layer, key, value)
+        earlier = (earlier_keys, earlier_values) if earlier_keys is not None else None
+        if fused_routing.fused(memory, router):
+            routed = fused_routing.store_and_mix(memory, router, key, value, earlier)
+        else:
+            memory.key_values.store(router.layer, key, value)
+            routed = memory.routing.mix(router, earlier)
         memory.gradients.register(router)
         # Saved so that saved-tensor accounting (and offloading hooks) see the buffer.
-        ctx.save_for_backward(own_rows)
-        ctx.memory, ctx.router, ctx.blocked = memory, router, earlier_keys is not None
-        return memory.routing.mix(router, (earlier_keys, earlier_values) if ctx.blocked else None)
+        ctx.save_for_backward(memory.key_values.buffer)
+        ctx.memory, ctx.router, ctx.blocked = memory, router, earlier is not None
+        return routed
 
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
-        ctx.saved_tensors  # noqa: B018 - releases the saved view through the hooks
+        ctx.saved_tensors  # noqa: B018 - releases the saved buffer through the hooks
+        if fused_routing.fused(ctx.memory, ctx.router):
+            return RouteKeysValues._fused_backward(ctx, grad_keys, grad_values)
         memory, router = ctx.memory, ctx.router
         grad_rows = KeyValueRows.to_rows(grad_keys, grad_values)
         if not router.identity:  # the identity routes each rank's own heads: nothing to gather
@@ -189,6 +208,24 @@ class RouteKeysValues(torch.autograd.Function):
             grad_earlier = (grad_keys, grad_values)
         elif ctx.blocked:
             grad_earlier = key_value_halves(grad_rows)
+        return grad_weight, grad_key, grad_value, *grad_earlier, None, None
+
+    @staticmethod
+    def _fused_backward(ctx, grad_keys, grad_values):
+        """``backward`` on the Triton path (``fused_routing``): the incoming gradients read where
+        they lie, one launch for the router-weight gradient and one for the keys' and values'."""
+        memory, router = ctx.memory, ctx.router
+        grads = Halves.of_heads(grad_keys, grad_values)
+        grad_weight = None
+        if ctx.needs_input_grad[0]:
+            since = memory.routing.block_of(router.layer).start if ctx.blocked else 0
+            piece = fused_routing.weight_grad(memory, router, grads, since)
+            if ctx.blocked:  # placed beside the earlier columns' by ``routing_blocks.MixEarlierSources``
+                memory.kept.leave_in_block(router.layer, [piece])
+            else:
+                grad_weight = placed_columns([piece], router.weight)
+        grad_key, grad_value = fused_routing.kv_grad(memory, router, grads)
+        grad_earlier = (grad_keys, grad_values) if ctx.blocked else (None, None)
         return grad_weight, grad_key, grad_value, *grad_earlier, None, None
 
 

@@ -80,21 +80,29 @@ class RouterStack:
     gradients) takes its narrow operand from here (``columns``: one copy), where stacking the
     routers per product cost one copy per router per product, O(L) small copies and their
     Python per layer in backward at B = 1, the host's work that sets the pace of a deep narrow
-    model on a GPU.  Built once per pass, one copy per run of a router's sources:
-    the weights hold still between a forward and its backward (the optimizer steps after both).
+    model on a GPU.  Built once per pass (the torch path) or kept by the model chunk and
+    ``refresh``-ed once per pass (``StandingRouterStack``, the Triton path): the weights hold still
+    between a forward and its backward (the optimizer steps after both).  Its places are views made
+    once; a refresh copies every run of every router's sources into them in one operator.
     """
 
     def __init__(self, routers: dict[int, LimeRouter], layers: range, like: torch.Tensor):
         first = routers[layers.start]
         self.first, self.rows, self.local = layers.start, first.weight.shape[0], first.local_heads
         self.matrix = like.new_zeros(len(layers) * self.rows, layers.stop * self.local)
-        with torch.no_grad():  # a copy of the weights outside autograd, whoever builds it
+        self._places, self._weights = [], []
+        with torch.no_grad():  # views of the weights outside autograd, whoever builds it
             for layer in layers:
                 router, top = routers[layer], (layer - self.first) * self.rows
                 for start, stop in router.source_runs:
-                    self.matrix[top : top + self.rows, start * self.local : stop * self.local] = router.weight_columns(
-                        start, stop
-                    )
+                    self._places.append(self.matrix[top : top + self.rows, start * self.local : stop * self.local])
+                    self._weights.append(router.weight_columns(start, stop))
+        self.refresh()
+
+    def refresh(self) -> None:
+        """Copy the routers' weights into their places (one ``_foreach_copy_``)."""
+        with torch.no_grad():
+            torch._foreach_copy_(self._places, self._weights)
 
     def columns(self, consumers: Sequence[int], start: int, stop: int) -> torch.Tensor:
         """``[len(consumers) * kv_heads, (stop - start) * local heads]``: the columns of source
@@ -110,6 +118,28 @@ class RouterStack:
         )
 
 
+class StandingRouterStack:
+    """A model chunk's ``RouterStack`` kept across passes (the Triton path, whose host work per
+    layer it saves): ``refreshed`` per pass with one operator, built anew when the rows' dtype or
+    device or a weight's storage changed (a cast, a move, megatron's DDP taking the weights into
+    its buffer).  It holds ``len(layers) * kv_heads`` x ``layers.stop * local heads`` elements for
+    the chunk's lifetime, where the torch path builds one per micro-batch."""
+
+    def __init__(self, routers: dict[int, LimeRouter], layers: range):
+        self.routers, self.layers = routers, layers
+        self._stack: RouterStack | None = None
+        self._built_for: tuple | None = None
+
+    def refreshed(self, like: torch.Tensor) -> RouterStack:
+        """The stack in ``like``'s dtype and device holding the routers' current weights."""
+        built_for = (like.dtype, like.device, *(router.weight.data_ptr() for router in self.routers.values()))
+        if self._stack is None or built_for != self._built_for:
+            self._stack, self._built_for = RouterStack(self.routers, self.layers, like), built_for
+        else:
+            self._stack.refresh()
+        return self._stack
+
+
 @dataclass
 class EarlierSources:
     """The operands of a block's product over the sources before the block.
@@ -118,7 +148,8 @@ class EarlierSources:
     blocks ``(start, stop)`` of those sources (their union, split where the memory's own rows and
     external blocks meet); per run its ``rows`` ``[(stop - start) * kv_heads, 2*s*b*d]`` and the
     readers' stacked ``columns`` ``[len(readers) * kv_heads, (stop - start) * local heads]``
-    (``RouterStack.columns``, in the rows' dtype); ``kv_shape``: ``(s, b, kv_heads, d)``.
+    (``RouterStack.columns``, in the rows' dtype); ``kv_shape``: ``(s, b, kv_heads, d)``;
+    ``triton``: the products run as Triton kernels (``kernels.routing_kernels``).
     """
 
     readers: list[LimeRouter]
@@ -126,6 +157,7 @@ class EarlierSources:
     rows: list[torch.Tensor]
     columns: list[torch.Tensor]
     kv_shape: tuple[int, int, int, int]
+    triton: bool = False
 
 
 def mix_earlier(sources: EarlierSources, kind: str = "forward") -> list[tuple[torch.Tensor, torch.Tensor]]:
@@ -140,9 +172,9 @@ def mix_earlier(sources: EarlierSources, kind: str = "forward") -> list[tuple[to
     partial = None
     for narrow, wide in zip(sources.columns, sources.rows):
         partial = (
-            routing_product_attention_layout(kind, narrow, wide, d, partial)
+            routing_product_attention_layout(kind, narrow, wide, d, partial, sources.triton)
             if attention_layout
-            else routing_product(kind, narrow, wide, partial)
+            else routing_product(kind, narrow, wide, partial, sources.triton)
         )
     if attention_layout:
         halves = (
@@ -199,7 +231,7 @@ class MixEarlierSources(torch.autograd.Function):
         rows, first = readers[0].weight.shape[0], readers[0].layer
         grads = kept.grad_rows(range(first, readers[-1].layer + 1), rows)
         for start, stop in ctx.runs:
-            block_grad = weight_grad_product(grads, ctx.key_values.rows(start, stop))
+            block_grad = weight_grad_product(grads, ctx.key_values.rows(start, stop), ctx.key_values.triton)
             for placed, router in zip(pieces, readers):
                 top, local = (router.layer - first) * rows, router.local_heads
                 placed += [

@@ -25,6 +25,9 @@ from typing import TypeVar
 
 import torch
 
+from lime_megatron.kernels import operands as kernels
+from lime_megatron.kernels.operands import Columns, Halves
+
 Result = TypeVar("Result")
 
 ProductObserver = Callable[[str, torch.Tensor, int | None, Callable[[], Result]], Result]
@@ -52,12 +55,14 @@ def observed_read(kind: str, wide: torch.Tensor) -> torch.Tensor:
 
 
 def routing_product(
-    kind: str, narrow: torch.Tensor, wide: torch.Tensor, accumulate: torch.Tensor | None = None
+    kind: str, narrow: torch.Tensor, wide: torch.Tensor, accumulate: torch.Tensor | None = None, triton: bool = False
 ) -> torch.Tensor:
     """``narrow @ wide`` ([r, k] @ [k, N]) in ``wide``'s dtype (router weights may be kept in float32
     beside bf16 activations), plus ``accumulate`` ([r, N]) in the same kernel when given (a new
-    tensor either way)."""
+    tensor either way); with ``triton`` one launch of ``kernels.routing_kernels.mix_kernel``."""
     flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+    if triton:
+        return observed_product(kind, wide, flops, lambda: triton_rows_product(narrow, wide, accumulate))
     narrow = narrow.to(wide.dtype)
     if accumulate is None:
         return observed_product(kind, wide, flops, lambda: narrow @ wide)
@@ -65,12 +70,21 @@ def routing_product(
 
 
 def routing_product_attention_layout(
-    kind: str, narrow: torch.Tensor, wide: torch.Tensor, inner: int, accumulate: torch.Tensor | None = None
+    kind: str,
+    narrow: torch.Tensor,
+    wide: torch.Tensor,
+    inner: int,
+    accumulate: torch.Tensor | None = None,
+    triton: bool = False,
 ) -> torch.Tensor:
     """``narrow @ wide`` written straight into attention's layout: ``[r, k] @ [k, M * inner]`` ->
     ``[M, r, inner]`` contiguous (with ``M * inner = 2*s*b*d``, ``inner = d``: ``[2, s, b, r, d]``),
     one strided-batched product instead of the ``[r, N]`` product and its rearranging copy, plus
-    ``accumulate`` (viewable as ``[M, r, inner]``) in the same kernel when given."""
+    ``accumulate`` (``[M, r, inner]``, or a view of that shape's elements) in the same kernel when
+    given; with ``triton`` one launch of ``kernels.routing_kernels.mix_kernel``."""
+    if triton:
+        flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+        return observed_product(kind, wide, flops, lambda: triton_attention_product(narrow, wide, inner, accumulate))
     batched = wide.view(wide.shape[0], -1, inner).transpose(0, 1)
     return batched_product(kind, batched_narrow(narrow, batched), batched, accumulate)
 
@@ -106,12 +120,17 @@ def routing_product_keys_values(
     wide: torch.Tensor,
     inner: int,
     accumulate: tuple[torch.Tensor, torch.Tensor] | None = None,
+    triton: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """``routing_product_attention_layout`` of the keys' and the values' halves of the rows
     ``wide`` apart, each plus its half of ``accumulate`` when given: keys and values
     ``[s*b, r, inner]``, two tensors, so that attention can keep the values without the keys
     (only RoPE reads those).  The two halves' batched views come from one view of ``wide``
-    and share one broadcast ``narrow`` (each operator is host time, docs/routing.md)."""
+    and share one broadcast ``narrow`` (each operator is host time, docs/routing.md); with
+    ``triton`` both halves are one launch of ``kernels.routing_kernels.mix_kernel``."""
+    if triton:
+        flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+        return observed_product(kind, wide, flops, lambda: triton_keys_values_product(narrow, wide, inner, accumulate))
     halves = wide.view(wide.shape[0], 2, -1, inner).permute(1, 2, 0, 3).unbind(0)
     narrow = batched_narrow(narrow, halves[0])
     return tuple(batched_product(kind, narrow, half, added) for half, added in zip(halves, accumulate or (None, None)))
@@ -141,9 +160,12 @@ def placed_columns(pieces: list[tuple[slice, torch.Tensor]], weight: torch.Tenso
     return grad
 
 
-def weight_grad_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-    """:func:`float32_product`, the router-weight gradient's product (kind ``weight_grad``)."""
+def weight_grad_product(grad_rows: torch.Tensor, rows: torch.Tensor, triton: bool = False) -> torch.Tensor:
+    """:func:`float32_product`, the router-weight gradient's product (kind ``weight_grad``); with
+    ``triton`` ``kernels.routing_kernels.weight_grad_kernel`` (``triton_weight_grad``)."""
     flops = 2 * grad_rows.shape[0] * rows.shape[0] * rows.shape[1]
+    if triton:
+        return observed_product("weight_grad", rows, flops, lambda: triton_weight_grad(grad_rows, rows))
     return observed_product("weight_grad", rows, flops, lambda: float32_product(grad_rows, rows))
 
 
@@ -173,3 +195,53 @@ def float32_product(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor
     for start in range(0, rows.shape[1], step):
         product.addmm_(grad_rows[:, start : start + step].float(), rows[:, start : start + step].float().t())
     return product
+
+
+def triton_rows_product(narrow: torch.Tensor, wide: torch.Tensor, accumulate: torch.Tensor | None) -> torch.Tensor:
+    """``routing_product`` as one ``mix_kernel`` launch: rows ``[r, N]`` (a new tensor)."""
+    out = wide.new_empty(narrow.shape[0], wide.shape[1])
+    added = None if accumulate is None else Halves.of_rows(accumulate, 0, narrow.shape[0])
+    kernels.mix(
+        Halves.of_rows(out, 0, narrow.shape[0]),
+        (Columns.of_view(narrow), Halves.of_rows(wide, 0, wide.shape[0])),
+        accumulate=added,
+    )
+    return out
+
+
+def triton_attention_product(
+    narrow: torch.Tensor, wide: torch.Tensor, inner: int, accumulate: torch.Tensor | None
+) -> torch.Tensor:
+    """``routing_product_attention_layout`` as one ``mix_kernel`` launch: ``[M, r, inner]``."""
+    r, positions = narrow.shape[0], wide.shape[1] // (2 * inner)
+    out = wide.new_empty(2 * positions, r, inner)
+    added = None if accumulate is None else Halves.of_heads(accumulate.view(2 * positions, r, inner))
+    kernels.mix(
+        Halves.of_heads(out),
+        (Columns.of_view(narrow), Halves.of_rows(wide, 0, wide.shape[0], inner)),
+        accumulate=added,
+    )
+    return out
+
+
+def triton_keys_values_product(
+    narrow: torch.Tensor, wide: torch.Tensor, inner: int, accumulate: tuple[torch.Tensor, torch.Tensor] | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``routing_product_keys_values`` as one ``mix_kernel`` launch: keys and values
+    ``[s*b, r, inner]``, two tensors."""
+    r, positions = narrow.shape[0], wide.shape[1] // (2 * inner)
+    keys, values = wide.new_empty(positions, r, inner), wide.new_empty(positions, r, inner)
+    added = None if accumulate is None else Halves.of_heads(*accumulate)
+    kernels.mix(
+        Halves.of_heads(keys, values),
+        (Columns.of_view(narrow), Halves.of_rows(wide, 0, wide.shape[0], inner)),
+        accumulate=added,
+    )
+    return keys, values
+
+
+def triton_weight_grad(grad_rows: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+    """``float32_product`` as ``weight_grad_kernel`` launches: ``grad_rows @ rows^T`` ``[m, n]`` in
+    ``weight_grad_dtype``, deterministic (per-split sums, then one sum)."""
+    grads, wide = Halves.of_rows(grad_rows, 0, grad_rows.shape[0]), Halves.of_rows(rows, 0, rows.shape[0])
+    return kernels.weight_grad_sums(grads, [(0, wide)], rows.shape[0], weight_grad_dtype(rows), deterministic=True)

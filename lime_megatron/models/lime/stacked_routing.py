@@ -25,7 +25,13 @@ import torch
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter, contiguous_runs
-from lime_megatron.models.lime.routing_blocks import EarlierSources, MixEarlierSources, RouterStack, mix_earlier
+from lime_megatron.models.lime.routing_blocks import (
+    EarlierSources,
+    MixEarlierSources,
+    RouterStack,
+    StandingRouterStack,
+    mix_earlier,
+)
 from lime_megatron.models.lime.routing_products import routing_product, routing_product_attention_layout
 from lime_megatron.models.lime.static_routing import StaticRouting
 
@@ -33,13 +39,19 @@ from lime_megatron.models.lime.static_routing import StaticRouting
 class StackedRouting:
     """Products of several of the chunk's ``routers`` (by layer) over the rows of ``key_values``,
     blocked as ``routing`` says; a block's weight gradient reads ``kept``'s g_m.  Holds the pass's
-    ``RouterStack`` (built by its first product) and a block's partial sums until its readers
-    take them."""
+    ``RouterStack`` (built by its first product, or ``standing``, the chunk's, refreshed) and a
+    block's partial sums until its readers take them."""
 
     def __init__(
-        self, key_values: KeyValueRows, kept: KeptGradients, routing: StaticRouting, routers: dict[int, LimeRouter]
+        self,
+        key_values: KeyValueRows,
+        kept: KeptGradients,
+        routing: StaticRouting,
+        routers: dict[int, LimeRouter],
+        standing: StandingRouterStack | None = None,
     ):
         self.key_values, self.kept, self.routing, self._routers = key_values, kept, routing, routers
+        self._standing = standing
         self._stack: RouterStack | None = None
         self._partials: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # forward: a block's earlier sums
         self._rebuild_partials: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # the same, rebuilt in backward
@@ -47,9 +59,17 @@ class StackedRouting:
     def stacked_columns(self, consumers: Sequence[int], start: int, stop: int, wide: torch.Tensor) -> torch.Tensor:
         """The columns of source layers ``start..stop-1`` of the routers of own layers ``consumers``,
         stacked (``RouterStack.columns``, in the dtype of ``wide``, the rows they multiply)."""
+        return self.stack(wide).columns(consumers, start, stop)
+
+    def stack(self, like: torch.Tensor) -> RouterStack:
+        """This pass's ``RouterStack`` in the dtype of ``like`` (the rows it multiplies), built (or
+        the chunk's standing one refreshed) by the pass's first product of several routers."""
         if self._stack is None:
-            self._stack = RouterStack(self._routers, self.key_values.layers, wide)
-        return self._stack.columns(consumers, start, stop)
+            standing = self._standing
+            self._stack = (
+                standing.refreshed(like) if standing else RouterStack(self._routers, self.key_values.layers, like)
+            )
+        return self._stack
 
     def _earlier_readers(self, block: range) -> list[LimeRouter]:
         """The routers of ``block`` that read sources before it."""
@@ -62,7 +82,7 @@ class StackedRouting:
         rows = [self.key_values.rows(start, stop) for start, stop in runs]
         consumers = [reader.layer for reader in readers]
         columns = [self.stacked_columns(consumers, start, stop, wide) for (start, stop), wide in zip(runs, rows)]
-        return EarlierSources(readers, runs, rows, columns, self.key_values.kv_shape)
+        return EarlierSources(readers, runs, rows, columns, self.key_values.kv_shape, self.key_values.triton)
 
     def earlier_partial(self, router: LimeRouter, key: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Forward: ``router``'s sums over the sources before its block, keys and values (this rank's
@@ -114,6 +134,8 @@ class StackedRouting:
         ``[len(sources) * local heads, 2*s*b*d]``, plus ``accumulate`` (the same shape) in the
         product's kernel when given; a new tensor."""
         narrow = self.stacked_columns(consumers, sources.start, sources.stop, grads).t()
+        triton = self.key_values.triton
         if attention_layout:
-            return routing_product_attention_layout("row_grad", narrow, grads, self.key_values.kv_shape[3], accumulate)
-        return routing_product("row_grad", narrow, grads, accumulate)
+            inner = self.key_values.kv_shape[3]
+            return routing_product_attention_layout("row_grad", narrow, grads, inner, accumulate, triton)
+        return routing_product("row_grad", narrow, grads, accumulate, triton)

@@ -53,13 +53,20 @@ class StaticRouting:
     def __init__(self, key_values: KeyValueRows, block: int):
         self.key_values, self.block = key_values, block
 
+    def source_spans(self, router: LimeRouter, since: int = 0) -> list[tuple[int, int]]:
+        """(first source layer, stop) per contiguous block of ``router``'s sources from layer
+        ``since`` on (a run of read sources, split where the own rows and external blocks meet)."""
+        return [
+            span
+            for run_start, run_stop in router.source_runs
+            if run_stop > since
+            for span in self.key_values.row_blocks(max(run_start, since), run_stop)
+        ]
+
     def _source_blocks(self, router: LimeRouter, since: int = 0) -> Iterator[tuple[int, int, torch.Tensor]]:
-        """(first source layer, stop, rows) per contiguous block of ``router``'s sources from layer
-        ``since`` on."""
-        for run_start, run_stop in router.source_runs:
-            if run_stop > since:
-                for start, stop in self.key_values.row_blocks(max(run_start, since), run_stop):
-                    yield start, stop, self.key_values.rows(start, stop)
+        """``source_spans`` with their rows."""
+        for start, stop in self.source_spans(router, since):
+            yield start, stop, self.key_values.rows(start, stop)
 
     def block_of(self, layer: int) -> range:
         """The routing block of own layer ``layer``: B consecutive layers from the chunk's first."""
@@ -104,7 +111,7 @@ class StaticRouting:
             since = 0 if earlier is None else self.block_of(router.layer).start
             for start, stop, wide in self._source_blocks(router, since):
                 narrow = router.weight_columns(start, stop).contiguous()
-                partial = routing_product(kind, narrow, wide, partial)
+                partial = routing_product(kind, narrow, wide, partial, rows.triton)
         if partial is None:  # a replica of another rank's heads (the primary adds those terms), or
             # a blocked layer whose kept routes all read sources before its block
             partial = rows.buffer.new_zeros(router.weight.shape[0], rows.buffer.shape[1])
@@ -124,7 +131,7 @@ class StaticRouting:
         routed = earlier
         for start, stop, wide in self._source_blocks(router, since):
             narrow = router.weight_columns(start, stop).contiguous()
-            routed = routing_product_keys_values(kind, narrow, wide, kv_shape[3], routed)
+            routed = routing_product_keys_values(kind, narrow, wide, kv_shape[3], routed, self.key_values.triton)
         if routed is earlier:  # every kept route reads a source before the block: those sums alone
             routed = tuple(part.clone(memory_format=torch.contiguous_format) for part in earlier)
         return tuple(part.view(kv_shape) for part in routed)
@@ -138,6 +145,6 @@ class StaticRouting:
         (``weight_grad_product``); ``grad_rows`` holds all kv_heads rows of g_l.  Replica ranks
         compute the same value (their weight columns are one shared parameter)."""
         return [
-            (router.columns(start, stop), weight_grad_product(grad_rows, wide))
+            (router.columns(start, stop), weight_grad_product(grad_rows, wide, self.key_values.triton))
             for start, stop, wide in self._source_blocks(router, since)
         ]

@@ -1,0 +1,108 @@
+"""The Triton routing kernels (Triton's CPU interpreter) against torch, operand by operand: random
+shapes with ragged tails (positions, heads and sources not multiples of the tiles), every dtype,
+strided operands as megatron and attention hand them over, accumulation, the store on the way,
+the router-weight gradient both ways (atomic and per-split sums)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lime_megatron.kernels.operands import Columns, Halves, mix, weight_grad_sums
+
+TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
+"""Relative error allowed against torch: summation order, and one rounding of the output."""
+
+SHAPES = [  # (s, b, heads, d, source rows)
+    (3, 2, 3, 8, 5),  # ragged everywhere: 48 positions x elements per half, 3 heads, 5 sources
+    (17, 1, 8, 16, 24),  # more than one tile of positions, K over one BLOCK_K
+    (5, 3, 2, 4, 1),
+]
+
+
+def as_rows(keys: torch.Tensor, values: torch.Tensor) -> torch.Tensor:
+    """``[s, b, h, d]`` keys and values -> rows ``[h, 2*s*b*d]`` (the reference layout)."""
+    return torch.stack((keys.permute(2, 0, 1, 3), values.permute(2, 0, 1, 3)), dim=1).reshape(keys.shape[2], -1)
+
+
+def relative(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.double() - expected.double()).norm() / expected.double().norm()).item()
+
+
+def strided_keys_values(s, b, h, d, dtype):
+    """Keys and values as megatron's QKV split hands them over: views of one ``[s, b, h, 3, d]``."""
+    mixed = torch.randn(s, b, h, 3, d, dtype=dtype)
+    return mixed[:, :, :, 1], mixed[:, :, :, 2]
+
+
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_store_and_mix_equals_torch(shape, dtype):
+    """``out = acc + W1 @ rows + W2 @ own`` in attention's layout, own written to its rows."""
+    torch.manual_seed(sum(shape))
+    s, b, h, d, sources = shape
+    weight_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    rows = torch.randn(sources, 2 * s * b * d, dtype=dtype)
+    weight = torch.randn(h, sources + h, dtype=weight_dtype)
+    key, value = strided_keys_values(s, b, h, d, dtype)
+    earlier = torch.randn(s, b, h, d, dtype=dtype), torch.randn(s, b, h, d, dtype=dtype)
+    stored = torch.zeros(h, 2 * s * b * d, dtype=dtype)
+    keys, values = torch.empty(s, b, h, d, dtype=dtype), torch.empty(s, b, h, d, dtype=dtype)
+    first = (Columns.of(weight, slice(0, h), slice(0, sources)), Halves.of_rows(rows, 0, sources, d))
+    own = (Columns.of(weight, slice(0, h), slice(sources, sources + h)), Halves.of_heads(key, value))
+    mix(Halves.of_heads(keys, values), first, own, Halves.of_heads(*earlier), Halves.of_rows(stored, 0, h, d))
+    expected = weight.to(dtype).double() @ torch.cat([rows, as_rows(key, value)]).double() + as_rows(*earlier).double()
+    assert torch.equal(stored, as_rows(key, value))
+    assert relative(as_rows(keys, values), expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_row_gradient_with_transposed_columns_and_permuted_gradients(dtype):
+    """The row gradient's shape of product: a transposed slice of a router stack over kept rows,
+    plus the incoming gradient in the layout attention's backward returns (b, h, s, d in memory)."""
+    torch.manual_seed(0)
+    s, b, h, d, consumers = 7, 2, 3, 8, 4
+    stack = torch.randn(consumers * h + h, 5 * h, dtype=dtype)
+    kept = torch.randn(consumers * h, 2 * s * b * d, dtype=dtype)
+    grads = [torch.randn(b, h, s, d, dtype=dtype).permute(2, 0, 1, 3) for _ in range(2)]
+    out = torch.empty(2 * s * b, h, d, dtype=dtype)
+    first = (
+        Columns.of(stack, slice(h, h + consumers * h), slice(2 * h, 3 * h), transposed=True),
+        Halves.of_rows(kept, 0, consumers * h, d),
+    )
+    own = (Columns.of(stack, slice(0, h), slice(2 * h, 3 * h), transposed=True), Halves.of_heads(*grads))
+    mix(Halves.of_heads(out), first, own)
+    columns = stack[:, 2 * h : 3 * h].double()
+    expected = columns[h:].t() @ kept.double() + columns[:h].t() @ as_rows(*grads).double()
+    got = as_rows(*out.view(2, s, b, h, d).unbind(0))
+    assert relative(got, expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["per-split sums", "atomic"])
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_weight_gradient_equals_torch(shape, dtype, deterministic):
+    """dW = g @ rows^T over two row blocks placed at their columns, zero between them, in float32
+    (float64 for float64 rows), from strided gradients."""
+    torch.manual_seed(sum(shape) + 1)
+    s, b, h, d, sources = shape
+    grads = strided_keys_values(s, b, h, d, dtype)
+    rows = torch.randn(sources + h, 2 * s * b * d, dtype=dtype)
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    width = sources + h + 2  # two columns no block writes
+    terms = [(0, Halves.of_rows(rows, 0, sources, d)), (sources + 2, Halves.of_rows(rows, sources, h, d))]
+    got = weight_grad_sums(Halves.of_heads(*grads), terms, width, accumulate, deterministic)
+    product = as_rows(*grads).double() @ rows.double().t()
+    expected = torch.cat([product[:, :sources], torch.zeros(h, 2, dtype=torch.float64), product[:, sources:]], dim=1)
+    assert got.dtype == accumulate and got.shape == (h, width)
+    assert torch.equal(got[:, sources : sources + 2], torch.zeros(h, 2, dtype=accumulate))
+    assert relative(got, expected) <= (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+def test_a_mix_needs_a_term_and_stores_only_the_second():
+    rows = torch.randn(2, 32)
+    halves = Halves.of_rows(rows, 0, 2, 4)
+    with pytest.raises(ValueError, match="at least one term"):
+        mix(halves, None)
+    with pytest.raises(ValueError, match="the second term's"):
+        mix(halves, (Columns.of_view(torch.eye(2)), halves), store=halves)

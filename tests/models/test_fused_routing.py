@@ -1,0 +1,202 @@
+"""The Triton path of the routing (``kernels``, ``models.lime.fused_routing``; Triton's CPU
+interpreter) against the torch path: the same model, losses and every gradient; which path a run
+takes; the host work it dispatches per layer; and what a captured step would need (no host
+synchronisation, the buffer allocated once per pass)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from lime_megatron.choices import LimeConfigError
+from lime_megatron.kernels.routing_path import routing_kernel
+from lime_megatron.models.config import lime_config
+from lime_megatron.models.lime.key_value_rows import KeyValueRows
+from lime_megatron.testing.dispatched_operators import DispatchedOperators
+from tests.lime_fixtures import (
+    RECOMPUTE,
+    batch,
+    loss_of,
+    megatron_logits,
+    prune_by_hand,
+    tiny_model,
+    twin_errors,
+)
+
+pytestmark = pytest.mark.usefixtures("megatron")
+
+VARIANTS = {  # id: model settings, run by both paths
+    "full B=1": dict(lime_routing_block=1),
+    "full B=3": dict(lime_routing_block=3),
+    "gqa B=2": dict(lime_routing_block=2, num_query_groups=2),
+    "last-2 B=2": dict(lime_routing_block=2, lime_router="last", lime_router_window=2),
+    "first-2": dict(lime_routing_block=1, lime_router="first", lime_router_window=2),
+    "average": dict(lime_routing_block=1, lime_router="average"),
+    "routed K/V rebuilt B=2": dict(lime_routing_block=2, lime_recompute_routed_kv=True),
+    "full recompute": dict(lime_routing_block=1, **RECOMPUTE["full-uniform"]),
+    "deterministic": dict(lime_routing_block=1, deterministic_mode=True),
+}
+
+
+def both_paths(dtype=torch.float64, **settings):
+    """The model on the torch path and its twin (same weights) on the Triton path."""
+    return (
+        tiny_model(dtype, num_layers=6, lime_routing_kernel="torch", **settings),
+        tiny_model(dtype, num_layers=6, lime_routing_kernel="triton", **settings),
+    )
+
+
+@pytest.mark.parametrize("name", list(VARIANTS))
+def test_triton_path_equals_the_torch_path(name):
+    """Loss and every gradient in float64, at summation-order tolerance."""
+    loss_error, grad_errors = twin_errors(*both_paths(**VARIANTS[name]))
+    assert loss_error <= 1e-13
+    assert max(grad_errors.values()) <= 1e-12, grad_errors
+
+
+def test_pruned_routers_on_the_triton_path():
+    """Hand-pruned routers (sources skipped, windows of reads): the same gradients both ways."""
+    torch_model, triton_model = both_paths(lime_routing_block=2, lime_prune_top_p=1.0)
+    for model in (torch_model, triton_model):
+        prune_by_hand([model], lambda layer, source: source == layer or source % 2 == 1)
+    loss_error, grad_errors = twin_errors(torch_model, triton_model)
+    assert loss_error <= 1e-13 and max(grad_errors.values()) <= 1e-12, grad_errors
+
+
+@pytest.mark.parametrize("dtype, tolerance", [(torch.float32, 1e-5), (torch.bfloat16, 3e-2)])
+@pytest.mark.parametrize("block", [1, 3])
+def test_triton_path_in_training_dtypes(dtype, tolerance, block):
+    """float32 and bf16 (routers in the rows' dtype, the weight gradient accumulated in float32)."""
+    loss_error, grad_errors = twin_errors(*both_paths(dtype, lime_routing_block=block))
+    assert loss_error <= tolerance
+    assert max(grad_errors.values()) <= tolerance, grad_errors
+
+
+def test_the_triton_path_runs_every_routing_product_as_a_launch():
+    """No matrix product is dispatched on the Triton path beyond the baseline's."""
+
+    def products(model) -> dict:
+        tokens, positions, mask = batch()
+        with DispatchedOperators() as operators:
+            loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+        return {name: n for name, n in operators.by_name.items() if name in ("mm", "bmm", "baddbmm", "addmm")}
+
+    baseline = products(tiny_model(num_layers=4, lime=False))
+    triton = tiny_model(num_layers=4, lime_routing_block=2, lime_routing_kernel="triton")
+    assert products(triton) == baseline
+
+
+def config_with(**settings):
+    return lime_config(num_layers=2, hidden_size=32, num_attention_heads=4, **settings)
+
+
+def test_cuda_defaults_to_triton_and_the_cpu_to_torch():
+    assert routing_kernel(config_with(), torch.device("cuda")) == "triton"
+    assert routing_kernel(config_with(), torch.device("cpu")) == "torch"
+    assert routing_kernel(config_with(lime_routing_kernel="torch"), torch.device("cuda")) == "torch"
+    assert routing_kernel(config_with(lime_router="dynamic"), torch.device("cuda")) == "torch"
+    assert routing_kernel(config_with(params_dtype=torch.float64), torch.device("cuda")) == "torch"
+    assert routing_kernel(config_with(lime=False), torch.device("cuda")) == "torch"
+
+
+@pytest.mark.parametrize(
+    "settings, device, message",
+    [
+        (dict(lime_router="dynamic"), "cuda", "the dynamic router's per-token products have no Triton kernel"),
+        (dict(params_dtype=torch.float64), "cuda", "not torch.float64"),
+        ({}, "cpu", "only in Triton's interpreter"),
+    ],
+    ids=["dynamic", "float64 on a GPU", "CPU without the interpreter"],
+)
+def test_triton_refuses_what_it_cannot_honour(settings, device, message, monkeypatch):
+    if device == "cpu":
+        monkeypatch.delenv("TRITON_INTERPRET")
+    with pytest.raises(LimeConfigError, match=f"^--lime-routing-kernel triton: .*{message}"):
+        routing_kernel(config_with(lime_routing_kernel="triton", **settings), torch.device(device))
+
+
+def test_an_unknown_routing_kernel_is_refused():
+    with pytest.raises(LimeConfigError, match="unknown lime_routing_kernel 'cuda'"):
+        config_with(lime_routing_kernel="cuda")
+
+
+def step_operators(model) -> DispatchedOperators:
+    """The operators of one forward+backward after one uncounted (gradients reset between, as an
+    optimizer's ``zero_grad`` does)."""
+    tokens, positions, mask = batch()
+    loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    model.zero_grad(set_to_none=True)
+    with DispatchedOperators() as operators:
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    return operators
+
+
+def extra_per_layer(**settings) -> dict[str, float]:
+    """Operators LIMe dispatches per layer beyond the baseline, by name: the difference of the
+    extra counts at 12 and 8 layers over 4 (what a pass costs once cancels)."""
+    extra = {}
+    for layers in (8, 12):
+        lime = step_operators(tiny_model(num_layers=layers, lime_routing_kernel="triton", **settings)).by_name
+        base = step_operators(tiny_model(num_layers=layers, lime=False)).by_name
+        extra[layers] = {name: lime[name] - base[name] for name in lime.keys() | base.keys()}
+    return {name: (extra[12][name] - extra[8][name]) / 4 for name in extra[12] if extra[12][name] != extra[8][name]}
+
+
+TRITON_HOST_WORK = {  # id: (settings, operators per layer beyond the baseline's, at most)
+    "B=1": (dict(lime_routing_block=1), 9),
+    "last-2": (dict(lime_routing_block=1, lime_router="last", lime_router_window=2), 9),
+    "B=4": (dict(lime_routing_block=4), 18.5),
+}
+
+
+@pytest.mark.parametrize("name", list(TRITON_HOST_WORK))
+def test_triton_host_work_per_layer(name):
+    """The host work LIMe adds per layer on the Triton path, a launch counted as one: at B = 1
+    forward 2 allocations and one launch, backward 3 allocations and 2 launches (the torch path
+    dispatches 38: docs/routing.md), and autograd's one accumulation of the router's gradient."""
+    settings, budget = TRITON_HOST_WORK[name]
+    per_layer = extra_per_layer(**settings)
+    assert sum(per_layer.values()) <= budget, per_layer
+    if name != "B=4":
+        expected = {"new_empty": 4, "new_zeros": 1, "triton:mix_kernel": 2, "triton:weight_grad_kernel": 1, "detach": 1}
+        assert per_layer == expected
+
+
+SYNCHRONISING = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose")
+"""Operators that make the host wait for the device (a value read back)."""
+
+
+@pytest.mark.parametrize("kernel", ["triton", "torch"])
+def test_a_step_adds_no_host_synchronisation_and_one_buffer(kernel, monkeypatch):
+    """What a CUDA-graph capture of a step would need of LIMe and CPU tests can check: no operator
+    that reads a value back (beyond the baseline's), and the memory's buffer allocated once per pass
+    (one ``empty`` of its shape: B is static per micro-batch)."""
+    counts, buffers = {}, []
+    allocate = KeyValueRows.allocate
+
+    def counted(rows, key):
+        buffers.append(rows.buffer is None)
+        allocate(rows, key)
+
+    for lime in (False, True):
+        model = tiny_model(num_layers=4, lime=lime, lime_routing_kernel=kernel, lime_routing_block=2)
+        monkeypatch.setattr(KeyValueRows, "allocate", counted)
+        counts[lime] = step_operators(model).by_name
+        monkeypatch.setattr(KeyValueRows, "allocate", allocate)
+    assert {name: counts[True][name] - counts[False][name] for name in SYNCHRONISING} == dict.fromkeys(SYNCHRONISING, 0)
+    assert sum(buffers) == 2  # one buffer per pass: the uncounted step's and the counted one's
+
+
+def test_standing_router_stack_follows_the_weights():
+    """The Triton path keeps its router stack across passes, refreshed per pass: after the weights
+    change (an optimizer step), the gradients still equal the torch path's, which builds its stack
+    per pass (a stale stack would give the row gradients of the old weights)."""
+    torch_model, triton_model = both_paths(lime_routing_block=1)
+    for _ in range(2):
+        loss_error, grad_errors = twin_errors(torch_model, triton_model)
+        assert loss_error <= 1e-13 and max(grad_errors.values()) <= 1e-12
+        with torch.no_grad():
+            for model in (torch_model, triton_model):
+                for param in model.parameters():
+                    param.sub_(0.1 * param.grad)
+                model.zero_grad(set_to_none=True)
