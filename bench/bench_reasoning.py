@@ -1,7 +1,8 @@
 """LIMe against LLaMA on a reasoning task, trained from scratch with the loss on the solutions
 (``pretrain_lime.py --sft``) and scored by greedy generation (``tools/score_generation.py``):
 accuracy per tier (AET, LIMe paper §5.3.2) or answer and step accuracy (ProsQA-style, §5.3.1),
-per seed, with the mean and the spread over seeds.
+per seed, with the mean over seeds, its 95% interval (Student's t over the seeds) and the
+LIMe - LLaMA gap with its 95% interval (Welch's t).
 
     python bench/bench_reasoning.py --task aet --seeds 1 2 --train-iters 1500      # the paper's shape
     python bench/bench_reasoning.py --task aet --models LIMe --seeds 1 --epochs 200  # examples/aet_paper.sh
@@ -185,27 +186,63 @@ def train_and_score(args, out: Path, name: str, seed: int, data_flags: list[str]
     return result
 
 
-def spread(values: list[float]) -> str:
+T_975 = (12.706, 4.303, 3.182, 2.776, 2.571, 2.447, 2.365, 2.306, 2.262, 2.228)
+"""Student's t quantile 0.975 for 1..10 degrees of freedom (1.96 beyond: the normal's)."""
+
+
+def t_975(degrees: float) -> float:
+    """The 0.975 quantile of Student's t with ``degrees`` of freedom (rounded down: wider)."""
+    whole = max(1, math.floor(degrees))
+    return T_975[whole - 1] if whole <= len(T_975) else 1.96
+
+
+def mean_interval(values: list[float]) -> tuple[float, float, float]:
+    """(mean, low, high): the mean of ``values`` (one per seed) with its 95% t-interval; the
+    interval is the mean itself for one value."""
     mean = statistics.mean(values)
-    return f"{100 * mean:5.1f} ± {100 * statistics.stdev(values):4.1f}" if len(values) > 1 else f"{100 * mean:5.1f}"
+    if len(values) < 2:
+        return mean, mean, mean
+    half = t_975(len(values) - 1) * statistics.stdev(values) / math.sqrt(len(values))
+    return mean, mean - half, mean + half
+
+
+def gap_interval(lime: list[float], llama: list[float]) -> tuple[float, float, float]:
+    """(gap, low, high): LIMe's mean minus LLaMA's with its 95% Welch interval (seeds independent
+    per model); the gap itself for one seed each."""
+    gap = statistics.mean(lime) - statistics.mean(llama)
+    if min(len(lime), len(llama)) < 2:
+        return gap, gap, gap
+    shares = [statistics.variance(values) / len(values) for values in (lime, llama)]
+    error = math.sqrt(sum(shares))
+    if error == 0:
+        return gap, gap, gap
+    degrees = error**4 / sum(share**2 / (len(values) - 1) for share, values in zip(shares, (lime, llama)))
+    return gap, gap - t_975(degrees) * error, gap + t_975(degrees) * error
+
+
+def interval_cell(triple: tuple[float, float, float]) -> str:
+    mean, low, high = (100 * value for value in triple)
+    return f"{mean:+6.1f} [{low:+.1f}, {high:+.1f}]" if low != high else f"{mean:+6.1f}"
 
 
 def report(results: dict, models: list[str], seeds: list[int]) -> None:
-    """Per group (tier, or answer/steps): each model's accuracy per seed, mean ± sample standard
-    deviation over seeds, and the LIMe - LLaMA gap of the means when both models ran."""
+    """Per group (tier, or answer/steps): each model's accuracy per seed, the mean over seeds with
+    its 95% t-interval, and the LIMe - LLaMA gap with its 95% Welch interval when both models ran."""
     groups = list(next(iter(results.values()))["tiers"])
     print(
-        f"\n{'group':>8} {'model':>6} " + " ".join(f"{'seed ' + str(s):>8}" for s in seeds) + f" {'mean ± sd (%)':>14}"
+        f"\n{'group':>8} {'model':>6} "
+        + " ".join(f"{'seed ' + str(s):>8}" for s in seeds)
+        + f" {'mean [95% interval] (%)':>26}"
     )
     for group in groups:
-        means = {}
+        values = {}
         for name in models:
-            values = [results[(name, seed)]["tiers"][group] for seed in seeds]
-            means[name] = statistics.mean(values)
-            print(f"{group:>8} {name:>6} " + " ".join(f"{100 * v:7.1f}%" for v in values) + f" {spread(values):>14}")
-        if set(means) == set(MODELS):
-            gap = 100 * (means["LIMe"] - means["LLaMA"])
-            print(f"{group:>8} {'gap':>6} {'':>{9 * len(seeds)}}{gap:+6.1f} points")
+            values[name] = [results[(name, seed)]["tiers"][group] for seed in seeds]
+            cells = " ".join(f"{100 * v:7.1f}%" for v in values[name])
+            print(f"{group:>8} {name:>6} {cells} {interval_cell(mean_interval(values[name])):>26}")
+        if set(values) == set(MODELS):
+            gap = interval_cell(gap_interval(values["LIMe"], values["LLaMA"]))
+            print(f"{group:>8} {'gap':>6} {'':>{9 * len(seeds)}} {gap:>26} points")
     for name in models:
         runs = [results[(name, seed)] for seed in seeds]
         print(

@@ -39,3 +39,30 @@ def test_median_interval_of_few_values_is_their_range():
 @pytest.mark.parametrize("low,high,expected", [(0.96, 1.05, "met"), (1.051, 1.2, "missed"), (1.0, 1.06, "open")])
 def test_verdict_reads_the_whole_interval_against_the_target(low, high, expected):
     assert verdict(low, high, 1.05) == expected
+
+
+reasoning = load_bench("bench_reasoning")[0]
+
+
+def test_t_quantiles_are_students():
+    """Student's t 0.975 quantiles (tables: 12.706 at 1, 4.303 at 2, 2.228 at 10 degrees), the
+    normal's 1.96 beyond the table, fractional degrees rounded down (a wider interval)."""
+    assert reasoning.t_975(1) == 12.706 and reasoning.t_975(2) == 4.303 and reasoning.t_975(10) == 2.228
+    assert reasoning.t_975(2.9) == 4.303 and reasoning.t_975(40) == 1.96
+
+
+@pytest.mark.parametrize("seeds", [3, 5])
+def test_seed_intervals_cover_the_mean_95_percent_of_the_time(seeds):
+    """Normal draws of ``seeds`` values: the t-interval holds the true mean in about 95% of 4,000
+    trials, the Welch gap interval the true gap likewise."""
+    rng = random.Random(seeds)
+    trials, held, gap_held = 4000, 0, 0
+    for _ in range(trials):
+        lime = [rng.gauss(0.6, 0.05) for _ in range(seeds)]
+        llama = [rng.gauss(0.4, 0.08) for _ in range(seeds)]
+        _, low, high = reasoning.mean_interval(lime)
+        held += low <= 0.6 <= high
+        _, low, high = reasoning.gap_interval(lime, llama)
+        gap_held += low <= 0.2 <= high
+    assert abs(held / trials - 0.95) <= 0.015
+    assert 0.94 <= gap_held / trials <= 0.975  # Welch's degrees rounded down: at least nominal
