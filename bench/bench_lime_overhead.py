@@ -54,10 +54,10 @@ from __future__ import annotations
 import argparse
 import contextlib
 import math
-import os
 import statistics
 import time
 
+import cpu_triton  # noqa: F401 - before the package: Triton's interpreter on a CPU
 import torch
 from tables import field, print_table, ratio, write_json
 from tqdm import tqdm
@@ -266,7 +266,7 @@ the batch, and on a CPU the kernels run in Triton's interpreter, a program at a 
 
 def triton_operators(args, num_layers: int, kv_heads: int) -> float:
     """Operators per layer LIMe dispatches beyond the baseline on the Triton path at B = 1, counted
-    at ``TRITON_COUNT_SHAPE`` (on a CPU in Triton's interpreter, ``TRITON_INTERPRET=1``)."""
+    at ``TRITON_COUNT_SHAPE`` (on a CPU in Triton's interpreter: ``cpu_triton``)."""
     tiny = argparse.Namespace(**{**vars(args), **TRITON_COUNT_SHAPE, "lime_routing_kernel": "triton"})
     batch = make_batch(tiny)
     base = dispatched_operators(build_shape(tiny, num_layers, kv_heads, lime=False), batch)
@@ -464,8 +464,6 @@ TIME_SPLIT_COLUMNS = SHAPE_COLUMNS + [
 
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
-    if args.device == "cpu":  # the Triton path's operators are counted in Triton's interpreter
-        os.environ.setdefault("TRITON_INTERPRET", "1")
     rows = measure_cases(args, measure, args.json)
     print_table(OVERHEAD_COLUMNS, rows)
     print("\nwhere blocked LIMe's time over the baseline goes (medians over counted rounds of those two models):")

@@ -10,7 +10,7 @@ import pytest
 
 from tests.bench import load_bench
 
-_, lime_overhead, floor_target = load_bench("tables", "bench_lime_overhead", "bench_floor_target")
+_, _, lime_overhead, floor_target = load_bench("tables", "cpu_triton", "bench_lime_overhead", "bench_floor_target")
 median_interval, verdict = lime_overhead.median_interval, floor_target.verdict
 
 pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
