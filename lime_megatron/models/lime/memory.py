@@ -17,7 +17,9 @@ A ``LayerIntegratedMemory`` is the composition of one pass's parts, one module e
 - ``by_token`` (``token_routing.TokenRouting``): Eq. 2 for dynamic routers (``dynamic_router``);
 - ``kept`` (``kept_gradients.KeptGradients``): the row gradients g_m backward keeps;
 - ``gradients`` (``consumer_gradients.ConsumerGradients``): the gradient of each layer's keys and
-  values, sum_m W_m[:, block l]^T g_m over its consumers m, and the pipeline's shares.
+  values, sum_m W_m[:, block l]^T g_m over its consumers m, and the pipeline's shares;
+- ``fused`` (``fused_routing.FusedRouting``): a layer's routing on the Triton path, Eqs. 1-2 and
+  each gradient in one kernel launch.
 
 ``RouteKeysValues`` connects a layer with a static router to them in autograd
 (``dynamic_router.RouteKeysValuesByToken`` one with a dynamic router).
@@ -71,8 +73,8 @@ import weakref
 import torch
 
 from lime_megatron.kernels.operands import Halves
-from lime_megatron.models.lime import fused_routing
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
+from lime_megatron.models.lime.fused_routing import FusedRouting
 from lime_megatron.models.lime.head_parallel import gather_heads
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
@@ -128,6 +130,7 @@ class LayerIntegratedMemory:
         self.gradients = ConsumerGradients(
             num_layers, variant, window, self.key_values, self.kept, self.routing, self.stacked, self.by_token
         )
+        self.fused = FusedRouting(self.key_values, self.kept, self.routing, self.stacked, self.gradients)
         self.id = next(_NEXT_ID)
         _MEMORIES[self.id] = self
 
@@ -174,8 +177,8 @@ class RouteKeysValues(torch.autograd.Function):
         ctx, weight, key, value, earlier_keys, earlier_values, memory: LayerIntegratedMemory, router: LimeRouter
     ):
         earlier = (earlier_keys, earlier_values) if earlier_keys is not None else None
-        if fused_routing.fused(memory, router):
-            routed = fused_routing.store_and_mix(memory, router, key, value, earlier)
+        if memory.fused.serves(router):
+            routed = memory.fused.store_and_mix(router, key, value, earlier)
         else:
             memory.key_values.store(router.layer, key, value)
             routed = memory.routing.mix(router, earlier)
@@ -188,7 +191,7 @@ class RouteKeysValues(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad_keys, grad_values):
         ctx.saved_tensors  # noqa: B018 - releases the saved buffer through the hooks
-        if fused_routing.fused(ctx.memory, ctx.router):
+        if ctx.memory.fused.serves(ctx.router):
             return RouteKeysValues._fused_backward(ctx, grad_keys, grad_values)
         memory, router = ctx.memory, ctx.router
         grad_rows = KeyValueRows.to_rows(grad_keys, grad_values)
@@ -212,19 +215,19 @@ class RouteKeysValues(torch.autograd.Function):
 
     @staticmethod
     def _fused_backward(ctx, grad_keys, grad_values):
-        """``backward`` on the Triton path (``fused_routing``): the incoming gradients read where
+        """``backward`` on the Triton path (``fused_routing.FusedRouting``): the incoming gradients read where
         they lie, one launch for the router-weight gradient and one for the keys' and values'."""
         memory, router = ctx.memory, ctx.router
         grads = Halves.of_heads(grad_keys, grad_values)
         grad_weight = None
         if ctx.needs_input_grad[0]:
             since = memory.routing.block_of(router.layer).start if ctx.blocked else 0
-            piece = fused_routing.weight_grad(memory, router, grads, since)
+            piece = memory.fused.weight_grad(router, grads, since)
             if ctx.blocked:  # placed beside the earlier columns' by ``routing_blocks.MixEarlierSources``
                 memory.kept.leave_in_block(router.layer, [piece])
             else:
                 grad_weight = placed_columns([piece], router.weight)
-        grad_key, grad_value = fused_routing.kv_grad(memory, router, grads)
+        grad_key, grad_value = memory.fused.kv_grad(router, grads)
         grad_earlier = (grad_keys, grad_values) if ctx.blocked else (None, None)
         return grad_weight, grad_key, grad_value, *grad_earlier, None, None
 
