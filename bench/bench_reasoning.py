@@ -220,9 +220,10 @@ def gap_interval(lime: list[float], llama: list[float]) -> tuple[float, float, f
     return gap, gap - t_975(degrees) * error, gap + t_975(degrees) * error
 
 
-def interval_cell(triple: tuple[float, float, float]) -> str:
+def interval_cell(triple: tuple[float, float, float], sign: str = "") -> str:
+    """``mean [low, high]`` in percent (points), ``sign`` ``"+"`` for a gap."""
     mean, low, high = (100 * value for value in triple)
-    return f"{mean:+6.1f} [{low:+.1f}, {high:+.1f}]" if low != high else f"{mean:+6.1f}"
+    return f"{mean:{sign}6.1f} [{low:{sign}.1f}, {high:{sign}.1f}]" if low != high else f"{mean:{sign}6.1f}"
 
 
 def report(results: dict, models: list[str], seeds: list[int]) -> None:
@@ -241,7 +242,7 @@ def report(results: dict, models: list[str], seeds: list[int]) -> None:
             cells = " ".join(f"{100 * v:7.1f}%" for v in values[name])
             print(f"{group:>8} {name:>6} {cells} {interval_cell(mean_interval(values[name])):>26}")
         if set(values) == set(MODELS):
-            gap = interval_cell(gap_interval(values["LIMe"], values["LLaMA"]))
+            gap = interval_cell(gap_interval(values["LIMe"], values["LLaMA"]), "+")
             print(f"{group:>8} {'gap':>6} {'':>{9 * len(seeds)}} {gap:>26} points")
     for name in models:
         runs = [results[(name, seed)] for seed in seeds]

@@ -10,6 +10,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "lime_megatron"
 LAYERS = [
     "extras",
     "choices",
+    "kernels",
     "data",
     "models.config",
     "models.lime",
