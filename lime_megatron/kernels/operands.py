@@ -34,7 +34,10 @@ def set_launch_observer(observer: LaunchObserver | None) -> None:
 
 def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``, through the observer when one is installed."""
-    if not args[0].is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    first = args[0]
+    while isinstance(first, tuple):  # operands travel as tuples, their tensor first
+        first = first[0]
+    if not first.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "the Triton routing kernels run on CUDA tensors; on a CPU only in Triton's interpreter "
             "(TRITON_INTERPRET=1 set before triton is imported, as the tests do): use "
@@ -103,7 +106,7 @@ class Halves:
         return Halves(keys, values, 0, 0, _strides(keys), _strides(values), heads, positions, width, batch)
 
     def arguments(self, batch: int) -> tuple:
-        """The kernels' ten pointer/offset/stride arguments of this operand, its positions split as
+        """The kernels' operand tuple of ten pointers, offsets and strides, its positions split as
         ``s_p * batch + b_p`` (its own split, or any where one stride steps through all its
         positions)."""
         return (
@@ -217,41 +220,108 @@ def mix(
     (added in place)."""
     from lime_megatron.kernels.routing_kernels import mix_kernel
 
+    programs, arguments, constants = _mix_launch(out, first, second, accumulate, store, more)
+    operand = out.arguments(out.batch)
+    unused = ((out.keys, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 1, 0))  # no weight-gradient program
+    tiles = (*_mix_tiles(out), programs, 1, 1, 0)
+    launch(mix_kernel, (programs,), *arguments, unused, tiles, **constants, **_NO_WEIGHT_GRAD)
+
+
+_NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16)
+"""``mix_kernel``'s weight-gradient constants where it launches no weight-gradient programs."""
+
+
+def mix_and_weight_grad(
+    out: Halves,
+    first: tuple[Columns, Halves] | None,
+    second: tuple[Columns, Halves],
+    weight_out: torch.Tensor,
+    rows: Halves,
+    column_start: int,
+    own_row: int,
+    deterministic: bool,
+    splits: int,
+    accumulate: Halves | None = None,
+    more: Halves | None = None,
+) -> None:
+    """``mix(out, first, second, accumulate, more=more)`` and ``weight_grad(weight_out, X2, rows,
+    column_start, deterministic, splits)`` in one launch of ``routing_kernels.mix_kernel``, X2 (the
+    incoming gradient) then written over ``rows``' rows ``own_row..own_row + X2.count - 1``, which
+    only the weight gradient reads: a layer's backward (``fused_routing``).  X2's rows must fit
+    one tile (``fits_one_tile``), so that one program alone reads each row it overwrites."""
+    from lime_megatron.kernels.routing_kernels import mix_kernel
+
+    grads = second[1]
+    if not fits_one_tile(grads):
+        raise ValueError(f"the fused backward reads {grads.count} gradient rows: more than one tile")
+    programs, arguments, constants = _mix_launch(out, first, second, accumulate, None, more)
+    grid, weight_arguments, weight_constants = _weight_grad_launch(
+        weight_out, grads, rows, column_start, deterministic, splits
+    )
+    if (weight_constants.pop("ACC"), weight_constants.pop("UPCAST")) != (constants["ACC"], constants["UPCAST"]):
+        raise ValueError("the fused backward's rows and gradients differ in dtype or device")
+    tiles = (*_mix_tiles(out), programs, *grid[:2], own_row)
+    launch(
+        mix_kernel,
+        (programs + math.prod(grid),),
+        *arguments,
+        weight_arguments,
+        tiles,
+        **constants,
+        WEIGHT_GRAD=True,
+        **weight_constants,
+    )
+
+
+def fits_one_tile(grads: Halves) -> bool:
+    """Whether the weight gradient of ``grads`` runs one tile of its rows (``block``'s largest)."""
+    return grads.count <= block(grads.count)
+
+
+def _mix_tiles(out: Halves) -> tuple[int, int]:
+    """(tiles of a half's elements, tiles of the output rows) of a mix into ``out``."""
+    return ceil_div(out.positions * out.width, MIX_TILE), ceil_div(out.count, block(out.count))
+
+
+def _mix_launch(
+    out: Halves,
+    first: tuple[Columns, Halves] | None,
+    second: tuple[Columns, Halves] | None,
+    accumulate: Halves | None,
+    store: Halves | None,
+    more: Halves | None,
+) -> tuple[int, tuple, dict]:
+    """(programs, arguments, constants) of ``mix``'s share of a ``mix_kernel`` launch: its
+    operands up to ``shape`` (the weight gradient's and the tiles not included)."""
     if store is not None and second is None:
         raise ValueError("the stored operand is the second term's")
     if first is None and second is None:
         raise ValueError("a mix needs at least one term")
     (a1, x1), (a2, x2) = first or second, second or first  # an absent term's operands: K = 0, never read
-    narrow_rows = out.count
     added, stored, further = accumulate or out, store or out, more or out
     batch = launch_batch(out, x1, x2, accumulate, store, more)
-    grid = (ceil_div(out.positions * out.width, MIX_TILE), ceil_div(narrow_rows, block(narrow_rows)), 2)
-    launch(
-        mix_kernel,
-        grid,
-        *out.arguments(batch),
-        *added.arguments(batch),
-        *further.arguments(batch),
-        *a1.arguments(),
-        a1.count if first else 0,
-        *x1.arguments(batch),
-        *a2.arguments(),
-        a2.count if second else 0,
-        *x2.arguments(batch),
-        *stored.arguments(batch),
-        narrow_rows,
-        out.positions,
-        out.width,
-        batch,
+    arguments = (
+        out.arguments(batch),
+        added.arguments(batch),
+        further.arguments(batch),
+        (*a1.arguments(), a1.count if first else 0),
+        x1.arguments(batch),
+        (*a2.arguments(), a2.count if second else 0),
+        x2.arguments(batch),
+        stored.arguments(batch),
+        (out.count, out.positions, out.width, batch),
+    )
+    constants = dict(
         HAS_ACC=accumulate is not None,
         HAS_MORE=more is not None,
         HAS_STORE=store is not None,
         ACC=accumulator(out.keys.dtype),
         UPCAST=not out.keys.is_cuda,
-        BLOCK_R=block(narrow_rows),
+        BLOCK_R=block(out.count),
         BLOCK_K=16,
         BLOCK_N=MIX_TILE,
     )
+    return 2 * math.prod(_mix_tiles(out)), arguments, constants
 
 
 WEIGHT_GRAD_TILE = 64
@@ -276,33 +346,35 @@ def weight_grad(
     per split, summed by the caller), else ``[M, width]`` added to atomically.  One launch."""
     from lime_megatron.kernels.routing_kernels import weight_grad_kernel
 
+    grid, arguments, constants = _weight_grad_launch(out, grads, rows, column_start, deterministic, splits)
+    launch(weight_grad_kernel, grid, arguments, **constants)
+
+
+def _weight_grad_launch(
+    out: torch.Tensor, grads: Halves, rows: Halves, column_start: int, deterministic: bool, splits: int
+) -> tuple[tuple[int, int, int], tuple, dict]:
+    """(grid, ``weight_grad_kernel``'s ``weight`` argument, constants) of ``weight_grad``'s launch."""
     block_m, block_c = block(grads.count), block(rows.count)
     grid = (splits, ceil_div(grads.count, block_m), ceil_div(rows.count, block_c))
     split_stride, row_stride, column_stride = out.stride() if deterministic else (0, *out.stride())
     batch = launch_batch(grads, rows)
-    launch(
-        weight_grad_kernel,
-        grid,
-        out,
-        split_stride,
-        row_stride,
-        column_stride,
-        column_start,
-        *grads.arguments(batch),
+    arguments = (
+        (out, split_stride, row_stride, column_stride, column_start),
+        grads.arguments(batch),
         grads.count,
-        *rows.arguments(batch),
+        rows.arguments(batch),
         rows.count,
-        rows.positions,
-        rows.width,
-        batch,
-        ceil_div(rows.positions, splits),
+        (rows.positions, rows.width, batch, ceil_div(rows.positions, splits)),
+    )
+    constants = dict(
         ATOMIC=not deterministic,
         ACC=accumulator(rows.keys.dtype),
         UPCAST=not rows.keys.is_cuda,
         BLOCK_M=block_m,
         BLOCK_C=block_c,
-        BLOCK_N=WEIGHT_GRAD_TILE,
+        W_BLOCK_N=WEIGHT_GRAD_TILE,
     )
+    return grid, arguments, constants
 
 
 def ceil_div(numerator: int, denominator: int) -> int:
@@ -316,10 +388,18 @@ def weight_grad_sums(
     """``[M, width]`` in ``dtype``: ``grads @ rows^T`` of each ``(column_start, rows)`` of ``terms``
     at its columns, zero elsewhere: one launch per term into one result (``weight_grad``), plus one
     sum over the splits when ``deterministic``."""
-    widest = max(rows.count for _, rows in terms)
-    splits = weight_grad_splits(grads, ceil_div(grads.count, block(grads.count)) * ceil_div(widest, block(widest)))
-    shape = (splits, grads.count, width) if deterministic else (grads.count, width)
-    out = grads.keys.new_zeros(shape, dtype=dtype)
+    out, splits = weight_grad_output(grads, terms, width, dtype, deterministic)
     for column_start, rows in terms:
         weight_grad(out, grads, rows, column_start, deterministic, splits)
     return out.sum(0) if deterministic else out
+
+
+def weight_grad_output(
+    grads: Halves, terms: list[tuple[int, Halves]], width: int, dtype: torch.dtype, deterministic: bool
+) -> tuple[torch.Tensor, int]:
+    """(zeros ``[M, width]``, or ``[splits, M, width]`` when ``deterministic``; the position
+    splits) for the weight gradient of ``terms`` (``weight_grad_sums``)."""
+    widest = max(rows.count for _, rows in terms)
+    splits = weight_grad_splits(grads, ceil_div(grads.count, block(grads.count)) * ceil_div(widest, block(widest)))
+    shape = (splits, grads.count, width) if deterministic else (grads.count, width)
+    return grads.keys.new_zeros(shape, dtype=dtype), splits

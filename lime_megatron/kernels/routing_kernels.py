@@ -11,18 +11,22 @@ so one kernel reads buffer rows ``[k, N]`` (row N, outer BATCH * D, inner D, the
 P * D further), attention's layout ``[s, b, heads, d]`` (row, outer, inner: the strides of heads,
 s and b; the keys and the values two tensors), the strided keys/values megatron's QKV split hands
 over and the gradients attention's backward returns in any order of s, b and heads, with no
-rearranging copy and no view operator on the host.
+rearranging copy and no view operator on the host.  An operand travels as one tuple
+``(keys, values, value_offset, start, keys' row, outer, inner, values' row, outer, inner)``
+(``operands.Halves.arguments``).
 
 ``mix_kernel``: ``out = acc + more + A1 @ X1 + A2 @ X2`` ([R, K1] @ [K1, N] + [R, K2] @ [K2, N]), the
 forward mix (Eq. 2), its rebuild and the row gradient (Eq. 2 transposed), with X2 optionally
-written to ``store`` on the way (Eq. 1: a layer's own keys/values into the buffer; in backward
-g_l into its dead rows).  Grid: (N tiles of a half, R tiles, 2 halves).
+written to ``store`` on the way (Eq. 1: a layer's own keys/values into the buffer).  Programs on
+one axis: (N tiles of a half, R tiles, 2 halves); with ``WEIGHT_GRAD`` the weight gradient's
+programs after them, which write G over X's rows ``keep_first..`` once they have read them (a
+layer's backward in one launch: g_l into its dead rows after dW_l has read them).
 
 ``weight_grad_kernel``: ``out[c, :, columns] += G @ X^T`` ([M, N] x [C, N]^T), the router-weight
 gradient, accumulated in ``ACC`` (float32, float64 for float64 operands) over a split of the
 positions per program.  ``ATOMIC``: programs add their sums into one ``[M, width]`` result
 (one launch, summation order not fixed); else each split writes its own slice of
-``[splits, M, width]``, summed after (deterministic).
+``[splits, M, width]``, summed after (deterministic).  Grid: (splits, M tiles, C tiles).
 
 Products use ``tl.dot`` with ``input_precision="ieee"``: float32 operands are multiplied in
 float32, never silently in TF32 (Triton's default on a GPU); bf16/fp16 operands accumulate in
@@ -40,12 +44,11 @@ import triton.language as tl
 
 
 @triton.jit
-def _elements(
-    keys, values, value_offset, start, k_row, k_outer, k_inner, v_row, v_outer, v_inner,
-    half, rows, outer, inner, element,
-):  # fmt: skip
+def _elements(operand, half, rows, outer, inner, element):
     """Pointers to the elements ``[rows, positions]`` (positions split as ``outer``/``inner``, each
-    with its ``element``) of one operand's ``half``: the module docstring's address."""
+    with its ``element``) of ``half`` of an ``operand``: the module docstring's address, the operand
+    ``(keys, values, value_offset, start, keys' row, outer, inner, values' row, outer, inner)``."""
+    keys, values, value_offset, start, k_row, k_outer, k_inner, v_row, v_outer, v_inner = operand
     if half == 0:
         base, row, outer_stride, inner_stride = keys + start, k_row, k_outer, k_inner
     else:
@@ -57,147 +60,125 @@ def _elements(
 
 @triton.jit
 def mix_kernel(
-    out_k, out_v, out_voff, out_start, out_kr, out_ko, out_ki, out_vr, out_vo, out_vi,
-    acc_k, acc_v, acc_voff, acc_start, acc_kr, acc_ko, acc_ki, acc_vr, acc_vo, acc_vi,
-    more_k, more_v, more_voff, more_start, more_kr, more_ko, more_ki, more_vr, more_vo, more_vi,
-    a1, a1_start, a1_row, a1_col, K1,
-    x1_k, x1_v, x1_voff, x1_start, x1_kr, x1_ko, x1_ki, x1_vr, x1_vo, x1_vi,
-    a2, a2_start, a2_row, a2_col, K2,
-    x2_k, x2_v, x2_voff, x2_start, x2_kr, x2_ko, x2_ki, x2_vr, x2_vo, x2_vi,
-    st_k, st_v, st_voff, st_start, st_kr, st_ko, st_ki, st_vr, st_vo, st_vi,
-    R, P, D, BATCH,
+    out, acc, more, a1, x1, a2, x2, store, shape, weight, tiles,
+    HAS_ACC: tl.constexpr, HAS_MORE: tl.constexpr, HAS_STORE: tl.constexpr, ACC: tl.constexpr,
+    UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    WEIGHT_GRAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
+    W_BLOCK_N: tl.constexpr,
+):  # fmt: skip
+    """``out = acc + more + A1 @ X1 + A2 @ X2`` (``_mix_tile``; ``a1``/``a2``: ``(matrix, start,
+    row, column, K)``, ``shape``: ``(R, P, D, BATCH)``) by the first ``mix_programs`` programs of
+    ``tiles = (tiles_n, tiles_r, mix_programs, splits, tiles_m, keep_first)``; with
+    ``WEIGHT_GRAD`` the rest run ``weight_grad_kernel``'s tiles of ``weight`` (its arguments),
+    keeping G over X's rows from ``keep_first`` on once read (module docstring)."""
+    tiles_n, tiles_r, mix_programs, splits, tiles_m, keep_first = tiles
+    program = tl.program_id(0)
+    if program < mix_programs:
+        tile_n, tile_r, half = program % tiles_n, program // tiles_n % tiles_r, program // (tiles_n * tiles_r)
+        _mix_tile(
+            tile_n, tile_r, half, out, acc, more, a1, x1, a2, x2, store, shape,
+            HAS_ACC, HAS_MORE, HAS_STORE, ACC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_N,
+        )  # fmt: skip
+    elif WEIGHT_GRAD:
+        rest = program - mix_programs
+        split, tile_m, tile_c = rest % splits, rest // splits % tiles_m, rest // (splits * tiles_m)
+        _weight_grad_tile(
+            split, tile_m, tile_c, weight, keep_first, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, True
+        )
+
+
+@triton.jit
+def _mix_tile(
+    tile_n, tile_r, half, out, acc, more, a1, x1, a2, x2, store, shape,
     HAS_ACC: tl.constexpr, HAS_MORE: tl.constexpr, HAS_STORE: tl.constexpr, ACC: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """One [BLOCK_R, BLOCK_N] tile of ``out = acc + A1 @ X1 + A2 @ X2`` in one half (module docstring)."""
-    half = tl.program_id(2)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    """Tile ``(tile_n, tile_r)`` [BLOCK_R, BLOCK_N] of ``out = acc + more + A1 @ X1 + A2 @ X2`` in
+    one half (module docstring), X2 written to ``store`` by the programs of row tile 0."""
+    R, P, D, BATCH = shape
+    n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < P * D
     position, element = n // D, n % D
     outer, inner = position // BATCH, position % BATCH
-    i = tl.program_id(1) * BLOCK_R + tl.arange(0, BLOCK_R)
+    i = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
     i_ok = i < R
     total = tl.zeros([BLOCK_R, BLOCK_N], dtype=ACC)
     for operand in tl.static_range(2):
         if operand == 0:
-            a, a_start, a_row, a_col, K = a1, a1_start, a1_row, a1_col, K1
-            x = (x1_k, x1_v, x1_voff, x1_start, x1_kr, x1_ko, x1_ki, x1_vr, x1_vo, x1_vi)
+            columns, x = a1, x1
         else:
-            a, a_start, a_row, a_col, K = a2, a2_start, a2_row, a2_col, K2
-            x = (x2_k, x2_v, x2_voff, x2_start, x2_kr, x2_ko, x2_ki, x2_vr, x2_vo, x2_vi)
+            columns, x = a2, x2
+        a, a_start, a_row, a_col, K = columns
         for k0 in range(0, K, BLOCK_K):
             k = k0 + tl.arange(0, BLOCK_K)
             k_ok = k < K
             narrow_ok = i_ok[:, None] & k_ok[None, :]
             narrow = tl.load(a + a_start + i[:, None] * a_row + k[None, :] * a_col, mask=narrow_ok, other=0.0)
             wide_ok = k_ok[:, None] & n_ok[None, :]
-            wide = tl.load(_elements(*x, half, k, outer, inner, element), mask=wide_ok, other=0.0)
+            wide = tl.load(_elements(x, half, k, outer, inner, element), mask=wide_ok, other=0.0)
             if HAS_STORE and operand == 1:
-                stored = _elements(
-                    st_k,
-                    st_v,
-                    st_voff,
-                    st_start,
-                    st_kr,
-                    st_ko,
-                    st_ki,
-                    st_vr,
-                    st_vo,
-                    st_vi,
-                    half,
-                    k,
-                    outer,
-                    inner,
-                    element,
-                )
-                tl.store(stored, wide, mask=wide_ok & (tl.program_id(1) == 0))
+                tl.store(_elements(store, half, k, outer, inner, element), wide, mask=wide_ok & (tile_r == 0))
             narrow = narrow.to(wide.dtype)
             if UPCAST:
                 narrow, wide = narrow.to(ACC), wide.to(ACC)
             total += tl.dot(narrow, wide, out_dtype=ACC, input_precision="ieee")
     out_ok = i_ok[:, None] & n_ok[None, :]
     if HAS_ACC:
-        added = _elements(
-            acc_k,
-            acc_v,
-            acc_voff,
-            acc_start,
-            acc_kr,
-            acc_ko,
-            acc_ki,
-            acc_vr,
-            acc_vo,
-            acc_vi,
-            half,
-            i,
-            outer,
-            inner,
-            element,
-        )
-        total += tl.load(added, mask=out_ok, other=0.0).to(ACC)
+        total += tl.load(_elements(acc, half, i, outer, inner, element), mask=out_ok, other=0.0).to(ACC)
     if HAS_MORE:
-        added = _elements(
-            more_k, more_v, more_voff, more_start, more_kr, more_ko, more_ki, more_vr, more_vo, more_vi,
-            half, i, outer, inner, element,
-        )  # fmt: skip
-        total += tl.load(added, mask=out_ok, other=0.0).to(ACC)
-    written = _elements(
-        out_k,
-        out_v,
-        out_voff,
-        out_start,
-        out_kr,
-        out_ko,
-        out_ki,
-        out_vr,
-        out_vo,
-        out_vi,
-        half,
-        i,
-        outer,
-        inner,
-        element,
-    )
-    tl.store(written, total.to(out_k.dtype.element_ty), mask=out_ok)
+        total += tl.load(_elements(more, half, i, outer, inner, element), mask=out_ok, other=0.0).to(ACC)
+    tl.store(_elements(out, half, i, outer, inner, element), total.to(out[0].dtype.element_ty), mask=out_ok)
 
 
 @triton.jit
 def weight_grad_kernel(
-    out, out_split, out_row, out_column, column_start,
-    g_k, g_v, g_voff, g_start, g_kr, g_ko, g_ki, g_vr, g_vo, g_vi, M,
-    x_k, x_v, x_voff, x_start, x_kr, x_ko, x_ki, x_vr, x_vo, x_vi, C,
-    P, D, BATCH, positions_per_split,
-    ATOMIC: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr,
+    weight, ATOMIC: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, W_BLOCK_N: tl.constexpr,
 ):  # fmt: skip
-    """``G @ X^T`` over program 0's split of the positions, both halves, into ``out`` at columns
-    ``column_start + j`` (module docstring)."""
-    split = tl.program_id(0)
-    i = tl.program_id(1) * BLOCK_M + tl.arange(0, BLOCK_M)
-    j = tl.program_id(2) * BLOCK_C + tl.arange(0, BLOCK_C)
+    """``G @ X^T`` by ``_weight_grad_tile`` per program: ``weight`` = ``(target, G, M, X, C,
+    positions)``, ``target`` ``(out, split stride, row stride, column stride, first column)``,
+    ``positions`` ``(P, D, BATCH, positions per split)`` (module docstring)."""
+    tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    _weight_grad_tile(*tile, weight, 0, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, False)
+
+
+@triton.jit
+def _weight_grad_tile(
+    split, tile_m, tile_c, weight, keep_first, ATOMIC: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, W_BLOCK_N: tl.constexpr, KEEP: tl.constexpr,
+):  # fmt: skip
+    """Tile ``(tile_m, tile_c)`` of ``G @ X^T`` over ``split``'s positions, both halves, into the
+    target (``weight_grad_kernel``'s ``weight``); with ``KEEP`` G's rows then written over X's
+    rows ``keep_first..+M-1`` that this program read (the caller launches one M tile, so no other
+    program reads them)."""
+    target, g, M, x, C, positions = weight
+    out, split_stride, row_stride, column_stride, column_start = target
+    P, D, BATCH, positions_per_split = positions
+    i = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    j = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)
     i_ok, j_ok = i < M, j < C
     first = split * positions_per_split * D
     stop = tl.minimum(first + positions_per_split * D, P * D)
     total = tl.zeros([BLOCK_M, BLOCK_C], dtype=ACC)
     for half in tl.static_range(2):
-        for n0 in range(first, stop, BLOCK_N):
-            n = n0 + tl.arange(0, BLOCK_N)
+        for n0 in range(first, stop, W_BLOCK_N):
+            n = n0 + tl.arange(0, W_BLOCK_N)
             n_ok = n < stop
             position, element = n // D, n % D
             outer, inner = position // BATCH, position % BATCH
-            grad_at = _elements(
-                g_k, g_v, g_voff, g_start, g_kr, g_ko, g_ki, g_vr, g_vo, g_vi, half, i, outer, inner, element
-            )
-            grad = tl.load(grad_at, mask=i_ok[:, None] & n_ok[None, :], other=0.0)
-            rows_at = _elements(
-                x_k, x_v, x_voff, x_start, x_kr, x_ko, x_ki, x_vr, x_vo, x_vi, half, j, outer, inner, element
-            )
+            grad = tl.load(_elements(g, half, i, outer, inner, element), mask=i_ok[:, None] & n_ok[None, :], other=0.0)
+            rows_at = _elements(x, half, j, outer, inner, element)
             rows = tl.load(rows_at, mask=j_ok[:, None] & n_ok[None, :], other=0.0)
+            if KEEP:  # g_l into the rows just read (this program's alone): ``keep_first`` is l's first
+                own = j - keep_first
+                kept_ok = ((own >= 0) & (own < M) & j_ok)[:, None] & n_ok[None, :]
+                kept = tl.load(_elements(g, half, own, outer, inner, element), mask=kept_ok, other=0.0)
+                tl.store(rows_at, tl.where(kept_ok, kept, rows).to(rows.dtype), mask=kept_ok)
             if UPCAST:
                 grad, rows = grad.to(ACC), rows.to(ACC)
             total += tl.dot(grad, tl.trans(rows), out_dtype=ACC, input_precision="ieee")
-    target = out + i[:, None] * out_row + (column_start + j[None, :]) * out_column
+    sums = out + i[:, None] * row_stride + (column_start + j[None, :]) * column_stride
     if ATOMIC:
-        tl.atomic_add(target, total, mask=i_ok[:, None] & j_ok[None, :])
+        tl.atomic_add(sums, total, mask=i_ok[:, None] & j_ok[None, :])
     else:
-        tl.store(target + split * out_split, total, mask=i_ok[:, None] & j_ok[None, :])
+        tl.store(sums + split * split_stride, total, mask=i_ok[:, None] & j_ok[None, :])

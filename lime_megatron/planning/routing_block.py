@@ -75,11 +75,12 @@ TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
 exactly), and per micro-batch on PP = 4 ranks of 8 layers (32 layers, MHA), B = 1, 2, 4, 8 (the
 model within 62 operators of every count)."""
 
-TRITON_OPERATORS = HostOperators(10.6, 22, 4, 10, 16)
+TRITON_OPERATORS = HostOperators(9.7, 22, 4, 10, 16)
 """The Triton path's (a GPU's default, ``models.lime.fused_routing``): counted at 16 layers, MHA,
-B = 1, 2, 4, 8, 16 (170, 381, 285, 225, 170; the model within 1 of each), and per micro-batch on
+B = 1, 2, 4, 8, 16 (155, 366, 270, 210, 155; the model within 1 of each), and per micro-batch on
 PP = 2 ranks of 8 layers, B = 1, 4, 8 (the received figures fitted to the second rank's 180, 206,
-168 with 13 operators the chunk pays once)."""
+168 with 13 operators the chunk pays once, counted before a layer's backward became one launch;
+that launch reads only the layer's own row block, so a received block's launches are unchanged)."""
 
 GPU_HOST_SECONDS_PER_OPERATOR = 17e-6
 """Host seconds per operator dispatched on a GPU machine (Python, dispatch and kernel launch):

@@ -9,19 +9,30 @@ import json
 import os
 import re
 
-ROW_OPERANDS = ("out", "acc", "more", "x1", "x2", "st")
-"""The mix kernel's operands of the rows' dtype (pointers ``<name>_k`` and ``<name>_v``)."""
+ROW_OPERANDS = ("out", "acc", "more", "x1", "x2", "store")
+"""The mix kernel's operands of the rows' dtype (each a tuple: keys, values, eight integers)."""
 
 
-def ptx(kernel, pointers: dict[str, str], constants: dict) -> str:
-    """The PTX of ``kernel`` (a ``triton.jit`` function) for sm_90, integer arguments as i32."""
+def operand(dtype: str) -> tuple[str, ...]:
+    """The signature of an operand tuple (``Halves.arguments``) of ``dtype`` rows."""
+    return (f"*{dtype}", f"*{dtype}", *["i32"] * 8)
+
+
+def weight_argument(dtype: str) -> tuple:
+    """The signature of ``weight_grad_kernel``'s ``weight``: float32 sums, ``dtype`` rows."""
+    return (("*fp32", *["i32"] * 4), operand(dtype), "i32", operand(dtype), "i32", ("i32",) * 4)
+
+
+def ptx(kernel, signature: dict, constants: dict) -> str:
+    """The PTX of ``kernel`` (a ``triton.jit`` function) for sm_90; ``signature`` the types of its
+    other arguments (tuples for tuple arguments)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
     names = list(inspect.signature(kernel.fn).parameters)
-    signature = {name: "constexpr" if name in constants else pointers.get(name, "i32") for name in names}
-    source = ASTSource(fn=kernel, signature=signature, constexprs={(names.index(k),): v for k, v in constants.items()})
+    full = {name: "constexpr" if name in constants else signature[name] for name in names}
+    source = ASTSource(fn=kernel, signature=full, constexprs={(names.index(k),): v for k, v in constants.items()})
     return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
 
 
@@ -43,16 +54,24 @@ def report() -> dict:
 
     result = {}
     for dtype in ("fp32", "bf16", "fp16"):
-        rows = {f"{name}_{half}": f"*{dtype}" for name in ROW_OPERANDS for half in "kv"}
+        mix_signature = {name: operand(dtype) for name in ROW_OPERANDS}
+        mix_signature |= dict(a1=("*fp32", *["i32"] * 4), a2=(f"*{dtype}", *["i32"] * 4), shape=("i32",) * 4)
+        mix_signature |= dict(weight=weight_argument(dtype), tiles=("i32",) * 6)
+        tiles = dict(BLOCK_R=16, BLOCK_K=16, BLOCK_N=128, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64)
         for flags in (True, False):
             mix = dict(HAS_ACC=flags, HAS_MORE=flags, HAS_STORE=flags, ACC=tl.float32, UPCAST=False)
-            tiles = dict(BLOCK_R=16, BLOCK_K=16, BLOCK_N=128)
-            code = ptx(routing_kernels.mix_kernel, {**rows, "a1": "*fp32", "a2": f"*{dtype}"}, {**mix, **tiles})
+            code = ptx(
+                routing_kernels.mix_kernel, mix_signature, {**mix, **tiles, "WEIGHT_GRAD": False, "ATOMIC": False}
+            )
             result[f"mix {dtype} {'with' if flags else 'without'} sums and store"] = products(code)
+        backward = dict(HAS_ACC=True, HAS_MORE=True, HAS_STORE=False, ACC=tl.float32, UPCAST=False)
+        code = ptx(
+            routing_kernels.mix_kernel, mix_signature, {**backward, **tiles, "WEIGHT_GRAD": True, "ATOMIC": True}
+        )
+        result[f"mix {dtype} with the weight gradient (a layer's backward)"] = products(code)
         for atomic in (True, False):
-            pointers = {"out": "*fp32", **{f"{name}_{half}": f"*{dtype}" for name in ("g", "x") for half in "kv"}}
-            constants = dict(ATOMIC=atomic, ACC=tl.float32, UPCAST=False, BLOCK_M=16, BLOCK_C=32, BLOCK_N=64)
-            code = ptx(routing_kernels.weight_grad_kernel, pointers, constants)
+            constants = dict(ATOMIC=atomic, ACC=tl.float32, UPCAST=False, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64)
+            code = ptx(routing_kernels.weight_grad_kernel, {"weight": weight_argument(dtype)}, constants)
             result[f"weight_grad {dtype} {'atomic' if atomic else 'per split'}"] = products(code)
     return result
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lime_megatron.kernels.operands import Columns, Halves, mix, weight_grad_sums
+from lime_megatron.kernels.operands import Columns, Halves, mix, mix_and_weight_grad, weight_grad_sums
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Relative error allowed against torch: summation order, and one rounding of the output."""
@@ -97,6 +97,60 @@ def test_weight_gradient_equals_torch(shape, dtype, deterministic):
     assert got.dtype == accumulate and got.shape == (h, width)
     assert torch.equal(got[:, sources : sources + 2], torch.zeros(h, 2, dtype=accumulate))
     assert relative(got, expected) <= (1e-12 if dtype == torch.float64 else 1e-5)
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["per-split sums", "atomic"])
+@pytest.mark.parametrize("dtype", list(TOLERANCE))
+@pytest.mark.parametrize("shape", SHAPES)
+def test_backward_in_one_launch(shape, dtype, deterministic):
+    """A layer's backward as one launch: the row gradient ``out = acc + more + W_M^T @ kept +
+    W_l^T @ g`` and the weight gradient ``g @ rows^T``, g then kept in the layer's own rows, which
+    the weight gradient read first; the other rows untouched."""
+    torch.manual_seed(sum(shape) + 2)
+    s, b, h, d, sources = shape
+    grads = [torch.randn(b, h, s, d, dtype=dtype).permute(2, 0, 1, 3) for _ in range(2)]  # attention's
+    rows = torch.randn(sources + h, 2 * s * b * d, dtype=dtype)  # sources, then the layer's own rows
+    before = rows.clone()
+    stack = torch.randn(2 * h, sources + h, dtype=dtype)
+    kept = torch.randn(h, 2 * s * b * d, dtype=dtype)
+    later, downstream = (torch.randn(s, b, h, d, dtype=dtype) for _ in range(2))
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    splits = 2
+    weight = torch.zeros((splits, h, sources + h) if deterministic else (h, sources + h), dtype=accumulate)
+    keys, values = torch.empty(s, b, h, d, dtype=dtype), torch.empty(s, b, h, d, dtype=dtype)
+    own_columns = slice(sources, sources + h)
+    first = (Columns.of(stack, slice(h, 2 * h), own_columns, transposed=True), Halves.of_rows(kept, 0, h, d))
+    mine = (Columns.of(stack, slice(0, h), own_columns, transposed=True), Halves.of_heads(*grads))
+    mix_and_weight_grad(
+        Halves.of_heads(keys, values),
+        first,
+        mine,
+        weight,
+        Halves.of_rows(rows, 0, sources + h, d),
+        column_start=0,
+        own_row=sources,
+        deterministic=deterministic,
+        splits=splits,
+        accumulate=Halves.of_heads(later, later),
+        more=Halves.of_heads(downstream, downstream),
+    )
+    g = as_rows(*grads).double()
+    columns = stack[:, own_columns].double()
+    sums = as_rows(later, later).double() + as_rows(downstream, downstream).double()
+    expected = columns[h:].t() @ kept.double() + columns[:h].t() @ g + sums
+    assert relative(as_rows(keys, values), expected) <= TOLERANCE[dtype]
+    got = weight.sum(0) if deterministic else weight
+    assert relative(got, g @ before.double().t()) <= (1e-12 if dtype == torch.float64 else 1e-5)
+    assert torch.equal(rows[sources:], as_rows(*grads)) and torch.equal(rows[:sources], before[:sources])
+
+
+def test_the_fused_backward_needs_its_gradient_rows_in_one_tile():
+    grads = torch.randn(2, 1, 65, 4)
+    halves = Halves.of_heads(grads, grads)
+    with pytest.raises(ValueError, match="65 gradient rows: more than one tile"):
+        mix_and_weight_grad(
+            halves, None, (Columns.of_view(torch.eye(65)), halves), torch.zeros(65, 65), halves, 0, 0, False, 1
+        )
 
 
 def test_a_mix_needs_a_term_and_stores_only_the_second():

@@ -143,22 +143,22 @@ def extra_per_layer(**settings) -> dict[str, float]:
 
 
 TRITON_HOST_WORK = {  # id: (settings, operators per layer beyond the baseline's, at most)
-    "B=1": (dict(lime_routing_block=1), 9),
-    "last-2": (dict(lime_routing_block=1, lime_router="last", lime_router_window=2), 9),
-    "B=4": (dict(lime_routing_block=4), 18.5),
+    "B=1": (dict(lime_routing_block=1), 8),
+    "last-2": (dict(lime_routing_block=1, lime_router="last", lime_router_window=2), 8),
+    "B=4": (dict(lime_routing_block=4), 17.5),
 }
 
 
 @pytest.mark.parametrize("name", list(TRITON_HOST_WORK))
 def test_triton_host_work_per_layer(name):
     """The host work LIMe adds per layer on the Triton path, a launch counted as one: at B = 1
-    forward 2 allocations and one launch, backward 3 allocations and 2 launches (the torch path
+    forward 2 allocations and one launch, backward 3 allocations and one launch (the torch path
     dispatches 38: docs/routing.md), and autograd's one accumulation of the router's gradient."""
     settings, budget = TRITON_HOST_WORK[name]
     per_layer = extra_per_layer(**settings)
-    assert sum(per_layer.values()) <= budget, per_layer
+    assert sum(per_layer.values()) <= budget, sorted(per_layer.items())
     if name != "B=4":
-        expected = {"new_empty": 4, "new_zeros": 1, "triton:mix_kernel": 2, "triton:weight_grad_kernel": 1, "detach": 1}
+        expected = {"new_empty": 4, "new_zeros": 1, "triton:mix_kernel": 2, "detach": 1}
         assert per_layer == expected
 
 

@@ -7,16 +7,19 @@ writes every operand where it lies (``kernels.operands.Halves``):
 
     forward    routed (K|V) = [partial +] W_l[:, run] @ B[run] + W_l[:, l] @ (K_l|V_l)
                and B[l] = (K_l|V_l) on the way                        one mix_kernel launch
-    backward   dW_l = g_l @ B[sources]^T (float32)                    one weight_grad_kernel launch
-               grad (K_l|V_l) = [later +] [downstream +] W_M[:, l]^T G_M + W_l[:, l]^T g_l
-               and the dead rows B[l] = g_l on the way                one mix_kernel launch
+    backward   grad (K_l|V_l) = [later +] [downstream +] W_M[:, l]^T G_M + W_l[:, l]^T g_l
+               and dW_l = g_l @ B[sources]^T (float32), the dead rows
+               B[l] = g_l once it has read them                       one mix_kernel launch
 
 (``run``: the layer's sources before it in the same row block, from its routing block's start;
 ``partial``: the block's sums over earlier sources, ``routing_blocks``; ``M``: the layer's other
 consumers in this chunk, their g_m kept in their dead rows, ``kept_gradients``; ``later``: the
 block's share from consumers after it, ``consumer_gradients``; ``downstream``: later pipeline
-chunks' share, ``kept_gradients``.)  Besides the launches the host
-allocates the outputs: 3 operators per layer in forward and 5 in backward at B = 1
+chunks' share, ``kept_gradients``.)  The backward's launch runs two kinds of programs: the row
+gradient's tiles, and the weight gradient's, which read B[l] and then write g_l over it (each row of
+B[l] is read by one program alone when g_l's rows fit one tile, as they do up to 64 heads; beyond,
+two launches).  Besides the launches the host allocates the outputs: 3 operators per layer in
+forward and 4 in backward at B = 1, 8 with autograd's accumulation of the router's gradient
 (``tests/models/test_fused_routing.py`` holds the count).
 
 Sources in another pipeline chunk's rows take one launch more per row block, in forward and for
@@ -101,16 +104,37 @@ class FusedRouting:
         kernels.mix(out, first, own, accumulate=added, store=rows.halves(layer, layer + 1))
         return keys, values
 
-    def weight_grad(self, router: LimeRouter, grads: Halves, since: int = 0) -> tuple[slice, torch.Tensor]:
-        """dL/dW_l = g_l @ B[sources]^T (``grads``: g_l) for the columns of the sources from layer
-        ``since`` on: ``(columns, [kv_heads, len(columns)])`` in ``weight_grad_dtype``, zero at
-        the columns of sources no kept route reads; one launch per row block of sources (atomic
-        adds; with ``deterministic`` per-split sums and one sum after)."""
+    def backward(
+        self, router: LimeRouter, grads: Halves, since: int | None
+    ) -> tuple[tuple[slice, torch.Tensor] | None, torch.Tensor, torch.Tensor]:
+        """A layer's backward, ``grads`` being g_l: ``(weight gradient piece or None, grad keys,
+        grad values)``.  The piece (``since``: its first source layer; None: no weight gradient)
+        is ``(columns, [kv_heads, len(columns)])`` in ``weight_grad_dtype``, dL/dW_l = g_l @
+        B[sources]^T at the columns of the sources from layer ``since`` on, zero where no kept
+        route reads; the keys'/values' gradients ``[s, b, h, d]`` each are ``kv_grad``'s.  One
+        launch for both where g_l's rows fit one tile (``kernels.fits_one_tile``): the weight
+        gradient's programs keep g_l into l's dead rows after reading them; else one launch each.
+        Sources in another pipeline chunk's rows take one weight-gradient launch more each."""
+        if since is None:
+            return None, *self.kv_grad(router, grads)
         rows, spans = self.key_values, self.routing.source_spans(router, since)
         columns = slice(router.columns(*spans[0]).start, router.weight.shape[1])
         terms = [(router.columns(start, stop).start - columns.start, rows.halves(start, stop)) for start, stop in spans]
         width, dtype = columns.stop - columns.start, weight_grad_dtype(router.weight)
-        return columns, kernels.weight_grad_sums(grads, terms, width, dtype, rows.deterministic)
+        if not kernels.fits_one_tile(grads):
+            weight = kernels.weight_grad_sums(grads, terms, width, dtype, rows.deterministic)
+            return (columns, weight), *self.kv_grad(router, grads)
+        weight, splits = kernels.weight_grad_output(grads, terms, width, dtype, rows.deterministic)
+        *others, (column_start, own_rows) = terms
+        for other_start, other_rows in others:
+            kernels.weight_grad(weight, grads, other_rows, other_start, rows.deterministic, splits)
+        keys, values, (out, first, mine, added, _, more) = self._kv_grad_operands(router, grads)
+        own_row = (router.layer - spans[-1][0]) * router.local_heads
+        kernels.mix_and_weight_grad(
+            out, first, mine, weight, own_rows, column_start, own_row, rows.deterministic, splits, added, more
+        )
+        self.kept.mark_kept(router.layer)
+        return (columns, weight.sum(0) if rows.deterministic else weight), keys, values
 
     def kv_grad(self, router: LimeRouter, grads: Halves) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradient of layer l's keys and values (``[s, b, h, d]`` each): sum over its
@@ -118,7 +142,15 @@ class FusedRouting:
         and the others' kept; with blocked routing the share of consumers after l's block
         (computed for the block at its first use) added, and only the in-block consumers
         multiplied here; under pipeline parallelism later chunks' share
-        (``KeptGradients.downstream_halves``) added."""
+        (``KeptGradients.downstream_halves``) added.  One launch."""
+        keys, values, (out, first, mine, added, kept_rows, more) = self._kv_grad_operands(router, grads)
+        kernels.mix(out, first, mine, accumulate=added, store=kept_rows, more=more)
+        self.kept.mark_kept(router.layer)
+        return keys, values
+
+    def _kv_grad_operands(self, router: LimeRouter, grads: Halves) -> tuple[torch.Tensor, torch.Tensor, tuple]:
+        """``kv_grad``'s outputs (new) and its mix's operands ``(out, first, mine, added, kept
+        rows, more)``."""
         layer, gradients, kept = router.layer, self.gradients, self.kept
         own = self.key_values.layers
         stop = min(routing_consumers(layer, gradients.num_layers, gradients.variant, gradients.window)[1], own.stop)
@@ -140,9 +172,7 @@ class FusedRouting:
         added = None if later is None else Halves.of_heads(later)
         kept_rows = kept.grad_halves(range(layer, layer + 1), kv_heads)
         out = Halves.of_heads(keys, values)
-        kernels.mix(out, first, mine, accumulate=added, store=kept_rows, more=kept.downstream_halves(layer))
-        kept.mark_kept(layer)
-        return keys, values
+        return keys, values, (out, first, mine, added, kept_rows, kept.downstream_halves(layer))
 
 
 def _router_columns(router: LimeRouter, start: int, stop: int, transposed: bool = False) -> Columns:

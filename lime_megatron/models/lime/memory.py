@@ -216,18 +216,18 @@ class RouteKeysValues(torch.autograd.Function):
     @staticmethod
     def _fused_backward(ctx, grad_keys, grad_values):
         """``backward`` on the Triton path (``fused_routing.FusedRouting``): the incoming gradients read where
-        they lie, one launch for the router-weight gradient and one for the keys' and values'."""
+        they lie, the router-weight gradient and the keys' and values' in one launch."""
         memory, router = ctx.memory, ctx.router
         grads = Halves.of_heads(grad_keys, grad_values)
-        grad_weight = None
+        since = None
         if ctx.needs_input_grad[0]:
             since = memory.routing.block_of(router.layer).start if ctx.blocked else 0
-            piece = memory.fused.weight_grad(router, grads, since)
-            if ctx.blocked:  # placed beside the earlier columns' by ``routing_blocks.MixEarlierSources``
-                memory.kept.leave_in_block(router.layer, [piece])
-            else:
-                grad_weight = placed_columns([piece], router.weight)
-        grad_key, grad_value = memory.fused.kv_grad(router, grads)
+        piece, grad_key, grad_value = memory.fused.backward(router, grads, since)
+        grad_weight = None
+        if piece is not None and ctx.blocked:  # placed beside the earlier columns' by ``MixEarlierSources``
+            memory.kept.leave_in_block(router.layer, [piece])
+        elif piece is not None:
+            grad_weight = placed_columns([piece], router.weight)
         grad_earlier = (grad_keys, grad_values) if ctx.blocked else (None, None)
         return grad_weight, grad_key, grad_value, *grad_earlier, None, None
 
