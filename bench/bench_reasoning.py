@@ -7,6 +7,8 @@ LIMe - LLaMA gap with its 95% interval (Welch's t).
     python bench/bench_reasoning.py --task aet --seeds 1 2 --train-iters 1500      # the paper's shape
     python bench/bench_reasoning.py --task aet --models LIMe --seeds 1 --epochs 200  # examples/aet_paper.sh
     python bench/bench_reasoning.py --task prosqa --seeds 1 2 --train-iters 1200 --batch-size 32
+    python bench/bench_reasoning.py --task prosqa --pretrain-samples 4000 --pretrain-epochs 2 --epochs 2.5 \
+        --train-samples 4000 --test-samples 500 --batch-size 32 --seeds 1 2 3   # pretrain, then fine-tune
 
 The data are made once under ``--output-dir`` by the project's tools, with a SentencePiece
 tokenizer trained on the training file; every run is one process on this machine. AET: the main
@@ -14,7 +16,12 @@ job's data stages (``main_job.data_steps``) with the paper's tiers, 4, 5 and 6 o
 example is one of 6 operators), 50,000 expressions per tier, one example per sequence and the loss
 on the solution (``--sft``): the protocol the paper implies (it counts epochs over 50,000 samples
 per tier and scores the solution generated from the expression), shared by the main job and
-``examples/aet_paper.sh``. ProsQA: ``make_prosqa_data.py`` (Coconut's graph sizes by default).
+``examples/aet_paper.sh``. ProsQA: ``make_prosqa_data.py`` (Coconut's graph sizes by default);
+with ``--pretrain-samples P`` each model is first pretrained on the whole texts of P further
+questions, packed, the loss on every token (``--pretrain-epochs`` passes), then fine-tuned from those
+weights (``--pretrained-checkpoint``) with ``--sft``: the paper's protocol (§5.3.1, App. C: a
+pretrained 150M fine-tuned on ProsQA) with an in-domain corpus in place of FineWeb-Edu, which this
+machine does not have.
 Models: AET at the paper's shape (4 layers, width 32, 4 heads, FFN 128, lr 1e-3 with linear
 decay); ProsQA at a small one (4 layers, width 64, 4 heads, FFN 256, lr 1e-3 linear). The
 sequence is the longest example rounded up to a multiple of 8. Each run's log, metrics, checkpoint,
@@ -63,11 +70,22 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--train-samples", type=int, help="default: AET 150,000 (50,000 per tier), ProsQA 6,000")
     parser.add_argument("--test-samples", type=int, default=300)
     parser.add_argument(
+        "--pretrain-samples",
+        type=int,
+        default=0,
+        help="ProsQA: questions of a separate pretraining split, their whole text packed with the loss on "
+        "every token, trained before fine-tuning (the paper's protocol); default 0: from scratch",
+    )
+    parser.add_argument("--pretrain-epochs", type=float, default=1.0, help="passes over the pretraining tokens")
+    parser.add_argument(
         "--coconut-dir",
         help="ProsQA: Coconut's data directory (prosqa_train/valid/test.json) instead of generated questions",
     )
     parser.add_argument("--output-dir", default="runs/bench_reasoning")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    if args.pretrain_samples and (args.task != "prosqa" or args.coconut_dir):
+        parser.error("--pretrain-samples splits generated ProsQA questions: --task prosqa without --coconut-dir")
+    return args
 
 
 def run_tool(command: list[str], log: Path) -> None:
@@ -83,44 +101,71 @@ def run_tool(command: list[str], log: Path) -> None:
 def make_data(args: argparse.Namespace, out: Path) -> tuple[Path, list[str]]:
     """Write the task's data once; (test file, the trainer's data flags)."""
     if args.task == "aet":
-        steps = [
-            [tool, *tool_args]
+        test, data_flags = main_job.test_file(out), main_job.trainer_data_flags(out)
+        if not Path(data_flags[2] + ".idx").exists():
             for _, tool, tool_args in main_job.data_steps(
                 out, args.train_samples or 150000, args.test_samples, PAPER_TIERS
-            )
-        ]
-        test, data_flags = main_job.test_file(out), main_job.trainer_data_flags(out)
-    else:
-        test, data_flags = out / "prosqa_test.json", prosqa_data_flags(out)
-        steps = prosqa_steps(args, out)
+            ):
+                run_tool([tool, *tool_args], out / "data.log")
+        return test, data_flags
+    data_flags = prosqa_data_flags(out)
     if not Path(data_flags[2] + ".idx").exists():
-        for step in steps:
-            run_tool(step, out / "data.log")
-    return test, data_flags
+        make_prosqa_data(args, out)
+    return out / "prosqa_test.json", data_flags
 
 
-def prosqa_steps(args: argparse.Namespace, out: Path) -> list[list[str]]:
+def make_prosqa_data(args: argparse.Namespace, out: Path) -> None:
     """ProsQA's data stages: the questions (generated, or converted from Coconut's files with
-    ``--coconut-dir``), a 512-piece tokenizer with byte fallback (it keeps the newlines between
-    steps), prompt/response data."""
+    ``--coconut-dir``); with ``--pretrain-samples P`` the first P training questions become the
+    pretraining split (``pretrain.jsonl``) and the rest the fine-tuning one; a 512-piece tokenizer
+    with byte fallback trained on both (it keeps the newlines between steps); prompt/response data of
+    the fine-tuning split and, with P, the pretraining split's whole texts packed (``--append-eod``)."""
+    log, train = out / "data.log", out / "prosqa_train.jsonl"
     if args.coconut_dir:
         questions = ["--from-coconut", args.coconut_dir]
     else:
-        sizes = ["--train-samples", str(args.train_samples or 6000), "--test-samples", str(args.test_samples)]
-        questions = sizes
-    train = str(out / "prosqa_train.jsonl")
-    return [
-        ["make_prosqa_data", "--output-dir", str(out), *questions],
-        ["train_tokenizer", "--input", train, "--kind", "sentencepiece", "--vocab-size", "512"]
-        + ["--character-coverage", "1.0", "--output-dir", str(out / "tokenizer"), "--no-progress"],
-        ["preprocess_data", "--input", train, "--output-prefix", str(out / "train"), "--prompt-key", "prompt"]
-        + ["--json-keys", "response", "--no-progress", *tokenizer_flags(out)],
+        total = (args.train_samples or 6000) + args.pretrain_samples
+        questions = ["--train-samples", str(total), "--test-samples", str(args.test_samples)]
+    run_tool(["make_prosqa_data", "--output-dir", str(out), *questions], log)
+    finetune = train
+    if args.pretrain_samples:
+        finetune = split_pretraining(train, args.pretrain_samples, out)
+    tokenizer = ["train_tokenizer", "--input", str(train), "--kind", "sentencepiece", "--vocab-size", "512"]
+    run_tool(tokenizer + ["--character-coverage", "1.0", "--output-dir", str(out / "tokenizer"), "--no-progress"], log)
+    if args.pretrain_samples:
+        run_tool(
+            preprocess(out / "pretrain.jsonl", out / "pretrain", out, ["--json-keys", "text", "--append-eod"]), log
+        )
+    run_tool(preprocess(finetune, out / "train", out, ["--prompt-key", "prompt", "--json-keys", "response"]), log)
+
+
+def preprocess(source: Path, prefix: Path, out: Path, keys: list[str]) -> list[str]:
+    """The ``preprocess_data`` stage of ``source`` into ``prefix`` with the task's tokenizer."""
+    return ["preprocess_data", "--input", str(source), "--output-prefix", str(prefix), *keys] + [
+        "--no-progress",
+        *tokenizer_flags(out),
     ]
 
 
+def split_pretraining(train: Path, count: int, out: Path) -> Path:
+    """Write the first ``count`` lines of ``train`` to ``pretrain.jsonl`` and the rest to
+    ``finetune.jsonl`` (two disjoint sets of questions, none of them a test question); the latter's path."""
+    lines = train.read_text().splitlines(True)
+    (out / "pretrain.jsonl").write_text("".join(lines[:count]))
+    (out / "finetune.jsonl").write_text("".join(lines[count:]))
+    return out / "finetune.jsonl"
+
+
 def prosqa_data_flags(out: Path) -> list[str]:
-    """The trainer's data flags for the ProsQA data of :func:`prosqa_steps`."""
+    """The trainer's data flags for the ProsQA fine-tuning data of :func:`make_prosqa_data`."""
     return ["--sft", "--data-path", str(out / "train_response_document"), "--data-cache-path", str(out / "cache")] + [
+        *tokenizer_flags(out)
+    ]
+
+
+def pretraining_flags(out: Path) -> list[str]:
+    """The trainer's data flags for the packed pretraining split of :func:`make_prosqa_data`."""
+    return ["--data-path", str(out / "pretrain_text_document"), "--data-cache-path", str(out / "cache")] + [
         *tokenizer_flags(out)
     ]
 
@@ -134,49 +179,52 @@ def sequence_length(prefix: str) -> tuple[int, int]:
     return -(-longest // 8) * 8, len(dataset.document_indices) - 1
 
 
+def packed_sequences(prefix: str, seq: int) -> int:
+    """How many ``seq``-token sequences the packed dataset at ``prefix`` fills."""
+    from megatron.core.datasets.indexed_dataset import IndexedDataset
+
+    dataset = IndexedDataset(prefix)  # held: its lengths are a view of its memory map
+    return int(dataset.sequence_lengths.sum()) // seq
+
+
+def train(args, name: str, seed: int, data_flags: list[str], seq: int, iters: int, run: Path, log: Path) -> dict:
+    """Train ``name`` for ``iters`` iterations of the bench's schedule into ``run``; the last metrics
+    record."""
+    run_tool(
+        ["pretrain", *SHAPES[args.task].split(), *SCHEDULE.split(), *MODELS[name], *data_flags]
+        + ["--seq-length", str(seq), "--micro-batch-size", str(args.batch_size)]
+        + ["--global-batch-size", str(args.batch_size), "--train-iters", str(iters)]
+        + ["--lr-warmup-iters", str(max(1, iters // 20)), "--seed", str(seed), "--save", str(run)]
+        + ["--metrics-file", str(run) + ".jsonl"],
+        log,
+    )
+    return json.loads((Path(str(run) + ".jsonl")).read_text().splitlines()[-1])
+
+
 def train_and_score(args, out: Path, name: str, seed: int, data_flags: list[str], test: Path, seq: int) -> dict:
-    """Train one model from scratch, score it; its accuracies and the training time (a run whose
-    result is already in ``--output-dir`` is read back, not repeated)."""
+    """Train one model (pretrained first with ``--pretrain-samples``, else from scratch), score it;
+    its accuracies and the training time (a run whose result is already in ``--output-dir`` is read
+    back, not repeated)."""
     run = out / f"{name.lower()}-{seed}"
     result_file = out / f"result-{name.lower()}-{seed}.json"
     if result_file.exists():
         return json.loads(result_file.read_text())
     log = out / f"{name.lower()}-{seed}.log"
     start = time.perf_counter()
-    run_tool(
-        [
-            "pretrain",
-            *SHAPES[args.task].split(),
-            *SCHEDULE.split(),
-            *MODELS[name],
-            *data_flags,
-            "--seq-length",
-            str(seq),
-            "--micro-batch-size",
-            str(args.batch_size),
-            "--global-batch-size",
-            str(args.batch_size),
-            "--train-iters",
-            str(args.train_iters),
-            "--lr-warmup-iters",
-            str(max(1, args.train_iters // 20)),
-            "--seed",
-            str(seed),
-            "--save",
-            str(run),
-            "--metrics-file",
-            str(run) + ".jsonl",
-        ],
-        log,
-    )
+    result = {}
+    if args.pretrain_iters:
+        pretrained = out / f"{name.lower()}-{seed}-pretrained"
+        last = train(args, name, seed, pretraining_flags(out), seq, args.pretrain_iters, pretrained, log)
+        result["pretrain_loss"] = last["lm_loss"]
+        data_flags = [*data_flags, "--pretrained-checkpoint", str(pretrained)]
+    last = train(args, name, seed, data_flags, seq, args.train_iters, run, log)
     seconds = time.perf_counter() - start
     scores = out / f"scores-{name.lower()}-{seed}.json"
     task = ["--task", "prosqa", "--max-new-tokens", "96"] if args.task == "prosqa" else ["--max-new-tokens", "64"]
     run_tool(
         ["score_generation", str(run), "--test-file", str(test), "--output", str(scores), "--no-progress", *task], log
     )
-    last = json.loads((Path(str(run) + ".jsonl")).read_text().splitlines()[-1])
-    result = {
+    result |= {
         "tiers": {str(t["group"]): t["accuracy"] for t in json.loads(scores.read_text())["tiers"]},
         "seconds": seconds,
         "loss": last["lm_loss"],
@@ -256,12 +304,20 @@ def report(results: dict, models: list[str], seeds: list[int]) -> None:
 
 def main(argv=None) -> None:
     args = parse_args(argv)
-    out = Path(args.output_dir) / args.task
+    out = Path(args.output_dir) / (args.task + (f"-pretrain{args.pretrain_samples}" if args.pretrain_samples else ""))
     out.mkdir(parents=True, exist_ok=True)
     test, data_flags = make_data(args, out)
     seq, examples = sequence_length(data_flags[2])
     if args.epochs is not None:
         args.train_iters = math.ceil(args.epochs * examples / args.batch_size)
+    args.pretrain_iters = 0
+    if args.pretrain_samples:
+        sequences = packed_sequences(pretraining_flags(out)[1], seq)
+        args.pretrain_iters = math.ceil(args.pretrain_epochs * sequences / args.batch_size)
+        print(
+            f"pretraining: {args.pretrain_samples:,} questions packed in {sequences:,} sequences of {seq}, "
+            f"{args.pretrain_iters} iterations of {args.batch_size} ({args.pretrain_epochs:g} epochs) per run"
+        )
     print(
         f"{args.task}: {examples:,} training examples, sequence {seq}, {args.train_iters} iterations of "
         f"{args.batch_size} ({args.train_iters * args.batch_size / examples:.2f} epochs) per run"

@@ -66,3 +66,21 @@ def test_seed_intervals_cover_the_mean_95_percent_of_the_time(seeds):
         gap_held += low <= 0.2 <= high
     assert abs(held / trials - 0.95) <= 0.015
     assert 0.94 <= gap_held / trials <= 0.975  # Welch's degrees rounded down: at least nominal
+
+
+def test_pretraining_split_is_disjoint_and_complete(tmp_path):
+    """``--pretrain-samples P``: the first P training questions pretrain, the others fine-tune;
+    together they are the training file, line for line."""
+    train = tmp_path / "prosqa_train.jsonl"
+    lines = [f'{{"text": "question {i}"}}\n' for i in range(10)]
+    train.write_text("".join(lines))
+    finetune = reasoning.split_pretraining(train, 4, tmp_path)
+    assert (tmp_path / "pretrain.jsonl").read_text() == "".join(lines[:4])
+    assert finetune.read_text() == "".join(lines[4:])
+
+
+@pytest.mark.parametrize("task,extra", [("aet", []), ("prosqa", ["--coconut-dir", "coconut/data"])])
+def test_pretraining_is_refused_where_it_cannot_split_generated_questions(task, extra, capsys):
+    with pytest.raises(SystemExit):
+        reasoning.parse_args(["--task", task, "--epochs", "1", "--pretrain-samples", "10", *extra])
+    assert "--pretrain-samples splits generated ProsQA questions" in capsys.readouterr().err
