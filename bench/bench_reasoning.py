@@ -274,6 +274,33 @@ def interval_cell(triple: tuple[float, float, float], sign: str = "") -> str:
     return f"{mean:{sign}6.1f} [{low:{sign}.1f}, {high:{sign}.1f}]" if low != high else f"{mean:{sign}6.1f}"
 
 
+def candidate_answers(scores: Path, test: Path) -> tuple[float, float]:
+    """ProsQA's chance line, read from one run's generations: (the share of answers naming exactly
+    one of the question's two candidate concepts, the target or the negative; the accuracy among
+    those).  Naming one at random is right half the time."""
+    from lime_megatron.data import prosqa
+
+    records = prosqa.read(str(test), graph=True)
+    named = correct = 0
+    for record, generation in zip(records, json.loads(scores.read_text())["generations"], strict=True):
+        words = set(generation["answer"].replace(".", " ").split())
+        target, negative = (record["idx_to_symbol"][record[key]] for key in ("target", "neg_target"))
+        if (target in words) != (negative in words):
+            named += 1
+            correct += generation["answer_correct"]
+    return named / len(records), correct / max(1, named)
+
+
+def report_candidates(out: Path, test: Path, models: list[str], seeds: list[int]) -> None:
+    """Per ProsQA run: how often its answer names one of the two candidates, and how often that one
+    is right (the chance line: 50%)."""
+    print("\nProsQA answers naming one of the two candidates (share; right among them; chance 50%):")
+    for name in models:
+        shares = [candidate_answers(out / f"scores-{name.lower()}-{seed}.json", test) for seed in seeds]
+        cells = ", ".join(f"{100 * named:.1f}% ({100 * right:.1f}% right)" for named, right in shares)
+        print(f"{name:>6}: {cells}")
+
+
 def report(results: dict, models: list[str], seeds: list[int]) -> None:
     """Per group (tier, or answer/steps): each model's accuracy per seed, the mean over seeds with
     its 95% t-interval, and the LIMe - LLaMA gap with its 95% Welch interval when both models ran."""
@@ -327,6 +354,8 @@ def main(argv=None) -> None:
     for name, seed in tqdm(runs, desc="runs", unit="run"):
         results[(name, seed)] = train_and_score(args, out, name, seed, data_flags, test, seq)
     report(results, args.models, args.seeds)
+    if args.task == "prosqa":
+        report_candidates(out, test, args.models, args.seeds)
 
 
 if __name__ == "__main__":

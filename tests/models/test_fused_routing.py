@@ -54,6 +54,20 @@ def test_triton_path_equals_the_torch_path(name):
     assert max(grad_errors.values()) <= 1e-12, grad_errors
 
 
+@pytest.mark.parametrize("block", [1, 2])
+def test_a_backward_beyond_one_tile_takes_two_launches(block, monkeypatch):
+    """Where g_l's rows do not fit one tile (over 64 kv heads) a layer's backward runs the weight
+    gradient and the row gradient as two launches, the row gradient keeping g_l: the same
+    gradients (forced here on the tiny model)."""
+    from lime_megatron.kernels import operands
+
+    asked, fits_one_tile = [], operands.fits_one_tile
+    monkeypatch.setattr(operands, "fits_one_tile", lambda grads: asked.append(fits_one_tile(grads)) or False)
+    loss_error, grad_errors = twin_errors(*both_paths(lime_routing_block=block))
+    assert asked and all(asked), "no layer's backward would have been one launch"
+    assert loss_error <= 1e-13 and max(grad_errors.values()) <= 1e-12, grad_errors
+
+
 def test_pruned_routers_on_the_triton_path():
     """Hand-pruned routers (sources skipped, windows of reads): the same gradients both ways."""
     torch_model, triton_model = both_paths(lime_routing_block=2, lime_prune_top_p=1.0)
