@@ -274,30 +274,35 @@ def interval_cell(triple: tuple[float, float, float], sign: str = "") -> str:
     return f"{mean:{sign}6.1f} [{low:{sign}.1f}, {high:{sign}.1f}]" if low != high else f"{mean:{sign}6.1f}"
 
 
-def candidate_answers(scores: Path, test: Path) -> tuple[float, float]:
+def candidate_answers(scores: Path, test: Path) -> tuple[float, float, float]:
     """ProsQA's chance line, read from one run's generations: (the share of answers naming exactly
     one of the question's two candidate concepts, the target or the negative; the accuracy among
-    those).  Naming one at random is right half the time."""
+    those; the share of generated steps that are facts of the question).  Naming one at random is
+    right half the time; a step that is no fact of the question was not read from it."""
     from lime_megatron.data import prosqa
 
     records = prosqa.read(str(test), graph=True)
-    named = correct = 0
+    named = correct = steps = facts = 0
     for record, generation in zip(records, json.loads(scores.read_text())["generations"], strict=True):
         words = set(generation["answer"].replace(".", " ").split())
         target, negative = (record["idx_to_symbol"][record[key]] for key in ("target", "neg_target"))
         if (target in words) != (negative in words):
             named += 1
             correct += generation["answer_correct"]
-    return named / len(records), correct / max(1, named)
+        given = {sentence.strip().rstrip(".") for sentence in record["question"].split(".")}
+        generated = prosqa.generated_steps(generation["generated"])
+        steps, facts = steps + len(generated), facts + sum(step.rstrip(".") in given for step in generated)
+    return named / len(records), correct / max(1, named), facts / max(1, steps)
 
 
 def report_candidates(out: Path, test: Path, models: list[str], seeds: list[int]) -> None:
     """Per ProsQA run: how often its answer names one of the two candidates, and how often that one
     is right (the chance line: 50%)."""
-    print("\nProsQA answers naming one of the two candidates (share; right among them; chance 50%):")
+    print("\nProsQA per seed: answers naming one of the two candidates (right among them; chance 50%), steps")
+    print("that are facts of the question:")
     for name in models:
         shares = [candidate_answers(out / f"scores-{name.lower()}-{seed}.json", test) for seed in seeds]
-        cells = ", ".join(f"{100 * named:.1f}% ({100 * right:.1f}% right)" for named, right in shares)
+        cells = ", ".join(f"{100 * n:.1f}% ({100 * right:.1f}% right), {100 * f:.1f}%" for n, right, f in shares)
         print(f"{name:>6}: {cells}")
 
 

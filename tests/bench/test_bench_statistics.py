@@ -88,7 +88,7 @@ def test_pretraining_is_refused_where_it_cannot_split_generated_questions(task, 
 
 def test_candidate_answers_count_answers_naming_one_candidate(tmp_path):
     """An answer naming the target or the negative alone counts (right or not); one naming both, or
-    neither, does not."""
+    neither, does not; a generated step counts as read when it is a fact of the question."""
     import json
 
     from lime_megatron.data import prosqa
@@ -97,6 +97,11 @@ def test_candidate_answers_count_answers_naming_one_candidate(tmp_path):
     (tmp_path / "test.json").write_text(json.dumps(records))
     names = [(r["idx_to_symbol"][r["target"]], r["idx_to_symbol"][r["neg_target"]]) for r in records]
     answers = [f"Tom is a {names[0][0]}.", f"Tom is a {names[1][1]}.", f"{names[2][0]} {names[2][1]}", "Tom is."]
-    generations = [{"answer": answer, "answer_correct": index == 0} for index, answer in enumerate(answers)]
+    fact = records[0]["question"].split(". ")[1] + "."  # a fact of the first question
+    steps = [f"{fact}\nEvery wumpus is a yumpus.\n### ", "### ", "### ", "### "]
+    generations = [
+        {"answer": answer, "answer_correct": index == 0, "generated": steps[index] + answer}
+        for index, answer in enumerate(answers)
+    ]
     (tmp_path / "scores.json").write_text(json.dumps({"generations": generations}))
-    assert reasoning.candidate_answers(tmp_path / "scores.json", tmp_path / "test.json") == (0.5, 0.5)
+    assert reasoning.candidate_answers(tmp_path / "scores.json", tmp_path / "test.json") == (0.5, 0.5, 0.5)
