@@ -127,23 +127,19 @@ def make_prosqa_data(args: argparse.Namespace, out: Path) -> None:
         total = (args.train_samples or 6000) + args.pretrain_samples
         questions = ["--train-samples", str(total), "--test-samples", str(args.test_samples)]
     run_tool(["make_prosqa_data", "--output-dir", str(out), *questions], log)
+    tokenizer = ["train_tokenizer", "--input", str(train), "--kind", "sentencepiece", "--vocab-size", "512"]
+    run_tool(tokenizer + ["--character-coverage", "1.0", "--output-dir", str(out / "tokenizer"), "--no-progress"], log)
     finetune = train
     if args.pretrain_samples:
         finetune = split_pretraining(train, args.pretrain_samples, out)
-    tokenizer = ["train_tokenizer", "--input", str(train), "--kind", "sentencepiece", "--vocab-size", "512"]
-    run_tool(tokenizer + ["--character-coverage", "1.0", "--output-dir", str(out / "tokenizer"), "--no-progress"], log)
-    if args.pretrain_samples:
-        run_tool(
-            preprocess(out / "pretrain.jsonl", out / "pretrain", out, ["--json-keys", "text", "--append-eod"]), log
-        )
-    run_tool(preprocess(finetune, out / "train", out, ["--prompt-key", "prompt", "--json-keys", "response"]), log)
+        run_tool(preprocess(out / "pretrain.jsonl", out / "pretrain", out, "--json-keys", "text", "--append-eod"), log)
+    run_tool(preprocess(finetune, out / "train", out, "--prompt-key", "prompt", "--json-keys", "response"), log)
 
 
-def preprocess(source: Path, prefix: Path, out: Path, keys: list[str]) -> list[str]:
+def preprocess(source: Path, prefix: Path, out: Path, *keys: str) -> list[str]:
     """The ``preprocess_data`` stage of ``source`` into ``prefix`` with the task's tokenizer."""
-    return ["preprocess_data", "--input", str(source), "--output-prefix", str(prefix), *keys] + [
-        "--no-progress",
-        *tokenizer_flags(out),
+    return ["preprocess_data", "--input", str(source), "--output-prefix", str(prefix), *keys, "--no-progress"] + [
+        *tokenizer_flags(out)
     ]
 
 
@@ -158,16 +154,17 @@ def split_pretraining(train: Path, count: int, out: Path) -> Path:
 
 def prosqa_data_flags(out: Path) -> list[str]:
     """The trainer's data flags for the ProsQA fine-tuning data of :func:`make_prosqa_data`."""
-    return ["--sft", "--data-path", str(out / "train_response_document"), "--data-cache-path", str(out / "cache")] + [
-        *tokenizer_flags(out)
-    ]
+    return ["--sft", *dataset_flags(out, "train_response_document")]
 
 
 def pretraining_flags(out: Path) -> list[str]:
     """The trainer's data flags for the packed pretraining split of :func:`make_prosqa_data`."""
-    return ["--data-path", str(out / "pretrain_text_document"), "--data-cache-path", str(out / "cache")] + [
-        *tokenizer_flags(out)
-    ]
+    return dataset_flags(out, "pretrain_text_document")
+
+
+def dataset_flags(out: Path, dataset: str) -> list[str]:
+    """``--data-path`` of ``out``'s ``dataset``, its cache and the task's tokenizer."""
+    return ["--data-path", str(out / dataset), "--data-cache-path", str(out / "cache"), *tokenizer_flags(out)]
 
 
 def sequence_length(prefix: str) -> tuple[int, int]:

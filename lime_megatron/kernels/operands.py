@@ -221,8 +221,8 @@ def mix(
     from lime_megatron.kernels.routing_kernels import mix_kernel
 
     programs, arguments, constants = _mix_launch(out, first, second, accumulate, store, more)
-    operand = out.arguments(out.batch)
-    unused = ((out.keys, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 1, 0))  # no weight-gradient program
+    operand = arguments[0]  # out's: a placeholder for the weight gradient's operands, never read
+    unused = ((out.keys, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 1, 0))
     tiles = (*_mix_tiles(out), programs, 1, 1, 0)
     launch(mix_kernel, (programs,), *arguments, unused, tiles, **constants, **_NO_WEIGHT_GRAD)
 

@@ -26,15 +26,25 @@ def routing_kernel(config, device: torch.device) -> str:
     """``"triton"`` or ``"torch"``: how a chunk of the model ``config`` with tensors on ``device``
     runs its routing products (module docstring); raises ``LimeConfigError`` where ``triton`` was
     asked for and cannot be honoured."""
+    if planned_kernel(config, device) == "torch":
+        return "torch"
+    refusal = triton_refusal(config, device)
+    if refusal is None:
+        return "triton"
+    if config.lime_routing_kernel == "triton":
+        raise LimeConfigError(f"--lime-routing-kernel triton: {refusal}")
+    return "torch"
+
+
+def planned_kernel(config, device: torch.device) -> str:
+    """The path a run of ``config`` on a ``device`` takes where triton is installed (``routing_kernel``
+    less the installation, which the machine a run is planned on need not have)."""
     choice = config.lime_routing_kernel
     if choice == "torch" or not config.lime:
         return "torch"
-    refusal = triton_refusal(config, device)
-    if choice == "auto":
-        return "torch" if refusal or device.type != "cuda" else "triton"
-    if refusal:
-        raise LimeConfigError(f"--lime-routing-kernel triton: {refusal}")
-    return "triton"
+    if choice == "triton":
+        return "triton"
+    return "triton" if device.type == "cuda" and kernel_refusal(config, device) is None else "torch"
 
 
 def triton_refusal(config, device: torch.device) -> str | None:

@@ -500,9 +500,8 @@ def _routing_lines(result: DryRunEstimate) -> list[str]:
 def _routing_path(config) -> str:
     """Which path the routing products take on the machine the block size is chosen for."""
     machine = path_machine(config, routing_machine(config))
-    if machine.operators == TRITON_OPERATORS:
-        return f"Triton kernels on {machine.name.split(' (')[0]}"
-    return f"torch operators on {machine.name.split(' (')[0]}"
+    path = "Triton kernels" if machine.operators == TRITON_OPERATORS else "torch operators"
+    return f"{path} on {machine.name.split(' (')[0]}"
 
 
 def report_lines(result: DryRunEstimate) -> list[str]:

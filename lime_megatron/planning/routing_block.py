@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 
 from lime_megatron.choices import MACHINE_NAMES
-from lime_megatron.kernels.routing_path import kernel_refusal
+from lime_megatron.kernels.routing_path import planned_kernel
 from lime_megatron.models.config import LimeConfigError
 from lime_megatron.models.lime.routing_blocks import recompute_safe_block
 from lime_megatron.parallel.pipeline import chunk_layers
@@ -199,11 +199,7 @@ def path_machine(config, machine: MachineBalance) -> MachineBalance:
     """``machine`` with the operators of the path the run takes there (``kernels.routing_path``):
     a GPU's Triton path unless the run asks for torch's, the CPU's torch path unless it asks for
     Triton's."""
-    device = torch.device("cuda" if machine.asynchronous else "cpu")
-    if config.lime_routing_kernel != "auto":
-        triton = config.lime_routing_kernel == "triton"
-    else:
-        triton = device.type == "cuda" and kernel_refusal(config, device) is None
+    triton = planned_kernel(config, torch.device("cuda" if machine.asynchronous else "cpu")) == "triton"
     return dataclasses.replace(machine, operators=TRITON_OPERATORS if triton else TORCH_OPERATORS)
 
 

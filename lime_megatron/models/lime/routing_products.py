@@ -54,13 +54,18 @@ def observed_read(kind: str, wide: torch.Tensor) -> torch.Tensor:
     return wide if _OBSERVER is None else _OBSERVER(kind, wide, None, lambda: wide)
 
 
+def matrix_flops(narrow: torch.Tensor, wide: torch.Tensor) -> int:
+    """FLOPs of ``narrow @ wide`` ([r, k] @ [k, N])."""
+    return 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+
+
 def routing_product(
     kind: str, narrow: torch.Tensor, wide: torch.Tensor, accumulate: torch.Tensor | None = None, triton: bool = False
 ) -> torch.Tensor:
     """``narrow @ wide`` ([r, k] @ [k, N]) in ``wide``'s dtype (router weights may be kept in float32
     beside bf16 activations), plus ``accumulate`` ([r, N]) in the same kernel when given (a new
     tensor either way); with ``triton`` one launch of ``kernels.routing_kernels.mix_kernel``."""
-    flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+    flops = matrix_flops(narrow, wide)
     if triton:
         return observed_product(kind, wide, flops, lambda: triton_rows_product(narrow, wide, accumulate))
     narrow = narrow.to(wide.dtype)
@@ -83,7 +88,7 @@ def routing_product_attention_layout(
     ``accumulate`` (``[M, r, inner]``, or a view of that shape's elements) in the same kernel when
     given; with ``triton`` one launch of ``kernels.routing_kernels.mix_kernel``."""
     if triton:
-        flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+        flops = matrix_flops(narrow, wide)
         return observed_product(kind, wide, flops, lambda: triton_attention_product(narrow, wide, inner, accumulate))
     batched = wide.view(wide.shape[0], -1, inner).transpose(0, 1)
     return batched_product(kind, batched_narrow(narrow, batched), batched, accumulate)
@@ -129,7 +134,7 @@ def routing_product_keys_values(
     and share one broadcast ``narrow`` (each operator is host time, docs/routing.md); with
     ``triton`` both halves are one launch of ``kernels.routing_kernels.mix_kernel``."""
     if triton:
-        flops = 2 * narrow.shape[0] * narrow.shape[1] * wide.shape[1]
+        flops = matrix_flops(narrow, wide)
         return observed_product(kind, wide, flops, lambda: triton_keys_values_product(narrow, wide, inner, accumulate))
     halves = wide.view(wide.shape[0], 2, -1, inner).permute(1, 2, 0, 3).unbind(0)
     narrow = batched_narrow(narrow, halves[0])
