@@ -34,8 +34,9 @@ medians over rounds.  Beside them the rate the products ran at (GFLOP/s, GB/s of
 what they would take at the baseline's own rate (its FLOPs over its time), which is what the FLOP
 floor assumes.  Last, the host's work: the ATen operators LIMe dispatches per layer beyond the
 baseline in one forward+backward (``testing.dispatched_operators``; views included), per layer
-(B = 1) and blocked, which sets the pace where kernels are short (the deep narrow shape on a GPU)
-and which a tiny shape times on this CPU:
+(B = 1) and blocked, on the torch path and on the Triton path (a launch counted as one; on a CPU
+the kernels run in Triton's interpreter at a small shape: counts only), which sets the pace where
+kernels are short (the deep narrow shape on a GPU) and which a tiny shape times on this CPU:
     python bench/bench_lime_overhead.py --depths 32 128 --hidden-size 64 --ffn-hidden-size 128 \
         --seq-length 16 --micro-batch-size 1 --repeats 9
 
@@ -264,14 +265,14 @@ TRITON_COUNT_SHAPE = dict(seq_length=8, micro_batch_size=1)
 the batch, and on a CPU the kernels run in Triton's interpreter, a program at a time in Python."""
 
 
-def triton_operators(args, num_layers: int, kv_heads: int) -> float:
-    """Operators per layer LIMe dispatches beyond the baseline on the Triton path at B = 1, counted
-    at ``TRITON_COUNT_SHAPE`` (on a CPU in Triton's interpreter: ``cpu_triton``)."""
+def triton_operators(args, num_layers: int, kv_heads: int, blocks: tuple[int, ...]) -> list[float]:
+    """Operators per layer LIMe dispatches beyond the baseline on the Triton path at each block
+    size of ``blocks``, counted at ``TRITON_COUNT_SHAPE`` (on a CPU in Triton's interpreter)."""
     tiny = argparse.Namespace(**{**vars(args), **TRITON_COUNT_SHAPE, "lime_routing_kernel": "triton"})
     batch = make_batch(tiny)
     base = dispatched_operators(build_shape(tiny, num_layers, kv_heads, lime=False), batch)
-    lime = build_shape(tiny, num_layers, kv_heads, lime=True, lime_routing_block=1)
-    return (dispatched_operators(lime, batch) - base) / num_layers
+    lime = [build_shape(tiny, num_layers, kv_heads, lime=True, lime_routing_block=block) for block in blocks]
+    return [(dispatched_operators(model, batch) - base) / num_layers for model in lime]
 
 
 def copied_bytes(model, batch) -> int:
@@ -395,7 +396,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     batch = make_batch(args)
     times = round_times(args, models, batch)
     operators = {name: dispatched_operators(models[name], batch) for name in ("base", "per_layer", "blocked")}
-    triton = triton_operators(args, num_layers, kv_heads)
+    triton = triton_operators(args, num_layers, kv_heads, (1, block))
     products = {}
     counted = round_times(args, {name: models[name] for name in ("base", "blocked")}, batch, products)
     ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
@@ -422,7 +423,8 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
         **{
             f"{name}_operators": (operators[name] - operators["base"]) / num_layers for name in ("per_layer", "blocked")
         },
-        triton_operators=triton,
+        triton_operators=triton[0],
+        triton_blocked_operators=triton[1],
         **time_split(args, config, counted, products["blocked"]),
     )
 
@@ -458,6 +460,7 @@ TIME_SPLIT_COLUMNS = SHAPE_COLUMNS + [
     ("ops+/layer B=1", field("per_layer_operators", ".1f")),
     ("ops+/layer B", field("blocked_operators", ".1f")),
     ("ops+/layer Triton B=1", field("triton_operators", ".1f")),
+    ("ops+/layer Triton B", field("triton_blocked_operators", ".1f")),
 ]
 """The second table: where blocked LIMe's time over the baseline goes, and the host's operators."""
 

@@ -62,7 +62,9 @@ class Halves:
     """``count`` rows of keys|values: element e of position p = ``s_p * batch + b_p`` of row i of
     the keys half at ``keys + start + i * row + s_p * outer + b_p * inner + e`` with ``(row,
     outer, inner) = key_strides``, of the values half at ``values + value_offset + start + ...``
-    with ``value_strides``; ``positions`` P of ``width`` D elements per half."""
+    with ``value_strides``; ``positions`` P of ``width`` D elements per half.  Rows come in groups
+    of ``group`` (``of_groups``: a routing block's tensors, one per layer): row i is row ``i %
+    group`` of group ``i // group``, which lies ``group_stride`` after the one before."""
 
     keys: torch.Tensor
     values: torch.Tensor
@@ -74,6 +76,8 @@ class Halves:
     positions: int
     width: int
     batch: int
+    group: int = 1 << 30
+    group_stride: int = 0
 
     @staticmethod
     def of_rows(rows: torch.Tensor, first: int, count: int, width: int | None = None) -> Halves:
@@ -105,9 +109,25 @@ class Halves:
         values = values if values.stride(-1) == 1 else values.contiguous()
         return Halves(keys, values, 0, 0, _strides(keys), _strides(values), heads, positions, width, batch)
 
+    @staticmethod
+    def of_groups(keys: torch.Tensor, values: torch.Tensor | None = None) -> Halves:
+        """Keys and values ``[G, s, b, heads, d]`` of equal strides, adjacent elements (a routing
+        block's layers, one group each: ``G * heads`` rows); with ``values`` None, ``keys``
+        ``[2 * G, s, b, heads, d]`` holds both halves, the values' groups after the keys'."""
+        if keys.stride(-1) != 1 or (values is not None and values.stride() != keys.stride()):
+            raise ValueError("grouped keys and values need adjacent elements and equal strides")
+        groups = keys.shape[0] if values is not None else keys.shape[0] // 2
+        _, s, b, heads, width = keys.shape
+        strides = (keys.stride(3), keys.stride(1), keys.stride(2))
+        value_offset = 0 if values is not None else groups * keys.stride(0)
+        values = keys if values is None else values
+        return Halves(
+            keys, values, value_offset, 0, strides, strides, groups * heads, s * b, width, b, heads, keys.stride(0)
+        )
+
     def arguments(self, batch: int) -> tuple:
-        """The kernels' operand tuple of ten pointers, offsets and strides, its positions split as
-        ``s_p * batch + b_p`` (its own split, or any where one stride steps through all its
+        """The kernels' operand tuple of twelve pointers, offsets and strides, its positions split
+        as ``s_p * batch + b_p`` (its own split, or any where one stride steps through all its
         positions)."""
         return (
             self.keys,
@@ -116,6 +136,8 @@ class Halves:
             self.start,
             *self._in_batch(self.key_strides, batch),
             *self._in_batch(self.value_strides, batch),
+            self.group,
+            self.group_stride,
         )
 
     def _in_batch(self, strides: tuple[int, int, int], batch: int) -> tuple[int, int, int]:
@@ -222,7 +244,7 @@ def mix(
 
     programs, arguments, constants = _mix_launch(out, first, second, accumulate, store, more)
     operand = arguments[0]  # out's: a placeholder for the weight gradient's operands, never read
-    unused = ((out.keys, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 1, 0))
+    unused = ((out.keys, 0, 0, 1, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 1, 0))
     tiles = (*_mix_tiles(out), programs, 1, 1, 0)
     launch(mix_kernel, (programs,), *arguments, unused, tiles, **constants, **_NO_WEIGHT_GRAD)
 
@@ -237,7 +259,7 @@ def mix_and_weight_grad(
     second: tuple[Columns, Halves],
     weight_out: torch.Tensor,
     rows: Halves,
-    column_start: int,
+    column_start: int | Placement,
     own_row: int,
     deterministic: bool,
     splits: int,
@@ -339,27 +361,56 @@ def weight_grad_splits(halves: Halves, tiles: int) -> int:
 
 
 def weight_grad(
-    out: torch.Tensor, grads: Halves, rows: Halves, column_start: int, deterministic: bool, splits: int
+    out: torch.Tensor, grads: Halves, rows: Halves, column_start: int | Placement, deterministic: bool, splits: int
 ) -> None:
     """``out[..., column_start : column_start + rows.count] (+)= grads @ rows^T`` summed over both
-    halves and every position: with ``deterministic`` ``out`` is ``[splits, M, width]`` (one slice
-    per split, summed by the caller), else ``[M, width]`` added to atomically.  One launch."""
+    halves and every position (or placed as a ``Placement`` says): with ``deterministic`` ``out``
+    is ``[splits, ...]`` (one slice per split, summed by the caller), else added to atomically.
+    One launch."""
     from lime_megatron.kernels.routing_kernels import weight_grad_kernel
 
     grid, arguments, constants = _weight_grad_launch(out, grads, rows, column_start, deterministic, splits)
     launch(weight_grad_kernel, grid, arguments, **constants)
 
 
+@dataclass(frozen=True)
+class Placement:
+    """Where a router-weight gradient ``[M, C]`` lands in its float32 target, whose elements are
+    adjacent (``routing_kernels._placed``): its rows in groups of ``group``, group q the matrix
+    ``[group, width + q * widen]`` after those of the groups before it (from element ``origin``),
+    the product's column j at column ``column_start + q * shift + j`` of it, dropped where that
+    lies outside.  One group: the columns ``column_start..`` of a ``[M, width]`` matrix; several:
+    a routing block's routers, whose gradients lie one after another (``fused_blocks``)."""
+
+    column_start: int
+    width: int
+    origin: int = 0
+    group: int = 1 << 30
+    widen: int = 0
+    shift: int = 0
+
+    @staticmethod
+    def of(out: torch.Tensor, column_start: int | Placement) -> Placement:
+        """``column_start`` as the columns from there of the matrices ``out`` ``[..., M, width]``."""
+        if out.stride(-1) != 1:
+            raise ValueError("a weight gradient's target needs adjacent elements")
+        return column_start if isinstance(column_start, Placement) else Placement(column_start, out.stride(-2))
+
+    def arguments(self) -> tuple[int, ...]:
+        """The target's six integers after its pointer and split stride (``_placed``)."""
+        return self.origin, self.group, self.width, self.widen, self.column_start, self.shift
+
+
 def _weight_grad_launch(
-    out: torch.Tensor, grads: Halves, rows: Halves, column_start: int, deterministic: bool, splits: int
+    out: torch.Tensor, grads: Halves, rows: Halves, column_start: int | Placement, deterministic: bool, splits: int
 ) -> tuple[tuple[int, int, int], tuple, dict]:
     """(grid, ``weight_grad_kernel``'s ``weight`` argument, constants) of ``weight_grad``'s launch."""
     block_m, block_c = block(grads.count), block(rows.count)
     grid = (splits, ceil_div(grads.count, block_m), ceil_div(rows.count, block_c))
-    split_stride, row_stride, column_stride = out.stride() if deterministic else (0, *out.stride())
+    placement = Placement.of(out, column_start)
     batch = launch_batch(grads, rows)
     arguments = (
-        (out, split_stride, row_stride, column_stride, column_start),
+        (out, out.stride(0) if deterministic else 0, *placement.arguments()),
         grads.arguments(batch),
         grads.count,
         rows.arguments(batch),
@@ -388,18 +439,18 @@ def weight_grad_sums(
     """``[M, width]`` in ``dtype``: ``grads @ rows^T`` of each ``(column_start, rows)`` of ``terms``
     at its columns, zero elsewhere: one launch per term into one result (``weight_grad``), plus one
     sum over the splits when ``deterministic``."""
-    out, splits = weight_grad_output(grads, terms, width, dtype, deterministic)
+    out, splits = weight_grad_output(grads, max(rows.count for _, rows in terms), width, dtype, deterministic)
     for column_start, rows in terms:
         weight_grad(out, grads, rows, column_start, deterministic, splits)
     return out.sum(0) if deterministic else out
 
 
 def weight_grad_output(
-    grads: Halves, terms: list[tuple[int, Halves]], width: int, dtype: torch.dtype, deterministic: bool
+    grads: Halves, widest: int, width: int, dtype: torch.dtype, deterministic: bool
 ) -> tuple[torch.Tensor, int]:
     """(zeros ``[M, width]``, or ``[splits, M, width]`` when ``deterministic``; the position
-    splits) for the weight gradient of ``terms`` (``weight_grad_sums``)."""
-    widest = max(rows.count for _, rows in terms)
+    splits) for weight-gradient products of ``grads`` over at most ``widest`` rows each
+    (``weight_grad_sums``)."""
     splits = weight_grad_splits(grads, ceil_div(grads.count, block(grads.count)) * ceil_div(widest, block(widest)))
     shape = (splits, grads.count, width) if deterministic else (grads.count, width)
     return grads.keys.new_zeros(shape, dtype=dtype), splits

@@ -11,9 +11,11 @@ so one kernel reads buffer rows ``[k, N]`` (row N, outer BATCH * D, inner D, the
 P * D further), attention's layout ``[s, b, heads, d]`` (row, outer, inner: the strides of heads,
 s and b; the keys and the values two tensors), the strided keys/values megatron's QKV split hands
 over and the gradients attention's backward returns in any order of s, b and heads, with no
-rearranging copy and no view operator on the host.  An operand travels as one tuple
-``(keys, values, value_offset, start, keys' row, outer, inner, values' row, outer, inner)``
-(``operands.Halves.arguments``).
+rearranging copy and no view operator on the host.  Rows may come in groups (a routing block's
+layers, ``[G, s, b, heads, d]``): row i is row ``i % group`` of group ``i // group``, which lies
+``group_stride`` after the one before (``i * row`` above is then ``(i // group) * group_stride +
+(i % group) * row``).  An operand travels as one tuple ``(keys, values, value_offset, start, keys'
+row, outer, inner, values' row, outer, inner, group, group_stride)`` (``operands.Halves.arguments``).
 
 ``mix_kernel``: ``out = acc + more + A1 @ X1 + A2 @ X2`` ([R, K1] @ [K1, N] + [R, K2] @ [K2, N]), the
 forward mix (Eq. 2), its rebuild and the row gradient (Eq. 2 transposed), with X2 optionally
@@ -24,9 +26,10 @@ layer's backward in one launch: g_l into its dead rows after dW_l has read them)
 
 ``weight_grad_kernel``: ``out[c, :, columns] += G @ X^T`` ([M, N] x [C, N]^T), the router-weight
 gradient, accumulated in ``ACC`` (float32, float64 for float64 operands) over a split of the
-positions per program.  ``ATOMIC``: programs add their sums into one ``[M, width]`` result
-(one launch, summation order not fixed); else each split writes its own slice of
-``[splits, M, width]``, summed after (deterministic).  Grid: (splits, M tiles, C tiles).
+positions per program, placed as ``_placed`` says (``operands.Placement``: the columns of one
+matrix, or a routing block's routers' gradients one after another, each row group its router's).
+``ATOMIC``: programs add their sums into the target (one launch, summation order not fixed); else
+each split writes its own slice of ``[splits, ...]``, summed after (deterministic).  Grid: (splits, M tiles, C tiles).
 
 Products use ``tl.dot`` with ``input_precision="ieee"``: float32 operands are multiplied in
 float32, never silently in TF32 (Triton's default on a GPU); bf16/fp16 operands accumulate in
@@ -47,15 +50,17 @@ import triton.language as tl
 def _elements(operand, half, rows, outer, inner, element):
     """Pointers to the elements ``[rows, positions]`` (positions split as ``outer``/``inner``, each
     with its ``element``) of ``half`` of an ``operand``: the module docstring's address, the operand
-    ``(keys, values, value_offset, start, keys' row, outer, inner, values' row, outer, inner)``."""
-    keys, values, value_offset, start, k_row, k_outer, k_inner, v_row, v_outer, v_inner = operand
+    ``(keys, values, value_offset, start, keys' row, outer, inner, values' row, outer, inner, group,
+    group_stride)``."""
+    keys, values, value_offset, start, k_row, k_outer, k_inner, v_row, v_outer, v_inner, group, group_stride = operand
     if half == 0:
         base, row, outer_stride, inner_stride = keys + start, k_row, k_outer, k_inner
     else:
         base, row, outer_stride, inner_stride = values + value_offset + start, v_row, v_outer, v_inner
     # 64-bit offsets: a deep model's buffer passes 2^31 elements (128 layers x 8 heads x 2M).
     columns = outer.to(tl.int64) * outer_stride + inner.to(tl.int64) * inner_stride + element
-    return base + rows.to(tl.int64)[:, None] * row + columns[None, :]
+    rows = rows.to(tl.int64)
+    return base + ((rows // group) * group_stride + rows % group * row)[:, None] + columns[None, :]
 
 
 @triton.jit
@@ -136,8 +141,9 @@ def weight_grad_kernel(
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, W_BLOCK_N: tl.constexpr,
 ):  # fmt: skip
     """``G @ X^T`` by ``_weight_grad_tile`` per program: ``weight`` = ``(target, G, M, X, C,
-    positions)``, ``target`` ``(out, split stride, row stride, column stride, first column)``,
-    ``positions`` ``(P, D, BATCH, positions per split)`` (module docstring)."""
+    positions)``, ``target`` ``(out, split stride, origin, group, width, widen, column start,
+    shift)`` (``_placed``), ``positions`` ``(P, D, BATCH, positions per split)`` (module
+    docstring)."""
     tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     _weight_grad_tile(*tile, weight, 0, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, False)
 
@@ -152,7 +158,7 @@ def _weight_grad_tile(
     rows ``keep_first..+M-1`` that this program read (the caller launches one M tile, so no other
     program reads them)."""
     target, g, M, x, C, positions = weight
-    out, split_stride, row_stride, column_stride, column_start = target
+    out, split_stride, origin, group, width, widen, column_start, shift = target
     P, D, BATCH, positions_per_split = positions
     i = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)
@@ -177,8 +183,24 @@ def _weight_grad_tile(
             if UPCAST:
                 grad, rows = grad.to(ACC), rows.to(ACC)
             total += tl.dot(grad, tl.trans(rows), out_dtype=ACC, input_precision="ieee")
-    sums = out + i[:, None] * row_stride + (column_start + j[None, :]) * column_stride
+    sums, placed = _placed(out, i, j, origin, group, width, widen, column_start, shift)
+    placed = placed & i_ok[:, None] & j_ok[None, :]
     if ATOMIC:
-        tl.atomic_add(sums, total, mask=i_ok[:, None] & j_ok[None, :])
+        tl.atomic_add(sums, total, mask=placed)
     else:
-        tl.store(sums + split * split_stride, total, mask=i_ok[:, None] & j_ok[None, :])
+        tl.store(sums + split * split_stride, total, mask=placed)
+
+
+@triton.jit
+def _placed(out, i, j, origin, group, width, widen, column_start, shift):
+    """(pointers, mask) of product element (i, j) in a target of consecutive matrices, ``group``
+    rows each (module docstring): matrix q = i // group is ``[group, width + q * widen]`` from
+    ``out + origin + group * (q * width + widen * q * (q - 1) / 2)``, the product's column j its
+    column ``column_start + q * shift + j``, placed where that lies in the matrix."""
+    q, h = i // group, i % group
+    rows_width = width + q * widen
+    column = column_start + q * shift
+    matrix = origin + group * (q * width + widen * (q * (q - 1) // 2))
+    offsets = (matrix + h * rows_width + column)[:, None] + j[None, :]
+    placed = (column[:, None] + j[None, :] >= 0) & (column[:, None] + j[None, :] < rows_width[:, None])
+    return out + offsets, placed

@@ -56,17 +56,25 @@ class HostOperators:
     per_layer: float
     """Per layer at B = 1."""
     per_block: float
-    """Per block with earlier sources at B > 1 (``MixEarlierSources``: the stacked router columns,
-    the product, its gradients)."""
+    """Per block with earlier sources at B > 1 (torch: ``MixEarlierSources``, the stacked router
+    columns, the product, its gradients; Triton: ``fused_blocks``, the block's tensors and its
+    three launches)."""
     per_blocked_layer: float
-    """More per layer of such a block (its partial sums taken and added, its weight-gradient
-    pieces joined)."""
+    """More per layer of such a block (torch: its partial sums taken and added, its weight-gradient
+    pieces joined; Triton: fewer, its outputs being the block's tensors)."""
     per_received_block_per_layer: float
     """More per layer at B = 1 per block of rows a pipeline chunk received (one per earlier chunk):
     its products run once per contiguous block of its sources, and the chunk hands back its share
     of the received rows' gradient."""
     per_received_block_per_block: float
     """The same per block with earlier sources at B > 1."""
+    per_received_block_per_chunk: float = 0.0
+    """More once per chunk at B > 1 per block of rows received (the share of their gradient handed
+    back, the last block's missing later-consumer launch)."""
+    per_first_block: float = 0.0
+    """More once at B > 1 in the chunk holding layer 0, where a block reads earlier sources (layer
+    0's block takes its later consumers' share on the general path, the identity routing not
+    being fused; the last block's missing later-consumer launch)."""
 
 
 TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
@@ -75,12 +83,15 @@ TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
 exactly), and per micro-batch on PP = 4 ranks of 8 layers (32 layers, MHA), B = 1, 2, 4, 8 (the
 model within 62 operators of every count)."""
 
-TRITON_OPERATORS = HostOperators(9.7, 22, 4, 10, 16)
-"""The Triton path's (a GPU's default, ``models.lime.fused_routing``): counted at 16 layers, MHA,
-B = 1, 2, 4, 8, 16 (155, 366, 270, 210, 155; the model within 1 of each), and per micro-batch on
-PP = 2 ranks of 8 layers, B = 1, 4, 8 (the received figures fitted to the second rank's 180, 206,
-168 with 13 operators the chunk pays once, counted before a layer's backward became one launch;
-that launch reads only the layer's own row block, so a received block's launches are unchanged)."""
+TRITON_OPERATORS = HostOperators(9.7, 10, -4, 10, 2, per_received_block_per_chunk=20, per_first_block=8)
+"""The Triton path's (a GPU's default, ``models.lime.fused_routing`` and ``fused_blocks``): counted
+at 16 layers, MHA, B = 1, 2, 4, 8, 16 (155, 177, 145, 141, 155 operators beyond the baseline), and
+per micro-batch on PP = 2 ranks of 8 layers, B = 1, 2, 4, 8 (the first rank's 121.5, 135.5, 123.5,
+121.5, the second's 172, 128, 104, 92); the model gives every difference from B = 1 exactly.  A
+block costs 10 operators and each of its layers 4 fewer than at B = 1 (its routed keys/values and
+their gradients are the block's tensors): blocking lowers the host's work from B = 3 on.
+``per_received_block_per_layer`` is the count before the blocks were fused (B = 1 unchanged
+since; these counts fix only its difference from ``per_received_block_per_chunk``)."""
 
 GPU_HOST_SECONDS_PER_OPERATOR = 17e-6
 """Host seconds per operator dispatched on a GPU machine (Python, dispatch and kernel launch):
@@ -233,7 +244,11 @@ def host_operators(layers: range, block: int, received: int = 0, counts: HostOpe
         return (counts.per_layer + counts.per_received_block_per_layer * received) * len(layers)
     blocked = [len(consumers) for consumers in blocks_of(layers, block) if consumers.start > 0]
     per_block = counts.per_block + counts.per_received_block_per_block * received
-    return counts.per_layer * len(layers) + per_block * len(blocked) + counts.per_blocked_layer * sum(blocked)
+    per_chunk = counts.per_received_block_per_chunk * received
+    if layers.start == 0 and blocked:
+        per_chunk += counts.per_first_block
+    blocks = per_block * len(blocked) + counts.per_blocked_layer * sum(blocked)
+    return counts.per_layer * len(layers) + per_chunk + blocks
 
 
 def routing_step_seconds(

@@ -10,17 +10,17 @@ import os
 import re
 
 ROW_OPERANDS = ("out", "acc", "more", "x1", "x2", "store")
-"""The mix kernel's operands of the rows' dtype (each a tuple: keys, values, eight integers)."""
+"""The mix kernel's operands of the rows' dtype (each a tuple: keys, values, ten integers)."""
 
 
 def operand(dtype: str) -> tuple[str, ...]:
     """The signature of an operand tuple (``Halves.arguments``) of ``dtype`` rows."""
-    return (f"*{dtype}", f"*{dtype}", *["i32"] * 8)
+    return (f"*{dtype}", f"*{dtype}", *["i32"] * 10)
 
 
 def weight_argument(dtype: str) -> tuple:
     """The signature of ``weight_grad_kernel``'s ``weight``: float32 sums, ``dtype`` rows."""
-    return (("*fp32", *["i32"] * 4), operand(dtype), "i32", operand(dtype), "i32", ("i32",) * 4)
+    return (("*fp32", *["i32"] * 7), operand(dtype), "i32", operand(dtype), "i32", ("i32",) * 4)
 
 
 def ptx(kernel, signature: dict, constants: dict) -> str:

@@ -8,7 +8,15 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lime_megatron.kernels.operands import Columns, Halves, mix, mix_and_weight_grad, weight_grad_sums
+from lime_megatron.kernels.operands import (
+    Columns,
+    Halves,
+    Placement,
+    mix,
+    mix_and_weight_grad,
+    weight_grad,
+    weight_grad_sums,
+)
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Relative error allowed against torch: summation order, and one rounding of the output."""
@@ -160,3 +168,61 @@ def test_a_mix_needs_a_term_and_stores_only_the_second():
         mix(halves, None)
     with pytest.raises(ValueError, match="the second term's"):
         mix(halves, (Columns.of_view(torch.eye(2)), halves), store=halves)
+
+
+@pytest.mark.parametrize("together", [False, True], ids=["keys and values apart", "one tensor"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_grouped_rows_are_a_blocks_layers(shape, dtype, together):
+    """A mix over grouped rows (``Halves.of_groups``: G layers of h heads, ``[G, s, b, h, d]``
+    keys and values, or one ``[2G, ...]`` tensor, the values' groups after the keys') reads and
+    writes layer g's heads at group g, added to in place."""
+    torch.manual_seed(sum(shape) + 7)
+    s, b, h, d, sources = shape
+    groups = 3
+    rows = torch.randn(sources, 2 * s * b * d, dtype=dtype)
+    weight = torch.randn(groups * h, sources, dtype=dtype)
+    start = torch.randn(2 * groups, s, b, h, d, dtype=dtype)
+    grouped = start.clone() if together else None
+    keys, values = (None, None) if together else (start[:groups].clone(), start[groups:].clone())
+    out = Halves.of_groups(grouped) if together else Halves.of_groups(keys, values)
+    mix(out, (Columns.of_view(weight), Halves.of_rows(rows, 0, sources, d)), accumulate=out)
+    if together:
+        keys, values = grouped[:groups], grouped[groups:]
+    got = torch.cat([as_rows(keys[g], values[g]) for g in range(groups)])
+    before = torch.cat([as_rows(start[g], start[groups + g]) for g in range(groups)])
+    expected = weight.double() @ rows.double() + before.double()
+    assert relative(got, expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["per-split sums", "atomic"])
+@pytest.mark.parametrize("widen, step", [(2, 0), (0, 1)], ids=["widening (full)", "sliding (last)"])
+def test_weight_gradient_of_a_blocks_readers(widen, step, deterministic):
+    """One launch places G @ X^T of a block's readers (h rows each) into their gradients laid one
+    after another (``Placement`` groups): reader q's ``[h, width + q * widen]`` from its origin,
+    column 0 of the product at its column ``start - q * step * h``; columns outside a reader's
+    matrix (before its window) are not written."""
+    torch.manual_seed(widen + step)
+    s, b, h, d, readers, width = 3, 2, 2, 8, 3, 10
+    grads = torch.randn(readers * h, 2 * s * b * d, dtype=torch.float64)
+    rows = torch.randn(3, 2 * s * b * d, dtype=torch.float64)  # source rows (layers of one head)
+    widths = [width + q * widen for q in range(readers)]
+    origins = [h * sum(widths[:q]) for q in range(readers)]
+    total = h * sum(widths)
+    splits = 2
+    out = torch.zeros((splits, total) if deterministic else (total,), dtype=torch.float64)
+    start = h  # the product's column 0 is reader 0's column h: before reader 2's window when sliding
+    placement = Placement(start, width, group=h, widen=widen, shift=-step * h)
+    product_rows = Halves.of_rows(grads, 0, readers * h, d)
+    weight_grad(out, product_rows, Halves.of_rows(rows, 0, 3, d), placement, deterministic, splits)
+    got = out.sum(0) if deterministic else out
+    product = grads @ rows.t()
+    expected = torch.zeros(total, dtype=torch.float64)
+    for q in range(readers):
+        matrix = expected[origins[q] : origins[q] + h * widths[q]].view(h, widths[q])
+        for j in range(3):
+            column = start - q * step * h + j
+            if 0 <= column < widths[q]:
+                matrix[:, column] = product[q * h : (q + 1) * h, j]
+    assert relative(got, expected) <= 1e-12
+    assert torch.equal(got[expected == 0], expected[expected == 0])

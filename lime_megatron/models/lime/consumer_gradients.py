@@ -58,6 +58,10 @@ class ConsumerGradients:
         self._routers: dict[int, LimeRouter] = {}
         self._later_grads: dict[int, torch.Tensor] = {}  # row gradients from consumers after a block
 
+    def consumers(self, layer: int) -> tuple[int, int]:
+        """``(first, stop)`` of the layers that read layer ``layer`` (``routing_consumers``)."""
+        return routing_consumers(layer, self.num_layers, self.variant, self.window)
+
     def register(self, router: LimeRouter) -> None:
         """Record that ``router``'s layer read the memory in this pass (its weight is needed by
         the backward of every source layer)."""
@@ -96,7 +100,7 @@ class ConsumerGradients:
         stages from the downstream gradient.  ``own_grad``: g_layer of a layer with the identity
         routing (this rank's heads), its own term W^T g = g.  ``[2*s*b, kv_heads, d]`` or rows
         ``[local kv heads, 2*s*b*d]`` (``_in_attention_layout``)."""
-        _, stop = routing_consumers(layer, self.num_layers, self.variant, self.window)
+        _, stop = self.consumers(layer)
         own = self.key_values.layers
         local = range(max(layer, own.start), min(stop, own.stop))
         self.kept.require(layer, local)
@@ -131,7 +135,7 @@ class ConsumerGradients:
         source block ``sources`` (an own block, or an external one: then every consumer in this
         chunk), computed for the whole block at its first use."""
         if layer not in self._later_grads:
-            stop = max(routing_consumers(source, self.num_layers, self.variant, self.window)[1] for source in sources)
+            stop = max(self.consumers(source)[1] for source in sources)
             own = self.key_values.layers
             consumers = range(max(sources.stop, own.start), min(stop, own.stop))
             if not consumers or not self._routers[consumers.start].sharding.primary:

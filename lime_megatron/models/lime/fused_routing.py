@@ -15,19 +15,24 @@ writes every operand where it lies (``kernels.operands.Halves``):
 ``partial``: the block's sums over earlier sources, ``routing_blocks``; ``M``: the layer's other
 consumers in this chunk, their g_m kept in their dead rows, ``kept_gradients``; ``later``: the
 block's share from consumers after it, ``consumer_gradients``; ``downstream``: later pipeline
-chunks' share, ``kept_gradients``.)  The backward's launch runs two kinds of programs: the row
+chunks' share, ``kept_gradients``.)  In a block that routes on this path too (``fused_blocks``)
+``partial`` and ``later`` are the block's tensors, completed in place and handed on as the
+layer's routed keys/values and their gradients, and a blocked layer's dW_l columns go into its
+block's buffer of its readers' gradients, which the block returns (its earlier columns written
+there in one launch for the block).  The backward's launch runs two kinds of programs: the row
 gradient's tiles, and the weight gradient's, which read B[l] and then write g_l over it (each row of
 B[l] is read by one program alone when g_l's rows fit one tile, as they do up to 64 heads; beyond,
 two launches).  Besides the launches the host allocates the outputs: 3 operators per layer in
-forward and 4 in backward at B = 1, 8 with autograd's accumulation of the router's gradient
-(``tests/models/test_fused_routing.py`` holds the count).
+forward and 4 in backward at B = 1, 8 with autograd's accumulation of the router's gradient; in a
+fused block 4 per layer (the two launches, the view of the router's gradient and its
+accumulation) and 10 per block (``tests/models/test_fused_routing.py`` holds the counts).
 
 Sources in another pipeline chunk's rows take one launch more per row block, in forward and for
 the weight gradient; later pipeline chunks' share of the row gradient is added in the row
 gradient's launch.  Where a layer's case is not this one (``FusedRouting.serves`` decides), the memory's
 general path runs, its products Triton launches too (``routing_products``): tensor parallelism
 (rows layout, collectives), the identity routing of layer 0, a pruned router none of whose kept
-routes reads its own layer.
+routes reads its own layer, and a blocked layer whose block does not route here.
 """
 
 from __future__ import annotations
@@ -37,9 +42,10 @@ import torch
 from lime_megatron.kernels import operands as kernels
 from lime_megatron.kernels.operands import Columns, Halves
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
+from lime_megatron.models.lime.fused_blocks import FusedBlocks, routes_alone
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
-from lime_megatron.models.lime.router import LimeRouter, routing_consumers
+from lime_megatron.models.lime.router import LimeRouter
 from lime_megatron.models.lime.routing_products import weight_grad_dtype
 from lime_megatron.models.lime.stacked_routing import StackedRouting
 from lime_megatron.models.lime.static_routing import StaticRouting
@@ -65,34 +71,34 @@ class FusedRouting:
             stacked,
             gradients,
         )
+        self.blocks = FusedBlocks(gradients)
 
     def serves(self, router: LimeRouter) -> bool:
-        """Whether ``router``'s layer routes as the module docstring says: the Triton path, no tensor
-        parallelism, a learned or fixed product (not the identity) reading the layer's own rows."""
-        return (
-            self.key_values.triton
-            and router.sharding.size == 1
-            and not router.identity
-            and router.read_sources[-1] == router.layer
+        """Whether ``router``'s layer routes as the module docstring says: alone
+        (``fused_blocks.routes_alone``) and, where its block mixes its earlier sources, in a block
+        that routes on the fused path too (``fused_blocks``)."""
+        return routes_alone(router, self.key_values.triton) and (
+            not self.routing.blocked(router) or self.blocks.fused(router)
         )
 
     def store_and_mix(
-        self,
-        router: LimeRouter,
-        key: torch.Tensor,
-        value: torch.Tensor,
-        earlier: tuple[torch.Tensor, torch.Tensor] | None,
+        self, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eqs. 1-2 of ``router``'s layer (module docstring): its keys/values ``[s, b, h, d]``
         written into the buffer, the routed keys and values returned (``[s, b, h, d]`` each, two
-        tensors), the block's ``earlier`` sums added when given.  One launch per row block of
-        sources (one unless the layer reads another pipeline chunk's rows or skips sources)."""
+        tensors; a blocked layer's are its block's sums over earlier sources, completed in
+        place: ``fused_blocks``).  One launch per row block of sources (one unless the layer
+        reads another pipeline chunk's rows or skips sources)."""
         rows = self.key_values
         rows.allocate(key)
-        keys, values = key.new_empty(rows.kv_shape), key.new_empty(rows.kv_shape)
+        blocked = self.routing.blocked(router)
+        if blocked:
+            keys, values = self.blocks.take_sums(router.layer)
+        else:
+            keys, values = key.new_empty(rows.kv_shape), key.new_empty(rows.kv_shape)
         out = Halves.of_heads(keys, values)
-        added = None if earlier is None else Halves.of_heads(*earlier)
-        since = self.routing.block_of(router.layer).start if earlier is not None else 0
+        added = out if blocked else None
+        since = self.routing.block_of(router.layer).start if blocked else 0
         *others, (start, _) = self.routing.source_spans(router, since)
         for other_start, other_stop in others:
             term = (_router_columns(router, other_start, other_stop), rows.halves(other_start, other_stop))
@@ -111,30 +117,51 @@ class FusedRouting:
         grad values)``.  The piece (``since``: its first source layer; None: no weight gradient)
         is ``(columns, [kv_heads, len(columns)])`` in ``weight_grad_dtype``, dL/dW_l = g_l @
         B[sources]^T at the columns of the sources from layer ``since`` on, zero where no kept
-        route reads; the keys'/values' gradients ``[s, b, h, d]`` each are ``kv_grad``'s.  One
+        route reads; a fused block's reader returns none, its columns written into its block's
+        buffer (``_weight_target``); the keys'/values' gradients ``[s, b, h, d]`` each are
+        ``kv_grad``'s.  One
         launch for both where g_l's rows fit one tile (``kernels.fits_one_tile``): the weight
         gradient's programs keep g_l into l's dead rows after reading them; else one launch each.
         Sources in another pipeline chunk's rows take one weight-gradient launch more each."""
         if since is None:
             return None, *self.kv_grad(router, grads)
         rows, spans = self.key_values, self.routing.source_spans(router, since)
-        columns = slice(router.columns(*spans[0]).start, router.weight.shape[1])
-        terms = [(router.columns(start, stop).start - columns.start, rows.halves(start, stop)) for start, stop in spans]
-        width, dtype = columns.stop - columns.start, weight_grad_dtype(router.weight)
+        weight, placed, splits, piece = self._weight_target(router, grads, spans)
+        *others, (own_start, own_stop) = spans
+        for start, stop in others if kernels.fits_one_tile(grads) else spans:
+            kernels.weight_grad(weight, grads, rows.halves(start, stop), placed(start), rows.deterministic, splits)
         if not kernels.fits_one_tile(grads):
-            weight = kernels.weight_grad_sums(grads, terms, width, dtype, rows.deterministic)
-            return (columns, weight), *self.kv_grad(router, grads)
-        weight, splits = kernels.weight_grad_output(grads, terms, width, dtype, rows.deterministic)
-        *others, (column_start, own_rows) = terms
-        for other_start, other_rows in others:
-            kernels.weight_grad(weight, grads, other_rows, other_start, rows.deterministic, splits)
+            return piece(), *self.kv_grad(router, grads)
         keys, values, (out, first, mine, added, _, more) = self._kv_grad_operands(router, grads)
-        own_row = (router.layer - spans[-1][0]) * router.local_heads
+        own_row = (router.layer - own_start) * router.local_heads
+        own_rows, at = rows.halves(own_start, own_stop), placed(own_start)
         kernels.mix_and_weight_grad(
-            out, first, mine, weight, own_rows, column_start, own_row, rows.deterministic, splits, added, more
+            out, first, mine, weight, own_rows, at, own_row, rows.deterministic, splits, added, more
         )
         self.kept.mark_kept(router.layer)
-        return (columns, weight.sum(0) if rows.deterministic else weight), keys, values
+        return piece(), keys, values
+
+    def _weight_target(self, router: LimeRouter, grads: Halves, spans: list[tuple[int, int]]) -> tuple:
+        """Where ``backward``'s weight-gradient products over ``spans`` go: ``(target, source ->
+        where a product reading from that source layer goes, position splits, () -> the piece
+        backward returns)``.  A fused block's reader writes into its block's buffer of its
+        readers' gradients and returns no piece (``MixEarlierRows`` returns its gradient); any
+        other layer into zeros of its own (summed over the splits where deterministic)."""
+        if self.routing.blocked(router):
+            target, in_block, splits = self.blocks.weight_target(router, grads)
+            return target, in_block, splits, lambda: None
+        columns = slice(router.columns(*spans[0]).start, router.weight.shape[1])
+        widest = max(stop - start for start, stop in spans) * router.local_heads
+        width, dtype = columns.stop - columns.start, weight_grad_dtype(router.weight)
+        weight, splits = kernels.weight_grad_output(grads, widest, width, dtype, self.key_values.deterministic)
+
+        def placed(source: int) -> int:
+            return router.columns(source, source + 1).start - columns.start
+
+        def piece() -> tuple[slice, torch.Tensor]:
+            return columns, weight.sum(0) if self.key_values.deterministic else weight
+
+        return weight, placed, splits, piece
 
     def kv_grad(self, router: LimeRouter, grads: Halves) -> tuple[torch.Tensor, torch.Tensor]:
         """The gradient of layer l's keys and values (``[s, b, h, d]`` each): sum over its
@@ -149,18 +176,24 @@ class FusedRouting:
         return keys, values
 
     def _kv_grad_operands(self, router: LimeRouter, grads: Halves) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """``kv_grad``'s outputs (new) and its mix's operands ``(out, first, mine, added, kept
-        rows, more)``."""
+        """``kv_grad``'s outputs (new, or the layer's slots of its fused block's gradients) and its
+        mix's operands ``(out, first, mine, added, kept rows, more)``."""
         layer, gradients, kept = router.layer, self.gradients, self.kept
         own = self.key_values.layers
-        stop = min(routing_consumers(layer, gradients.num_layers, gradients.variant, gradients.window)[1], own.stop)
+        stop = min(gradients.consumers(layer)[1], own.stop)
         kept.require(layer, range(layer + 1, stop))
+        kv_heads, kv_shape = router.weight.shape[0], self.key_values.kv_shape
         later = None
         if self.routing.block > 1:
-            block = self.routing.block_of(layer)
-            later, stop = gradients.later_consumer_grad(layer, block), min(stop, block.stop)
-        kv_heads, kv_shape = router.weight.shape[0], self.key_values.kv_shape
-        keys, values = grads.keys.new_empty(kv_shape), grads.keys.new_empty(kv_shape)
+            stop = min(stop, self.routing.block_of(layer).stop)
+        if self.blocks.fused(router):
+            keys, values, summed = self.blocks.take_grads(layer)
+            later = Halves.of_heads(keys, values) if summed else None
+        else:
+            keys, values = grads.keys.new_empty(kv_shape), grads.keys.new_empty(kv_shape)
+            if self.routing.block > 1:
+                later = gradients.later_consumer_grad(layer, self.routing.block_of(layer))
+                later = None if later is None else Halves.of_heads(later)
         consumers, first = range(layer + 1, stop), None
         if consumers:
             stack = self.stacked.stack(grads.keys).matrix
@@ -169,10 +202,9 @@ class FusedRouting:
             columns = Columns.of(stack, slice(top, top + len(consumers) * kv_heads), sources, transposed=True)
             first = (columns, kept.grad_halves(consumers, kv_heads))
         mine = (_router_columns(router, layer, layer + 1, transposed=True), grads)
-        added = None if later is None else Halves.of_heads(later)
         kept_rows = kept.grad_halves(range(layer, layer + 1), kv_heads)
         out = Halves.of_heads(keys, values)
-        return keys, values, (out, first, mine, added, kept_rows, kept.downstream_halves(layer))
+        return keys, values, (out, first, mine, later, kept_rows, kept.downstream_halves(layer))
 
 
 def _router_columns(router: LimeRouter, start: int, stop: int, transposed: bool = False) -> Columns:

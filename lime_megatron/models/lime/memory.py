@@ -19,7 +19,8 @@ A ``LayerIntegratedMemory`` is the composition of one pass's parts, one module e
 - ``gradients`` (``consumer_gradients.ConsumerGradients``): the gradient of each layer's keys and
   values, sum_m W_m[:, block l]^T g_m over its consumers m, and the pipeline's shares;
 - ``fused`` (``fused_routing.FusedRouting``): a layer's routing on the Triton path, Eqs. 1-2 and
-  each gradient in one kernel launch.
+  each gradient in one kernel launch; its ``blocks`` (``fused_blocks.FusedBlocks``) a routing
+  block's tensors, shared by its layers.
 
 ``RouteKeysValues`` connects a layer with a static router to them in autograd
 (``dynamic_router.RouteKeysValuesByToken`` one with a dynamic router).
@@ -41,9 +42,10 @@ inverted):
   residual stream), so the gradient m's ``RouteKeysValues`` returns for them flows down to l's;
 - layer l itself reads its rows (weight gradient, ``token_weight_grad``) in its own backward,
   before ``ConsumerGradients.kv_grad`` writes g_l;
-- a block's ``routing_blocks.MixEarlierSources``: its input ``key`` (raw keys of the block's first
-  reader, gradient None) makes that reader's QKV projection, and so every earlier layer's
-  backward, wait for it; it runs after the readers' ``RouteKeysValues``, which take its outputs;
+- a block's ``routing_blocks.MixEarlierSources`` (``fused_blocks.MixEarlierRows`` on the Triton
+  path): its input ``key`` (raw keys of the block's first reader, gradient None) makes that
+  reader's QKV projection, and so every earlier layer's backward, wait for it; it runs after the
+  readers' ``RouteKeysValues``, which take its outputs;
 - the rebuild of layer m's dropped routed K/V (``lime_recompute_routed_kv``) runs when a node of
   m's core attention unpacks a saved tensor: those nodes take the routed K/V, so they lie above
   m's ``RouteKeysValues`` and every earlier layer's;
@@ -166,9 +168,10 @@ class RouteKeysValues(torch.autograd.Function):
 
     ``earlier``: the block's sums over the sources before the block, keys and values (blocked
     routing; ``[s, b, h, d]`` each without tensor parallelism, else halves ``[h, s*b*d]`` of rows;
-    None otherwise); the product then covers the in-block sources, and backward leaves their
-    columns' weight gradient to ``routing_blocks.MixEarlierSources``, which returns the router's
-    whole gradient.  ``weight`` is the input whose gradient backward returns (unblocked); the
+    on the Triton path in a fused block its ``MixEarlierRows``' output and None, the sums being
+    the block's tensor; None otherwise); the product then covers the in-block sources, and
+    backward leaves their columns' weight gradient to the block's node, which returns the
+    router's whole gradient.  ``weight`` is the input whose gradient backward returns (unblocked); the
     products read the router's weight (``StaticRouting.mix``).
     """
 
@@ -178,7 +181,7 @@ class RouteKeysValues(torch.autograd.Function):
     ):
         earlier = (earlier_keys, earlier_values) if earlier_keys is not None else None
         if memory.fused.serves(router):
-            routed = memory.fused.store_and_mix(router, key, value, earlier)
+            routed = memory.fused.store_and_mix(router, key, value)
         else:
             memory.key_values.store(router.layer, key, value)
             routed = memory.routing.mix(router, earlier)
@@ -223,20 +226,18 @@ class RouteKeysValues(torch.autograd.Function):
         if ctx.needs_input_grad[0]:
             since = memory.routing.block_of(router.layer).start if ctx.blocked else 0
         piece, grad_key, grad_value = memory.fused.backward(router, grads, since)
-        grad_weight = None
-        if piece is not None and ctx.blocked:  # placed beside the earlier columns' by ``MixEarlierSources``
-            memory.kept.leave_in_block(router.layer, [piece])
-        elif piece is not None:
-            grad_weight = placed_columns([piece], router.weight)
-        grad_earlier = (grad_keys, grad_values) if ctx.blocked else (None, None)
-        return grad_weight, grad_key, grad_value, *grad_earlier, None, None
+        grad_weight = None if piece is None else placed_columns([piece], router.weight)
+        return grad_weight, grad_key, grad_value, None, None, None, None
 
 
 def route_keys_values(
     memory: LayerIntegratedMemory, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed keys and values of ``router``'s layer, ``[s, b, kv_heads, d]`` each."""
-    earlier = memory.stacked.earlier_partial(router, key) or (None, None)
+    if memory.fused.serves(router) and memory.routing.blocked(router):  # its block's tensor (``fused_blocks``)
+        earlier = (memory.fused.blocks.earlier_sums(router, key), None)
+    else:
+        earlier = memory.stacked.earlier_partial(router, key) or (None, None)
     return RouteKeysValues.apply(router.weight, key, value, *earlier, memory, router)
 
 

@@ -48,14 +48,18 @@ class Rebuilt:
 
 
 class _SavedView:
-    """What autograd keeps instead of a view of a rebuilt tensor: how to take the view again."""
+    """What autograd keeps instead of a view of a rebuilt tensor: how to take the view again,
+    its place counted from the first element of the tensor it is a view of, ``of`` (which may
+    itself lie inside a larger storage: a fused routing block's, ``fused_blocks``)."""
 
-    def __init__(self, source: Rebuilt, tensor: torch.Tensor):
+    def __init__(self, source: Rebuilt, tensor: torch.Tensor, of: torch.Tensor):
         self.source = source
-        self.geometry = (tensor.size(), tensor.stride(), tensor.storage_offset())
+        self.geometry = (tensor.size(), tensor.stride(), tensor.storage_offset() - of.storage_offset())
 
     def unpack(self) -> torch.Tensor:
-        return self.source.value().as_strided(*self.geometry)
+        value = self.source.value()
+        size, stride, offset = self.geometry
+        return value.as_strided(size, stride, value.storage_offset() + offset)
 
 
 def _outer_saved_tensor_hooks():
@@ -89,23 +93,24 @@ def _overlaps(saved: tuple[int, int], tensor: torch.Tensor) -> bool:
 def recompute_in_backward(
     rebuilds: dict[torch.Tensor, Rebuilt], watched: dict[str, torch.Tensor] | None = None
 ) -> Iterator[Drops]:
-    """Within the block, tensors saved for backward that are views of a key of ``rebuilds`` are
-    not kept: backward rebuilds them through the paired ``Rebuilt`` instead.
+    """Within the block, tensors saved for backward that are views of a key of ``rebuilds`` (that
+    start inside its bytes) are not kept: backward rebuilds them through the paired ``Rebuilt``
+    instead.
 
     Each rebuild must produce a tensor with the same layout as its key.  All other saved tensors
     pass to the enclosing saved-tensor hooks, if any.  Yields a ``Drops`` filled in at the end
     of the block: which of the ``watched`` tensors (name -> tensor within a rebuilt storage)
     were dropped, and which were saved only as copies.
     """
-    by_storage = {tensor.untyped_storage().data_ptr(): rebuilt for tensor, rebuilt in rebuilds.items()}
     outer = _outer_saved_tensor_hooks()
     dropped_views: list[tuple[int, int]] = []
 
     def pack(tensor: torch.Tensor):
-        source = by_storage.get(tensor.untyped_storage().data_ptr())
-        if source is not None:
-            dropped_views.append(_address(tensor))
-            return _SavedView(source, tensor)
+        address = _address(tensor)
+        for rebuilt_tensor, source in rebuilds.items():
+            if _overlaps(address, rebuilt_tensor):
+                dropped_views.append(address)
+                return _SavedView(source, tensor, rebuilt_tensor)
         return outer[0](tensor) if outer else tensor
 
     def unpack(packed):

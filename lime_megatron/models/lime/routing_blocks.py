@@ -18,6 +18,9 @@ forward's stacked product.  Reads of the N-wide rows fall from about L^2/2 to
 L^2/(2B) + L*B/2 row blocks per product for the same FLOPs; what stays per layer (the in-block
 sources) must, because a layer's own rows exist only once the layer has run.
 
+On the Triton path a block whose layers all route there runs as one (``fused_blocks``): the same
+three products, each one launch, over tensors the block's layers share.
+
 ``lime_megatron.planning.routing_block`` picks B from a cost model; whoever builds a chunk passes
 it (``models.gpt_model.build_model``'s ``routing_block``; the trainer does), else the chunk runs
 ``default_routing_block``.  Either way ``recompute_safe_block`` keeps blocks inside recomputed

@@ -50,7 +50,7 @@ class StackedRouting:
         routers: dict[int, LimeRouter],
         standing: StandingRouterStack | None = None,
     ):
-        self.key_values, self.kept, self.routing, self._routers = key_values, kept, routing, routers
+        self.key_values, self.kept, self.routing, self.routers = key_values, kept, routing, routers
         self._standing = standing
         self._stack: RouterStack | None = None
         self._partials: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}  # forward: a block's earlier sums
@@ -67,13 +67,13 @@ class StackedRouting:
         if self._stack is None:
             standing = self._standing
             self._stack = (
-                standing.refreshed(like) if standing else RouterStack(self._routers, self.key_values.layers, like)
+                standing.refreshed(like) if standing else RouterStack(self.routers, self.key_values.layers, like)
             )
         return self._stack
 
     def _earlier_readers(self, block: range) -> list[LimeRouter]:
         """The routers of ``block`` that read sources before it."""
-        return [self._routers[m] for m in block if self.routing.blocked(self._routers[m])]
+        return [self.routers[m] for m in block if self.routing.blocked(self.routers[m])]
 
     def _earlier_sources(self, block: range, readers: list[LimeRouter]) -> EarlierSources:
         """The operands of ``block``'s product over the sources before it that ``readers`` read."""

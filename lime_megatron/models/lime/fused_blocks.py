@@ -1,0 +1,258 @@
+"""A routing block on the Triton path: the tensors of its B layers allocated once per block.
+
+Blocked routing (``routing_blocks``) runs three products once per block of B consumer layers
+``[m0, m0 + B)``; on the Triton path each is one launch over tensors the block's layers share,
+so the block costs the host a few operators and each layer none beyond its own two launches:
+
+    forward    P = W_block[:, earlier] @ B[earlier]     P_keys, P_values [R, s, b, kv, d]
+               (R readers of earlier sources; reader q's routed keys/values are P[q], a view
+               handed out by one ``unbind`` per block, which its own launch completes in place
+               with its in-block sources: ``fused_routing.FusedRouting.store_and_mix``)
+    backward   G[j] = sum_{m after the block} W_m[:, j]^T g_m     G [2B, s, b, kv, d]
+               (keys then values; layer j's gradients G[j], G[B + j] are views its own launch
+               completes in place with the in-block consumers' terms and its own)
+               dW_q[:, earlier] = g_q @ B[earlier]^T for every reader q in one launch, into
+               the readers' gradients laid one after another in one float32 buffer (each
+               reader's own launch writes its in-block columns there; ``kernels.Placement``)
+
+``MixEarlierRows`` puts the block in autograd: its forward runs P's product and returns P's keys
+tensor, which every reader takes as an input, so its backward runs after every reader's and
+before the backward of any layer before the block (``key``, as in
+``routing_blocks.MixEarlierSources``), and returns each reader's whole weight gradient.
+
+A block routes here when each of its layers routes on the fused path alone (no tensor
+parallelism, a product reading its own layer) and its readers are consecutive layers from its
+first whose sources are whole runs (no pruned source) whose columns step evenly from reader to
+reader (the ``full`` and ``last`` routers; ``BlockReaders``); other blocks run the memory's general
+blocked path (``routing_blocks``), whose products are Triton launches too.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from lime_megatron.kernels import operands as kernels
+from lime_megatron.kernels.operands import Columns, Halves, Placement
+from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
+from lime_megatron.models.lime.key_value_rows import KeyValueRows
+from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.routing_products import weight_grad_dtype
+
+
+@dataclass(frozen=True)
+class BlockReaders:
+    """A block's readers of earlier sources, consecutive layers from its first, reader q with
+    ``width + q * widen`` weight columns whose source j sits at column ``(j - first_source - q *
+    step) * heads``: their gradients lie one after another (``Placement``'s groups)."""
+
+    routers: list[LimeRouter]
+    width: int
+    widen: int
+    first_source: int
+    step: int
+    heads: int
+
+    @staticmethod
+    def of(readers: list[LimeRouter]) -> BlockReaders | None:
+        """The readers' layout, or None where they do not step evenly (then the block is not fused)."""
+        first, heads = readers[0], readers[0].weight.shape[0]
+        widen = readers[1].weight.shape[1] - first.weight.shape[1] if len(readers) > 1 else 0
+        step = readers[1].sources[0] - first.sources[0] if len(readers) > 1 else 0
+        for q, router in enumerate(readers):
+            whole = router.read_sources == router.sources == list(range(router.sources[0], router.layer + 1))
+            steps = (router.layer, router.weight.shape[1], router.sources[0]) == (
+                first.layer + q,
+                first.weight.shape[1] + q * widen,
+                first.sources[0] + q * step,
+            )
+            if not (whole and steps):
+                return None
+        return BlockReaders(readers, first.weight.shape[1], widen, first.sources[0], step, heads)
+
+    def origin(self, q: int) -> int:
+        """The element where reader q's gradient ``[heads, width + q * widen]`` starts."""
+        return self.heads * (q * self.width + self.widen * (q * (q - 1) // 2))
+
+    def every_reader(self, source: int) -> Placement:
+        """A product over every reader's g (``[R * heads, ...]``) whose column 0 reads ``source``."""
+        return Placement(
+            (source - self.first_source) * self.heads,
+            self.width,
+            group=self.heads,
+            widen=self.widen,
+            shift=-self.step * self.heads,
+        )
+
+    def one_reader(self, q: int, source: int) -> Placement:
+        """A product over reader q's g whose column 0 reads ``source``."""
+        column = (source - self.first_source - q * self.step) * self.heads
+        return Placement(column, self.width + q * self.widen, origin=self.origin(q))
+
+    def weight_grads(self, summed: torch.Tensor) -> list[torch.Tensor]:
+        """Each reader's gradient, a view of ``summed`` (the buffer, splits summed)."""
+        widths = [self.width + q * self.widen for q in range(len(self.routers))]
+        return [summed.as_strided((self.heads, width), (width, 1), self.origin(q)) for q, width in enumerate(widths)]
+
+    def elements(self) -> int:
+        """Elements of all the readers' gradients."""
+        return self.origin(len(self.routers))
+
+
+def routes_alone(router: LimeRouter, triton: bool) -> bool:
+    """Whether ``router``'s layer can route on the fused path (``fused_routing``): the Triton path
+    (``triton``), no tensor parallelism, a learned or fixed product (not the identity) reading the
+    layer's own rows."""
+    return triton and router.sharding.size == 1 and not router.identity and router.read_sources[-1] == router.layer
+
+
+class FusedBlocks:
+    """The fused blocks of a chunk (module docstring) over the memory's parts, those of
+    ``gradients`` (which also says which layers read a layer); holds a block's shared tensors from
+    the first of its layers that needs them until the last has taken its own."""
+
+    def __init__(self, gradients: ConsumerGradients):
+        self.key_values, self.kept, self.routing = gradients.key_values, gradients.kept, gradients.routing
+        self.stacked, self._consumers = gradients.stacked, gradients.consumers
+        self._readers: dict[int, BlockReaders | None] = {}
+        self._sums: dict[int, tuple[torch.Tensor, ...]] = {}  # forward: a reader's keys, values
+        self._grads: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # backward: G[j], whether summed
+        self._weights: dict[int, tuple[torch.Tensor, int]] = {}  # backward: the readers' gradients, splits
+
+    def readers(self, block: range) -> BlockReaders | None:
+        """The readers of ``block`` when it routes here (module docstring), else None."""
+        if block.start not in self._readers:
+            routers = [self.stacked.routers[m] for m in block]
+            readers = [router for router in routers if self.routing.blocked(router)]
+            fused = readers and all(routes_alone(router, self.key_values.triton) for router in routers)
+            self._readers[block.start] = BlockReaders.of(readers) if fused else None
+        return self._readers[block.start]
+
+    def fused(self, router: LimeRouter) -> bool:
+        """Whether ``router``'s layer lies in a block that routes here."""
+        return self.readers(self.routing.block_of(router.layer)) is not None
+
+    def earlier_sums(self, router: LimeRouter, key: torch.Tensor) -> torch.Tensor:
+        """Forward, at each reader: P's keys (``MixEarlierRows``' output, the reader's input for
+        the order of backward), the block's product run at its first reader (``key``: its raw
+        keys)."""
+        block = self.routing.block_of(router.layer)
+        readers = self.readers(block)
+        if router is readers.routers[0]:
+            MixEarlierRows.apply(self, block, key, *(reader.weight for reader in readers.routers))
+        return self._sums[router.layer][2]
+
+    def take_sums(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """Reader ``layer``'s slots of P (its routed keys and values, to complete in place)."""
+        keys, values, _ = self._sums.pop(layer)
+        return keys, values
+
+    def mix_earlier(self, block: range, key: torch.Tensor) -> torch.Tensor:
+        """P (module docstring) of ``block``'s readers: one launch per row block of earlier sources;
+        each reader's slots kept for it; returns P's keys.  ``key``: raw keys ``[s, b, kv, d]`` of
+        the block's first reader (the buffer is allocated from them when the chunk's first layer
+        is a reader)."""
+        readers = self.readers(block).routers
+        self.key_values.allocate(key)
+        s, b, kv_heads, d = self.key_values.kv_shape
+        keys, values = key.new_empty(len(readers), s, b, kv_heads, d), key.new_empty(len(readers), s, b, kv_heads, d)
+        out, stack = Halves.of_groups(keys, values), self.stacked.stack(key).matrix
+        top = (readers[0].layer - self.key_values.layers.start) * kv_heads
+        added = None
+        for start, stop in _earlier_spans(self.key_values, readers, block.start):
+            columns = Columns.of(stack, slice(top, top + out.count), slice(start * kv_heads, stop * kv_heads))
+            kernels.mix(out, (columns, self.key_values.halves(start, stop)), accumulate=added)
+            added = out
+        for reader, key_slot, value_slot in zip(readers, keys.unbind(0), values.unbind(0)):
+            self._sums[reader.layer] = (key_slot, value_slot, keys)
+        return keys
+
+    def take_grads(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
+        """Backward: layer ``layer``'s gradient slots G[j], G[B + j] and whether they hold the
+        later consumers' share already (to add to in place), G allocated and that share computed
+        by the block's first layer to need them."""
+        block = self.routing.block_of(layer)
+        if layer not in self._grads:
+            self._later_grads(block)
+        return self._grads.pop(layer)
+
+    def _later_grads(self, block: range) -> None:
+        """G of ``block`` with the share of the chunk's consumers after it (one launch), or
+        unsummed where none reads it."""
+        s, b, kv_heads, d = self.key_values.kv_shape
+        grads = self.key_values.buffer.new_empty(2 * len(block), s, b, kv_heads, d)
+        own = self.key_values.layers
+        stop = min(max(self._consumers(source)[1] for source in block), own.stop)
+        consumers = range(block.stop, stop)
+        if consumers:
+            self.kept.require(block.start, consumers)
+            stack = self.stacked.stack(grads).matrix
+            top = (consumers.start - own.start) * kv_heads
+            sources = slice(block.start * kv_heads, block.stop * kv_heads)
+            columns = Columns.of(stack, slice(top, top + len(consumers) * kv_heads), sources, transposed=True)
+            kernels.mix(Halves.of_groups(grads), (columns, self.kept.grad_halves(consumers, kv_heads)))
+        slots = grads.unbind(0)
+        for j, layer in enumerate(block):
+            self._grads[layer] = (slots[j], slots[len(block) + j], bool(consumers))
+
+    def weight_target(self, router: LimeRouter, grads: Halves) -> tuple[torch.Tensor, Callable[[int], Placement], int]:
+        """Backward of reader ``router``: (the block's float32 buffer of its readers' gradients,
+        where a product of g_l whose column 0 reads a source goes, the position splits), the
+        buffer allocated by the block's first reader to need it."""
+        block = self.routing.block_of(router.layer)
+        readers = self.readers(block)
+        if block.start not in self._weights:  # splits fit for the block's product over earlier rows
+            rows, columns = len(readers.routers) * readers.heads, (block.start - readers.first_source) * readers.heads
+            tiles = kernels.ceil_div(rows, kernels.block(rows)) * kernels.ceil_div(columns, kernels.block(columns))
+            splits = kernels.weight_grad_splits(grads, tiles)
+            shape = (splits, readers.elements()) if self.key_values.deterministic else (readers.elements(),)
+            self._weights[block.start] = grads.keys.new_zeros(shape, dtype=weight_grad_dtype(router.weight)), splits
+        buffer, splits = self._weights[block.start]
+        q = readers.routers.index(router)
+        return buffer, lambda source: readers.one_reader(q, source), splits
+
+    def earlier_weight_grads(self, block: range) -> list[torch.Tensor]:
+        """``MixEarlierRows``' backward: every reader's columns of the sources before the block,
+        g_q @ B[earlier]^T, one launch per row block into the readers' buffer; each reader's whole
+        gradient (views of it)."""
+        readers = self.readers(block)
+        layers = range(readers.routers[0].layer, readers.routers[-1].layer + 1)
+        self.kept.require(block.start, layers)  # so a trainable reader's launch made the buffer
+        grads = self.kept.grad_halves(layers, readers.heads)
+        buffer, splits = self._weights.pop(block.start)
+        deterministic = self.key_values.deterministic
+        for start, stop in _earlier_spans(self.key_values, readers.routers, block.start):
+            rows = self.key_values.halves(start, stop)
+            kernels.weight_grad(buffer, grads, rows, readers.every_reader(start), deterministic, splits)
+        return readers.weight_grads(buffer.sum(0) if deterministic else buffer)
+
+
+def _earlier_spans(key_values: KeyValueRows, readers: list[LimeRouter], before: int) -> list[tuple[int, int]]:
+    """The row blocks (``KeyValueRows.row_blocks``) of the sources before layer ``before`` that
+    any of ``readers`` reads: from the first reader's first source (its window reaches furthest
+    back)."""
+    return key_values.row_blocks(readers[0].sources[0], before)
+
+
+class MixEarlierRows(torch.autograd.Function):
+    """A fused block in autograd (module docstring).
+
+    forward(blocks (``FusedBlocks``), block (its layers), key (raw keys of its first reader),
+            *the readers' weights) -> P's keys ``[R, s, b, kv, d]`` (each reader's input)
+    backward: each reader's whole weight gradient (``FusedBlocks.earlier_weight_grads``), the
+    readers' own launches having written their in-block columns; nothing for a fixed router.
+    """
+
+    @staticmethod
+    def forward(ctx, blocks: FusedBlocks, block: range, key: torch.Tensor, *weights):
+        ctx.set_materialize_grads(False)
+        ctx.blocks, ctx.block = blocks, block
+        return blocks.mix_earlier(block, key)
+
+    @staticmethod
+    def backward(ctx, _):
+        if not any(ctx.needs_input_grad[3:]):
+            return (None,) * len(ctx.needs_input_grad)
+        return None, None, None, *ctx.blocks.earlier_weight_grads(ctx.block)
