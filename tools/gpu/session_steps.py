@@ -280,6 +280,7 @@ OVERHEAD_FIELDS = (
     BenchField("operators per layer over baseline, B=1", lambda r: r["per_layer_operators"]),
     BenchField("operators per layer over baseline, blocked", lambda r: r["blocked_operators"]),
     BenchField("operators per layer over baseline, Triton B=1", lambda r: r["triton_operators"]),
+    BenchField("operators per layer over baseline, Triton blocked", lambda r: r["triton_blocked_operators"]),
 )
 """The rows of one case of ``bench_lime_overhead.py`` (BENCHMARKS.md explains the columns); the
 targets: LIMe within 1.5% (GQA-8) and 3% (MHA) of the baseline at 1B (the paper's Table 9 on an
