@@ -84,6 +84,30 @@ def test_which_blocks_route_as_one(settings, fused, monkeypatch):
     assert loss_error <= 1e-13 and max(grad_errors.values()) <= 1e-12, grad_errors
 
 
+def test_a_fused_block_keeps_nothing_alive_without_the_garbage_collector():
+    """With Python's cyclic collector off, no memory, block state or key/value rows of a step
+    survives it on the Triton path with fused blocks (the block's node holds the blocks, which
+    hold its output until every reader took its slots: a cycle that must end within the pass)."""
+    import gc
+
+    from lime_megatron.models.lime.fused_blocks import FusedBlocks
+    from lime_megatron.models.lime.memory import LayerIntegratedMemory
+
+    model = tiny_model(num_layers=6, lime_routing_kernel="triton", lime_routing_block=3)
+    tokens, positions, mask = batch()
+    kinds = (LayerIntegratedMemory, FusedBlocks, KeyValueRows)
+    gc.collect()
+    gc.disable()
+    try:
+        live = []
+        for _ in range(2):
+            loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+            live.append([sum(isinstance(o, kind) for o in gc.get_objects()) for kind in kinds])
+    finally:
+        gc.enable()
+    assert live == [[0, 0, 0]] * 2
+
+
 @pytest.mark.parametrize("block", [1, 2])
 def test_a_backward_beyond_one_tile_takes_two_launches(block, monkeypatch):
     """Where g_l's rows do not fit one tile (over 64 kv heads) a layer's backward runs the weight
