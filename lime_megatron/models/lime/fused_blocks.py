@@ -35,7 +35,7 @@ from dataclasses import dataclass
 import torch
 
 from lime_megatron.kernels import operands as kernels
-from lime_megatron.kernels.operands import Columns, Halves, Placement
+from lime_megatron.kernels.operands import Halves, Placement
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter
@@ -158,11 +158,11 @@ class FusedBlocks:
         self.key_values.allocate(key)
         s, b, kv_heads, d = self.key_values.kv_shape
         keys, values = key.new_empty(len(readers), s, b, kv_heads, d), key.new_empty(len(readers), s, b, kv_heads, d)
-        out, stack = Halves.of_groups(keys, values), self.stacked.stack(key).matrix
-        top = (readers[0].layer - self.key_values.layers.start) * kv_heads
+        out, stack = Halves.of_groups(keys, values), self.stacked.stack(key)
+        layers = range(readers[0].layer, readers[-1].layer + 1)
         added = None
         for start, stop in _earlier_spans(self.key_values, readers, block.start):
-            columns = Columns.of(stack, slice(top, top + out.count), slice(start * kv_heads, stop * kv_heads))
+            columns = stack.operand(layers, range(start, stop))
             kernels.mix(out, (columns, self.key_values.halves(start, stop)), accumulate=added)
             added = out
         for reader, key_slot, value_slot in zip(readers, keys.unbind(0), values.unbind(0)):
@@ -188,10 +188,7 @@ class FusedBlocks:
         consumers = range(block.stop, stop)
         if consumers:
             self.kept.require(block.start, consumers)
-            stack = self.stacked.stack(grads).matrix
-            top = (consumers.start - own.start) * kv_heads
-            sources = slice(block.start * kv_heads, block.stop * kv_heads)
-            columns = Columns.of(stack, slice(top, top + len(consumers) * kv_heads), sources, transposed=True)
+            columns = self.stacked.stack(grads).operand(consumers, block, transposed=True)
             kernels.mix(Halves.of_groups(grads), (columns, self.kept.grad_halves(consumers, kv_heads)))
         slots = grads.unbind(0)
         for j, layer in enumerate(block):

@@ -196,10 +196,7 @@ class FusedRouting:
                 later = None if later is None else Halves.of_heads(later)
         consumers, first = range(layer + 1, stop), None
         if consumers:
-            stack = self.stacked.stack(grads.keys).matrix
-            top = (consumers.start - own.start) * kv_heads
-            sources = slice(layer * router.local_heads, (layer + 1) * router.local_heads)
-            columns = Columns.of(stack, slice(top, top + len(consumers) * kv_heads), sources, transposed=True)
+            columns = self.stacked.stack(grads.keys).operand(consumers, range(layer, layer + 1), transposed=True)
             first = (columns, kept.grad_halves(consumers, kv_heads))
         mine = (_router_columns(router, layer, layer + 1, transposed=True), grads)
         kept_rows = kept.grad_halves(range(layer, layer + 1), kv_heads)

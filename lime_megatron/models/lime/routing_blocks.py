@@ -38,6 +38,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lime_megatron.kernels.operands import Columns
 from lime_megatron.models.lime.router import LimeRouter
 from lime_megatron.models.lime.routing_products import (
     key_value_halves,
@@ -106,6 +107,13 @@ class RouterStack:
         """Copy the routers' weights into their places (one ``_foreach_copy_``)."""
         with torch.no_grad():
             torch._foreach_copy_(self._places, self._weights)
+
+    def operand(self, consumers: range, sources: range, transposed: bool = False) -> Columns:
+        """The columns of source layers ``sources`` of the routers of layers ``consumers`` where
+        they lie, as a kernel operand (``.t()`` of them when ``transposed``): no copy, no view."""
+        top = (consumers.start - self.first) * self.rows
+        rows = slice(top, top + len(consumers) * self.rows)
+        return Columns.of(self.matrix, rows, slice(sources.start * self.local, sources.stop * self.local), transposed)
 
     def columns(self, consumers: Sequence[int], start: int, stop: int) -> torch.Tensor:
         """``[len(consumers) * kv_heads, (stop - start) * local heads]``: the columns of source
