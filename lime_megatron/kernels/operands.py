@@ -249,7 +249,7 @@ def mix(
     launch(mix_kernel, (programs,), *arguments, unused, tiles, **constants, **_NO_WEIGHT_GRAD)
 
 
-_NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16)
+_NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16, KEEP=False)
 """``mix_kernel``'s weight-gradient constants where it launches no weight-gradient programs."""
 
 
@@ -271,18 +271,40 @@ def mix_and_weight_grad(
     incoming gradient) then written over ``rows``' rows ``own_row..own_row + X2.count - 1``, which
     only the weight gradient reads: a layer's backward (``fused_routing``).  X2's rows must fit
     one tile (``fits_one_tile``), so that one program alone reads each row it overwrites."""
-    from lime_megatron.kernels.routing_kernels import mix_kernel
-
     grads = second[1]
     if not fits_one_tile(grads):
         raise ValueError(f"the fused backward reads {grads.count} gradient rows: more than one tile")
-    programs, arguments, constants = _mix_launch(out, first, second, accumulate, None, more)
-    grid, weight_arguments, weight_constants = _weight_grad_launch(
-        weight_out, grads, rows, column_start, deterministic, splits
-    )
+    mixed = _mix_launch(out, first, second, accumulate, None, more)
+    _launch_both(out, mixed, _weight_grad_launch(weight_out, grads, rows, column_start, deterministic, splits), own_row)
+
+
+def mix_beside_weight_grad(
+    out: Halves,
+    first: tuple[Columns, Halves],
+    weight_out: torch.Tensor,
+    grads: Halves,
+    rows: Halves,
+    column_start: int | Placement,
+    deterministic: bool,
+    splits: int,
+) -> None:
+    """``mix(out, first)`` and ``weight_grad(weight_out, grads, rows, column_start, deterministic,
+    splits)`` in one launch of ``routing_kernels.mix_kernel``, neither writing what the other
+    reads: two of a routing block's backward products (``fused_blocks``)."""
+    mixed = _mix_launch(out, first, None, None, None, None)
+    _launch_both(out, mixed, _weight_grad_launch(weight_out, grads, rows, column_start, deterministic, splits), None)
+
+
+def _launch_both(out: Halves, mixed: tuple[int, tuple, dict], weighed: tuple, keep_first: int | None) -> None:
+    """One ``mix_kernel`` launch of a mix into ``out`` (``_mix_launch``'s ``mixed``) and a weight
+    gradient (``_weight_grad_launch``'s ``weighed``) whose programs keep its G over its rows from
+    ``keep_first`` on (None: keep nothing)."""
+    from lime_megatron.kernels.routing_kernels import mix_kernel
+
+    (programs, arguments, constants), (grid, weight_arguments, weight_constants) = mixed, weighed
     if (weight_constants.pop("ACC"), weight_constants.pop("UPCAST")) != (constants["ACC"], constants["UPCAST"]):
         raise ValueError("the fused backward's rows and gradients differ in dtype or device")
-    tiles = (*_mix_tiles(out), programs, *grid[:2], own_row)
+    tiles = (*_mix_tiles(out), programs, *grid[:2], keep_first or 0)
     launch(
         mix_kernel,
         (programs + math.prod(grid),),
@@ -291,6 +313,7 @@ def mix_and_weight_grad(
         tiles,
         **constants,
         WEIGHT_GRAD=True,
+        KEEP=keep_first is not None,
         **weight_constants,
     )
 

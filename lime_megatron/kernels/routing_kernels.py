@@ -21,8 +21,9 @@ row, outer, inner, values' row, outer, inner, group, group_stride)`` (``operands
 forward mix (Eq. 2), its rebuild and the row gradient (Eq. 2 transposed), with X2 optionally
 written to ``store`` on the way (Eq. 1: a layer's own keys/values into the buffer).  Programs on
 one axis: (N tiles of a half, R tiles, 2 halves); with ``WEIGHT_GRAD`` the weight gradient's
-programs after them, which write G over X's rows ``keep_first..`` once they have read them (a
-layer's backward in one launch: g_l into its dead rows after dW_l has read them).
+programs after them, which may write G over X's rows ``keep_first..`` once they have read them (a
+layer's backward in one launch: g_l into its dead rows after dW_l has read them), or keep nothing
+(two of a routing block's backward products in one launch).
 
 ``weight_grad_kernel``: ``out[c, :, columns] += G @ X^T`` ([M, N] x [C, N]^T), the router-weight
 gradient, accumulated in ``ACC`` (float32, float64 for float64 operands) over a split of the
@@ -69,13 +70,13 @@ def mix_kernel(
     HAS_ACC: tl.constexpr, HAS_MORE: tl.constexpr, HAS_STORE: tl.constexpr, ACC: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    W_BLOCK_N: tl.constexpr,
+    W_BLOCK_N: tl.constexpr, KEEP: tl.constexpr,
 ):  # fmt: skip
     """``out = acc + more + A1 @ X1 + A2 @ X2`` (``_mix_tile``; ``a1``/``a2``: ``(matrix, start,
     row, column, K)``, ``shape``: ``(R, P, D, BATCH)``) by the first ``mix_programs`` programs of
     ``tiles = (tiles_n, tiles_r, mix_programs, splits, tiles_m, keep_first)``; with
     ``WEIGHT_GRAD`` the rest run ``weight_grad_kernel``'s tiles of ``weight`` (its arguments),
-    keeping G over X's rows from ``keep_first`` on once read (module docstring)."""
+    with ``KEEP`` keeping G over X's rows from ``keep_first`` on once read (module docstring)."""
     tiles_n, tiles_r, mix_programs, splits, tiles_m, keep_first = tiles
     program = tl.program_id(0)
     if program < mix_programs:
@@ -88,7 +89,7 @@ def mix_kernel(
         rest = program - mix_programs
         split, tile_m, tile_c = rest % splits, rest // splits % tiles_m, rest // (splits * tiles_m)
         _weight_grad_tile(
-            split, tile_m, tile_c, weight, keep_first, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, True
+            split, tile_m, tile_c, weight, keep_first, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, KEEP
         )
 
 

@@ -58,7 +58,7 @@ class HostOperators:
     per_block: float
     """Per block with earlier sources at B > 1 (torch: ``MixEarlierSources``, the stacked router
     columns, the product, its gradients; Triton: ``fused_blocks``, the block's tensors and its
-    three launches)."""
+    two launches, less its first reader's own forward launch)."""
     per_blocked_layer: float
     """More per layer of such a block (torch: its partial sums taken and added, its weight-gradient
     pieces joined; Triton: fewer, its outputs being the block's tensors)."""
@@ -70,11 +70,11 @@ class HostOperators:
     """The same per block with earlier sources at B > 1."""
     per_received_block_per_chunk: float = 0.0
     """More once per chunk at B > 1 per block of rows received (the share of their gradient handed
-    back, the last block's missing later-consumer launch)."""
+    back)."""
     per_first_block: float = 0.0
     """More once at B > 1 in the chunk holding layer 0, where a block reads earlier sources (layer
     0's block takes its later consumers' share on the general path, the identity routing not
-    being fused; the last block's missing later-consumer launch)."""
+    being fused)."""
 
 
 TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
@@ -83,13 +83,14 @@ TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
 exactly), and per micro-batch on PP = 4 ranks of 8 layers (32 layers, MHA), B = 1, 2, 4, 8 (the
 model within 62 operators of every count)."""
 
-TRITON_OPERATORS = HostOperators(9.7, 10, -4, 10, 2, per_received_block_per_chunk=20, per_first_block=8)
+TRITON_OPERATORS = HostOperators(9.7, 8, -4, 10, 2, per_received_block_per_chunk=21, per_first_block=9)
 """The Triton path's (a GPU's default, ``models.lime.fused_routing`` and ``fused_blocks``): counted
-at 16 layers, MHA, B = 1, 2, 4, 8, 16 (155, 177, 145, 141, 155 operators beyond the baseline), and
-per micro-batch on PP = 2 ranks of 8 layers, B = 1, 2, 4, 8 (the first rank's 121.5, 135.5, 123.5,
-121.5, the second's 172, 128, 104, 92); the model gives every difference from B = 1 exactly.  A
-block costs 10 operators and each of its layers 4 fewer than at B = 1 (its routed keys/values and
-their gradients are the block's tensors): blocking lowers the host's work from B = 3 on.
+at 16 layers, MHA, B = 1, 2, 4, 8, 16 (155, 164, 140, 140, 155 operators beyond the baseline), and
+per micro-batch on PP = 2 ranks of 8 layers, B = 1, 2, 4, 8 (the first rank's 121.5, 130.5, 122.5,
+121.5, the second's 172, 121, 101, 91); the model gives every difference from B = 1 exactly.  A
+block costs 8 operators and each of its layers 4 fewer than at B = 1 (its routed keys/values and
+their gradients are the block's tensors): per layer, blocking costs the host as much as B = 1 at
+B = 2 and less from B = 3 on (a chunk's first block aside).
 ``per_received_block_per_layer`` is the count before the blocks were fused (B = 1 unchanged
 since; these counts fix only its difference from ``per_received_block_per_chunk``)."""
 

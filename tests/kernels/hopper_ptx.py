@@ -13,6 +13,18 @@ ROW_OPERANDS = ("out", "acc", "more", "x1", "x2", "store")
 """The mix kernel's operands of the rows' dtype (each a tuple: keys, values, ten integers)."""
 
 
+MIX_VARIANTS = {  # the mix kernel's variants by what its launches ask of it: its flags
+    "with sums and store": dict(HAS_ACC=True, HAS_MORE=True, HAS_STORE=True, WEIGHT_GRAD=False, KEEP=False),
+    "without sums and store": dict(HAS_ACC=False, HAS_MORE=False, HAS_STORE=False, WEIGHT_GRAD=False, KEEP=False),
+    "with the weight gradient (a layer's backward)": dict(
+        HAS_ACC=True, HAS_MORE=True, HAS_STORE=False, WEIGHT_GRAD=True, KEEP=True
+    ),
+    "with the weight gradient (a block's backward)": dict(
+        HAS_ACC=False, HAS_MORE=False, HAS_STORE=False, WEIGHT_GRAD=True, KEEP=False
+    ),
+}
+
+
 def operand(dtype: str) -> tuple[str, ...]:
     """The signature of an operand tuple (``Halves.arguments``) of ``dtype`` rows."""
     return (f"*{dtype}", f"*{dtype}", *["i32"] * 10)
@@ -58,17 +70,9 @@ def report() -> dict:
         mix_signature |= dict(a1=("*fp32", *["i32"] * 4), a2=(f"*{dtype}", *["i32"] * 4), shape=("i32",) * 4)
         mix_signature |= dict(weight=weight_argument(dtype), tiles=("i32",) * 6)
         tiles = dict(BLOCK_R=16, BLOCK_K=16, BLOCK_N=128, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64)
-        for flags in (True, False):
-            mix = dict(HAS_ACC=flags, HAS_MORE=flags, HAS_STORE=flags, ACC=tl.float32, UPCAST=False)
-            code = ptx(
-                routing_kernels.mix_kernel, mix_signature, {**mix, **tiles, "WEIGHT_GRAD": False, "ATOMIC": False}
-            )
-            result[f"mix {dtype} {'with' if flags else 'without'} sums and store"] = products(code)
-        backward = dict(HAS_ACC=True, HAS_MORE=True, HAS_STORE=False, ACC=tl.float32, UPCAST=False)
-        code = ptx(
-            routing_kernels.mix_kernel, mix_signature, {**backward, **tiles, "WEIGHT_GRAD": True, "ATOMIC": True}
-        )
-        result[f"mix {dtype} with the weight gradient (a layer's backward)"] = products(code)
+        for variant, flags in MIX_VARIANTS.items():
+            constants = {**flags, **tiles, "ACC": tl.float32, "UPCAST": False, "ATOMIC": flags["WEIGHT_GRAD"]}
+            result[f"mix {dtype} {variant}"] = products(ptx(routing_kernels.mix_kernel, mix_signature, constants))
         for atomic in (True, False):
             constants = dict(ATOMIC=atomic, ACC=tl.float32, UPCAST=False, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64)
             code = ptx(routing_kernels.weight_grad_kernel, {"weight": weight_argument(dtype)}, constants)

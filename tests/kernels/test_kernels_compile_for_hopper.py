@@ -33,7 +33,7 @@ def hopper_report(tmp_path_factory) -> dict:
 
 
 def test_every_variant_compiles(hopper_report):
-    assert len(hopper_report) == 15, sorted(hopper_report)
+    assert len(hopper_report) == 18, sorted(hopper_report)
 
 
 def test_sixteen_bit_rows_run_on_tensor_cores_with_float32_sums(hopper_report):

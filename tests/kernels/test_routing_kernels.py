@@ -14,6 +14,7 @@ from lime_megatron.kernels.operands import (
     Placement,
     mix,
     mix_and_weight_grad,
+    mix_beside_weight_grad,
     weight_grad,
     weight_grad_sums,
 )
@@ -150,6 +151,47 @@ def test_backward_in_one_launch(shape, dtype, deterministic):
     got = weight.sum(0) if deterministic else weight
     assert relative(got, g @ before.double().t()) <= (1e-12 if dtype == torch.float64 else 1e-5)
     assert torch.equal(rows[sources:], as_rows(*grads)) and torch.equal(rows[:sources], before[:sources])
+
+
+@pytest.mark.parametrize("deterministic", [True, False], ids=["per-split sums", "atomic"])
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_two_block_products_in_one_launch(shape, dtype, deterministic):
+    """A routing block's backward launch: a row gradient into grouped slots ``out = W^T @ kept``
+    and, beside it, a weight gradient ``g @ rows^T`` of nine readers' g (two tiles of rows at 8
+    heads) over other rows, placed at a column; nothing kept, no operand written but the two
+    outputs."""
+    torch.manual_seed(sum(shape) + 5)
+    s, b, h, d, sources = shape
+    readers, groups = 9, 2
+    kept = torch.randn(sources, 2 * s * b * d, dtype=dtype)
+    stack = torch.randn(sources, groups * h, dtype=dtype)
+    grads = torch.randn(readers * h, 2 * s * b * d, dtype=dtype)
+    rows = torch.randn(sources + 1, 2 * s * b * d, dtype=dtype)
+    operands = [tensor.clone() for tensor in (kept, grads, rows)]
+    slots = torch.full((2 * groups, s, b, h, d), float("nan"), dtype=dtype)
+    accumulate = torch.float64 if dtype == torch.float64 else torch.float32
+    splits = 2
+    weight = torch.zeros((splits, readers * h, sources + 3) if deterministic else (readers * h, sources + 3))
+    weight = weight.to(accumulate)
+    later = Columns.of(stack, slice(0, sources), slice(0, groups * h), transposed=True)
+    mix_beside_weight_grad(
+        Halves.of_groups(slots),
+        (later, Halves.of_rows(kept, 0, sources, d)),
+        weight,
+        Halves.of_rows(grads, 0, readers * h, d),
+        Halves.of_rows(rows, 1, sources, d),
+        column_start=2,
+        deterministic=deterministic,
+        splits=splits,
+    )
+    got = torch.cat([as_rows(slots[g], slots[groups + g]) for g in range(groups)])
+    assert relative(got, stack.double().t() @ kept.double()) <= TOLERANCE[dtype]
+    summed = weight.sum(0) if deterministic else weight
+    assert torch.equal(summed[:, :2], torch.zeros_like(summed[:, :2])) and not summed[:, sources + 2 :].any()
+    product = grads.double() @ rows[1:].double().t()
+    assert relative(summed[:, 2 : sources + 2], product) <= (1e-12 if dtype == torch.float64 else 1e-5)
+    assert all(torch.equal(before, after) for before, after in zip(operands, (kept, grads, rows)))
 
 
 def test_the_fused_backward_needs_its_gradient_rows_in_one_tile():

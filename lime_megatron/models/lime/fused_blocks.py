@@ -1,19 +1,28 @@
 """A routing block on the Triton path: the tensors of its B layers allocated once per block.
 
 Blocked routing (``routing_blocks``) runs three products once per block of B consumer layers
-``[m0, m0 + B)``; on the Triton path each is one launch over tensors the block's layers share,
-so the block costs the host a few operators and each layer none beyond its own two launches:
+``[m0, m0 + B)``; on the Triton path they take two launches over tensors the block's layers
+share, so the block costs the host a few operators and each layer none beyond its own two
+launches (m0 one, its forward being the block's):
 
     forward    P = W_block[:, earlier] @ B[earlier]     P_keys, P_values [R, s, b, kv, d]
-               (R readers of earlier sources; reader q's routed keys/values are P[q], a view
-               handed out by one ``unbind`` per block, which its own launch completes in place
-               with its in-block sources: ``fused_routing.FusedRouting.store_and_mix``)
+                   + W_block[:, m0] @ (K_m0 | V_m0)      (and B[m0] = (K_m0 | V_m0), Eq. 1)
+               (R readers of earlier sources, m0 the first; reader q's routed keys/values are
+               P[q], a view handed out by one ``unbind`` per block, which its own launch
+               completes in place with its in-block sources after m0:
+               ``fused_routing.FusedRouting.store_and_mix``; m0's is complete)
     backward   G[j] = sum_{m after the block} W_m[:, j]^T g_m     G [2B, s, b, kv, d]
                (keys then values; layer j's gradients G[j], G[B + j] are views its own launch
                completes in place with the in-block consumers' terms and its own)
-               dW_q[:, earlier] = g_q @ B[earlier]^T for every reader q in one launch, into
-               the readers' gradients laid one after another in one float32 buffer (each
-               reader's own launch writes its in-block columns there; ``kernels.Placement``)
+               dW_q[:, earlier] = g_q @ B[earlier]^T for every reader q, into the readers'
+               gradients laid one after another in one float32 buffer (each reader's own
+               launch writes its in-block columns there; ``kernels.Placement``)
+
+The backward's two products of different blocks share one launch
+(``kernels.mix_beside_weight_grad``): when block k's readers have all run backward, so have the
+consumers after block k - 1, and block k's earlier weight columns and block k - 1's G run
+together; G of a block whose next block does not route here (or has fixed routers) takes a
+launch of its own at the block's first backward.
 
 ``MixEarlierRows`` puts the block in autograd: its forward runs P's product and returns P's keys
 tensor, which every reader takes as an input, so its backward runs after every reader's and
@@ -35,7 +44,7 @@ from dataclasses import dataclass
 import torch
 
 from lime_megatron.kernels import operands as kernels
-from lime_megatron.kernels.operands import Halves, Placement
+from lime_megatron.kernels.operands import Columns, Halves, Placement
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter
@@ -126,7 +135,8 @@ class FusedBlocks:
         if block.start not in self._readers:
             routers = [self.stacked.routers[m] for m in block]
             readers = [router for router in routers if self.routing.blocked(router)]
-            fused = readers and all(routes_alone(router, self.key_values.triton) for router in routers)
+            fused = readers and readers[0].layer == block.start
+            fused = fused and all(routes_alone(router, self.key_values.triton) for router in routers)
             self._readers[block.start] = BlockReaders.of(readers) if fused else None
         return self._readers[block.start]
 
@@ -134,14 +144,14 @@ class FusedBlocks:
         """Whether ``router``'s layer lies in a block that routes here."""
         return self.readers(self.routing.block_of(router.layer)) is not None
 
-    def earlier_sums(self, router: LimeRouter, key: torch.Tensor) -> torch.Tensor:
+    def earlier_sums(self, router: LimeRouter, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Forward, at each reader: P's keys (``MixEarlierRows``' output, the reader's input for
-        the order of backward), the block's product run at its first reader (``key``: its raw
-        keys)."""
+        the order of backward), the block's product run at its first reader (``key``, ``value``:
+        its raw keys and values ``[s, b, kv, d]``, which that product stores and mixes)."""
         block = self.routing.block_of(router.layer)
         readers = self.readers(block)
         if router is readers.routers[0]:
-            MixEarlierRows.apply(self, block, key, *(reader.weight for reader in readers.routers))
+            MixEarlierRows.apply(self, block, key, value, *(reader.weight for reader in readers.routers))
         return self._sums[router.layer][2]
 
     def take_sums(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -149,22 +159,27 @@ class FusedBlocks:
         keys, values, _ = self._sums.pop(layer)
         return keys, values
 
-    def mix_earlier(self, block: range, key: torch.Tensor) -> torch.Tensor:
-        """P (module docstring) of ``block``'s readers: one launch per row block of earlier sources;
-        each reader's slots kept for it; returns P's keys.  ``key``: raw keys ``[s, b, kv, d]`` of
-        the block's first reader (the buffer is allocated from them when the chunk's first layer
-        is a reader)."""
+    def mix_earlier(self, block: range, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
+        """P (module docstring) of ``block``'s readers, with the first reader's own source m0 (its
+        raw keys and values ``key``, ``value`` ``[s, b, kv, d]``, stored into the buffer on the
+        way, which they allocate when m0 is the chunk's first layer): one launch per row block of
+        earlier sources, m0 added in the last.  The first reader's slots are then its routed
+        keys/values; each reader's slots kept for it; returns P's keys."""
         readers = self.readers(block).routers
-        self.key_values.allocate(key)
-        s, b, kv_heads, d = self.key_values.kv_shape
+        rows = self.key_values
+        rows.allocate(key)
+        s, b, kv_heads, d = rows.kv_shape
         keys, values = key.new_empty(len(readers), s, b, kv_heads, d), key.new_empty(len(readers), s, b, kv_heads, d)
         out, stack = Halves.of_groups(keys, values), self.stacked.stack(key)
         layers = range(readers[0].layer, readers[-1].layer + 1)
+        own = (stack.operand(layers, range(block.start, block.start + 1)), Halves.of_heads(key, value))
+        *others, last = _earlier_spans(rows, readers, block.start)
         added = None
-        for start, stop in _earlier_spans(self.key_values, readers, block.start):
-            columns = stack.operand(layers, range(start, stop))
-            kernels.mix(out, (columns, self.key_values.halves(start, stop)), accumulate=added)
+        for start, stop in others:
+            kernels.mix(out, (stack.operand(layers, range(start, stop)), rows.halves(start, stop)), accumulate=added)
             added = out
+        first = (stack.operand(layers, range(*last)), rows.halves(*last))
+        kernels.mix(out, first, own, accumulate=added, store=rows.halves(block.start, block.start + 1))
         for reader, key_slot, value_slot in zip(readers, keys.unbind(0), values.unbind(0)):
             self._sums[reader.layer] = (key_slot, value_slot, keys)
         return keys
@@ -181,18 +196,36 @@ class FusedBlocks:
     def _later_grads(self, block: range) -> None:
         """G of ``block`` with the share of the chunk's consumers after it (one launch), or
         unsummed where none reads it."""
-        s, b, kv_heads, d = self.key_values.kv_shape
-        grads = self.key_values.buffer.new_empty(2 * len(block), s, b, kv_heads, d)
-        own = self.key_values.layers
-        stop = min(max(self._consumers(source)[1] for source in block), own.stop)
-        consumers = range(block.stop, stop)
+        consumers = self._later_consumers(block)
         if consumers:
-            self.kept.require(block.start, consumers)
-            columns = self.stacked.stack(grads).operand(consumers, block, transposed=True)
-            kernels.mix(Halves.of_groups(grads), (columns, self.kept.grad_halves(consumers, kv_heads)))
+            kernels.mix(*self._later_product(block, consumers))
+        else:
+            self._hand_out(block, self._new_grads(block), summed=False)
+
+    def _later_consumers(self, block: range) -> range:
+        """The chunk's layers after ``block`` that read any of its layers."""
+        stop = min(max(self._consumers(source)[1] for source in block), self.key_values.layers.stop)
+        return range(block.stop, stop)
+
+    def _later_product(self, block: range, consumers: range) -> tuple[Halves, tuple[Columns, Halves]]:
+        """G of ``block`` allocated and handed out, and its product ``(out, (W^T, g))`` of the
+        later ``consumers``' share (a ``mix``'s), to launch at once."""
+        self.kept.require(block.start, consumers)
+        grads = self._new_grads(block)
+        self._hand_out(block, grads, summed=True)
+        columns = self.stacked.stack(grads).operand(consumers, block, transposed=True)
+        return Halves.of_groups(grads), (columns, self.kept.grad_halves(consumers, self.key_values.kv_shape[2]))
+
+    def _new_grads(self, block: range) -> torch.Tensor:
+        """G ``[2B, s, b, kv, d]`` of ``block`` (module docstring), uninitialised."""
+        return self.key_values.buffer.new_empty(2 * len(block), *self.key_values.kv_shape)
+
+    def _hand_out(self, block: range, grads: torch.Tensor, summed: bool) -> None:
+        """Keep layer j's slots G[j], G[B + j] for it (``take_grads``), ``summed``: whether they
+        will hold the later consumers' share."""
         slots = grads.unbind(0)
         for j, layer in enumerate(block):
-            self._grads[layer] = (slots[j], slots[len(block) + j], bool(consumers))
+            self._grads[layer] = (slots[j], slots[len(block) + j], summed)
 
     def weight_target(self, router: LimeRouter, grads: Halves) -> tuple[torch.Tensor, Callable[[int], Placement], int]:
         """Backward of reader ``router``: (the block's float32 buffer of its readers' gradients,
@@ -212,18 +245,36 @@ class FusedBlocks:
 
     def earlier_weight_grads(self, block: range) -> list[torch.Tensor]:
         """``MixEarlierRows``' backward: every reader's columns of the sources before the block,
-        g_q @ B[earlier]^T, one launch per row block into the readers' buffer; each reader's whole
-        gradient (views of it)."""
+        g_q @ B[earlier]^T, one launch per row block into the readers' buffer, the last launch
+        also running the block before's later-consumer product (``_later_product``) where that
+        block is fused and its later consumers have all run (they are this block's layers and
+        those after); each reader's whole gradient (views of it)."""
         readers = self.readers(block)
         layers = range(readers.routers[0].layer, readers.routers[-1].layer + 1)
         self.kept.require(block.start, layers)  # so a trainable reader's launch made the buffer
         grads = self.kept.grad_halves(layers, readers.heads)
         buffer, splits = self._weights.pop(block.start)
         deterministic = self.key_values.deterministic
-        for start, stop in _earlier_spans(self.key_values, readers.routers, block.start):
+        *others, last = _earlier_spans(self.key_values, readers.routers, block.start)
+        for start, stop in others:
             rows = self.key_values.halves(start, stop)
             kernels.weight_grad(buffer, grads, rows, readers.every_reader(start), deterministic, splits)
+        rows, placed = self.key_values.halves(*last), readers.every_reader(last[0])
+        before = self._fused_before(block)
+        consumers = self._later_consumers(before) if before else range(0)
+        if before and consumers:
+            out, later = self._later_product(before, consumers)
+            kernels.mix_beside_weight_grad(out, later, buffer, grads, rows, placed, deterministic, splits)
+        else:
+            kernels.weight_grad(buffer, grads, rows, placed, deterministic, splits)
         return readers.weight_grads(buffer.sum(0) if deterministic else buffer)
+
+    def _fused_before(self, block: range) -> range | None:
+        """The chunk's block before ``block`` where it routes here and its G is not made yet."""
+        if block.start == self.key_values.layers.start:
+            return None
+        before = self.routing.block_of(block.start - 1)
+        return before if self.readers(before) is not None and before[-1] not in self._grads else None
 
 
 def _earlier_spans(key_values: KeyValueRows, readers: list[LimeRouter], before: int) -> list[tuple[int, int]]:
@@ -236,20 +287,21 @@ def _earlier_spans(key_values: KeyValueRows, readers: list[LimeRouter], before: 
 class MixEarlierRows(torch.autograd.Function):
     """A fused block in autograd (module docstring).
 
-    forward(blocks (``FusedBlocks``), block (its layers), key (raw keys of its first reader),
-            *the readers' weights) -> P's keys ``[R, s, b, kv, d]`` (each reader's input)
+    forward(blocks (``FusedBlocks``), block (its layers), key, value (raw keys and values of its
+            first reader), *the readers' weights) -> P's keys ``[R, s, b, kv, d]`` (each reader's
+            input)
     backward: each reader's whole weight gradient (``FusedBlocks.earlier_weight_grads``), the
     readers' own launches having written their in-block columns; nothing for a fixed router.
     """
 
     @staticmethod
-    def forward(ctx, blocks: FusedBlocks, block: range, key: torch.Tensor, *weights):
+    def forward(ctx, blocks: FusedBlocks, block: range, key: torch.Tensor, value: torch.Tensor, *weights):
         ctx.set_materialize_grads(False)
         ctx.blocks, ctx.block = blocks, block
-        return blocks.mix_earlier(block, key)
+        return blocks.mix_earlier(block, key, value)
 
     @staticmethod
     def backward(ctx, _):
-        if not any(ctx.needs_input_grad[3:]):
+        if not any(ctx.needs_input_grad[4:]):
             return (None,) * len(ctx.needs_input_grad)
-        return None, None, None, *ctx.blocks.earlier_weight_grads(ctx.block)
+        return None, None, None, None, *ctx.blocks.earlier_weight_grads(ctx.block)

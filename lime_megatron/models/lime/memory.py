@@ -235,7 +235,7 @@ def route_keys_values(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Routed keys and values of ``router``'s layer, ``[s, b, kv_heads, d]`` each."""
     if memory.fused.serves(router) and memory.routing.blocked(router):  # its block's tensor (``fused_blocks``)
-        earlier = (memory.fused.blocks.earlier_sums(router, key), None)
+        earlier = (memory.fused.blocks.earlier_sums(router, key, value), None)
     else:
         earlier = memory.stacked.earlier_partial(router, key) or (None, None)
     return RouteKeysValues.apply(router.weight, key, value, *earlier, memory, router)
