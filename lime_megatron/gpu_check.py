@@ -9,20 +9,25 @@ On one CUDA GPU, in a few minutes, in one process:
    spec in fp32 with no fusions.  The loss and every gradient (routers included; the
    hyper-connection parameters pooled into one vector, ``pooled_hyper_connections``) are compared:
    relative error ``||a - b|| / ||b||`` within ``TOLERANCES``.
-2. **FP8.**  ``CheckScale.fp8_steps`` AdamW steps with TE's FP8 (``hybrid`` format; delayed scaling and
+2. **The routing kernels.**  LIMe on the Triton path against the torch path
+   (``--lime-routing-kernel``; ``KERNEL_CASES``: bf16 with atomic weight-gradient sums, float32
+   with per-split ones), local spec, same weights: the loss and every gradient within
+   ``TOLERANCES.kernels_bf16`` / ``kernels_fp32``.  CI runs the kernels only in Triton's CPU
+   interpreter; here they run compiled.
+3. **FP8.**  ``CheckScale.fp8_steps`` AdamW steps with TE's FP8 (``hybrid`` format; delayed scaling and
    current/tensorwise scaling) from the bf16 run's initial weights on the same batches: every
    loss finite and within ``TOLERANCES.fp8_loss`` (relative) of the bf16 run's.  Skipped (not
    failed) on GPUs without FP8 (compute capability < 8.9).
-3. **Attention backend.**  The backend TransformerEngine selected for LIMe's attention (its debug
+4. **Attention backend.**  The backend TransformerEngine selected for LIMe's attention (its debug
    log, ``NVTE_DEBUG=1 NVTE_DEBUG_LEVEL=2``, which ``main`` sets): FAILED if it is not the one the
    routed-K/V prediction and the ``--dry-run`` memory estimate assume (``--attention-backend``:
    cuDNN ``FusedAttention`` for ``auto``/``fused``, ``FlashAttention`` for ``flash``).
-4. **Training legs** (``lime_megatron.training.short_runs``: the trainer itself on mock data, a few
+5. **Training legs** (``lime_megatron.training.short_runs``: the trainer itself on mock data, a few
    iterations): ``--bf16`` through megatron's ``Float16Module`` with the distributed optimizer
    against the float32 run (``TOLERANCES.loss_bf16``); under ``torchrun`` with 2 or more GPUs also
    TP2 + SP and PP2 (LIMe's rows over NCCL) against the data-parallel run over the same GPUs, in
    float32 (``TOLERANCES.layout_loss``); on one GPU the layout rows say they were skipped.
-5. **Speed and memory.**  Forward+backward of LIMe and the baseline at the paper's 1B shapes
+6. **Speed and memory.**  Forward+backward of LIMe and the baseline at the paper's 1B shapes
    (GQA-8 and MHA, 16 layers) and at the deep-narrow shape (128 layers, hidden 512), timed
    interleaved (LIMe, baseline, LIMe, ...) in bf16 with the TE spec: median step time, LIMe's
    overhead, tokens/s, TFLOP/s and MFU (``flops`` module, routers included, training = 3x
@@ -62,6 +67,9 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
+if "--rehearse" in sys.argv[1:]:  # the routing kernels on a CPU: Triton's interpreter, which only
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # counts if set before triton (megatron) is imported
+
 import torch
 
 from lime_megatron.models.config import PAPER_1B, lime_config
@@ -88,6 +96,11 @@ class Tolerances:
     layout_loss: float = 1e-5
     """|loss_layout - loss_DP| / loss_DP at every iteration of the float32 TP2 and PP2 legs: the same
     function summed in another order (measured 3e-8 on CPU over gloo, ``tests/test_gpu_check.py``)."""
+    kernels_fp32: float = 1e-5
+    """Loss and every gradient, the Triton path against the torch path in float32 (the kernels sum
+    in another order; ``tests/models/test_fused_routing.py`` holds the interpreter to the same)."""
+    kernels_bf16: float = 3e-2
+    """The same in bf16 (each path rounds its routed keys/values and their gradients once)."""
 
 
 TOLERANCES = Tolerances()
@@ -105,6 +118,14 @@ BF16_FAMILIES: dict[str, dict[str, Any]] = {  # label -> check_config's lime and
 }
 """The model families of the bf16 check: HC's TransformerEngine spec unfuses the norms, mHC's keeps
 them fused (``lime_megatron.models.hyper_connections.spec``); on CPU only stand-ins check that."""
+KERNEL_CASES: dict[str, dict[str, Any]] = {  # label -> check_config's overrides and the rows' dtype
+    "bf16, blocks of 2": dict(bf16=True, lime_routing_block=2, num_layers=6),
+    "fp32, blocks of 2, deterministic": dict(bf16=False, lime_routing_block=2, num_layers=6, deterministic_mode=True),
+}
+"""The routing-kernel check's cases: 6 layers in blocks of 2 run every kind of launch (layer 1's
+own forward and its backward with the weight gradient, a fused block's product over earlier
+sources, the third block's backward launch that computes the second's row gradients); atomic
+weight-gradient sums in bf16 (a GPU's default), per-split sums in float32."""
 PEAK_BF16_TFLOPS = {"H100": 989.4, "H200": 989.4, "GH200": 989.4, "A100": 312.0, "B200": 2250.0}
 """Dense bf16 peak (TFLOP/s) by device name: SXM parts; pass --peak-tflops for others (H100 PCIe)."""
 
@@ -455,6 +476,34 @@ def check_bf16(label: str, tolerances: Tolerances, machine: Machine = GPU) -> li
     return rows + summarize_gradients(compare_gradients("bf16 vs fp32", label, grads, ref_grads, tolerances.grad_bf16))
 
 
+def check_routing_kernels(label: str, tolerances: Tolerances, machine: Machine = GPU) -> list[Row]:
+    """The Triton path against the torch path (``--lime-routing-kernel``) of the case ``label`` of
+    ``KERNEL_CASES``, same weights and batch, local spec without fusions: the loss and every
+    gradient.  What Triton's CPU interpreter cannot vouch for, the compiled kernels (tensor-core
+    dots, no TF32 in float32, atomic sums, a program reading the rows it then overwrites), a GPU
+    checks here."""
+    case = dict(KERNEL_CASES[label])
+    bf16 = case.pop("bf16")
+    micro_batch, seq = machine.scale.batch
+    torch.manual_seed(1)
+    models = {
+        kernel: build(
+            check_config(
+                True, te=False, bf16=bf16, fusions_on=False, machine=machine, lime_routing_kernel=kernel, **case
+            ),
+            seq,
+            machine,
+        )
+        for kernel in ("triton", "torch")
+    }
+    models["torch"].load_state_dict(models["triton"].state_dict())
+    batch = make_batch(micro_batch, seq, seed=0, device=machine.device, vocab=machine.scale.vocab)
+    (loss, grads), (ref_loss, ref_grads) = (loss_and_gradients(models[kernel], batch) for kernel in models)
+    tolerance = tolerances.kernels_bf16 if bf16 else tolerances.kernels_fp32
+    rows = [Row("triton vs torch", label, "loss", abs(loss - ref_loss) / abs(ref_loss), tolerance)]
+    return rows + summarize_gradients(compare_gradients("triton vs torch", label, grads, ref_grads, tolerance))
+
+
 def routed_kv_rows(label: str, config, drops: dict) -> list[Row]:
     """One row: the layers whose routed K/V were dropped (``routed_kv_log.take()``'s ``drops``)
     or kept against ``recompute.drops_routed_kv``, the prediction ``--dry-run``'s memory estimate
@@ -747,11 +796,14 @@ def timed_shapes(machine: Machine) -> list[TimedShape]:
 
 
 def check_groups(machine: Machine, skip_timing: bool, peak: float | None, world_size: int) -> Iterator[list[Row]]:
-    """The rows of every check on ``machine``, one list per check as it ends: bf16, FP8
+    """The rows of every check on ``machine``, one list per check as it ends: bf16, the routing
+    kernels, FP8
     (TransformerEngine spec only; skipped rows with the local spec), speed and memory
     (``timed_shapes``, unless ``skip_timing``), the training legs."""
     for label in BF16_FAMILIES:
         yield guarded("bf16 vs fp32", functools.partial(check_bf16, label, TOLERANCES, machine))
+    for label in KERNEL_CASES:
+        yield guarded("triton vs torch", functools.partial(check_routing_kernels, label, TOLERANCES, machine))
     for lime in (True, False):
         if machine.te:
             yield guarded("fp8", functools.partial(check_fp8, lime, TOLERANCES, machine))

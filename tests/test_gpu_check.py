@@ -50,6 +50,7 @@ def test_all_checks_run_on_the_spec_asked_for(monkeypatch, te):
 
     for check, function in (
         ("bf16", "check_bf16"),
+        ("kernels", "check_routing_kernels"),
         ("fp8", "check_fp8"),
         ("speed", "time_shape"),
         ("training", "training_rows"),
@@ -61,6 +62,7 @@ def test_all_checks_run_on_the_spec_asked_for(monkeypatch, te):
         rows = gpu_check.all_checks(machine, skip_timing, 989.4, 1)
         kinds = [check for check, _ in calls]
         assert kinds.count("bf16") == len(gpu_check.BF16_FAMILIES) and kinds.count("training") == 2
+        assert kinds.count("kernels") == len(gpu_check.KERNEL_CASES)
         assert kinds.count("fp8") == (2 if te else 0)
         assert kinds.count("speed") == (0 if skip_timing else len(gpu_check.TIMED_SHAPES))
         assert all(passed is machine for _, passed in calls)
@@ -221,6 +223,23 @@ def test_bf16_check_runs_on_cpu_for_each_family(family):
     backend = [row for row in rows if row.check == "attention backend"]
     assert [row.status for row in backend] == ["skipped"]  # the local spec has no backends
     assert max(row.value for row in rows if row.quantity.startswith("worst")) > 1e-4  # bf16 rounded
+
+
+@pytest.mark.parametrize("case", gpu_check.KERNEL_CASES)
+def test_routing_kernel_check_runs_on_cpu(case):
+    """The Triton path (Triton's interpreter here) against the torch path: every row met."""
+    rows = gpu_check.check_routing_kernels(case, gpu_check.TOLERANCES, CPU)
+    assert gpu_check.exit_code(rows) == 0, gpu_check.format_table(rows)
+    assert [row.key or row.quantity for row in rows] == ["loss", "worst router grad", "worst grad"]
+
+
+def test_routing_kernel_check_catches_a_wrong_kernel(monkeypatch):
+    """A block's backward launch that drops its weight-gradient programs fails the router rows."""
+    from lime_megatron.kernels import operands
+
+    monkeypatch.setattr(operands, "mix_beside_weight_grad", lambda out, later, *weighed: operands.mix(out, later))
+    rows = gpu_check.check_routing_kernels("bf16, blocks of 2", gpu_check.TOLERANCES, CPU)
+    assert {row.key for row in rows if not row.passed} == {"worst router grad", ""}, gpu_check.format_table(rows)
 
 
 def test_hyper_connection_gradients_are_compared_pooled():

@@ -200,6 +200,8 @@ def read_environment(mode: Mode, folder: Path) -> list[ReportRow]:
 # --------------------------------------------------------------------------- the GPU check
 
 GPU_CHECK_FAMILIES = ("LIMe", "baseline", "HC", "mHC")
+GPU_CHECK_KERNEL_CASES = ("bf16, blocks of 2", "fp32, blocks of 2, deterministic")
+"""``gpu_check.KERNEL_CASES``: the Triton path against the torch path, compiled on the GPU."""
 GPU_CHECK_ROWS = (
     *(
         name
@@ -211,6 +213,11 @@ GPU_CHECK_ROWS = (
             *((f"bf16 vs fp32 | {family} | worst router grad",) if family == "LIMe" else ()),
             f"bf16 vs fp32 | {family} | worst grad",
         )
+    ),
+    *(
+        f"triton vs torch | {case} | {key}"
+        for case in GPU_CHECK_KERNEL_CASES
+        for key in ("loss", "worst router grad", "worst grad")
     ),
     *(
         f"fp8 {recipe} | {model} | {key}"
@@ -438,8 +445,8 @@ STEPS = (
     Step("environment", "Install and environment", 45, ENVIRONMENT_ROWS, environment_commands, read_environment),
     Step(
         "gpu-check",
-        "bf16, FP8 and the attention backend on TransformerEngine",
-        120,
+        "bf16, the routing kernels, FP8 and the attention backend on TransformerEngine",
+        130,
         GPU_CHECK_ROWS,
         gpu_check_commands,
         read_gpu_check,
