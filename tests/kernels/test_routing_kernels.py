@@ -237,6 +237,31 @@ def test_grouped_rows_are_a_blocks_layers(shape, dtype, together):
     assert relative(got, expected) <= TOLERANCE[dtype]
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+def test_a_blocks_forward_over_two_row_tiles(dtype):
+    """A routing block's forward launch at a deep shape's size (``fused_blocks.mix_earlier``): 9
+    readers of 8 heads (72 output rows, two R tiles) into grouped slots, over earlier rows and the
+    first reader's own keys/values (strided, as megatron's QKV split hands them over), which the
+    launch stores into their rows once, unchanged."""
+    torch.manual_seed(3)
+    s, b, h, d, sources, readers = 5, 2, 8, 4, 6, 9
+    rows = torch.randn(sources, 2 * s * b * d, dtype=dtype)
+    weight = torch.randn(readers * h, sources + h, dtype=dtype)
+    key, value = strided_keys_values(s, b, h, d, dtype)
+    stored = torch.zeros(h, 2 * s * b * d, dtype=dtype)
+    keys, values = (torch.empty(readers, s, b, h, d, dtype=dtype) for _ in range(2))
+    mix(
+        Halves.of_groups(keys, values),
+        (Columns.of(weight, slice(0, readers * h), slice(0, sources)), Halves.of_rows(rows, 0, sources, d)),
+        (Columns.of(weight, slice(0, readers * h), slice(sources, sources + h)), Halves.of_heads(key, value)),
+        store=Halves.of_rows(stored, 0, h, d),
+    )
+    got = torch.cat([as_rows(keys[q], values[q]) for q in range(readers)])
+    expected = weight.double() @ torch.cat([rows, as_rows(key, value)]).double()
+    assert relative(got, expected) <= TOLERANCE[dtype]
+    assert torch.equal(stored, as_rows(key, value))
+
+
 @pytest.mark.parametrize("deterministic", [True, False], ids=["per-split sums", "atomic"])
 @pytest.mark.parametrize("widen, step", [(2, 0), (0, 1)], ids=["widening (full)", "sliding (last)"])
 def test_weight_gradient_of_a_blocks_readers(widen, step, deterministic):
