@@ -20,10 +20,10 @@ chunks' share, ``kept_gradients``.)  In a block that routes on this path too (``
 layer's routed keys/values and their gradients (the block's first layer runs no forward launch of
 its own: the block's product adds and stores its keys/values), and a blocked layer's dW_l columns
 go into its block's buffer of its readers' gradients, which the block returns (its earlier
-columns written there in one launch for the block).  The backward's launch runs two kinds of programs: the row
-gradient's tiles, and the weight gradient's, which read B[l] and then write g_l over it (each row of
-B[l] is read by one program alone when g_l's rows fit one tile, as they do up to 64 heads; beyond,
-two launches).  Besides the launches the host allocates the outputs: 3 operators per layer in
+columns written there in one launch for the block).  The backward's launch runs two kinds of
+programs: the row gradient's tiles, and the weight gradient's, which read B[l] and then write g_l
+over it (each row of B[l] is read by one program alone when g_l's rows fit one tile, as they do up
+to 64 heads; beyond, two launches).  Besides the launches the host allocates the outputs: 3 operators per layer in
 forward and 4 in backward at B = 1, 8 with autograd's accumulation of the router's gradient; in a
 fused block 4 per layer (the two launches, the view of the router's gradient and its
 accumulation) and 8 per block, its first layer's forward launch being the block's
@@ -93,16 +93,16 @@ class FusedRouting:
         reads another pipeline chunk's rows or skips sources)."""
         rows = self.key_values
         rows.allocate(key)
-        blocked, block = self.routing.blocked(router), self.routing.block_of(router.layer)
+        blocked, since = self.routing.blocked(router), 0
         if blocked:
             keys, values = self.blocks.take_sums(router.layer)
-            if router.layer == block.start:  # its block's launch stored and mixed it
+            since = self.routing.block_of(router.layer).start + 1  # the block's launch added its first
+            if since == router.layer + 1:  # its block's launch stored and mixed this layer
                 return keys, values
         else:
             keys, values = key.new_empty(rows.kv_shape), key.new_empty(rows.kv_shape)
         out = Halves.of_heads(keys, values)
         added = out if blocked else None
-        since = block.start + 1 if blocked else 0  # the block's launch added source block.start
         *others, (start, _) = self.routing.source_spans(router, since)
         for other_start, other_stop in others:
             term = (_router_columns(router, other_start, other_stop), rows.halves(other_start, other_stop))
