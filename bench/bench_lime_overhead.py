@@ -40,6 +40,24 @@ kernels are short (the deep narrow shape on a GPU) and which a tiny shape times 
     python bench/bench_lime_overhead.py --depths 32 128 --hidden-size 64 --ffn-hidden-size 128 \
         --seq-length 16 --micro-batch-size 1 --repeats 9
 
+On a GPU "rest ms" is inflated: it comes from those counted rounds, whose synchronisations around
+each product idle the device and expose the host's launches.  The GPU's own breakdown is
+``--kernel-profile N``: after the timed rounds one forward+backward of the baseline and of blocked
+LIMe under ``torch.profiler`` (CUDA activity on a GPU, CPU activity on a CPU), self device time
+(CPU: self CPU time) summed by kernel or operator name, and a table of the N names with the most
+LIMe-minus-baseline time (LIMe and baseline ms and calls) and the totals over all names; the JSON
+row holds them as ``kernel_profile`` (a list of those entries) and ``kernel_profile_total``.
+
+What runs: ``--skip`` drops quantities, any of ``rebuilt`` (the model rebuilding the routed K/V:
+not built nor timed), ``counts`` (the dispatched operators, torch and Triton), ``copies``,
+``saved``, ``split`` (the counted rounds and the time split); a skipped quantity is absent from
+the row and the JSON and its cells print as "-".  The paired timing of the baseline, B = 1 and
+blocked always runs.  Each row records the wall seconds of each phase it ran (``phase_s``: build,
+timed, the optional phases), printed as the last table, so a run under a time budget shows where
+its time went.  Each timed step follows a full garbage collection and runs with the collector off
+(``collector_paused``), the models built before frozen out of the collector's sight
+(``frozen_heap``).
+
 Run (the figures in BENCHMARKS.md):
     python bench/bench_lime_overhead.py
 On a GPU (``--device cuda``; the block size then comes from the H100 roofline, ``H100_SXM``; the
@@ -54,13 +72,18 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import dataclasses
+import gc
 import math
 import statistics
 import time
+from collections.abc import Callable, Iterator
 
 import cpu_triton  # noqa: F401 - before the package: Triton's interpreter on a CPU
 import torch
-from tables import field, print_table, ratio, write_json
+from tables import Column, field, print_table, ratio, write_json
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from lime_megatron.choices import ROUTING_KERNELS
@@ -154,7 +177,26 @@ def parse_paired_args(parser: argparse.ArgumentParser, argv=None) -> argparse.Na
 def parse_args(argv=None) -> argparse.Namespace:
     parser = shape_parser(__doc__, [8, 16, 32, 64, 128])
     parser.add_argument("--json", metavar="PATH", help="also write the measured rows to PATH, after each case")
-    return parse_paired_args(parser, argv)
+    parser.add_argument(
+        "--skip",
+        nargs="+",
+        choices=SKIP_CHOICES,
+        default=[],
+        help="quantities not to measure (absent from the rows, '-' in the tables): the rebuilt-K/V model, the "
+        "operator counts, the copied bytes, the saved bytes, the counted rounds' time split",
+    )
+    parser.add_argument(
+        "--kernel-profile",
+        type=int,
+        default=0,
+        metavar="N",
+        help="after the timed rounds, profile one forward+backward of the baseline and blocked LIMe and print "
+        "the N kernels (CPU: operators) with the most LIMe-minus-baseline self time (0: off)",
+    )
+    args = parse_paired_args(parser, argv)
+    if args.kernel_profile < 0:
+        parser.error(f"--kernel-profile {args.kernel_profile}: a count of names, 0 for none")
+    return args
 
 
 def shape_config(args, num_layers: int, kv_heads: int, **overrides):
@@ -232,16 +274,52 @@ def make_batch(args):
     return tokens.to(args.device), positions.to(args.device), None
 
 
+@contextlib.contextmanager
+def collector_paused() -> Iterator[None]:
+    """A full garbage collection, then Python's cyclic collector off for the ``with`` block and back
+    to its state before after it, also when the block raises (megatron's ``--manual-gc``, for one
+    step).  Why: a process holding megatron, TransformerEngine and 128 layers' autograd graphs
+    tracks hundreds of thousands of objects, and a generation-2 collection over them (0.3 s on the
+    2-core VM) starts whenever the allocation counts say so, i.e. at a random point of a random
+    step; where the host sets the pace (128 layers, micro batch 1) that lands in some timed steps
+    and not others and widens the spread of the paired ratios.  With the collector off inside the
+    step the counts wait for the next collection outside it."""
+    gc.collect()
+    enabled = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if enabled:
+            gc.enable()
+
+
+@contextlib.contextmanager
+def frozen_heap() -> Iterator[None]:
+    """The objects alive at entry (the modules imported, the models built) moved out of the
+    collector's sight for the ``with`` block (``gc.freeze``) and back after it: the collection
+    before each step then scans only what the steps made (at 128 layers on the 2-core VM 0.3 s
+    without, under 1 ms with), and the models are collected as usual after the block."""
+    gc.collect()
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
+
+
 def train_step(model, batch) -> float:
-    """One forward+backward; returns its wall time in seconds (on a GPU, until its kernels end)."""
+    """One forward+backward with the collector paused (``collector_paused``); returns its wall time
+    in seconds (on a GPU, until its kernels end)."""
     tokens, positions, mask = batch
     for param in model.parameters():
         param.grad = None
-    synchronize_device_of(tokens)
-    start = time.perf_counter()
-    model(tokens, positions, mask, labels=tokens).mean().backward()
-    synchronize_device_of(tokens)
-    return time.perf_counter() - start
+    with collector_paused():
+        synchronize_device_of(tokens)
+        start = time.perf_counter()
+        model(tokens, positions, mask, labels=tokens).mean().backward()
+        synchronize_device_of(tokens)
+        return time.perf_counter() - start
 
 
 def saved_bytes(model, batch) -> int:
@@ -385,48 +463,211 @@ def flop_floor(args, config) -> float:
     return 1.0 + router_flops_per_token(config) / baseline_flops_per_token(args, config)
 
 
-def measure(args, num_layers: int, kv_heads: int) -> dict:
+@dataclasses.dataclass
+class Setting:
+    """One measured setting: the bench's ``args``, the depth, kv heads and routing block size, the
+    built ``models`` (``base``, ``per_layer``, ``blocked`` and, unless ``--skip rebuilt``,
+    ``rebuilt``) and the micro ``batch`` (tokens, positions, mask) they run on."""
+
+    args: argparse.Namespace
+    num_layers: int
+    kv_heads: int
+    block: int
+    models: dict
+    batch: tuple
+
+    @property
+    def config(self):
+        """Blocked LIMe's config."""
+        return self.models["blocked"].config
+
+
+def build_setting(args, num_layers: int, kv_heads: int) -> Setting:
+    """The baseline and the LIMe models of the setting at the roofline's block size, and a batch."""
     block = chosen_block(args, num_layers, kv_heads)
     models = {
         "base": build(args, num_layers, kv_heads, False),
         "per_layer": build(args, num_layers, kv_heads, True, 1),
         "blocked": build(args, num_layers, kv_heads, True, block),
-        "rebuilt": build(args, num_layers, kv_heads, True, block, rebuild=True),
     }
-    batch = make_batch(args)
-    times = round_times(args, models, batch)
-    operators = {name: dispatched_operators(models[name], batch) for name in ("base", "per_layer", "blocked")}
-    triton = triton_operators(args, num_layers, kv_heads, (1, block))
-    products = {}
-    counted = round_times(args, {name: models[name] for name in ("base", "blocked")}, batch, products)
-    ratios = {name: paired_ratio(times, name) for name in ("per_layer", "blocked", "rebuilt")}
-    config = models["blocked"].config
-    reads = {
-        b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values()) for b in (1, block)
-    }
-    return dict(
-        layers=num_layers,
-        kv_heads=kv_heads,
-        block=block,
+    if "rebuilt" not in args.skip:
+        models["rebuilt"] = build(args, num_layers, kv_heads, True, block, rebuild=True)
+    return Setting(args, num_layers, kv_heads, block, models, make_batch(args))
+
+
+def timing_fields(setting: Setting, times: dict[str, list[float]]) -> dict:
+    """The baseline's median seconds and each LIMe model's median paired ratio over it (``times``:
+    ``round_times``); blocked LIMe's ratios' interquartile range."""
+    ratios = {name: paired_ratio(times, name) for name in setting.models if name != "base"}
+    fields = dict(
         base_s=statistics.median(times["base"]),
         per_layer_x=ratios["per_layer"][0],
         lime_x=ratios["blocked"][0],
         lime_spread=ratios["blocked"][1],
-        rebuilt_x=ratios["rebuilt"][0],
-        floor=flop_floor(args, config),
-        base_saved=saved_bytes(models["base"], batch),
-        lime_saved=saved_bytes(models["blocked"], batch),
-        rebuilt_saved=saved_bytes(models["rebuilt"], batch),
-        reads_per_layer=reads[1],
-        reads_blocked=reads[block],
-        extra_copies=copied_bytes(models["blocked"], batch) - copied_bytes(models["base"], batch),
-        **{
-            f"{name}_operators": (operators[name] - operators["base"]) / num_layers for name in ("per_layer", "blocked")
-        },
+    )
+    if "rebuilt" in ratios:
+        fields["rebuilt_x"] = ratios["rebuilt"][0]
+    return fields
+
+
+def plan_fields(setting: Setting) -> dict:
+    """The FLOP floor and the bytes the routing products read per step at B = 1 and blocked: from
+    the plan, not measured."""
+    args, config = setting.args, setting.config
+    reads = {
+        b: sum(routing_bytes_per_step(config, args.seq_length, args.micro_batch_size, b).values())
+        for b in (1, setting.block)
+    }
+    return dict(floor=flop_floor(args, config), reads_per_layer=reads[1], reads_blocked=reads[setting.block])
+
+
+SAVED_KEYS = {"base": "base_saved", "blocked": "lime_saved", "rebuilt": "rebuilt_saved"}
+"""The row's key of each model's saved bytes."""
+
+
+def saved_fields(setting: Setting) -> dict:
+    """Bytes autograd saves for backward in one forward of the baseline, blocked and rebuilt LIMe."""
+    return {
+        key: saved_bytes(setting.models[name], setting.batch)
+        for name, key in SAVED_KEYS.items()
+        if name in setting.models
+    }
+
+
+def copy_fields(setting: Setting) -> dict:
+    """Bytes copied in one forward+backward, blocked LIMe minus the baseline."""
+    base, blocked = (copied_bytes(setting.models[name], setting.batch) for name in ("base", "blocked"))
+    return dict(extra_copies=blocked - base)
+
+
+def count_fields(setting: Setting) -> dict:
+    """Operators per layer LIMe dispatches beyond the baseline at B = 1 and blocked, on the torch
+    path (at the bench's shape) and the Triton path (``triton_operators``)."""
+    models, batch, layers = setting.models, setting.batch, setting.num_layers
+    operators = {name: dispatched_operators(models[name], batch) for name in ("base", "per_layer", "blocked")}
+    triton = triton_operators(setting.args, layers, setting.kv_heads, (1, setting.block))
+    return dict(
+        per_layer_operators=(operators["per_layer"] - operators["base"]) / layers,
+        blocked_operators=(operators["blocked"] - operators["base"]) / layers,
         triton_operators=triton[0],
         triton_blocked_operators=triton[1],
-        **time_split(args, config, counted, products["blocked"]),
     )
+
+
+def split_fields(setting: Setting) -> dict:
+    """``time_split`` of extra rounds of the baseline and blocked LIMe with the products counted."""
+    products: dict[str, list[RoutingReads]] = {}
+    models = {name: setting.models[name] for name in ("base", "blocked")}
+    counted = round_times(setting.args, models, setting.batch, products)
+    return time_split(setting.args, setting.config, counted, products["blocked"])
+
+
+ProfiledTimes = dict[str, tuple[float, int]]
+"""Self milliseconds and calls of each kernel (GPU) or operator (CPU) name in one profiled step."""
+
+
+def profiled_self_times(model, batch) -> ProfiledTimes:
+    """``model``'s one forward+backward under ``torch.profiler``: on a GPU each CUDA kernel's (and
+    copy's) device time, on a CPU each operator's self CPU time (ATen operators, LIMe's autograd
+    functions and their backward nodes), summed by name; annotated ranges left out (on a GPU they
+    span the kernels they hold)."""
+    cuda = batch[0].is_cuda
+    device = DeviceType.CUDA if cuda else DeviceType.CPU
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiler:
+        train_step(model, batch)
+    times: ProfiledTimes = {}
+    for event in profiler.key_averages():
+        if event.device_type == device and not event.is_user_annotation:
+            self_us = event.self_device_time_total if cuda else event.self_cpu_time_total
+            ms, count = times.get(event.key, (0.0, 0))
+            times[event.key] = (ms + self_us / 1e3, count + event.count)
+    return times
+
+
+def profile_entry(name: str, lime: tuple[float, int], base: tuple[float, int]) -> dict:
+    """One line of the kernel profile: ``name``'s LIMe and baseline ms and calls, and the
+    difference in ms."""
+    return dict(
+        name=name, lime_ms=lime[0], base_ms=base[0], diff_ms=lime[0] - base[0], lime_count=lime[1], base_count=base[1]
+    )
+
+
+def kernel_differences(lime: ProfiledTimes, base: ProfiledTimes, top: int) -> list[dict]:
+    """``profile_entry`` of the ``top`` names with the most LIMe-minus-baseline time, largest first
+    (a name one model lacks at 0 ms and 0 calls there)."""
+    entries = [profile_entry(name, lime.get(name, (0.0, 0)), base.get(name, (0.0, 0))) for name in lime | base]
+    return sorted(entries, key=lambda entry: entry["diff_ms"], reverse=True)[:top]
+
+
+def profile_total(times: ProfiledTimes) -> tuple[float, int]:
+    """Milliseconds and calls over all names of ``times``."""
+    return sum(ms for ms, _ in times.values()), sum(count for _, count in times.values())
+
+
+def kernel_profile_fields(setting: Setting) -> dict:
+    """Where blocked LIMe's extra device time goes: ``kernel_differences`` of one profiled step of
+    each model (``--kernel-profile`` names) and the totals over all names; where the profiler
+    cannot run (e.g. a GPU image without CUPTI), ``kernel_profile_error`` says why instead, so
+    that the setting's timings, measured before, are not lost with it."""
+    try:
+        lime, base = (profiled_self_times(setting.models[name], setting.batch) for name in ("blocked", "base"))
+    except RuntimeError as error:
+        print(f"kernel profile: {error}", flush=True)
+        return dict(kernel_profile_error=f"{type(error).__name__}: {error}")
+    return dict(
+        kernel_profile=kernel_differences(lime, base, setting.args.kernel_profile),
+        kernel_profile_total=profile_entry("all names", profile_total(lime), profile_total(base)),
+    )
+
+
+SKIPPABLE_PHASES: dict[str, Callable[[Setting], dict]] = {
+    "counts": count_fields,
+    "saved": saved_fields,
+    "copies": copy_fields,
+    "split": split_fields,
+}
+"""The phases of ``measure`` after the timed rounds that ``--skip`` can drop, each a function from
+the setting to the row's fields it measures."""
+
+SKIP_CHOICES = ("rebuilt", *SKIPPABLE_PHASES)
+"""``--skip``'s choices: the rebuilt-K/V model (neither built nor timed) and the skippable phases."""
+
+PHASE_NAMES = ("build", "timed", *SKIPPABLE_PHASES, "kernel_profile")
+"""The phases of ``measure`` in order, as ``phase_s`` names them."""
+
+
+def optional_phases(args) -> dict[str, Callable[[Setting], dict]]:
+    """The phases after the timed rounds ``args`` asks for: those not in ``--skip`` and, with
+    ``--kernel-profile N`` (N > 0), the kernel profile."""
+    phases = {name: run for name, run in SKIPPABLE_PHASES.items() if name not in args.skip}
+    if args.kernel_profile:
+        phases["kernel_profile"] = kernel_profile_fields
+    return phases
+
+
+@contextlib.contextmanager
+def phase_clock(phase_s: dict[str, float], name: str) -> Iterator[None]:
+    """Records the ``with`` block's wall seconds as ``phase_s[name]``."""
+    start = time.perf_counter()
+    yield
+    phase_s[name] = time.perf_counter() - start
+
+
+def measure(args, num_layers: int, kv_heads: int) -> dict:
+    """The row of one setting: the paired timing, the plan's floor and reads, the optional phases'
+    fields (``optional_phases``) and ``phase_s``, the wall seconds of each phase run."""
+    phase_s: dict[str, float] = {}
+    with phase_clock(phase_s, "build"):
+        setting = build_setting(args, num_layers, kv_heads)
+    with frozen_heap():
+        with phase_clock(phase_s, "timed"):
+            times = round_times(args, setting.models, setting.batch)
+        row = dict(layers=num_layers, kv_heads=kv_heads, block=setting.block)
+        row |= timing_fields(setting, times) | plan_fields(setting)
+        for name, run in optional_phases(args).items():
+            with phase_clock(phase_s, name):
+                row |= run(setting)
+    return row | dict(phase_s=phase_s)
 
 
 SHAPE_COLUMNS = [("layers", field("layers")), ("kv", field("kv_heads")), ("B", field("block"))]
@@ -465,19 +706,63 @@ TIME_SPLIT_COLUMNS = SHAPE_COLUMNS + [
 """The second table: where blocked LIMe's time over the baseline goes, and the host's operators."""
 
 
+def phase_cell(name: str) -> Callable[[dict], str]:
+    """The cell of a row's seconds in phase ``name`` ("-" where it did not run)."""
+    cell = field(name, ".1f")
+    return lambda row: cell(row["phase_s"])
+
+
+PHASE_COLUMNS = (
+    SHAPE_COLUMNS
+    + [(f"{name} s", phase_cell(name)) for name in PHASE_NAMES]
+    + [("total s", lambda row: format(sum(row["phase_s"].values()), ".1f"))]
+)
+"""The third table: the wall seconds of each phase of a setting (``phase_s``)."""
+
+KERNEL_COLUMNS: list[Column] = [
+    ("LIMe-base ms", field("diff_ms", ".3f")),
+    ("LIMe ms", field("lime_ms", ".3f")),
+    ("base ms", field("base_ms", ".3f")),
+    ("LIMe calls", field("lime_count")),
+    ("base calls", field("base_count")),
+    ("kernel (GPU) / operator (CPU)", field("name")),
+]
+"""The kernel profile's columns, one line per name (``profile_entry``)."""
+
+
+def print_kernel_profiles(rows: list[dict]) -> None:
+    """Each profiled row's kernel profile and its totals over all names."""
+    for row in rows:
+        if "kernel_profile" in row:
+            print(
+                f"\nL{row['layers']} kv {row['kv_heads']} B {row['block']}: self time of one forward+backward "
+                f"(torch.profiler), the {len(row['kernel_profile'])} names with the most LIMe-minus-baseline time:"
+            )
+            print_table(KERNEL_COLUMNS, row["kernel_profile"] + [row["kernel_profile_total"]])
+
+
+def summary(rows: list[dict]) -> str:
+    """One line: the worst blocked time over its floor and, where measured, the largest saved-bytes
+    ratio."""
+    worst = max(rows, key=lambda r: r["lime_x"] / r["floor"])
+    line = (
+        f"summary: {len(rows)} settings; worst blocked time vs FLOP floor {worst['lime_x'] / worst['floor']:.3f} "
+        f"(L{worst['layers']}, kv {worst['kv_heads']}, B {worst['block']})"
+    )
+    saved = [r["lime_saved"] / r["base_saved"] for r in rows if "lime_saved" in r]
+    return line + (f"; max saved-bytes ratio {max(saved):.3f}" if saved else "")
+
+
 def main(argv=None) -> list[dict]:
     args = parse_args(argv)
     rows = measure_cases(args, measure, args.json)
     print_table(OVERHEAD_COLUMNS, rows)
     print("\nwhere blocked LIMe's time over the baseline goes (medians over counted rounds of those two models):")
     print_table(TIME_SPLIT_COLUMNS, rows)
-    worst = max(rows, key=lambda r: r["lime_x"] / r["floor"])
-    print(
-        f"\nsummary: {len(rows)} settings; worst blocked time vs FLOP floor "
-        f"{worst['lime_x'] / worst['floor']:.3f} (L{worst['layers']}, kv {worst['kv_heads']}, "
-        f"B {worst['block']}); "
-        f"max saved-bytes ratio {max(r['lime_saved'] / r['base_saved'] for r in rows):.3f}"
-    )
+    print_kernel_profiles(rows)
+    print("\nwall seconds of each phase of a setting (- not run):")
+    print_table(PHASE_COLUMNS, rows)
+    print("\n" + summary(rows))
     return rows
 
 

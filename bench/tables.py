@@ -1,7 +1,8 @@
 """The benches' tables: one place that lays rows out as columns.
 
 A column is a title and a function from a row (the dict a bench measured) to the cell's text;
-``field`` makes the usual one, a row's value under a key in a format spec.  ``print_table`` prints
+``field`` makes the usual one, a row's value under a key in a format spec (``MISSING`` where the
+row lacks the key: a quantity the bench was told to skip).  ``print_table`` prints
 the columns right-aligned, each as wide as its title or widest cell and two spaces apart, under
 a rule of dashes, or as a Markdown table (the form BENCHMARKS.md holds) with ``markdown=True``.
 ``write_json`` writes the rows themselves, with the command that measured them, for a script
@@ -20,16 +21,24 @@ Column = tuple[str, Callable[[dict], str]]
 """A column's title and the function that writes its cell of a row."""
 
 
+MISSING = "-"
+"""The cell of a quantity the row does not hold."""
+
+
 def field(key: str, spec: str = "", scale: float = 1.0) -> Callable[[dict], str]:
-    """The cell of ``row[key] / scale`` in the format ``spec`` (e.g. ``".3f"``, ``",.0f"``)."""
+    """The cell of ``row[key] / scale`` in the format ``spec`` (e.g. ``".3f"``, ``",.0f"``);
+    ``MISSING`` without ``key``."""
     if scale == 1.0:
-        return lambda row: format(row[key], spec)
-    return lambda row: format(row[key] / scale, spec)
+        return lambda row: format(row[key], spec) if key in row else MISSING
+    return lambda row: format(row[key] / scale, spec) if key in row else MISSING
 
 
 def ratio(numerator: str, denominator: str, spec: str = ".3f") -> Callable[[dict], str]:
-    """The cell of ``row[numerator] / row[denominator]`` in the format ``spec``."""
-    return lambda row: format(row[numerator] / row[denominator], spec)
+    """The cell of ``row[numerator] / row[denominator]`` in the format ``spec``; ``MISSING``
+    without either key."""
+    return lambda row: (
+        format(row[numerator] / row[denominator], spec) if numerator in row and denominator in row else MISSING
+    )
 
 
 def table_lines(columns: list[Column], rows: list[dict], markdown: bool = False) -> list[str]:

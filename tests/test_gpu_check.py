@@ -10,8 +10,13 @@ shown to FAIL on a leg that trains something else."""
 
 from __future__ import annotations
 
+import json
 import logging
 import math
+import os
+import subprocess
+import sys
+import types
 
 import pytest
 import torch
@@ -23,6 +28,7 @@ from lime_megatron.parallel.process_groups import initialize_parallel as init_si
 from lime_megatron.testing import distributed as dist
 from lime_megatron.training import short_runs
 from tests.lime_fixtures import SEQ, VOCAB, batch, loss_of, tiny_model
+from tests.scripts import ROOT
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -41,8 +47,8 @@ def test_without_cuda_one_line_and_exit_2(capsys):
 
 @pytest.mark.parametrize("te", [True, False])
 def test_all_checks_run_on_the_spec_asked_for(monkeypatch, te):
-    """``--spec local`` (``Machine(te=False)``) runs every check on the local spec and skips FP8 in
-    one row; the TransformerEngine spec runs FP8 for both models; the timing follows skip_timing."""
+    """``--spec local`` (``Machine(te=False)``) runs every check on the local spec and skips FP8's
+    rows; the TransformerEngine spec runs FP8 once, both models; the timing follows skip_timing."""
     calls = []
 
     def recorder(check):
@@ -63,11 +69,12 @@ def test_all_checks_run_on_the_spec_asked_for(monkeypatch, te):
         kinds = [check for check, _ in calls]
         assert kinds.count("bf16") == len(gpu_check.BF16_FAMILIES) and kinds.count("training") == 2
         assert kinds.count("kernels") == len(gpu_check.KERNEL_CASES)
-        assert kinds.count("fp8") == (2 if te else 0)
+        assert kinds.count("fp8") == (1 if te else 0)
         assert kinds.count("speed") == (0 if skip_timing else len(gpu_check.TIMED_SHAPES))
         assert all(passed is machine for _, passed in calls)
         skipped = [row for row in rows if row.check.startswith("fp8")]
-        assert len(skipped) == (0 if te else 2 * len(gpu_check.FP8_RECIPES) * len(gpu_check.FP8_KEYS))
+        fp8_rows = len(gpu_check.FP8_RECIPES) * len(gpu_check.FP8_MODELS) * len(gpu_check.FP8_KEYS)
+        assert len(skipped) == (0 if te else fp8_rows)
         assert all(row.status == "skipped" and row.passed for row in skipped)
     batches = {shape.micro_batch for shape in gpu_check.timed_shapes(machine)}
     assert batches == ({4} if te else {gpu_check.LOCAL_SPEC_MICRO_BATCH})
@@ -211,7 +218,9 @@ def test_check_configs_and_the_training_loop_on_cpu():
     assert math.isfinite(loss) and sum("router" in name for name in grads) == 4
     assert set(grads) == set(gpu_check.local_named(model.named_parameters()))
     losses = gpu_check.train_losses(model, [batch_] * 8, lr=1e-2)
-    assert losses[-1] < losses[0] - 0.5  # the sequence task is learnable
+    assert losses.shape == (8, *batch_[0].shape)
+    steps = gpu_check.step_losses(losses)
+    assert steps[-1] < steps[0] - 0.5  # the sequence task is learnable
 
 
 @pytest.mark.parametrize("family", gpu_check.BF16_FAMILIES)
@@ -227,10 +236,17 @@ def test_bf16_check_runs_on_cpu_for_each_family(family):
 
 @pytest.mark.parametrize("case", gpu_check.KERNEL_CASES)
 def test_routing_kernel_check_runs_on_cpu(case):
-    """The Triton path (Triton's interpreter here) against the torch path: every row met."""
+    """The Triton path (Triton's interpreter here) against the torch path in float32: every row
+    met, each saying what it was measured against, bf16 at the bf16 check's tolerances."""
     rows = gpu_check.check_routing_kernels(case, gpu_check.TOLERANCES, CPU)
     assert gpu_check.exit_code(rows) == 0, gpu_check.format_table(rows)
-    assert [row.key or row.quantity for row in rows] == ["loss", "worst router grad", "worst grad"]
+    assert [row.key for row in rows] == ["loss", "worst router grad", "worst grad"]
+    assert all(row.quantity.endswith(gpu_check.KERNEL_REFERENCE) for row in rows)
+    tolerances = gpu_check.TOLERANCES
+    bf16 = (tolerances.loss_bf16, tolerances.grad_bf16, tolerances.grad_bf16)
+    assert [row.limit for row in rows] == list(bf16 if case.startswith("bf16") else [tolerances.kernels_fp32] * 3)
+    if case.startswith("bf16"):  # against float32: bf16's rounding shows
+        assert max(row.value for row in rows) > 1e-4
 
 
 def test_routing_kernel_check_catches_a_wrong_kernel(monkeypatch):
@@ -239,7 +255,8 @@ def test_routing_kernel_check_catches_a_wrong_kernel(monkeypatch):
 
     monkeypatch.setattr(operands, "mix_beside_weight_grad", lambda out, later, *weighed: operands.mix(out, later))
     rows = gpu_check.check_routing_kernels("bf16, blocks of 2", gpu_check.TOLERANCES, CPU)
-    assert {row.key for row in rows if not row.passed} == {"worst router grad", ""}, gpu_check.format_table(rows)
+    failed = [row.key for row in rows if not row.passed]
+    assert "worst router grad" in failed and all("router" in key for key in failed), gpu_check.format_table(rows)
 
 
 def test_hyper_connection_gradients_are_compared_pooled():
@@ -272,6 +289,14 @@ def test_bf16_check_catches_a_wrong_routed_kv_prediction(monkeypatch):
     monkeypatch.setattr(gpu_check, "drops_routed_kv", lambda config, impl: True)
     routed = [row for row in gpu_check.check_bf16("LIMe", gpu_check.TOLERANCES, CPU) if row.check == "routed K/V"]
     assert routed[0].status == "FAILED" and routed[0].value == 2  # both layers differ
+    # the row says why: the [s, b, kv heads, d] keys given, the copies repeated to the query heads saved
+    config = gpu_check.check_config(True, te=False, bf16=True, fusions_on=True, machine=CPU)
+    given = [config.kv_heads, config.kv_channels]
+    repeated = [config.num_attention_heads, config.kv_channels]
+    assert "layer 0: given keys [" in routed[0].quantity and f"{given}"[1:-1] in routed[0].quantity
+    assert (
+        "saved instead [" in routed[0].quantity and f"{repeated}"[1:-1] in routed[0].quantity.split("saved instead")[1]
+    )
     assert (
         gpu_check.routed_kv_rows("LIMe", gpu_check.check_config(True, te=False, bf16=False, fusions_on=False), {})[
             0
@@ -281,16 +306,60 @@ def test_bf16_check_catches_a_wrong_routed_kv_prediction(monkeypatch):
 
 
 def test_fp8_that_changes_nothing_fails():
-    """The local spec ignores ``fp8``: the FP8 run repeats the bf16 losses exactly, and the check
-    must say FAILED instead of passing on a distance of 0."""
-    rows = gpu_check.check_fp8(True, gpu_check.TOLERANCES, CPU, capability=(9, 0))
-    unchanged = [row for row in rows if row.quantity.startswith("FP8 changed")]
-    assert len(unchanged) == len(gpu_check.FP8_RECIPES) and all(row.status == "FAILED" for row in unchanged)
-    assert gpu_check.exit_code(rows) == 1 and "FAILED" in gpu_check.format_table(rows)
-    changed = gpu_check.fp8_rows("fp8 delayed", "LIMe", [2.01, 1.52], [2.0, 1.5], gpu_check.TOLERANCES)
-    assert [row.status for row in changed] == ["ok", "ok"]
-    older = gpu_check.check_fp8(True, gpu_check.TOLERANCES, CPU, capability=(8, 0))
-    assert {row.status for row in older} == {"skipped"} and len(older) == 2 * len(gpu_check.FP8_RECIPES)
+    """The local spec ignores ``fp8``: the FP8 runs repeat the bf16 losses exactly, and the check
+    must say FAILED instead of passing on a distance of 0; the rows are the same as when skipped."""
+    rows = gpu_check.check_fp8(gpu_check.TOLERANCES, CPU, capability=(9, 0))
+    unchanged = [row for row in rows if row.key == "FP8 changed the losses"]
+    assert len(unchanged) == len(gpu_check.FP8_RECIPES) * len(gpu_check.FP8_MODELS)
+    assert all(row.status == "FAILED" and row.value == 0 for row in unchanged), gpu_check.format_table(rows)
+    older = gpu_check.check_fp8(gpu_check.TOLERANCES, CPU, capability=(8, 0))
+    assert {row.status for row in older} == {"skipped"}
+    assert [row.name for row in older] == [row.name for row in rows]
+
+
+def off_by(bf16: torch.Tensor, distance: float) -> torch.Tensor:
+    """Synthetic FP8 losses at relative ``distance`` from ``bf16``'s, on every token and step."""
+    return bf16 * (1 + distance)
+
+
+BF16_LOSSES = 2 + torch.rand(3, 2, 4, generator=torch.Generator().manual_seed(0))  # [steps, b, s]
+
+
+def fp8_statuses(lime: torch.Tensor, baseline: torch.Tensor) -> dict[str, str]:
+    """``key of each LIMe row -> status`` of ``fp8_rows`` on synthetic losses (bf16: ``BF16_LOSSES``)."""
+    losses, references = {"LIMe": lime, "baseline": baseline}, dict.fromkeys(gpu_check.FP8_MODELS, BF16_LOSSES)
+    rows = gpu_check.fp8_rows("fp8 delayed", losses, references, gpu_check.TOLERANCES)
+    assert all(row.passed for row in rows if row.model == "baseline" and row.key != "FP8 changed the losses")
+    return {row.key: row.status for row in rows if row.model == "LIMe"}
+
+
+def test_fp8_lime_is_held_to_the_baselines_distance():
+    """LIMe's FP8 distances to bf16 (first step and over the steps) pass within
+    ``fp8_over_baseline`` times the baseline's and fail at 3 times; non-finite losses fail, and so
+    does FP8 that changed nothing."""
+    baseline = off_by(BF16_LOSSES, 0.05)
+    first, worst, changed = gpu_check.FP8_KEYS
+    assert gpu_check.TOLERANCES.fp8_over_baseline < 3
+    assert fp8_statuses(off_by(BF16_LOSSES, 0.08), baseline) == {first: "ok", worst: "ok", changed: "ok"}
+    assert fp8_statuses(off_by(BF16_LOSSES, 0.15), baseline) == {first: "FAILED", worst: "FAILED", changed: "ok"}
+    nan = off_by(BF16_LOSSES, 0.05)
+    nan[2, 1, 3] = math.nan
+    assert set(fp8_statuses(nan, baseline).values()) == {"FAILED"}
+    assert fp8_statuses(BF16_LOSSES.clone(), BF16_LOSSES.clone())[changed] == "FAILED"
+
+
+def test_fp8_distances_first_step_per_token_then_worst_step():
+    """The first step's distance is measured on every token (errors that cancel in the mean loss
+    count), the worst step's on the mean losses; a non-finite FP8 loss makes both inf."""
+    signs = torch.tensor([1.0, -1.0]).repeat(2, 2)  # [b, s] = [2, 4], the mean's errors cancel
+    losses = BF16_LOSSES.clone()
+    losses[0] += 0.01 * signs
+    losses[2] *= 1.03
+    first, worst = gpu_check.fp8_distances(losses, BF16_LOSSES)
+    assert first == pytest.approx(0.01 * 8**0.5 / BF16_LOSSES[0].norm().item(), rel=1e-5)
+    assert worst == pytest.approx(0.03, rel=1e-5)  # float32 losses
+    losses[1, 0, 0] = math.inf
+    assert gpu_check.fp8_distances(losses, BF16_LOSSES) == (math.inf, math.inf)
 
 
 def test_attention_backend_row_names_the_selection_and_fails_on_another():
@@ -306,15 +375,107 @@ def test_attention_backend_row_names_the_selection_and_fails_on_another():
     assert [row.status for row in gpu_check.attention_backend_rows("LIMe", auto, flash_log)] == ["FAILED"]
     assert [row.status for row in gpu_check.attention_backend_rows("LIMe", auto, fused_log + flash_log)] == ["FAILED"]
     assert [row.status for row in gpu_check.attention_backend_rows("LIMe", auto, [])] == ["FAILED"]
+    assert all("TE:" not in row.quantity for row in gpu_check.attention_backend_rows("LIMe", auto, fused_log))
+
+
+def test_a_failed_backend_row_quotes_transformer_engines_reasons():
+    """Another backend (or none) selected: the row quotes TE's distinct "Disabling ..." messages,
+    those about the expected backend first, each shortened, the rest counted."""
+    auto = gpu_check.check_config(True, te=False, bf16=False, fusions_on=False)
+    supported = "Supported: qkv_dtype = {torch.float16, torch.bfloat16}. " * 5
+    fused_reason = f"Disabling FusedAttention for unsupported qkv_dtype = torch.float32. {supported}"
+    log = [
+        "Disabling FlashAttention 3 for compute capability != sm90",
+        fused_reason,
+        fused_reason,
+        "Available backends = {FlashAttention=True (2.8.3), FusedAttention=False, UnfusedDotProductAttention=True}",
+        "Selected backend = FlashAttention (2.8.3).",
+    ]
+    quantity = gpu_check.attention_backend_rows("LIMe", auto, log)[0].quantity
+    assert quantity.index("Disabling FusedAttention") < quantity.index("Disabling FlashAttention 3")
+    assert quantity.count("Disabling FusedAttention") == 1 and "Available" not in quantity
+    assert supported not in quantity and len(quantity) < 2 * gpu_check.BACKEND_REASON_CHARS + 150
+    many = [f"Disabling UnfusedDotProductAttention for reason {n}" for n in range(gpu_check.BACKEND_REASONS_SHOWN + 2)]
+    quantity = gpu_check.attention_backend_rows("LIMe", auto, many)[0].quantity
+    assert "reason 3" in quantity and "reason 4" not in quantity and quantity.endswith("(and 2 more)")
+    assert gpu_check.attention_backend_rows("LIMe", auto, [])[0].quantity.endswith("no 'Disabling ...' message logged")
 
 
 def test_log_capture_reaches_a_logger_that_does_not_propagate():
     logger = logging.getLogger("te-style-attention-logger")
     logger.propagate, logger.level = False, logging.DEBUG
+    child = logging.getLogger("te-style-attention-logger.child")  # propagates to the one that does not
     with gpu_check.captured_log_messages() as messages:
         logger.debug("Selected backend = %s", "FusedAttention")
+        child.debug("from the child")
     logger.debug("after the block")
-    assert messages == ["Selected backend = FusedAttention"]
+    assert messages == ["Selected backend = FusedAttention", "from the child"]  # each once
+
+
+def test_log_capture_reaches_a_logger_made_in_the_block():
+    """TransformerEngine makes its ``DotProductAttention`` logger at its first backend selection,
+    inside the block, sets its level, adds its own stream handler only where ``hasHandlers()``
+    finds none, and lets it propagate: the capture takes its messages, once each."""
+    name = "DotProductAttention, made in the block"
+    assert name not in logging.Logger.manager.loggerDict
+    with gpu_check.captured_log_messages() as messages:
+        logger = logging.getLogger(name)
+        logger.setLevel(logging.DEBUG)
+        if not logger.hasHandlers():
+            logger.addHandler(logging.StreamHandler())
+        logger.debug("Disabling FlashAttention 3 for compute capability != sm90")
+        logger.debug("Selected backend = %s.", "FusedAttention (sub-backend 1)")
+    assert messages == [
+        "Disabling FlashAttention 3 for compute capability != sm90",
+        "Selected backend = FusedAttention (sub-backend 1).",
+    ]
+
+
+def test_transformer_engine_is_asked_to_select_its_backend_again(monkeypatch):
+    """TE keeps its last backend selection while the attention's parameters stay the same: the
+    bf16 check asks for a new one before each family's step, so that each family logs its own."""
+    module = types.ModuleType("transformer_engine.pytorch.attention.dot_product_attention")
+    module._attention_backends = {"backend_selection_requires_update": False}  # type: ignore[attr-defined]
+    monkeypatch.setitem(sys.modules, module.__name__, module)
+    gpu_check.reselect_te_attention_backend()
+    assert module._attention_backends == {"backend_selection_requires_update": True}  # type: ignore[attr-defined]
+
+
+DEBUG_ENVIRONMENT_AT_FIRST_HEAVY_IMPORT = """
+import builtins, json, os, runpy, sys
+
+seen = {}
+plain_import = builtins.__import__
+
+def recording_import(name, *args, **kwargs):
+    if not seen and name.split(".")[0] in ("torch", "megatron", "transformer_engine"):
+        seen.update((variable, os.environ.get(variable)) for variable in ("NVTE_DEBUG", "NVTE_DEBUG_LEVEL"))
+    return plain_import(name, *args, **kwargs)
+
+builtins.__import__ = recording_import
+sys.argv = ["gpu_check", "--help"]  # argparse exits once the module's imports are done
+try:
+    runpy.run_module("lime_megatron.gpu_check", run_name="__main__", alter_sys=True)  # as python -m
+except SystemExit:
+    pass
+print(json.dumps(seen))
+"""
+
+
+def test_te_debug_log_is_switched_on_before_anything_imports_transformer_engine():
+    """TransformerEngine reads ``NVTE_DEBUG``/``NVTE_DEBUG_LEVEL`` once, when imported (through
+    torch and megatron, by the module's own imports): ``python -m lime_megatron.gpu_check`` must
+    have set them when torch is first imported, a user's own setting left as it is."""
+    environment = {name: value for name, value in os.environ.items() if not name.startswith("NVTE_DEBUG")}
+    completed = subprocess.run(
+        [sys.executable, "-c", DEBUG_ENVIRONMENT_AT_FIRST_HEAVY_IMPORT],
+        env={**environment, "NVTE_DEBUG_LEVEL": "1"},
+        capture_output=True,
+        text=True,
+        cwd=ROOT,
+    )
+    assert completed.returncode == 0, completed.stderr[-2000:]
+    assert json.loads(completed.stdout.splitlines()[-1]) == {"NVTE_DEBUG": "1", "NVTE_DEBUG_LEVEL": "1"}
 
 
 SMALL_RUN = short_runs.ShortRun(

@@ -117,6 +117,10 @@ def test_copying_attention_warns_once_and_keeps_the_gradients(fresh_log, caplog)
     kv_bytes = SEQ * 2 * config.kv_heads * config.kv_channels * 8  # [s, b, kv heads, d] float64
     message = warnings[0].getMessage()
     assert "CopyingAttention" in message and f"{2 * kv_bytes:,} bytes" in message, message
+    # and why: the layout of the keys given, and those of what was saved instead (the clones, as
+    # megatron's attention views them: [b * heads, s, d])
+    assert f"given keys [{SEQ}, 2, {config.kv_heads}, {config.kv_channels}] float64 stride" in message, message
+    assert f"saved instead [{2 * config.kv_heads}, {SEQ}, {config.kv_channels}] float64 stride" in message, message
     counts = fresh_log.take()
     assert all(
         drops.kept == {"keys": 2, "values": 2} and not drops.dropped and not drops.rebuilt for drops in counts.values()

@@ -19,6 +19,7 @@ dropped and rebuilt (``take`` returns and resets the counts: once per step).
 from __future__ import annotations
 
 import logging
+import math
 from collections import Counter
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -71,11 +72,52 @@ def _outer_saved_tensor_hooks():
 @dataclass
 class Drops:
     """What one ``recompute_in_backward`` block dropped: the names of the ``watched`` tensors
-    whose saved views were dropped, and of those saved in no dropped view (a copy was kept)."""
+    whose saved views were dropped, and of those saved in no dropped view (a copy was kept).
+    When one was kept, ``explanation`` says why as far as the block can see: the layouts the
+    watched tensors had (``Layout``) and those of the tensors saved instead (at least as large
+    as the smallest watched one, at most ``SAVED_LAYOUTS_SHOWN``)."""
 
     dropped: list[str] = field(default_factory=list)
     kept: list[str] = field(default_factory=list)
     kept_bytes: int = 0
+    explanation: str = ""
+
+
+SAVED_LAYOUTS_SHOWN = 6
+"""How many distinct layouts of the tensors saved instead a ``Drops.explanation`` names."""
+
+
+@dataclass(frozen=True)
+class Layout:
+    """A tensor's shape, dtype, strides and storage offset: what decides whether an attention
+    takes it as it is or copies it; kept instead of the tensor (which it does not hold alive)."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    stride: tuple[int, ...]
+    offset: int
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> Layout:
+        return cls(tuple(tensor.shape), tensor.dtype, tensor.stride(), tensor.storage_offset())
+
+    def numel(self) -> int:
+        return math.prod(self.shape)
+
+    def __str__(self) -> str:
+        """``[8, 2, 4, 16] bfloat16 stride (128, 64, 16, 1) +0``."""
+        return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')} stride {self.stride} +{self.offset}"
+
+
+def _explain_kept(watched: dict[str, torch.Tensor], saved_instead: list[Layout]) -> str:
+    """The layouts the ``watched`` tensors were given in, and those of the tensors saved instead
+    that are at least as large as the smallest watched one (candidates for the copies)."""
+    smallest = min(tensor.numel() for tensor in watched.values())
+    candidates = list(dict.fromkeys(str(saved) for saved in saved_instead if saved.numel() >= smallest))
+    given = "; ".join(f"{name} {Layout.of(tensor)}" for name, tensor in watched.items())
+    shown = "; ".join(candidates[:SAVED_LAYOUTS_SHOWN]) or "none that large"
+    more = f" (+{len(candidates) - SAVED_LAYOUTS_SHOWN} more)" if len(candidates) > SAVED_LAYOUTS_SHOWN else ""
+    return f"given {given}; saved instead {shown}{more}"
 
 
 def _address(tensor: torch.Tensor) -> tuple[int, int]:
@@ -104,6 +146,7 @@ def recompute_in_backward(
     """
     outer = _outer_saved_tensor_hooks()
     dropped_views: list[tuple[int, int]] = []
+    passed_on: list[Layout] = []
 
     def pack(tensor: torch.Tensor):
         address = _address(tensor)
@@ -111,6 +154,7 @@ def recompute_in_backward(
             if _overlaps(address, rebuilt_tensor):
                 dropped_views.append(address)
                 return _SavedView(source, tensor, rebuilt_tensor)
+        passed_on.append(Layout.of(tensor))
         return outer[0](tensor) if outer else tensor
 
     def unpack(packed):
@@ -127,16 +171,20 @@ def recompute_in_backward(
         else:
             drops.kept.append(name)
             drops.kept_bytes += tensor.nbytes
+    if drops.kept:
+        drops.explanation = _explain_kept(watched or {}, passed_on)
 
 
 @dataclass
 class LayerDrops:
     """One layer's counts since the last ``RoutedKVLog.take``: routed tensors dropped from
-    attention's saved tensors, kept as copies, and rebuilt in backward (by name)."""
+    attention's saved tensors, kept as copies, and rebuilt in backward (by name); the first
+    ``Drops.explanation`` of a forward that kept copies."""
 
     dropped: Counter = field(default_factory=Counter)
     kept: Counter = field(default_factory=Counter)
     rebuilt: Counter = field(default_factory=Counter)
+    explanation: str = ""
 
 
 class RoutedKVLog:
@@ -158,18 +206,20 @@ class RoutedKVLog:
         counts = self._layer(layer)
         counts.dropped.update(drops.dropped)
         counts.kept.update(drops.kept)
+        counts.explanation = counts.explanation or drops.explanation
         if drops.kept and not self.warned:
             self.warned = True
             logger.warning(
                 "LIMe: the core attention %s saved its own copies of the routed %s instead of the "
                 "routed tensors, so they are not dropped from autograd's saved tensors: %s bytes per "
-                "layer and microbatch stay saved beside the layer-integrated memory (layer %d). "
+                "layer and microbatch stay saved beside the layer-integrated memory (layer %d: %s). "
                 "TransformerEngine: use the cuDNN fused attention (NVTE_FLASH_ATTN=0) without FP8 "
                 "dot-product attention, or turn lime_recompute_routed_kv off (it saves nothing here).",
                 attention,
                 " and ".join(drops.kept),
                 f"{drops.kept_bytes:,}",
                 layer,
+                drops.explanation,
             )
 
     @contextmanager

@@ -1,0 +1,167 @@
+"""``bench/bench_lime_overhead.py`` at a tiny shape on the CPU: the collector paused in timed steps,
+the quantities ``--skip`` drops absent from the rows and "-" in the tables, the seconds of each
+phase run (``phase_s``), and ``--kernel-profile``'s table of LIMe's extra self time by name."""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import io
+import json
+
+import pytest
+import torch
+
+from tests.bench import load_bench
+
+tables, _, overhead = load_bench("tables", "cpu_triton", "bench_lime_overhead")
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
+
+TINY = (
+    "--depths 4 --kv-heads 2 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 --seq-length 16 "
+    "--micro-batch-size 1 --repeats 2"
+).split()
+"""A setting that runs every phase in a few seconds."""
+
+TOP = 4
+"""The kernel profile's length in ``profiled_run``."""
+
+
+def run_main(*extra: str) -> tuple[list[dict], str]:
+    """``main`` at ``TINY`` with ``extra`` options: its rows and what it printed."""
+    printed = io.StringIO()
+    with contextlib.redirect_stdout(printed):
+        rows = overhead.main([*TINY, *extra])
+    return rows, printed.getvalue()
+
+
+def table_after(output: str, heading: str) -> list[str]:
+    """The lines of the table printed after the line starting with ``heading``, up to a blank line."""
+    lines = output.splitlines()
+    start = next(index for index, line in enumerate(lines) if line.startswith(heading)) + 1
+    end = next((index for index in range(start, len(lines)) if not lines[index]), len(lines))
+    return lines[start:end]
+
+
+@pytest.fixture(scope="module")
+def profiled_run(tmp_path_factory):
+    """Rows, output and JSON document of a run measuring everything, with a kernel profile."""
+    path = tmp_path_factory.mktemp("overhead") / "overhead.json"
+    rows, output = run_main("--kernel-profile", str(TOP), "--json", str(path))
+    return rows, output, json.loads(path.read_text())
+
+
+class Recorder(torch.nn.Module):
+    """A model of ``train_step``'s signature that records whether the collector is on in its
+    forward (``enabled``), and raises there with ``fail``."""
+
+    def __init__(self, fail: bool = False):
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(1))
+        self.fail = fail
+        self.enabled: list[bool] = []
+
+    def forward(self, tokens, positions, mask, labels):
+        self.enabled.append(gc.isenabled())
+        if self.fail:
+            raise RuntimeError("the step failed")
+        return self.weight * tokens.float()
+
+
+BATCH = (torch.ones(1, 4, dtype=torch.long), torch.arange(4)[None], None)
+
+
+def test_the_collector_is_off_in_a_timed_step_and_on_after(monkeypatch):
+    assert gc.isenabled()
+    events = []
+    collect = gc.collect
+    monkeypatch.setattr(gc, "collect", lambda *args: events.append("collect") or collect(*args))
+    model = Recorder()
+    overhead.train_step(model, BATCH)
+    assert model.enabled == [False] and gc.isenabled()
+    assert events == ["collect"] and model.weight.grad is not None
+
+
+def test_a_failing_step_turns_the_collector_back_on():
+    model = Recorder(fail=True)
+    with pytest.raises(RuntimeError, match="the step failed"):
+        overhead.train_step(model, BATCH)
+    assert model.enabled == [False] and gc.isenabled()
+
+
+def test_the_heap_is_frozen_only_inside_the_block():
+    with overhead.frozen_heap():
+        assert gc.get_freeze_count() > 0
+    assert gc.get_freeze_count() == 0
+
+
+def test_a_missing_key_prints_as_a_dash():
+    row = dict(a=1.0, b=2.0)
+    assert tables.field("c", ".3f")(row) == tables.field("c", ".1f", 2**20)(row) == tables.MISSING
+    assert tables.ratio("a", "c")(row) == tables.ratio("c", "b")(row) == tables.MISSING
+    assert tables.ratio("a", "b")(row) == "0.500"
+
+
+def test_skipped_quantities_are_absent_and_print_as_dashes():
+    [row], output = run_main("--skip", *overhead.SKIP_CHOICES)
+    skipped = {"rebuilt_x", "rebuilt_saved", "base_saved", "lime_saved", "extra_copies", "blocked_operators"}
+    skipped |= {"triton_operators", "rest_ms", "products_ms", "kernel_profile"}
+    assert not skipped & row.keys()
+    assert {"base_s", "per_layer_x", "lime_x", "lime_spread", "floor", "reads_blocked"} <= row.keys()
+    assert list(row["phase_s"]) == ["build", "timed"]
+    [cells] = [line.split() for line in table_after(output, "where blocked LIMe's time")[2:]]
+    assert cells[:3] == ["4", "2", str(row["block"])] and set(cells[3:]) == {"-"}
+    assert "saved-bytes" not in output.splitlines()[-1]
+
+
+def test_phase_s_holds_every_phase_run(profiled_run):
+    [row], output, _ = profiled_run
+    assert list(row["phase_s"]) == list(overhead.PHASE_NAMES)
+    assert all(seconds > 0 for seconds in row["phase_s"].values())
+    [cells] = [line.split() for line in table_after(output, "wall seconds of each phase")[2:]]
+    assert len(cells) == len(overhead.PHASE_COLUMNS) and "-" not in cells
+
+
+def test_kernel_profile_prints_the_requested_names_and_totals(profiled_run):
+    [row], output, document = profiled_run
+    entries = row["kernel_profile"]
+    assert len(entries) == TOP and document["rows"][0]["kernel_profile"] == entries
+    differences = [entry["diff_ms"] for entry in entries]
+    assert differences == sorted(differences, reverse=True)
+    assert all(entry["diff_ms"] == pytest.approx(entry["lime_ms"] - entry["base_ms"]) for entry in entries)
+    lines = table_after(output, f"L4 kv 2 B {row['block']}: self time")
+    assert len(lines) == 2 + TOP + 1 and lines[-1].endswith("all names")
+    assert row["kernel_profile_total"]["lime_count"] > row["kernel_profile_total"]["base_count"]
+
+
+@pytest.mark.usefixtures("megatron")
+def test_lime_only_operators_have_no_baseline_time():
+    """Listing every name: LIMe's routing autograd function, forward and backward, appears once
+    per layer with the baseline at 0 ms and 0 calls, and the entries add up to the totals."""
+    args = overhead.parse_args([*TINY, "--kernel-profile", "100000", "--skip", "rebuilt"])
+    setting = overhead.build_setting(args, 4, 2)
+    for model in setting.models.values():
+        overhead.train_step(model, setting.batch)
+    fields = overhead.kernel_profile_fields(setting)
+    by_name = {entry["name"]: entry for entry in fields["kernel_profile"]}
+    for name in ("RouteKeysValues", "RouteKeysValuesBackward"):
+        assert by_name[name]["base_ms"] == 0 and by_name[name]["base_count"] == 0
+        assert by_name[name]["lime_ms"] > 0 and by_name[name]["lime_count"] == 4
+    total = fields["kernel_profile_total"]
+    assert sum(entry["lime_ms"] for entry in by_name.values()) == pytest.approx(total["lime_ms"])
+    assert sum(entry["base_count"] for entry in by_name.values()) == total["base_count"]
+
+
+def test_a_profiler_that_cannot_run_keeps_the_timings(monkeypatch):
+    """A GPU image whose profiler fails (no CUPTI) costs the profile, said in ``kernel_profile_error``,
+    not the setting's timings."""
+
+    def no_profiler(model, batch):
+        raise RuntimeError("CUPTI initialization failed")
+
+    monkeypatch.setattr(overhead, "profiled_self_times", no_profiler)
+    [row], output = run_main("--skip", *overhead.SKIP_CHOICES, "--kernel-profile", "3")
+    assert row["kernel_profile_error"] == "RuntimeError: CUPTI initialization failed"
+    assert "kernel_profile" not in row and {"base_s", "lime_x", "lime_spread"} <= row.keys()
+    assert "CUPTI initialization failed" in output
