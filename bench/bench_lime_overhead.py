@@ -45,8 +45,10 @@ each product idle the device and expose the host's launches.  The GPU's own brea
 ``--kernel-profile N``: after the timed rounds one forward+backward of the baseline and of blocked
 LIMe under ``torch.profiler`` (CUDA activity on a GPU, CPU activity on a CPU), self device time
 (CPU: self CPU time) summed by kernel or operator name, and a table of the N names with the most
-LIMe-minus-baseline time (LIMe and baseline ms and calls) and the totals over all names; the JSON
-row holds them as ``kernel_profile`` (a list of those entries) and ``kernel_profile_total``.
+LIMe-minus-baseline time (LIMe and baseline ms and calls) and the totals over all names, then the
+N names the baseline spends the most time in (which kernels the attention ran as, in both); the
+JSON row holds them as ``kernel_profile`` (lists of those entries), ``kernel_profile_total`` and
+``kernel_profile_base``.
 
 What runs: ``--skip`` drops quantities, any of ``rebuilt`` (the model rebuilding the routed K/V:
 not built nor timed), ``counts`` (the dispatched operators, torch and Triton), ``copies``,
@@ -592,11 +594,12 @@ def profile_entry(name: str, lime: tuple[float, int], base: tuple[float, int]) -
     )
 
 
-def kernel_differences(lime: ProfiledTimes, base: ProfiledTimes, top: int) -> list[dict]:
-    """``profile_entry`` of the ``top`` names with the most LIMe-minus-baseline time, largest first
-    (a name one model lacks at 0 ms and 0 calls there)."""
+def kernel_differences(lime: ProfiledTimes, base: ProfiledTimes, top: int, by: str = "diff_ms") -> list[dict]:
+    """``profile_entry`` of the ``top`` names with the largest ``by`` (the LIMe-minus-baseline time,
+    or e.g. ``base_ms``: what both spend most on, which kernels the attention runs as), largest
+    first (a name one model lacks at 0 ms and 0 calls there)."""
     entries = [profile_entry(name, lime.get(name, (0.0, 0)), base.get(name, (0.0, 0))) for name in lime | base]
-    return sorted(entries, key=lambda entry: entry["diff_ms"], reverse=True)[:top]
+    return sorted(entries, key=lambda entry: entry[by], reverse=True)[:top]
 
 
 def profile_total(times: ProfiledTimes) -> tuple[float, int]:
@@ -616,6 +619,7 @@ def kernel_profile_fields(setting: Setting) -> dict:
         return dict(kernel_profile_error=f"{type(error).__name__}: {error}")
     return dict(
         kernel_profile=kernel_differences(lime, base, setting.args.kernel_profile),
+        kernel_profile_base=kernel_differences(lime, base, setting.args.kernel_profile, by="base_ms"),
         kernel_profile_total=profile_entry("all names", profile_total(lime), profile_total(base)),
     )
 
@@ -739,6 +743,8 @@ def print_kernel_profiles(rows: list[dict]) -> None:
                 f"(torch.profiler), the {len(row['kernel_profile'])} names with the most LIMe-minus-baseline time:"
             )
             print_table(KERNEL_COLUMNS, row["kernel_profile"] + [row["kernel_profile_total"]])
+            print(f"\nthe {len(row['kernel_profile_base'])} names the baseline spends the most time in:")
+            print_table(KERNEL_COLUMNS, row["kernel_profile_base"])
 
 
 def summary(rows: list[dict]) -> str:

@@ -133,6 +133,13 @@ def test_kernel_profile_prints_the_requested_names_and_totals(profiled_run):
     lines = table_after(output, f"L4 kv 2 B {row['block']}: self time")
     assert len(lines) == 2 + TOP + 1 and lines[-1].endswith("all names")
     assert row["kernel_profile_total"]["lime_count"] > row["kernel_profile_total"]["base_count"]
+    # and what the baseline spends most on, in both models
+    base = row["kernel_profile_base"]
+    assert len(base) == TOP and [entry["base_ms"] for entry in base] == sorted(
+        (e["base_ms"] for e in base), reverse=True
+    )
+    assert base[0]["base_ms"] >= max(entry["base_ms"] for entry in entries) and base[0]["lime_count"] > 0
+    assert table_after(output, f"the {TOP} names the baseline spends")[2].split()[-1] == base[0]["name"]
 
 
 @pytest.mark.usefixtures("megatron")

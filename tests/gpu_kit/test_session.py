@@ -87,6 +87,24 @@ def test_gpu_and_rehearsal_run_the_same_commands_at_other_shapes(tmp_path):
     assert "--transformer-impl transformer_engine" in " ".join(overhead) and "--dtype bfloat16" in " ".join(overhead)
 
 
+def test_the_gpu_sessions_bench_commands_parse(tmp_path):
+    """The GPU's bench commands are ones the bench takes (the rehearsal runs only its own shapes):
+    the 1B step counts operators and profiles kernels, the 128-layer step skips the counts too."""
+    from tests.bench import load_bench
+
+    *_, overhead = load_bench("tables", "cpu_triton", "bench_lime_overhead")
+    steps = {step.name: step for step in session_steps.STEPS}
+    parsed = {
+        name: [overhead.parse_args(command.argv[2:]) for command in steps[name].commands(session_steps.GPU, tmp_path)]
+        for name in ("overhead-1b", "deep-128")
+    }
+    for name, runs in parsed.items():
+        for args in runs:
+            assert args.device == "cuda" and args.kernel_profile > 0 and {"rebuilt", "split"} <= set(args.skip)
+            assert ("counts" in args.skip) == (name == "deep-128"), name
+    assert [args.micro_batch_size for args in parsed["deep-128"]] == list(session_steps.GPU.deep_micro_batches)
+
+
 def test_the_sessions_pretrain_needs_no_tokenizer_files(monkeypatch, tmp_path):
     """The pretrain step's mock-data runs build their tokenizer without GPT-2's vocabulary files
     (the GPU image has no network, the carry none: the first H200 session's pretrain exited 2 on

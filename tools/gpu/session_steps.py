@@ -11,12 +11,12 @@ TransformerEngine say why they were skipped.
 | step | GPU s | what |
 |---|---|---|
 | environment | 30 | install the carry (``session.install``); versions, the device, TE, cuDNN, FP8 |
-| gpu-check | 120 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
+| gpu-check | 115 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
 | | | mHC) on the TE spec, the routing kernels, FP8 (delayed, current scaling), the attention |
 | | | backend, bf16 training |
 | overhead-1b | 100 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
 | | | per-layer and blocked routing, the TE spec, the kernel profile (``BENCH_FLAGS``) |
-| deep-128 | 115 | the same bench at 128 layers, hidden 512, micro batch 1 and 4 (``DEEP_FLAGS``) |
+| deep-128 | 120 | the same bench at 128 layers, hidden 512, micro batch 1 and 4 (``DEEP_FLAGS``) |
 | pretrain | 90 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
 | | | data, 12 iterations: tokens/s, MFU |
 | decoding | 75 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA |
@@ -479,7 +479,7 @@ STEPS = (
     Step(
         "gpu-check",
         "bf16, the routing kernels, FP8 and the attention backend on TransformerEngine",
-        120,
+        115,
         GPU_CHECK_ROWS,
         gpu_check_commands,
         read_gpu_check,
@@ -495,7 +495,7 @@ STEPS = (
     Step(
         "deep-128",
         "128 narrow layers, micro batch 1 and 4",
-        115,
+        120,
         bench_rows(list(GPU.deep_micro_batches.values()), OVERHEAD_FIELDS),
         deep_commands,
         read_deep,
