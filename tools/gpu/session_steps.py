@@ -15,8 +15,8 @@ TransformerEngine say why they were skipped.
 | | | mHC) on the TE spec, the routing kernels, FP8 (delayed, current scaling), the attention |
 | | | backend, bf16 training |
 | overhead-1b | 100 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
-| | | per-layer and blocked routing, the TE spec, the kernel profile (``BENCH_FLAGS``) |
-| deep-128 | 120 | the same bench at 128 layers, hidden 512, micro batch 1 and 4 (``DEEP_FLAGS``) |
+| | | per-layer and blocked routing, the TE spec, the kernel profile (``session_bench_flags``) |
+| deep-128 | 120 | the same bench at 128 layers, hidden 512, micro batch 1 and 4, no operator counts |
 | pretrain | 90 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
 | | | data, 12 iterations: tokens/s, MFU |
 | decoding | 75 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA |
@@ -299,19 +299,21 @@ OVERHEAD_FIELDS = (
 the columns); the targets: LIMe within 1.5% (GQA-8) and 3% (MHA) of the baseline at 1B (the
 paper's Table 9 on an H100: +1.2-1.6% and +10.5%), blocked routing within 1.05x of its FLOP floor,
 saved bytes within 2%.  The last is one profiled step's device time (on a CPU: operator time) over
-the baseline's (``--kernel-profile``); its largest differences follow as rows (``kernel_rows``)."""
+the baseline's (``--kernel-profile``); its largest differences follow as rows (``case_rows``)."""
 COUNT_FIELDS = (
     BenchField("operators per layer over baseline, B=1", lambda r: r["per_layer_operators"]),
     BenchField("operators per layer over baseline, blocked", lambda r: r["blocked_operators"]),
 )
 """The host's operators LIMe dispatches per layer beyond the baseline (the run's path: Triton on
 CUDA), counted at 1B only: counting 128 layers under a dispatch mode costs more than it tells."""
-BENCH_FLAGS = "--skip rebuilt copies split --kernel-profile 8".split()
-"""What the session's bench runs leave out (``--skip``): the rebuilt-K/V model, the copy bytes (a
-CPU count) and the synchronised rounds of the time split, whose "rest" a GPU inflates; the
-kernel profile says instead where LIMe's extra device time goes (its 8 largest differences)."""
-DEEP_FLAGS = ["--skip", "counts", *BENCH_FLAGS[1:]]
-"""``BENCH_FLAGS`` without the operator counts as well (argparse's ``--skip`` takes several)."""
+
+
+def session_bench_flags(*also_skipped: str) -> list[str]:
+    """What the session's bench runs leave out (``--skip``): the rebuilt-K/V model, the copy bytes (a
+    CPU count), the synchronised rounds of the time split, whose "rest" a GPU inflates, and
+    ``also_skipped``; the kernel profile says instead where LIMe's extra device time goes (its 8
+    largest differences)."""
+    return ["--skip", "rebuilt", "copies", "split", *also_skipped, "--kernel-profile", "8"]
 
 
 def bench_rows(labels: list[str], fields: tuple[BenchField, ...]) -> tuple[str, ...]:
@@ -336,7 +338,7 @@ def overhead_commands(mode: Mode, folder: Path) -> list[Command]:
     output = folder / "overhead.json"
     kv_heads = [str(kv) for kv in mode.overhead_kv_heads]
     argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.overhead_shape, "--kv-heads", *kv_heads)
-    return [Command(argv + [*BENCH_FLAGS, "--json", str(output)], output)]
+    return [Command(argv + [*session_bench_flags(), "--json", str(output)], output)]
 
 
 def read_overhead(mode: Mode, folder: Path) -> list[ReportRow]:
@@ -350,7 +352,9 @@ def deep_commands(mode: Mode, folder: Path) -> list[Command]:
     commands = []
     for micro_batch in mode.deep_micro_batches:
         output = folder / f"deep_mb{micro_batch}.json"
-        argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.deep_shape, *DEEP_FLAGS)
+        argv = python(
+            "bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.deep_shape, *session_bench_flags("counts")
+        )
         commands.append(Command(argv + ["--micro-batch-size", str(micro_batch), "--json", str(output)], output))
     return commands
 

@@ -101,19 +101,15 @@ class Layout:
     def of(cls, tensor: torch.Tensor) -> Layout:
         return cls(tuple(tensor.shape), tensor.dtype, tensor.stride(), tensor.storage_offset())
 
-    def numel(self) -> int:
-        return math.prod(self.shape)
-
     def __str__(self) -> str:
         """``[8, 2, 4, 16] bfloat16 stride (128, 64, 16, 1) +0``."""
         return f"{list(self.shape)} {str(self.dtype).removeprefix('torch.')} stride {self.stride} +{self.offset}"
 
 
 def _explain_kept(watched: dict[str, torch.Tensor], saved_instead: list[Layout]) -> str:
-    """The layouts the ``watched`` tensors were given in, and those of the tensors saved instead
-    that are at least as large as the smallest watched one (candidates for the copies)."""
-    smallest = min(tensor.numel() for tensor in watched.values())
-    candidates = list(dict.fromkeys(str(saved) for saved in saved_instead if saved.numel() >= smallest))
+    """The layouts the ``watched`` tensors were given in, and the distinct ones of the tensors
+    saved instead (those at least as large as the smallest watched one: candidates for the copies)."""
+    candidates = list(dict.fromkeys(str(saved) for saved in saved_instead))
     given = "; ".join(f"{name} {Layout.of(tensor)}" for name, tensor in watched.items())
     shown = "; ".join(candidates[:SAVED_LAYOUTS_SHOWN]) or "none that large"
     more = f" (+{len(candidates) - SAVED_LAYOUTS_SHOWN} more)" if len(candidates) > SAVED_LAYOUTS_SHOWN else ""
@@ -146,7 +142,9 @@ def recompute_in_backward(
     """
     outer = _outer_saved_tensor_hooks()
     dropped_views: list[tuple[int, int]] = []
-    passed_on: list[Layout] = []
+    watched = watched or {}
+    smallest = min((tensor.numel() for tensor in watched.values()), default=math.inf)
+    passed_on: list[Layout] = []  # of the tensors saved as they are, those at least ``smallest``
 
     def pack(tensor: torch.Tensor):
         address = _address(tensor)
@@ -154,7 +152,8 @@ def recompute_in_backward(
             if _overlaps(address, rebuilt_tensor):
                 dropped_views.append(address)
                 return _SavedView(source, tensor, rebuilt_tensor)
-        passed_on.append(Layout.of(tensor))
+        if tensor.numel() >= smallest:
+            passed_on.append(Layout.of(tensor))
         return outer[0](tensor) if outer else tensor
 
     def unpack(packed):
@@ -165,14 +164,14 @@ def recompute_in_backward(
     drops = Drops()
     with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
         yield drops
-    for name, tensor in (watched or {}).items():
+    for name, tensor in watched.items():
         if any(_overlaps(view, tensor) for view in dropped_views):
             drops.dropped.append(name)
         else:
             drops.kept.append(name)
             drops.kept_bytes += tensor.nbytes
     if drops.kept:
-        drops.explanation = _explain_kept(watched or {}, passed_on)
+        drops.explanation = _explain_kept(watched, passed_on)
 
 
 @dataclass
