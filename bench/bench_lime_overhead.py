@@ -48,7 +48,14 @@ LIMe under ``torch.profiler`` (CUDA activity on a GPU, CPU activity on a CPU), s
 LIMe-minus-baseline time (LIMe and baseline ms and calls) and the totals over all names, then the
 N names the baseline spends the most time in (which kernels the attention ran as, in both); the
 JSON row holds them as ``kernel_profile`` (lists of those entries), ``kernel_profile_total`` and
-``kernel_profile_base``.
+``kernel_profile_base``; then, from unprofiled steps, each model's host time (until its last
+kernel is queued), wall time and the device's idle time in it (wall minus the profiled busy
+time: ``host_and_idle``), which says where LIMe's wall time beyond its device time goes.
+``--launch-profile`` splits the routing kernels' share by what each
+launch does (``testing.kernel_launches``): one forward+backward of blocked LIMe with every launch
+timed between CUDA events, per kind (a mix with the store, the partial sums, the weight gradient
+beside it; the weight gradient alone) the launches, their ms, the least bytes they must move and
+the rate that gives, against the device's bandwidth (``launch_profile`` in the JSON row).
 
 What runs: ``--skip`` drops quantities, any of ``rebuilt`` (the model rebuilding the routed K/V:
 not built nor timed), ``counts`` (the dispatched operators, torch and Triton), ``copies``,
@@ -99,6 +106,7 @@ from lime_megatron.planning.routing_block import CPU_2_CORE, MachineBalance, chu
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.testing.copied_bytes import CopiedBytes
 from lime_megatron.testing.dispatched_operators import DispatchedOperators
+from lime_megatron.testing.kernel_launches import KernelLaunches
 from lime_megatron.testing.routing_reads import RoutingReads, routing_reads, synchronize_device_of
 from lime_megatron.testing.saved_tensors import SavedTensorBytes
 
@@ -194,6 +202,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         metavar="N",
         help="after the timed rounds, profile one forward+backward of the baseline and blocked LIMe and print "
         "the N kernels (CPU: operators) with the most LIMe-minus-baseline self time (0: off)",
+    )
+    parser.add_argument(
+        "--launch-profile",
+        action="store_true",
+        help="after the timed rounds, time each routing-kernel launch of one forward+backward of blocked LIMe "
+        "and print, per kind of launch, the launches, their ms, the GB they must move and the rate "
+        "(testing.kernel_launches; the Triton path only)",
     )
     args = parse_paired_args(parser, argv)
     if args.kernel_profile < 0:
@@ -313,6 +328,12 @@ def frozen_heap() -> Iterator[None]:
 def train_step(model, batch) -> float:
     """One forward+backward with the collector paused (``collector_paused``); returns its wall time
     in seconds (on a GPU, until its kernels end)."""
+    return host_and_wall_step(model, batch)[1]
+
+
+def host_and_wall_step(model, batch) -> tuple[float, float]:
+    """``train_step``'s (host seconds: until the host has queued the step's last kernel, wall
+    seconds: until the kernels end).  On a CPU the two are one."""
     tokens, positions, mask = batch
     for param in model.parameters():
         param.grad = None
@@ -320,8 +341,9 @@ def train_step(model, batch) -> float:
         synchronize_device_of(tokens)
         start = time.perf_counter()
         model(tokens, positions, mask, labels=tokens).mean().backward()
+        host = time.perf_counter() - start
         synchronize_device_of(tokens)
-        return time.perf_counter() - start
+        return host, time.perf_counter() - start
 
 
 def saved_bytes(model, batch) -> int:
@@ -617,11 +639,40 @@ def kernel_profile_fields(setting: Setting) -> dict:
     except RuntimeError as error:
         print(f"kernel profile: {error}", flush=True)
         return dict(kernel_profile_error=f"{type(error).__name__}: {error}")
+    total = profile_entry("all names", profile_total(lime), profile_total(base))
     return dict(
         kernel_profile=kernel_differences(lime, base, setting.args.kernel_profile),
         kernel_profile_base=kernel_differences(lime, base, setting.args.kernel_profile, by="base_ms"),
-        kernel_profile_total=profile_entry("all names", profile_total(lime), profile_total(base)),
+        kernel_profile_total=total,
+        host_and_idle=host_and_idle(setting, total),
     )
+
+
+HOST_STEPS = 3
+"""Unprofiled steps per model whose medians ``host_and_idle`` takes."""
+
+
+def host_and_idle(setting: Setting, total: dict) -> dict:
+    """Per model (``lime``: blocked, ``base``) the medians over ``HOST_STEPS`` unprofiled steps of
+    the host's ms (``host_and_wall_step``) and the wall ms, and the device's idle ms: wall minus
+    the profiled step's busy time (``total``: all kernels' device time; on a CPU operator time,
+    which says nothing).  Where LIMe's wall time over the baseline exceeds its extra device time,
+    this says whether the host (its ms) or waiting (idle) holds the rest."""
+    fields = {}
+    for name, key in (("blocked", "lime"), ("base", "base")):
+        steps = [host_and_wall_step(setting.models[name], setting.batch) for _ in range(HOST_STEPS)]
+        host, wall = (1e3 * statistics.median(values) for values in zip(*steps))
+        fields |= {f"{key}_host_ms": host, f"{key}_wall_ms": wall, f"{key}_idle_ms": wall - total[f"{key}_ms"]}
+    return fields
+
+
+def launch_profile_fields(setting: Setting) -> dict:
+    """Each routing-kernel launch of one forward+backward of blocked LIMe timed, by kind
+    (``testing.kernel_launches``): ``launch_profile``, a list of ``LaunchKind.as_row`` (empty on
+    the torch path, which launches none)."""
+    with KernelLaunches() as launches:
+        train_step(setting.models["blocked"], setting.batch)
+    return dict(launch_profile=launches.kinds())
 
 
 SKIPPABLE_PHASES: dict[str, Callable[[Setting], dict]] = {
@@ -636,16 +687,18 @@ the setting to the row's fields it measures."""
 SKIP_CHOICES = ("rebuilt", *SKIPPABLE_PHASES)
 """``--skip``'s choices: the rebuilt-K/V model (neither built nor timed) and the skippable phases."""
 
-PHASE_NAMES = ("build", "timed", *SKIPPABLE_PHASES, "kernel_profile")
+PHASE_NAMES = ("build", "timed", *SKIPPABLE_PHASES, "kernel_profile", "launch_profile")
 """The phases of ``measure`` in order, as ``phase_s`` names them."""
 
 
 def optional_phases(args) -> dict[str, Callable[[Setting], dict]]:
     """The phases after the timed rounds ``args`` asks for: those not in ``--skip`` and, with
-    ``--kernel-profile N`` (N > 0), the kernel profile."""
+    ``--kernel-profile N`` (N > 0), the kernel profile, with ``--launch-profile`` the launches'."""
     phases = {name: run for name, run in SKIPPABLE_PHASES.items() if name not in args.skip}
     if args.kernel_profile:
         phases["kernel_profile"] = kernel_profile_fields
+    if args.launch_profile:
+        phases["launch_profile"] = launch_profile_fields
     return phases
 
 
@@ -734,6 +787,36 @@ KERNEL_COLUMNS: list[Column] = [
 """The kernel profile's columns, one line per name (``profile_entry``)."""
 
 
+LAUNCH_COLUMNS: list[Column] = [
+    ("launch kind", field("kind")),
+    ("launches", field("launches")),
+    ("ms", field("ms", ".3f")),
+    ("GB moved", field("gb", ".3f")),
+    ("GB/s", field("gb_per_s", ".1f")),
+]
+"""The launch profile's columns, one line per kind (``KernelLaunches.kinds``)."""
+
+
+HOST_COLUMNS: list[Column] = [
+    (f"{label} {what}", field(f"{key}_{what.split()[0]}_ms", ".1f"))
+    for key, label in (("lime", "LIMe"), ("base", "base"))
+    for what in ("host ms", "wall ms", "idle ms")
+]
+"""``host_and_idle``'s columns: per model the host's, the wall's and the idle device's ms."""
+
+
+def print_launch_profiles(rows: list[dict]) -> None:
+    """Each row's launch profile: per kind of routing-kernel launch, its time against the bytes it
+    must move."""
+    for row in rows:
+        if row.get("launch_profile"):
+            print(
+                f"\nL{row['layers']} kv {row['kv_heads']} B {row['block']}: the routing kernels' launches in one "
+                "forward+backward of blocked LIMe, by kind (GB: the least each must read and write):"
+            )
+            print_table(LAUNCH_COLUMNS, row["launch_profile"])
+
+
 def print_kernel_profiles(rows: list[dict]) -> None:
     """Each profiled row's kernel profile and its totals over all names."""
     for row in rows:
@@ -745,6 +828,8 @@ def print_kernel_profiles(rows: list[dict]) -> None:
             print_table(KERNEL_COLUMNS, row["kernel_profile"] + [row["kernel_profile_total"]])
             print(f"\nthe {len(row['kernel_profile_base'])} names the baseline spends the most time in:")
             print_table(KERNEL_COLUMNS, row["kernel_profile_base"])
+            print("\nunprofiled steps (medians): the host's ms to queue the step, its wall ms, the device idle in it:")
+            print_table(HOST_COLUMNS, [row["host_and_idle"]])
 
 
 def summary(rows: list[dict]) -> str:
@@ -766,6 +851,7 @@ def main(argv=None) -> list[dict]:
     print("\nwhere blocked LIMe's time over the baseline goes (medians over counted rounds of those two models):")
     print_table(TIME_SPLIT_COLUMNS, rows)
     print_kernel_profiles(rows)
+    print_launch_profiles(rows)
     print("\nwall seconds of each phase of a setting (- not run):")
     print_table(PHASE_COLUMNS, rows)
     print("\n" + summary(rows))

@@ -8,20 +8,52 @@ megatron's QKV split.  Building one dispatches no operator, so a product costs t
 
 ``mix`` and ``weight_grad`` launch the kernels through ``launch``, which an observer may wrap
 (``set_launch_observer``: ``testing.dispatched_operators`` counts a launch as one operator, and
-keeps Triton's interpreter's own tensor work on a CPU out of the count).
+keeps Triton's interpreter's own tensor work on a CPU out of the count; ``testing.kernel_launches``
+times each launch and counts the bytes it moves).
 """
 
 from __future__ import annotations
 
+import inspect
 import math
 import os
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-LaunchObserver = Callable[[str, Callable[[], None]], None]
-"""``(kernel name, launch) -> None``: runs ``launch()`` once."""
+
+@dataclass(frozen=True)
+class Launch:
+    """One kernel launch as ``launch`` makes it: the kernel, its grid, its arguments in order and
+    its constants (``constexpr`` keywords)."""
+
+    kernel: Any
+    grid: tuple[int, ...]
+    args: tuple
+    constants: dict
+
+    @property
+    def name(self) -> str:
+        return self.kernel.__name__
+
+    @property
+    def device(self) -> torch.device:
+        """The device of the first operand (operands travel as tuples, their tensor first)."""
+        first = self.args[0]
+        while isinstance(first, tuple):
+            first = first[0]
+        return first.device
+
+    def named_arguments(self) -> dict[str, Any]:
+        """The arguments and constants by the kernel's parameter names."""
+        names = inspect.signature(self.kernel.fn).parameters
+        return dict(zip(names, self.args)) | self.constants
+
+
+LaunchObserver = Callable[[Launch, Callable[[], None]], None]
+"""``(the launch, run) -> None``: calls ``run()`` once."""
 
 _OBSERVER: LaunchObserver | None = None
 
@@ -34,10 +66,8 @@ def set_launch_observer(observer: LaunchObserver | None) -> None:
 
 def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``, through the observer when one is installed."""
-    first = args[0]
-    while isinstance(first, tuple):  # operands travel as tuples, their tensor first
-        first = first[0]
-    if not first.is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    planned = Launch(kernel, grid, args, constants)
+    if planned.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "the Triton routing kernels run on CUDA tensors; on a CPU only in Triton's interpreter "
             "(TRITON_INTERPRET=1 set before triton is imported, as the tests do): use "
@@ -50,7 +80,7 @@ def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
     if _OBSERVER is None:
         run()
     else:
-        _OBSERVER(kernel.__name__, run)
+        _OBSERVER(planned, run)
 
 
 ROWS_WIDTH = 64
@@ -224,8 +254,20 @@ def next_power_of_2(size: int) -> int:
     return 1 << max(0, size - 1).bit_length()
 
 
-MIX_TILE = 128
-"""Elements of a half per program of ``mix_kernel`` (BLOCK_N)."""
+MIX_ROWS = 128
+"""The most output rows one program of ``mix_kernel`` sums (BLOCK_R): a routing block of up to 16
+layers of 8 kv heads reads each source row once."""
+MIX_TILE_AREA = 64 * 128
+"""Output elements per program of ``mix_kernel`` (BLOCK_R x BLOCK_N, float32 sums in registers)."""
+MIX_ELEMENTS = 128
+"""The most elements of a half one program of ``mix_kernel`` covers (BLOCK_N)."""
+
+
+def mix_tile(out: Halves) -> tuple[int, int]:
+    """(BLOCK_R, BLOCK_N) of a mix into ``out``: its rows in one tile up to ``MIX_ROWS``, as many
+    elements as keep the tile within ``MIX_TILE_AREA`` (each row tile reads every source row)."""
+    rows = block(out.count, largest=MIX_ROWS)
+    return rows, min(MIX_ELEMENTS, MIX_TILE_AREA // rows)
 
 
 def mix(
@@ -244,12 +286,12 @@ def mix(
 
     programs, arguments, constants = _mix_launch(out, first, second, accumulate, store, more)
     operand = arguments[0]  # out's: a placeholder for the weight gradient's operands, never read
-    unused = ((out.keys, 0, 0, 1, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 1, 0))
+    unused = ((out.keys, 0, 0, 1, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 0))
     tiles = (*_mix_tiles(out), programs, 1, 1, 0)
     launch(mix_kernel, (programs,), *arguments, unused, tiles, **constants, **_NO_WEIGHT_GRAD)
 
 
-_NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16, KEEP=False)
+_NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16, KEEP=False, W_WIDTH=1)
 """``mix_kernel``'s weight-gradient constants where it launches no weight-gradient programs."""
 
 
@@ -325,7 +367,8 @@ def fits_one_tile(grads: Halves) -> bool:
 
 def _mix_tiles(out: Halves) -> tuple[int, int]:
     """(tiles of a half's elements, tiles of the output rows) of a mix into ``out``."""
-    return ceil_div(out.positions * out.width, MIX_TILE), ceil_div(out.count, block(out.count))
+    rows, elements = mix_tile(out)
+    return ceil_div(out.positions * out.width, elements), ceil_div(out.count, rows)
 
 
 def _mix_launch(
@@ -354,7 +397,7 @@ def _mix_launch(
         (*a2.arguments(), a2.count if second else 0),
         x2.arguments(batch),
         stored.arguments(batch),
-        (out.count, out.positions, out.width, batch),
+        (out.count, out.positions, batch),
     )
     constants = dict(
         HAS_ACC=accumulate is not None,
@@ -362,9 +405,10 @@ def _mix_launch(
         HAS_STORE=store is not None,
         ACC=accumulator(out.keys.dtype),
         UPCAST=not out.keys.is_cuda,
-        BLOCK_R=block(out.count),
+        BLOCK_R=mix_tile(out)[0],
         BLOCK_K=16,
-        BLOCK_N=MIX_TILE,
+        BLOCK_N=mix_tile(out)[1],
+        WIDTH=out.width,
     )
     return 2 * math.prod(_mix_tiles(out)), arguments, constants
 
@@ -438,7 +482,7 @@ def _weight_grad_launch(
         grads.count,
         rows.arguments(batch),
         rows.count,
-        (rows.positions, rows.width, batch, ceil_div(rows.positions, splits)),
+        (rows.positions, batch, ceil_div(rows.positions, splits)),
     )
     constants = dict(
         ATOMIC=not deterministic,
@@ -447,6 +491,7 @@ def _weight_grad_launch(
         BLOCK_M=block_m,
         BLOCK_C=block_c,
         W_BLOCK_N=WEIGHT_GRAD_TILE,
+        W_WIDTH=rows.width,
     )
     return grid, arguments, constants
 

@@ -70,10 +70,10 @@ def mix_kernel(
     HAS_ACC: tl.constexpr, HAS_MORE: tl.constexpr, HAS_STORE: tl.constexpr, ACC: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
     WEIGHT_GRAD: tl.constexpr, ATOMIC: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr,
-    W_BLOCK_N: tl.constexpr, KEEP: tl.constexpr,
+    W_BLOCK_N: tl.constexpr, KEEP: tl.constexpr, WIDTH: tl.constexpr, W_WIDTH: tl.constexpr,
 ):  # fmt: skip
     """``out = acc + more + A1 @ X1 + A2 @ X2`` (``_mix_tile``; ``a1``/``a2``: ``(matrix, start,
-    row, column, K)``, ``shape``: ``(R, P, D, BATCH)``) by the first ``mix_programs`` programs of
+    row, column, K)``, ``shape``: ``(R, P, BATCH)``, ``WIDTH`` = D) by the first ``mix_programs`` programs of
     ``tiles = (tiles_n, tiles_r, mix_programs, splits, tiles_m, keep_first)``; with
     ``WEIGHT_GRAD`` the rest run ``weight_grad_kernel``'s tiles of ``weight`` (its arguments),
     with ``KEEP`` keeping G over X's rows from ``keep_first`` on once read (module docstring)."""
@@ -83,13 +83,13 @@ def mix_kernel(
         tile_n, tile_r, half = program % tiles_n, program // tiles_n % tiles_r, program // (tiles_n * tiles_r)
         _mix_tile(
             tile_n, tile_r, half, out, acc, more, a1, x1, a2, x2, store, shape,
-            HAS_ACC, HAS_MORE, HAS_STORE, ACC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_N,
+            HAS_ACC, HAS_MORE, HAS_STORE, ACC, UPCAST, BLOCK_R, BLOCK_K, BLOCK_N, WIDTH,
         )  # fmt: skip
     elif WEIGHT_GRAD:
         rest = program - mix_programs
         split, tile_m, tile_c = rest % splits, rest // splits % tiles_m, rest // (splits * tiles_m)
         _weight_grad_tile(
-            split, tile_m, tile_c, weight, keep_first, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, KEEP
+            split, tile_m, tile_c, weight, keep_first, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, KEEP, W_WIDTH
         )
 
 
@@ -98,13 +98,14 @@ def _mix_tile(
     tile_n, tile_r, half, out, acc, more, a1, x1, a2, x2, store, shape,
     HAS_ACC: tl.constexpr, HAS_MORE: tl.constexpr, HAS_STORE: tl.constexpr, ACC: tl.constexpr,
     UPCAST: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_N: tl.constexpr,
+    WIDTH: tl.constexpr,
 ):  # fmt: skip
     """Tile ``(tile_n, tile_r)`` [BLOCK_R, BLOCK_N] of ``out = acc + more + A1 @ X1 + A2 @ X2`` in
     one half (module docstring), X2 written to ``store`` by the programs of row tile 0."""
-    R, P, D, BATCH = shape
+    R, P, BATCH = shape
     n = tile_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < P * D
-    position, element = n // D, n % D
+    n_ok = n < P * WIDTH
+    position, element = n // WIDTH, n % WIDTH
     outer, inner = position // BATCH, position % BATCH
     i = tile_r * BLOCK_R + tl.arange(0, BLOCK_R)
     i_ok = i < R
@@ -139,20 +140,21 @@ def _mix_tile(
 @triton.jit
 def weight_grad_kernel(
     weight, ATOMIC: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, W_BLOCK_N: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, W_BLOCK_N: tl.constexpr, W_WIDTH: tl.constexpr,
 ):  # fmt: skip
     """``G @ X^T`` by ``_weight_grad_tile`` per program: ``weight`` = ``(target, G, M, X, C,
     positions)``, ``target`` ``(out, split stride, origin, group, width, widen, column start,
-    shift)`` (``_placed``), ``positions`` ``(P, D, BATCH, positions per split)`` (module
-    docstring)."""
+    shift)`` (``_placed``), ``positions`` ``(P, BATCH, positions per split)``, ``W_WIDTH`` = D
+    (module docstring)."""
     tile = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    _weight_grad_tile(*tile, weight, 0, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, False)
+    _weight_grad_tile(*tile, weight, 0, ATOMIC, ACC, UPCAST, BLOCK_M, BLOCK_C, W_BLOCK_N, False, W_WIDTH)
 
 
 @triton.jit
 def _weight_grad_tile(
     split, tile_m, tile_c, weight, keep_first, ATOMIC: tl.constexpr, ACC: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_C: tl.constexpr, W_BLOCK_N: tl.constexpr, KEEP: tl.constexpr,
+    WIDTH: tl.constexpr,
 ):  # fmt: skip
     """Tile ``(tile_m, tile_c)`` of ``G @ X^T`` over ``split``'s positions, both halves, into the
     target (``weight_grad_kernel``'s ``weight``); with ``KEEP`` G's rows then written over X's
@@ -160,18 +162,18 @@ def _weight_grad_tile(
     program reads them)."""
     target, g, M, x, C, positions = weight
     out, split_stride, origin, group, width, widen, column_start, shift = target
-    P, D, BATCH, positions_per_split = positions
+    P, BATCH, positions_per_split = positions
     i = tile_m * BLOCK_M + tl.arange(0, BLOCK_M)
     j = tile_c * BLOCK_C + tl.arange(0, BLOCK_C)
     i_ok, j_ok = i < M, j < C
-    first = split * positions_per_split * D
-    stop = tl.minimum(first + positions_per_split * D, P * D)
+    first = split * positions_per_split * WIDTH
+    stop = tl.minimum(first + positions_per_split * WIDTH, P * WIDTH)
     total = tl.zeros([BLOCK_M, BLOCK_C], dtype=ACC)
     for half in tl.static_range(2):
         for n0 in range(first, stop, W_BLOCK_N):
             n = n0 + tl.arange(0, W_BLOCK_N)
             n_ok = n < stop
-            position, element = n // D, n % D
+            position, element = n // WIDTH, n % WIDTH
             outer, inner = position // BATCH, position % BATCH
             grad = tl.load(_elements(g, half, i, outer, inner, element), mask=i_ok[:, None] & n_ok[None, :], other=0.0)
             rows_at = _elements(x, half, j, outer, inner, element)

@@ -8,7 +8,7 @@ from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lime_megatron.kernels.operands import set_launch_observer
+from lime_megatron.kernels.operands import Launch, set_launch_observer
 
 
 class DispatchedOperators(TorchDispatchMode):
@@ -34,8 +34,8 @@ class DispatchedOperators(TorchDispatchMode):
         set_launch_observer(None)
         return super().__exit__(*exc)
 
-    def _count_launch(self, kernel: str, run) -> None:
-        self.by_name[f"triton:{kernel}"] += 1
+    def _count_launch(self, launch: Launch, run) -> None:
+        self.by_name[f"triton:{launch.name}"] += 1
         self._launching = True
         try:
             run()

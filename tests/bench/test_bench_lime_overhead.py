@@ -46,9 +46,10 @@ def table_after(output: str, heading: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory):
-    """Rows, output and JSON document of a run measuring everything, with a kernel profile."""
+    """Rows, output and JSON document of a run measuring everything, with a kernel profile and a
+    launch profile (empty: on a CPU the bench takes the torch path, which launches no kernel)."""
     path = tmp_path_factory.mktemp("overhead") / "overhead.json"
-    rows, output = run_main("--kernel-profile", str(TOP), "--json", str(path))
+    rows, output = run_main("--kernel-profile", str(TOP), "--launch-profile", "--json", str(path))
     return rows, output, json.loads(path.read_text())
 
 
@@ -118,6 +119,7 @@ def test_skipped_quantities_are_absent_and_print_as_dashes():
 def test_phase_s_holds_every_phase_run(profiled_run):
     [row], output, _ = profiled_run
     assert list(row["phase_s"]) == list(overhead.PHASE_NAMES)
+    assert row["launch_profile"] == [] and "routing kernels' launches" not in output
     assert all(seconds > 0 for seconds in row["phase_s"].values())
     [cells] = [line.split() for line in table_after(output, "wall seconds of each phase")[2:]]
     assert len(cells) == len(overhead.PHASE_COLUMNS) and "-" not in cells
@@ -140,6 +142,14 @@ def test_kernel_profile_prints_the_requested_names_and_totals(profiled_run):
     )
     assert base[0]["base_ms"] >= max(entry["base_ms"] for entry in entries) and base[0]["lime_count"] > 0
     assert table_after(output, f"the {TOP} names the baseline spends")[2].split()[-1] == base[0]["name"]
+    # and where the wall time goes beside the device's: the host's ms and the device's idle ms
+    host = row["host_and_idle"]
+    for model in ("lime", "base"):
+        assert 0 < host[f"{model}_host_ms"] <= host[f"{model}_wall_ms"]
+        busy = row["kernel_profile_total"][f"{model}_ms"]
+        assert host[f"{model}_idle_ms"] == pytest.approx(host[f"{model}_wall_ms"] - busy)
+    [cells] = [line.split() for line in table_after(output, "unprofiled steps (medians)")[2:]]
+    assert float(cells[0]) == pytest.approx(host["lime_host_ms"], abs=0.05)
 
 
 @pytest.mark.usefixtures("megatron")

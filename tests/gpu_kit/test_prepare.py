@@ -23,9 +23,12 @@ def test_a_carry_over_its_limit_is_refused(tmp_path):
 
 
 def test_the_device_call_runs_the_session_on_the_carry():
+    """The call names the checkout's commit: the device copies the tree without git, and the
+    report's header would otherwise name only the commit the carry was made at."""
     call = prepare.device_call(prepare.ROOT / ".gpu-carry")
+    commit = session_steps.checkout_commit()
     assert call == (
-        'run(command="python3 tools/gpu/session.py --carry .gpu-carry --out $OUT", '
+        f'run(command="python3 tools/gpu/session.py --carry .gpu-carry --commit {commit} --out $OUT", '
         f'carry=[".gpu-carry"], timeout_s={prepare.SESSION_TIMEOUT_S})'
     )
     ignored = subprocess.run(["git", "check-ignore", "-q", ".gpu-carry/wheels/x.whl"], cwd=prepare.ROOT)

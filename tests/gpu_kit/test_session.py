@@ -18,11 +18,12 @@ from pathlib import Path
 
 import pytest
 
-from tests.gpu_kit import KIT, carry_manifest, session, session_steps
+from tests.gpu_kit import KIT, attention_probe, carry_manifest, session, session_steps
 from tests.scripts import ROOT
 
 SKIPPED_ON_A_CPU = {
     **{name: "TransformerEngine" for name in ("TransformerEngine", "cuDNN", "FP8")},
+    **{name: "no CUDA device" for name in session_steps.ATTENTION_ROWS},
     **{
         f"attention backend | {family} | selected backend": "local spec" for family in ("LIMe", "baseline", "HC", "mHC")
     },
@@ -72,7 +73,7 @@ def test_the_rehearsal_runs_the_steps_commands(rehearsal):
     steps = {step["name"]: step for step in json.loads((out / "results.json").read_text())["steps"]}
     assert steps["gpu-check"]["commands"][0].startswith("python -m lime_megatron.gpu_check --rehearse")
     assert "--transformer-impl local" in steps["overhead-1b"]["commands"][0]
-    assert [c.split("--micro-batch-size ")[1][0] for c in steps["deep-128"]["commands"]] == ["1", "4"]
+    assert [c.split("--micro-batch-size ")[1][0] for c in steps["deep-128"]["commands"]] == ["1"]
     assert [c.split()[3] for c in steps["pretrain"]["commands"]] == list(session_steps.PRETRAIN_CONFIGS.values())
     overhead = json.loads((out / "steps" / "overhead-1b" / "overhead.json").read_text())
     assert overhead["args"]["device"] == "cpu" and len(overhead["rows"]) == 2
@@ -83,13 +84,13 @@ def test_gpu_and_rehearsal_run_the_same_commands_at_other_shapes(tmp_path):
         gpu = step.commands(session_steps.GPU, tmp_path)
         rehearsal = step.commands(session_steps.REHEARSAL, tmp_path)
         assert [c.argv[1] for c in gpu] == [c.argv[1] for c in rehearsal], step.name
-    overhead = session_steps.STEPS[2].commands(session_steps.GPU, tmp_path)[0].argv
+    overhead = session_steps.overhead_commands(session_steps.GPU, tmp_path)[0].argv
     assert "--transformer-impl transformer_engine" in " ".join(overhead) and "--dtype bfloat16" in " ".join(overhead)
 
 
 def test_the_gpu_sessions_bench_commands_parse(tmp_path):
     """The GPU's bench commands are ones the bench takes (the rehearsal runs only its own shapes):
-    the 1B step counts operators and profiles kernels, the 128-layer step skips the counts too."""
+    both steps profile kernels and launches and leave the operator counts to the CPU."""
     from tests.bench import load_bench
 
     *_, overhead = load_bench("tables", "cpu_triton", "bench_lime_overhead")
@@ -101,7 +102,7 @@ def test_the_gpu_sessions_bench_commands_parse(tmp_path):
     for name, runs in parsed.items():
         for args in runs:
             assert args.device == "cuda" and args.kernel_profile > 0 and {"rebuilt", "split"} <= set(args.skip)
-            assert ("counts" in args.skip) == (name == "deep-128"), name
+            assert "counts" in args.skip and args.launch_profile, name
     assert [args.micro_batch_size for args in parsed["deep-128"]] == list(session_steps.GPU.deep_micro_batches)
 
 
@@ -134,6 +135,70 @@ def test_a_case_without_a_quantity_says_why_in_its_row():
     assert profiled.status == "missing" and "CUPTI initialization failed" in profiled.note
     assert rows["1B GQA-8 | LIMe blocked / baseline"].value == 1.02
     assert rows["1B GQA-8 | LIMe blocked / baseline"].status == "target missed"
+
+
+ATTENTION_FINDINGS = dict(
+    candidates=[
+        dict(
+            name="as the session runs it",
+            changed={},
+            selected=["UnfusedDotProductAttention"],
+            error="",
+            reasons="Disabling FusedAttention: cudnn_status: CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED",
+            cudnn_errors=["E! CuDNN (v91400) function cudnnBackendFinalize() called:", "e! Error: sublibrary"],
+            mapped=["/venv/nvidia/cudnn/lib/libcudnn.so.9", "/venv/nvidia/cu13/lib/libnvrtc.so.13"],
+        ),
+        dict(
+            name="CUDNN_HOME at torch's cuDNN",
+            changed={"CUDNN_HOME": "/venv/nvidia/cudnn"},
+            selected=["FusedAttention"],
+            error="",
+            reasons="no 'Disabling ...' message logged",
+            cudnn_errors=[],
+            mapped=["/venv/nvidia/cudnn/lib/libcudnn.so.9"],
+        ),
+    ],
+    exports={"CUDNN_HOME": "/venv/nvidia/cudnn"},
+)
+
+
+def test_the_attention_rows_name_the_backend_its_reasons_and_the_environment_exported(tmp_path):
+    """The session's own environment must give TE its fused attention (FAILED, with TE's reason,
+    cuDNN's first error and the cuDNN files mapped, when not); the candidate that did is
+    reported, and its variables are what the later steps get."""
+    (tmp_path / "attention.json").write_text(json.dumps(ATTENTION_FINDINGS))
+    rows = {row.name: row for row in session_steps.read_attention(session_steps.GPU, tmp_path)}
+    first = rows["attention | as the session runs it"]
+    assert (first.value, first.status) == ("UnfusedDotProductAttention", "FAILED")
+    assert "SUBLIBRARY_LOADING_FAILED" in first.note and "E! CuDNN" in first.note
+    assert "/venv/nvidia/cudnn/lib/libcudnn.so.9" in first.note and "libnvrtc" not in first.note
+    fixed = rows["attention | CUDNN_HOME at torch's cuDNN"]
+    assert (fixed.value, fixed.status) == ("FusedAttention", "")
+    exported = rows["attention | environment for the later steps"]
+    assert (exported.value, exported.status) == ("CUDNN_HOME=/venv/nvidia/cudnn", "ok")
+    unfixed = dict(ATTENTION_FINDINGS, candidates=ATTENTION_FINDINGS["candidates"][:1], exports={})
+    (tmp_path / "attention.json").write_text(json.dumps(unfixed))
+    rows = {row.name: row for row in session_steps.read_attention(session_steps.GPU, tmp_path)}
+    assert rows["attention | environment for the later steps"].status == "FAILED"
+
+
+def test_later_steps_run_with_the_variables_a_step_exports(tmp_path):
+    exports = "import json; json.dump({'LIME_PROBED': 'yes'}, open('PATH'.replace('rows.json', 'exports.json'), 'w'))"
+    reads = "import json, os; json.dump({'a': os.environ.get('LIME_PROBED', 'unset')}, open('PATH', 'w'))"
+    steps = [kit_step("exports", (), exports), kit_step("reads", ("a",), reads)]
+    report = session.run_session(session_steps.GPU, tmp_path / "out", steps, None, tmp_path)
+    assert report.steps[1].rows[0].value == "yes"
+
+
+def test_the_probes_candidates_change_only_the_library_variables(monkeypatch):
+    monkeypatch.setattr(attention_probe, "wheel_library_folders", lambda: {"/venv/nvidia/cudnn/lib"})
+    base = {"LD_LIBRARY_PATH": "/venv/nvidia/cudnn/lib:/opt/lib", "PATH": "/bin"}
+    by_name = {candidate.name: candidate for candidate in attention_probe.CANDIDATES}
+    changed = [attention_probe.candidate_environment(c, base, "/venv/nvidia/cudnn/lib") for c in by_name.values()]
+    assert changed[0] == {}
+    assert changed[1] == {"LD_LIBRARY_PATH": "/opt/lib"}
+    assert changed[2] == {"CUDNN_HOME": "/venv/nvidia/cudnn"}
+    assert set(changed[3]) == {"LD_PRELOAD"}
 
 
 def test_the_gpu_session_fits_nine_minutes():
@@ -274,13 +339,20 @@ def tiny_carry(folder: Path) -> Path:
 def test_a_carry_installs_what_this_python_lacks(tmp_path):
     carry, site, folder = tiny_carry(tmp_path / "carry"), tmp_path / "site", tmp_path / "step"
     folder.mkdir()
-    env = session.install(carry, site, folder, dict(PYTHONPATH="/elsewhere"))
+    env = session.install(carry, site, folder, dict(PYTHONPATH="/elsewhere", LD_LIBRARY_PATH="/image/lib"))
     assert (site / "lime_kit_probe.py").is_file() and not (site / "pytest_stand_in.py").exists()
     assert env["PYTHONPATH"] == f"{site}{os.pathsep}/elsewhere" and env["NVTE_FRAMEWORK"] == "pytorch"
+    assert env["LD_LIBRARY_PATH"] == "/image/lib"  # the image's own: two cuDNN copies broke TE's attention
     installed = json.loads((folder / "install.json").read_text())
     assert installed["summary"].startswith("1 of 2 wheels") and "lime-kit-probe 1.0" in installed["note"]
     probe = subprocess.run([sys.executable, "-c", "import lime_kit_probe; print(lime_kit_probe.VALUE)"], env=env)
     assert probe.returncode == 0
+
+
+def test_the_header_names_the_checkouts_commit_and_the_carrys(tmp_path):
+    header = session.session_header(session_steps.GPU, tiny_carry(tmp_path / "carry"), "88c5415-dirty")
+    assert (header["commit"], header["carry made at"]) == ("88c5415-dirty", "abc1234")
+    assert "carry made at" not in session.session_header(session_steps.GPU, None, "88c5415")
 
 
 def test_an_altered_or_foreign_carry_is_refused(tmp_path):

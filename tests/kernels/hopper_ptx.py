@@ -1,13 +1,20 @@
 """Compile the routing kernels for Hopper (sm_90) on a machine without a GPU and print, as JSON,
 what their PTX multiplies with: ``python -m tests.kernels.hopper_ptx`` (Triton compiling, not
-its interpreter: run without ``TRITON_INTERPRET``).  ``test_kernels_compile_for_hopper`` reads it."""
+its interpreter: run without ``TRITON_INTERPRET``).  ``test_kernels_compile_for_hopper`` reads it.
+
+``python -m tests.kernels.hopper_ptx --launches PATH`` compiles instead the launches recorded in
+PATH (``specialization``, in the interpreter: a model's own launches, with the argument
+specialization Triton's runtime gives them on a GPU: integers divisible by 16 marked so, ones made
+constants) and prints how each reads and writes memory (``memory_access``)."""
 
 from __future__ import annotations
 
+import argparse
 import inspect
 import json
 import os
 import re
+from collections import Counter
 
 ROW_OPERANDS = ("out", "acc", "more", "x1", "x2", "store")
 """The mix kernel's operands of the rows' dtype (each a tuple: keys, values, ten integers)."""
@@ -32,7 +39,7 @@ def operand(dtype: str) -> tuple[str, ...]:
 
 def weight_argument(dtype: str) -> tuple:
     """The signature of ``weight_grad_kernel``'s ``weight``: float32 sums, ``dtype`` rows."""
-    return (("*fp32", *["i32"] * 7), operand(dtype), "i32", operand(dtype), "i32", ("i32",) * 4)
+    return (("*fp32", *["i32"] * 7), operand(dtype), "i32", operand(dtype), "i32", ("i32",) * 3)
 
 
 def ptx(kernel, signature: dict, constants: dict) -> str:
@@ -67,20 +74,89 @@ def report() -> dict:
     result = {}
     for dtype in ("fp32", "bf16", "fp16"):
         mix_signature = {name: operand(dtype) for name in ROW_OPERANDS}
-        mix_signature |= dict(a1=("*fp32", *["i32"] * 4), a2=(f"*{dtype}", *["i32"] * 4), shape=("i32",) * 4)
+        mix_signature |= dict(a1=("*fp32", *["i32"] * 4), a2=(f"*{dtype}", *["i32"] * 4), shape=("i32",) * 3)
         mix_signature |= dict(weight=weight_argument(dtype), tiles=("i32",) * 6)
-        tiles = dict(BLOCK_R=16, BLOCK_K=16, BLOCK_N=128, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64)
+        tiles = dict(BLOCK_R=16, BLOCK_K=16, BLOCK_N=128, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64, WIDTH=128, W_WIDTH=128)
         for variant, flags in MIX_VARIANTS.items():
             constants = {**flags, **tiles, "ACC": tl.float32, "UPCAST": False, "ATOMIC": flags["WEIGHT_GRAD"]}
             result[f"mix {dtype} {variant}"] = products(ptx(routing_kernels.mix_kernel, mix_signature, constants))
         for atomic in (True, False):
-            constants = dict(ATOMIC=atomic, ACC=tl.float32, UPCAST=False, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64)
+            constants = dict(
+                ATOMIC=atomic, ACC=tl.float32, UPCAST=False, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64, W_WIDTH=128
+            )
             code = ptx(routing_kernels.weight_grad_kernel, {"weight": weight_argument(dtype)}, constants)
             result[f"weight_grad {dtype} {'atomic' if atomic else 'per split'}"] = products(code)
     return result
 
 
+def specialization(kernel, args: tuple, constants: dict) -> dict:
+    """A launch of ``kernel`` as Triton's runtime specializes it (``native_specialize_impl``:
+    each argument's type, ``D`` where an integer or pointer is divisible by 16, integers equal to 1
+    made constants), JSON-ready: the kernel's name, per non-constant argument its types and
+    specialization keys, the constants (dtypes by name)."""
+    from triton.backends.compiler import BaseBackend
+    from triton.runtime.jit import native_specialize_impl
+
+    specialized = [native_specialize_impl(BaseBackend, value, False, True, True) for value in args]
+    named = {name: value if isinstance(value, (bool, int)) else str(value) for name, value in constants.items()}
+    return dict(
+        kernel=kernel.fn.__name__, types=[t for t, _ in specialized], keys=[k for _, k in specialized], constants=named
+    )
+
+
+def compile_launch(launch: dict) -> str:
+    """The sm_90 PTX of a launch recorded by ``specialization`` (compiled as on a GPU: no upcast)."""
+    import triton
+    import triton.language as tl
+    from triton._utils import find_paths_if, get_iterable_path
+    from triton.backends.compiler import BaseBackend, GPUTarget
+    from triton.compiler import ASTSource
+
+    from lime_megatron.kernels import routing_kernels
+
+    kernel = getattr(routing_kernels, launch["kernel"])
+    names = list(inspect.signature(kernel.fn).parameters)
+    dtypes = {"fp32": tl.float32, "fp64": tl.float64}
+    constants = {name: dtypes.get(value, value) for name, value in launch["constants"].items()} | {"UPCAST": False}
+    arguments = [name for name in names if name not in constants]
+    as_tuple = lambda value: tuple(map(as_tuple, value)) if isinstance(value, list) else value  # noqa: E731
+    signature = dict(zip(arguments, map(as_tuple, launch["types"]))) | dict.fromkeys(constants, "constexpr")
+    keys = [as_tuple(launch["keys"][arguments.index(name)]) if name in arguments else "" for name in names]
+    sigvals = [signature[name] for name in names]
+    constexprs = {(names.index(name),): value for name, value in constants.items()}
+    constexprs |= {
+        path: get_iterable_path(keys, path)
+        for path in find_paths_if(sigvals, lambda _, v: v == "constexpr")
+        if len(path) > 1
+    }
+    attrs = {
+        path: BaseBackend.parse_attr(get_iterable_path(keys, path))
+        for path in find_paths_if(keys, lambda _, k: isinstance(k, str))
+    }
+    source = ASTSource(
+        fn=kernel, signature=signature, constexprs=constexprs, attrs={p: a for p, a in attrs.items() if a}
+    )
+    return triton.compile(source, target=GPUTarget("cuda", 90, 32)).asm["ptx"]
+
+
+def memory_access(code: str) -> dict:
+    """How ``code`` moves memory: global loads, asynchronous copies (by bytes per copy), stores
+    and atomics, each instruction form counted."""
+    forms = re.findall(r"\b(ld\.global[.a-z0-9]*|st\.global[.a-z0-9]*|atom[.a-z0-9]*)", code)
+    copies = re.findall(r"\bcp\.async\.c[ag]\.shared\.global \[[^]]*\], \[[^]]*\], (0x[0-9a-f]+)", code)
+    return dict(Counter(forms) + Counter(f"cp.async {int(size, 16)} bytes" for size in copies))
+
+
+def launches_report(path: str) -> list[dict]:
+    """Per launch recorded at ``path``: its constants and ``memory_access`` of its PTX."""
+    launches = json.loads(open(path).read())
+    return [dict(launch, access=memory_access(compile_launch(launch))) for launch in launches]
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") == "1":
         raise SystemExit("compile without TRITON_INTERPRET (the interpreter does not compile)")
-    print(json.dumps(report()))
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--launches", metavar="PATH", help="compile the launches recorded at PATH")
+    args = parser.parse_args()
+    print(json.dumps(launches_report(args.launches) if args.launches else report()))

@@ -182,7 +182,7 @@ def clean_venv(args: argparse.Namespace) -> Path:
 
 def device_call(carry: Path) -> str:
     relative = carry.resolve().relative_to(ROOT)
-    command = f"python3 tools/gpu/session.py --carry {relative} --out $OUT"
+    command = f"python3 tools/gpu/session.py --carry {relative} --commit {checkout_commit()} --out $OUT"
     return f'run(command="{command}", carry=["{relative}"], timeout_s={SESSION_TIMEOUT_S})'
 
 

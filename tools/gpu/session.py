@@ -2,7 +2,7 @@
 own time budget, writing ``report.md`` and ``results.json`` into ``--out`` after each step.
 
 On the lent GPU machine (``prepare.py`` prints the call to make; no network there):
-    python3 tools/gpu/session.py --carry .gpu-carry --out "$OUT"
+    python3 tools/gpu/session.py --carry .gpu-carry --commit <git describe here> --out "$OUT"
 On your own GPU, with TransformerEngine installed (``pip install '.[gpu]'``; docs/gpu.md):
     python tools/gpu/session.py --out gpu-session
 On a CPU, the same sequence at tiny shapes, to keep the kit from rotting (CI runs it,
@@ -29,14 +29,13 @@ import platform
 import signal
 import subprocess
 import sys
-import sysconfig
 import time
 from datetime import datetime, timezone
 from pathlib import Path
 
 from carry_manifest import WHEELS, CarryError, Manifest, verify
 from session_report import ReportRow, SessionReport, StepResult
-from session_steps import GPU, REHEARSAL, ROOT, STEPS, Command, Mode, Step, checkout_commit, load_json
+from session_steps import EXPORTS, GPU, REHEARSAL, ROOT, STEPS, Command, Mode, Step, checkout_commit, load_json
 
 MIN_STEP_S = 10.0
 """A step is not started with less than this (or its whole budget, if smaller) left of the
@@ -55,6 +54,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--site", type=Path, default=Path("/tmp/lime-gpu-site"), help="where the carry is installed")
     parser.add_argument("--rehearse", action="store_true", help="the same steps on a CPU at tiny shapes")
     parser.add_argument("--budget", type=float, help="the session's seconds (default: the mode's, 530 on a GPU)")
+    parser.add_argument(
+        "--commit", help="the checkout's commit, for the report (default: git's; the device copies no git)"
+    )
     parser.add_argument(
         "--steps", nargs="+", choices=[step.name for step in STEPS], help="run only these steps (default: all)"
     )
@@ -99,14 +101,15 @@ def _installed(distribution: str) -> bool:
 
 
 def carried_environment(env: dict[str, str], site: Path) -> dict[str, str]:
-    """``env`` with ``site`` first on the Python path, the image's ``nvidia/*/lib`` (cuDNN, cuBLAS,
-    NCCL of torch's wheels, which TransformerEngine's library links) on the loader's, and TE's
-    framework set to PyTorch."""
-    libraries = sorted(str(path) for path in Path(sysconfig.get_paths()["purelib"]).glob("nvidia/*/lib"))
+    """``env`` with ``site`` first on the Python path and TE's framework set to PyTorch; the
+    loader's path as the image has it.  TransformerEngine finds torch's NVIDIA libraries itself;
+    putting the wheels' ``nvidia/*/lib`` first on ``LD_LIBRARY_PATH`` (as this kit did until the
+    second H200 session) made cuDNN load its sublibraries from two copies, the wheel's and the
+    image's own in ``/usr/lib``, and refuse them (``CUDNN_STATUS_SUBLIBRARY_LOADING_FAILED``): TE
+    then ran its unfused attention for every model (``attention_probe.py``)."""
     return dict(
         env,
         PYTHONPATH=os.pathsep.join([str(site), env.get("PYTHONPATH", "")]).rstrip(os.pathsep),
-        LD_LIBRARY_PATH=os.pathsep.join([*libraries, env.get("LD_LIBRARY_PATH", "")]).rstrip(os.pathsep),
         NVTE_FRAMEWORK="pytorch",
     )
 
@@ -223,10 +226,12 @@ def _trim(log: Path) -> None:
 # --------------------------------------------------------------------------- the session
 
 
-def run_session(mode: Mode, out: Path, steps: list[Step], carry: Path | None, site: Path) -> SessionReport:
+def run_session(
+    mode: Mode, out: Path, steps: list[Step], carry: Path | None, site: Path, commit: str | None = None
+) -> SessionReport:
     """Every step of ``steps`` in order within ``mode.budget_s``; the report, written after each."""
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    report = SessionReport(session_header(mode, carry))
+    report = SessionReport(session_header(mode, carry, commit))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")]).rstrip(os.pathsep))
     deadline = time.monotonic() + mode.budget_s
     stop_reason = ""
@@ -244,6 +249,7 @@ def run_session(mode: Mode, out: Path, steps: list[Step], carry: Path | None, si
                 spent = time.monotonic() - started
                 result = run_step(step, mode, folder, env, budget - spent, out / "logs" / f"{step.name}.log")
                 result.seconds += spent
+                env = exported_environment(env, folder)
                 if step.name == "environment":
                     report.header.update(device_header(out))
             except CarryError as error:
@@ -256,19 +262,26 @@ def run_session(mode: Mode, out: Path, steps: list[Step], carry: Path | None, si
     return report
 
 
-def session_header(mode: Mode, carry: Path | None) -> dict[str, str]:
-    """Where and when the session ran: mode, budget, commit, start time."""
-    try:
-        commit = Manifest.read(carry).commit if carry is not None else checkout_commit()
-    except CarryError:
-        commit = checkout_commit()
-    return {
+def exported_environment(env: dict[str, str], folder: Path) -> dict[str, str]:
+    """``env`` with the variables a step exported for the steps after it (its ``EXPORTS`` file,
+    e.g. the library environment under which TransformerEngine finds its fused attention)."""
+    return dict(env, **load_json(folder / EXPORTS))
+
+
+def session_header(mode: Mode, carry: Path | None, commit: str | None = None) -> dict[str, str]:
+    """Where and when the session ran: mode, budget, the checkout's commit (``commit`` as the
+    caller gives it: the device copies the working tree without git), the carry's, start time."""
+    header = {
         "mode": mode.name + (" (CPU, tiny shapes, local spec)" if mode.rehearsal else ""),
         "started": datetime.now(timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "budget": f"{mode.budget_s:.0f} s",
-        "commit": commit,
+        "commit": commit or checkout_commit(),
         "host": f"{platform.node()}, {os.cpu_count()} CPUs, Python {platform.python_version()}",
     }
+    try:
+        return header | ({"carry made at": Manifest.read(carry).commit} if carry is not None else {})
+    except CarryError:
+        return header
 
 
 def device_header(out: Path) -> dict[str, str]:
@@ -289,7 +302,7 @@ def main(argv=None) -> int:
         mode = dataclasses.replace(mode, budget_s=args.budget)
     steps = [step for step in STEPS if not args.steps or step.name in args.steps]
     out = Path(args.out)
-    report = run_session(mode, out, steps, args.carry, args.site)
+    report = run_session(mode, out, steps, args.carry, args.site, args.commit)
     print(report.markdown(), flush=True)  # also on stdout: the device returns its tail even without files
     problems = report.problems
     print(

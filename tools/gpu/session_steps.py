@@ -11,19 +11,21 @@ TransformerEngine say why they were skipped.
 | step | GPU s | what |
 |---|---|---|
 | environment | 30 | install the carry (``session.install``); versions, the device, TE, cuDNN, FP8 |
-| gpu-check | 115 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
+| attention | 40 | ``tools/gpu/attention_probe.py``: the backend TE selects, and the library environment |
+| | | under which it selects FusedAttention, exported to the later steps |
+| gpu-check | 100 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
 | | | mHC) on the TE spec, the routing kernels, FP8 (delayed, current scaling), the attention |
 | | | backend, bf16 training |
 | overhead-1b | 100 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
 | | | per-layer and blocked routing, the TE spec, the kernel profile (``session_bench_flags``) |
-| deep-128 | 120 | the same bench at 128 layers, hidden 512, micro batch 1 and 4, no operator counts |
-| pretrain | 90 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
+| deep-128 | 100 | the same bench at 128 layers, hidden 512, micro batch 1 |
+| pretrain | 85 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
 | | | data, 12 iterations: tokens/s, MFU |
 | decoding | 75 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA |
 
-The budgets come from the first H200 session (at a6951d8: environment 21 s, gpu-check 77 s, one
-1B case 54 s and one 128-layer case 98 s with every quantity measured, decoding 5-11 s a run),
-less what the session's bench runs now skip.
+The budgets come from the two H200 sessions (at a6951d8 and 88c5415; docs/gpu.md gives each
+step's times there), less what the session's bench runs now skip.  Micro batches 2 and 4 at 128
+layers take longer than a session can give them: run the bench on its own for those.
 
 Standard library only, like the session.
 """
@@ -94,7 +96,7 @@ GPU = Mode(
     overhead_kv_heads={8: "1B GQA-8", 32: "1B MHA"},
     deep_shape="--depths 128 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048 "
     "--seq-length 2048 --kv-heads 8 --repeats 5 --warmup 1".split(),
-    deep_micro_batches={1: "deep-128 mb1", 4: "deep-128 mb4"},
+    deep_micro_batches={1: "deep-128 mb1"},
     pretrain_shape="--micro-batch-size 4 --global-batch-size 16 --vocab-size 50257".split(),
     pretrain_iterations=12,
     pretrain_warmup=4,
@@ -113,7 +115,7 @@ REHEARSAL = Mode(
     overhead_kv_heads={2: "1B GQA-8", 4: "1B MHA"},
     deep_shape="--depths 8 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
     "--seq-length 32 --kv-heads 4 --repeats 2 --warmup 1".split(),
-    deep_micro_batches={1: "deep-128 mb1", 4: "deep-128 mb4"},
+    deep_micro_batches={1: "deep-128 mb1"},
     pretrain_shape="--micro-batch-size 2 --global-batch-size 4 --num-layers 2 --hidden-size 64 "
     "--ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 --vocab-size 128 "
     "--transformer-impl local".split(),
@@ -202,6 +204,51 @@ def read_environment(mode: Mode, folder: Path) -> list[ReportRow]:
     else:
         rows.append(ReportRow("installed from the carry", "nothing", note="no --carry: the environment as it is"))
     return rows
+
+
+# --------------------------------------------------------------------------- the attention backend
+
+ATTENTION_ROWS = ("attention | as the session runs it", "attention | environment for the later steps")
+ATTENTION_EXPECTED = "FusedAttention"
+"""``attention_probe.EXPECTED`` (the probe imports torch; the session may not)."""
+
+
+def attention_commands(mode: Mode, folder: Path) -> list[Command]:
+    output = folder / "attention.json"
+    argv = python("tools/gpu/attention_probe.py", "--json", str(output), "--exports", str(folder / EXPORTS))
+    return [Command(argv, output)]
+
+
+EXPORTS = "exports.json"
+"""A step's environment variables for the steps after it (``session.exported_environment``)."""
+
+
+def read_attention(mode: Mode, folder: Path) -> list[ReportRow]:
+    """A row per candidate environment the probe tried (the first enforced: TE must select its
+    fused attention as the session runs), and the environment the later steps get."""
+    found = load_json(folder / "attention.json")
+    if "skipped" in found:
+        return [ReportRow(name, status="skipped", note=found["skipped"]) for name in ATTENTION_ROWS]
+    rows = [attention_row(record, enforced=index == 0) for index, record in enumerate(found.get("candidates", []))]
+    if found.get("candidates"):
+        exports = found.get("exports", {})
+        fused = any(record["selected"] == [ATTENTION_EXPECTED] for record in found["candidates"])
+        value = ", ".join(f"{name}={value}" for name, value in exports.items()) or "as it is"
+        rows.append(ReportRow(ATTENTION_ROWS[1], value[:300], status="ok" if fused else "FAILED"))
+    return rows
+
+
+def attention_row(record: dict, enforced: bool) -> ReportRow:
+    """One candidate's row: the backend TE selected; the note its reasons, cuDNN's first error
+    line and the cuDNN files mapped."""
+    selected = record.get("selected") or []
+    fused = selected == [ATTENTION_EXPECTED] and not record.get("error")
+    cudnn_files = [path for path in record.get("mapped", []) if "cudnn" in path.rsplit("/", 1)[-1]]
+    notes = [record.get("error", ""), "" if fused else record.get("reasons", "")]
+    notes += [*record.get("cudnn_errors", [])[:2], f"cuDNN files: {', '.join(cudnn_files) or 'none'}"]
+    status = ("ok" if fused else "FAILED") if enforced else ""
+    value = ", ".join(selected) or "none"
+    return ReportRow(f"attention | {record['name']}", value, status=status, note="; ".join(filter(None, notes)))
 
 
 # --------------------------------------------------------------------------- the GPU check
@@ -293,27 +340,34 @@ OVERHEAD_FIELDS = (
     BenchField("blocked / floor", lambda r: r["lime_x"] / r["floor"], target=1.05),
     BenchField("IQR of blocked / floor", lambda r: r["lime_spread"] / r["floor"]),
     BenchField("saved bytes blocked / baseline", lambda r: r["lime_saved"] / r["base_saved"], target=1.02),
+    BenchField("baseline saved GiB", lambda r: r["base_saved"] / 2**30),
     BenchField("profiled time LIMe - baseline ms", lambda r: r["kernel_profile_total"]["diff_ms"]),
+    BenchField(
+        "host ms LIMe - baseline", lambda r: r["host_and_idle"]["lime_host_ms"] - r["host_and_idle"]["base_host_ms"]
+    ),
+    BenchField(
+        "device idle ms LIMe - baseline",
+        lambda r: r["host_and_idle"]["lime_idle_ms"] - r["host_and_idle"]["base_idle_ms"],
+    ),
 )
 """The rows of one case of ``bench_lime_overhead.py`` in both bench steps (BENCHMARKS.md explains
 the columns); the targets: LIMe within 1.5% (GQA-8) and 3% (MHA) of the baseline at 1B (the
 paper's Table 9 on an H100: +1.2-1.6% and +10.5%), blocked routing within 1.05x of its FLOP floor,
-saved bytes within 2%.  The last is one profiled step's device time (on a CPU: operator time) over
-the baseline's (``--kernel-profile``); its largest differences follow as rows (``case_rows``)."""
-COUNT_FIELDS = (
-    BenchField("operators per layer over baseline, B=1", lambda r: r["per_layer_operators"]),
-    BenchField("operators per layer over baseline, blocked", lambda r: r["blocked_operators"]),
-)
-"""The host's operators LIMe dispatches per layer beyond the baseline (the run's path: Triton on
-CUDA), counted at 1B only: counting 128 layers under a dispatch mode costs more than it tells."""
+saved bytes within 2%.  Then one profiled step's device time (on a CPU: operator time) over the
+baseline's (``--kernel-profile``; its largest differences follow as rows, ``case_rows``), and from
+unprofiled steps LIMe's extra host time and extra device idle time: the second H200 session found
+LIMe's wall time at 1B GQA-8 11 ms over the baseline's against 3.7 ms of extra device time."""
 
 
-def session_bench_flags(*also_skipped: str) -> list[str]:
+def session_bench_flags() -> list[str]:
     """What the session's bench runs leave out (``--skip``): the rebuilt-K/V model, the copy bytes (a
-    CPU count), the synchronised rounds of the time split, whose "rest" a GPU inflates, and
-    ``also_skipped``; the kernel profile says instead where LIMe's extra device time goes (its 8
-    largest differences)."""
-    return ["--skip", "rebuilt", "copies", "split", *also_skipped, "--kernel-profile", "8"]
+    CPU count), the synchronised rounds of the time split, whose "rest" a GPU inflates, and the
+    operator counts (the first two H200 sessions read 9.6 per layer at B = 1 and 8.7 blocked at 1B
+    on the TE spec; the kernels' tiles do not change them, and counting took 22 s of the 1B step);
+    the kernel profile says instead where LIMe's extra device time goes (its 8 largest
+    differences), the launch profile at what rate each kind of routing-kernel launch moves its
+    bytes."""
+    return ["--skip", "rebuilt", "copies", "split", "counts", "--kernel-profile", "8", "--launch-profile"]
 
 
 def bench_rows(labels: list[str], fields: tuple[BenchField, ...]) -> tuple[str, ...]:
@@ -321,14 +375,18 @@ def bench_rows(labels: list[str], fields: tuple[BenchField, ...]) -> tuple[str, 
 
 
 def case_rows(label: str, record: dict, fields: tuple[BenchField, ...]) -> list[ReportRow]:
-    """A case's ``fields``, then the profiled names with the largest LIMe-minus-baseline time (ms)
-    and the seconds the bench spent in each of its phases (``phase_s``)."""
+    """A case's ``fields``, then the profiled names with the largest LIMe-minus-baseline time (ms),
+    the routing kernels' rate per kind of launch (GB/s of the least bytes each must move) and the
+    seconds the bench spent in each of its phases (``phase_s``)."""
     rows = [bench_field.row(label, record) for bench_field in fields]
     for entry in record.get("kernel_profile", []):
         note = f"LIMe {entry['lime_ms']:.3f} ms x{entry['lime_count']}, baseline {entry['base_ms']:.3f} ms"
         rows.append(
             ReportRow(f"{label} | +ms | {entry['name'][:80]}", entry["diff_ms"], note=f"{note} x{entry['base_count']}")
         )
+    for kind in record.get("launch_profile", []):
+        note = f"{kind['launches']} launches, {kind['ms']:.3f} ms, {kind['gb']:.3f} GB moved"
+        rows.append(ReportRow(f"{label} | GB/s | {kind['kind']}", kind["gb_per_s"], note=note))
     phases = record.get("phase_s", {})
     note = ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items())
     return rows + [ReportRow(f"{label} | bench seconds", sum(phases.values()), note=note)]
@@ -344,7 +402,7 @@ def overhead_commands(mode: Mode, folder: Path) -> list[Command]:
 def read_overhead(mode: Mode, folder: Path) -> list[ReportRow]:
     rows = []
     for record in load_json(folder / "overhead.json").get("rows", []):
-        rows += case_rows(mode.overhead_kv_heads[record["kv_heads"]], record, OVERHEAD_FIELDS + COUNT_FIELDS)
+        rows += case_rows(mode.overhead_kv_heads[record["kv_heads"]], record, OVERHEAD_FIELDS)
     return rows
 
 
@@ -352,9 +410,7 @@ def deep_commands(mode: Mode, folder: Path) -> list[Command]:
     commands = []
     for micro_batch in mode.deep_micro_batches:
         output = folder / f"deep_mb{micro_batch}.json"
-        argv = python(
-            "bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.deep_shape, *session_bench_flags("counts")
-        )
+        argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.deep_shape, *session_bench_flags())
         commands.append(Command(argv + ["--micro-batch-size", str(micro_batch), "--json", str(output)], output))
     return commands
 
@@ -481,9 +537,17 @@ def read_decoding(mode: Mode, folder: Path) -> list[ReportRow]:
 STEPS = (
     Step("environment", "Install and environment", 30, ENVIRONMENT_ROWS, environment_commands, read_environment),
     Step(
+        "attention",
+        "TransformerEngine's attention backend and the libraries it needs",
+        40,
+        ATTENTION_ROWS,
+        attention_commands,
+        read_attention,
+    ),
+    Step(
         "gpu-check",
         "bf16, the routing kernels, FP8 and the attention backend on TransformerEngine",
-        115,
+        100,
         GPU_CHECK_ROWS,
         gpu_check_commands,
         read_gpu_check,
@@ -492,20 +556,20 @@ STEPS = (
         "overhead-1b",
         "LIMe overhead at the paper's 1B shape, micro batch 4",
         100,
-        bench_rows(list(GPU.overhead_kv_heads.values()), OVERHEAD_FIELDS + COUNT_FIELDS),
+        bench_rows(list(GPU.overhead_kv_heads.values()), OVERHEAD_FIELDS),
         overhead_commands,
         read_overhead,
     ),
     Step(
         "deep-128",
-        "128 narrow layers, micro batch 1 and 4",
-        120,
+        "128 narrow layers, micro batch 1",
+        100,
         bench_rows(list(GPU.deep_micro_batches.values()), OVERHEAD_FIELDS),
         deep_commands,
         read_deep,
     ),
     Step(
-        "pretrain", "pretrain_lime.py, 1B GQA-8, bf16, mock data", 90, PRETRAIN_ROWS, pretrain_commands, read_pretrain
+        "pretrain", "pretrain_lime.py, 1B GQA-8, bf16, mock data", 85, PRETRAIN_ROWS, pretrain_commands, read_pretrain
     ),
     Step("decoding", "Decoding, 1B GQA-8, KV cache", 75, DECODING_ROWS, decoding_commands, read_decoding),
 )
