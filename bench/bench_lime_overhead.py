@@ -96,6 +96,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from lime_megatron.choices import ROUTING_KERNELS
+from lime_megatron.kernels.operands import MIX_TILES, use_mix_tiles
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
 from lime_megatron.parallel import fusions
@@ -205,10 +206,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     )
     parser.add_argument(
         "--launch-profile",
-        action="store_true",
+        nargs="*",
+        type=int,
+        metavar="ELEMENTS",
         help="after the timed rounds, time each routing-kernel launch of one forward+backward of blocked LIMe "
         "and print, per kind of launch, the launches, their ms, the GB they must move and the rate "
-        "(testing.kernel_launches; the Triton path only)",
+        "(testing.kernel_launches; the Triton path only); each ELEMENTS given: the same step again with the "
+        "mixes' tiles at up to that many elements of a half (kernels.operands.MixTiles), beside the default's",
     )
     args = parse_paired_args(parser, argv)
     if args.kernel_profile < 0:
@@ -669,10 +673,38 @@ def host_and_idle(setting: Setting, total: dict) -> dict:
 def launch_profile_fields(setting: Setting) -> dict:
     """Each routing-kernel launch of one forward+backward of blocked LIMe timed, by kind
     (``testing.kernel_launches``): ``launch_profile``, a list of ``LaunchKind.as_row`` (empty on
-    the torch path, which launches none)."""
-    with KernelLaunches() as launches:
-        train_step(setting.models["blocked"], setting.batch)
-    return dict(launch_profile=launches.kinds())
+    the torch path, which launches none), under the default tiles; ``launch_profile_tiles``, per
+    other element count of ``--launch-profile``, the same under those tiles with the step's
+    largest relative difference from the default's in the loss and in each parameter's
+    gradient (the same products: only the order of a tile dot's sums and of the router-weight
+    gradient's atomic sums may differ)."""
+    reference, fields = None, {}
+    for elements in [MIX_TILES.elements, *setting.args.launch_profile]:
+        with use_mix_tiles(dataclasses.replace(MIX_TILES, elements=elements)), KernelLaunches() as launches:
+            outcome = step_outcome(setting.models["blocked"], setting.batch)
+        if reference is None:
+            reference, fields["launch_profile"] = outcome, launches.kinds()
+            fields["launch_profile_tiles"] = []
+            continue
+        difference = outcome_difference(outcome, reference)
+        fields["launch_profile_tiles"].append(dict(elements=elements, kinds=launches.kinds(), difference=difference))
+    return fields
+
+
+def step_outcome(model, batch) -> torch.Tensor:
+    """``train_step``'s loss and each parameter's gradient norm, one float64 vector."""
+    tokens, positions, mask = batch
+    for param in model.parameters():
+        param.grad = None
+    loss = model(tokens, positions, mask, labels=tokens).mean()
+    loss.backward()
+    norms = [param.grad.double().norm() for param in model.parameters() if param.grad is not None]
+    return torch.stack([loss.detach().double(), *norms]).cpu()
+
+
+def outcome_difference(outcome: torch.Tensor, reference: torch.Tensor) -> float:
+    """The largest relative difference between two ``step_outcome`` vectors."""
+    return ((outcome - reference).abs() / reference.abs().clamp_min(1e-30)).max().item()
 
 
 SKIPPABLE_PHASES: dict[str, Callable[[Setting], dict]] = {
@@ -697,7 +729,7 @@ def optional_phases(args) -> dict[str, Callable[[Setting], dict]]:
     phases = {name: run for name, run in SKIPPABLE_PHASES.items() if name not in args.skip}
     if args.kernel_profile:
         phases["kernel_profile"] = kernel_profile_fields
-    if args.launch_profile:
+    if args.launch_profile is not None:
         phases["launch_profile"] = launch_profile_fields
     return phases
 
@@ -807,14 +839,22 @@ HOST_COLUMNS: list[Column] = [
 
 def print_launch_profiles(rows: list[dict]) -> None:
     """Each row's launch profile: per kind of routing-kernel launch, its time against the bytes it
-    must move."""
+    must move, under the default tiles and under each other element count profiled."""
     for row in rows:
-        if row.get("launch_profile"):
+        if not row.get("launch_profile"):
+            continue
+        print(
+            f"\nL{row['layers']} kv {row['kv_heads']} B {row['block']}: the routing kernels' launches in one "
+            f"forward+backward of blocked LIMe, by kind (GB: the least each must read and write), tiles of up to "
+            f"{MIX_TILES.elements} elements:"
+        )
+        print_table(LAUNCH_COLUMNS, row["launch_profile"])
+        for tiled in row["launch_profile_tiles"]:
             print(
-                f"\nL{row['layers']} kv {row['kv_heads']} B {row['block']}: the routing kernels' launches in one "
-                "forward+backward of blocked LIMe, by kind (GB: the least each must read and write):"
+                f"\nthe same with tiles of up to {tiled['elements']} elements (largest relative difference "
+                f"in the loss and the gradients: {tiled['difference']:.1e}):"
             )
-            print_table(LAUNCH_COLUMNS, row["launch_profile"])
+            print_table(LAUNCH_COLUMNS, tiled["kinds"])
 
 
 def print_kernel_profiles(rows: list[dict]) -> None:

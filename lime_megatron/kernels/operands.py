@@ -14,10 +14,11 @@ times each launch and counts the bytes it moves).
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import math
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -254,20 +255,38 @@ def next_power_of_2(size: int) -> int:
     return 1 << max(0, size - 1).bit_length()
 
 
-MIX_ROWS = 128
-"""The most output rows one program of ``mix_kernel`` sums (BLOCK_R): a routing block of up to 16
-layers of 8 kv heads reads each source row once."""
-MIX_TILE_AREA = 64 * 128
-"""Output elements per program of ``mix_kernel`` (BLOCK_R x BLOCK_N, float32 sums in registers)."""
-MIX_ELEMENTS = 128
-"""The most elements of a half one program of ``mix_kernel`` covers (BLOCK_N)."""
+@dataclass(frozen=True)
+class MixTiles:
+    """How ``mix_kernel`` tiles a mix: at most ``rows`` output rows per tile (BLOCK_R), each row
+    tile reading every source row once; as many elements of a half (BLOCK_N) as keep the tile
+    within ``area`` float32 sums in registers, at most ``elements``."""
+
+    rows: int = 128
+    """A routing block of up to 16 layers of 8 kv heads reads each source row once."""
+    area: int = 64 * 128
+    elements: int = 128
+
+    def tile(self, out: Halves) -> tuple[int, int]:
+        """(BLOCK_R, BLOCK_N) of a mix into ``out``."""
+        rows = block(out.count, largest=self.rows)
+        return rows, min(self.elements, self.area // rows)
 
 
-def mix_tile(out: Halves) -> tuple[int, int]:
-    """(BLOCK_R, BLOCK_N) of a mix into ``out``: its rows in one tile up to ``MIX_ROWS``, as many
-    elements as keep the tile within ``MIX_TILE_AREA`` (each row tile reads every source row)."""
-    rows = block(out.count, largest=MIX_ROWS)
-    return rows, min(MIX_ELEMENTS, MIX_TILE_AREA // rows)
+MIX_TILES = MixTiles()
+"""The tiles every mix takes (``use_mix_tiles`` changes them: the launch profile compares)."""
+_tiles = MIX_TILES
+
+
+@contextlib.contextmanager
+def use_mix_tiles(tiles: MixTiles) -> Iterator[None]:
+    """Mixes launched within the block take ``tiles``: the same products (tiles split the output
+    and the elements, never a sum), another division of the work among programs."""
+    global _tiles
+    before, _tiles = _tiles, tiles
+    try:
+        yield
+    finally:
+        _tiles = before
 
 
 def mix(
@@ -367,7 +386,7 @@ def fits_one_tile(grads: Halves) -> bool:
 
 def _mix_tiles(out: Halves) -> tuple[int, int]:
     """(tiles of a half's elements, tiles of the output rows) of a mix into ``out``."""
-    rows, elements = mix_tile(out)
+    rows, elements = _tiles.tile(out)
     return ceil_div(out.positions * out.width, elements), ceil_div(out.count, rows)
 
 
@@ -388,6 +407,7 @@ def _mix_launch(
     (a1, x1), (a2, x2) = first or second, second or first  # an absent term's operands: K = 0, never read
     added, stored, further = accumulate or out, store or out, more or out
     batch = launch_batch(out, x1, x2, accumulate, store, more)
+    block_r, block_n = _tiles.tile(out)
     arguments = (
         out.arguments(batch),
         added.arguments(batch),
@@ -405,9 +425,9 @@ def _mix_launch(
         HAS_STORE=store is not None,
         ACC=accumulator(out.keys.dtype),
         UPCAST=not out.keys.is_cuda,
-        BLOCK_R=mix_tile(out)[0],
+        BLOCK_R=block_r,
         BLOCK_K=16,
-        BLOCK_N=mix_tile(out)[1],
+        BLOCK_N=block_n,
         WIDTH=out.width,
     )
     return 2 * math.prod(_mix_tiles(out)), arguments, constants

@@ -58,10 +58,11 @@ def _elements(operand, half, rows, outer, inner, element):
         base, row, outer_stride, inner_stride = keys + start, k_row, k_outer, k_inner
     else:
         base, row, outer_stride, inner_stride = values + value_offset + start, v_row, v_outer, v_inner
-    # 64-bit offsets: a deep model's buffer passes 2^31 elements (128 layers x 8 heads x 2M).
+    # 64-bit offsets: a deep model's buffer passes 2^31 elements (128 layers x 8 heads x 2M); the
+    # row's group and place in it in 32 bits (a 64-bit division is a long emulated sequence).
     columns = outer.to(tl.int64) * outer_stride + inner.to(tl.int64) * inner_stride + element
-    rows = rows.to(tl.int64)
-    return base + ((rows // group) * group_stride + rows % group * row)[:, None] + columns[None, :]
+    grouped, within = (rows // group).to(tl.int64), (rows % group).to(tl.int64)
+    return base + (grouped * group_stride + within * row)[:, None] + columns[None, :]
 
 
 @triton.jit

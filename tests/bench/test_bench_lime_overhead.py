@@ -119,10 +119,22 @@ def test_skipped_quantities_are_absent_and_print_as_dashes():
 def test_phase_s_holds_every_phase_run(profiled_run):
     [row], output, _ = profiled_run
     assert list(row["phase_s"]) == list(overhead.PHASE_NAMES)
-    assert row["launch_profile"] == [] and "routing kernels' launches" not in output
+    assert row["launch_profile"] == row["launch_profile_tiles"] == [] and "routing kernels' launches" not in output
     assert all(seconds > 0 for seconds in row["phase_s"].values())
     [cells] = [line.split() for line in table_after(output, "wall seconds of each phase")[2:]]
     assert len(cells) == len(overhead.PHASE_COLUMNS) and "-" not in cells
+
+
+def test_the_launch_profile_compares_tiles_on_the_triton_path():
+    """Per kind of launch, under the default tiles and under wider ones: the same launches, and
+    the same step (up to the order of sums: a tile's dot, the router-weight gradient's atomics)."""
+    skipped = ("--skip", "rebuilt", "counts", "copies", "split", "saved")
+    [row], output = run_main("--lime-routing-kernel", "triton", "--launch-profile", "512", *skipped)
+    default, [wider] = row["launch_profile"], row["launch_profile_tiles"]
+    assert wider["elements"] == 512 and wider["difference"] <= 1e-6
+    launches = {kind["kind"]: kind["launches"] for kind in default}
+    assert launches and {kind["kind"]: kind["launches"] for kind in wider["kinds"]} == launches
+    assert len(table_after(output, "the same with tiles of up to 512 elements")) == 2 + len(launches)
 
 
 def test_kernel_profile_prints_the_requested_names_and_totals(profiled_run):

@@ -11,10 +11,12 @@ import torch
 from lime_megatron.kernels.operands import (
     Columns,
     Halves,
+    MixTiles,
     Placement,
     mix,
     mix_and_weight_grad,
     mix_beside_weight_grad,
+    use_mix_tiles,
     weight_grad,
     weight_grad_sums,
 )
@@ -63,6 +65,30 @@ def test_store_and_mix_equals_torch(shape, dtype):
     expected = weight.to(dtype).double() @ torch.cat([rows, as_rows(key, value)]).double() + as_rows(*earlier).double()
     assert torch.equal(stored, as_rows(key, value))
     assert relative(as_rows(keys, values), expected) <= TOLERANCE[dtype]
+
+
+@pytest.mark.parametrize("tiles", [MixTiles(rows=16), MixTiles(elements=512), MixTiles(rows=16, area=16 * 64)], ids=str)
+def test_any_tiles_give_the_same_mix(tiles):
+    """Tiles divide the output rows and the elements among programs, never a sum across them:
+    several row tiles (the store by the first's programs alone), wide and narrow element tiles,
+    ragged tails, all equal to the default tiles' result up to float32 rounding (a tile's dot of
+    16 products may sum them in another order)."""
+    torch.manual_seed(5)
+    s, b, h, d, sources = 5, 2, 40, 8, 7
+    rows = torch.randn(sources, 2 * s * b * d)
+    weight = torch.randn(h, sources + h)
+    key, value = strided_keys_values(s, b, h, d, torch.float32)
+    first = (Columns.of(weight, slice(0, h), slice(0, sources)), Halves.of_rows(rows, 0, sources, d))
+    own = (Columns.of(weight, slice(0, h), slice(sources, sources + h)), Halves.of_heads(key, value))
+    results = []
+    for chosen in (MixTiles(), tiles):
+        keys, values = torch.empty(s, b, h, d), torch.empty(s, b, h, d)
+        stored = torch.zeros(h, 2 * s * b * d)
+        with use_mix_tiles(chosen):
+            mix(Halves.of_heads(keys, values), first, own, store=Halves.of_rows(stored, 0, h, d))
+        results.append((as_rows(keys, values), stored))
+    assert torch.equal(results[1][1], as_rows(key, value))
+    assert relative(results[1][0], results[0][0]) <= 1e-6
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
