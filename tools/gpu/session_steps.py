@@ -13,15 +13,15 @@ TransformerEngine say why they were skipped.
 | environment | 30 | install the carry (``session.install``); versions, the device, TE, cuDNN, FP8 |
 | attention | 40 | ``tools/gpu/attention_probe.py``: the backend TE selects, and the library environment |
 | | | under which it selects FusedAttention, exported to the later steps |
-| gpu-check | 100 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
+| gpu-check | 95 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
 | | | mHC) on the TE spec, the routing kernels, FP8 (delayed, current scaling), the attention |
 | | | backend, bf16 training |
-| overhead-1b | 100 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
+| overhead-1b | 110 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
 | | | per-layer and blocked routing, the TE spec, the kernel profile (``session_bench_flags``) |
-| deep-128 | 100 | the same bench at 128 layers, hidden 512, micro batch 1 |
-| pretrain | 85 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
+| deep-128 | 125 | the same bench at 128 layers, hidden 512, micro batch 1 |
+| pretrain | 80 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
 | | | data, 12 iterations: tokens/s, MFU |
-| decoding | 75 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA |
+| decoding | 50 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA |
 
 The budgets come from the two H200 sessions (at a6951d8 and 88c5415; docs/gpu.md gives each
 step's times there), less what the session's bench runs now skip.  Micro batches 2 and 4 at 128
@@ -101,7 +101,7 @@ GPU = Mode(
     pretrain_iterations=12,
     pretrain_warmup=4,
     decoding_shape="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --kv-heads 8 "
-    "--ffn-hidden-size 8192 --vocab-size 50304 --prompt-length 128 --new-tokens 128 --repeats 2".split(),
+    "--ffn-hidden-size 8192 --vocab-size 50304 --prompt-length 128 --new-tokens 128 --repeats 1".split(),
 )
 REHEARSAL = Mode(
     name="rehearsal",
@@ -562,7 +562,7 @@ STEPS = (
     Step(
         "gpu-check",
         "bf16, the routing kernels, FP8 and the attention backend on TransformerEngine",
-        100,
+        95,
         GPU_CHECK_ROWS,
         gpu_check_commands,
         read_gpu_check,
@@ -570,7 +570,7 @@ STEPS = (
     Step(
         "overhead-1b",
         "LIMe overhead at the paper's 1B shape, micro batch 4",
-        100,
+        110,
         bench_rows(list(GPU.overhead_kv_heads.values()), OVERHEAD_FIELDS),
         overhead_commands,
         read_overhead,
@@ -578,13 +578,13 @@ STEPS = (
     Step(
         "deep-128",
         "128 narrow layers, micro batch 1",
-        100,
+        125,
         bench_rows(list(GPU.deep_micro_batches.values()), OVERHEAD_FIELDS),
         deep_commands,
         read_deep,
     ),
     Step(
-        "pretrain", "pretrain_lime.py, 1B GQA-8, bf16, mock data", 85, PRETRAIN_ROWS, pretrain_commands, read_pretrain
+        "pretrain", "pretrain_lime.py, 1B GQA-8, bf16, mock data", 80, PRETRAIN_ROWS, pretrain_commands, read_pretrain
     ),
-    Step("decoding", "Decoding, 1B GQA-8, KV cache", 75, DECODING_ROWS, decoding_commands, read_decoding),
+    Step("decoding", "Decoding, 1B GQA-8, KV cache", 50, DECODING_ROWS, decoding_commands, read_decoding),
 )
