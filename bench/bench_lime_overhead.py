@@ -338,16 +338,24 @@ def train_step(model, batch) -> float:
 def host_and_wall_step(model, batch) -> tuple[float, float]:
     """``train_step``'s (host seconds: until the host has queued the step's last kernel, wall
     seconds: until the kernels end).  On a CPU the two are one."""
+    with collector_paused():
+        synchronize_device_of(batch[0])
+        start = time.perf_counter()
+        forward_backward(model, batch)
+        host = time.perf_counter() - start
+        synchronize_device_of(batch[0])
+        return host, time.perf_counter() - start
+
+
+def forward_backward(model, batch) -> torch.Tensor:
+    """The bench's step: gradients cleared, the mean token loss of ``batch`` (tokens, positions,
+    mask; the tokens as labels) and its backward; the loss."""
     tokens, positions, mask = batch
     for param in model.parameters():
         param.grad = None
-    with collector_paused():
-        synchronize_device_of(tokens)
-        start = time.perf_counter()
-        model(tokens, positions, mask, labels=tokens).mean().backward()
-        host = time.perf_counter() - start
-        synchronize_device_of(tokens)
-        return host, time.perf_counter() - start
+    loss = model(tokens, positions, mask, labels=tokens).mean()
+    loss.backward()
+    return loss
 
 
 def saved_bytes(model, batch) -> int:
@@ -692,12 +700,8 @@ def launch_profile_fields(setting: Setting) -> dict:
 
 
 def step_outcome(model, batch) -> torch.Tensor:
-    """``train_step``'s loss and each parameter's gradient norm, one float64 vector."""
-    tokens, positions, mask = batch
-    for param in model.parameters():
-        param.grad = None
-    loss = model(tokens, positions, mask, labels=tokens).mean()
-    loss.backward()
+    """``forward_backward``'s loss and each parameter's gradient norm, one float64 vector."""
+    loss = forward_backward(model, batch)
     norms = [param.grad.double().norm() for param in model.parameters() if param.grad is not None]
     return torch.stack([loss.detach().double(), *norms]).cpu()
 

@@ -41,11 +41,7 @@ class Launch:
 
     @property
     def device(self) -> torch.device:
-        """The device of the first operand (operands travel as tuples, their tensor first)."""
-        first = self.args[0]
-        while isinstance(first, tuple):
-            first = first[0]
-        return first.device
+        return _first_tensor(self.args).device
 
     def named_arguments(self) -> dict[str, Any]:
         """The arguments and constants by the kernel's parameter names."""
@@ -67,8 +63,7 @@ def set_launch_observer(observer: LaunchObserver | None) -> None:
 
 def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``, through the observer when one is installed."""
-    planned = Launch(kernel, grid, args, constants)
-    if planned.device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+    if not _first_tensor(args).is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
         raise RuntimeError(
             "the Triton routing kernels run on CUDA tensors; on a CPU only in Triton's interpreter "
             "(TRITON_INTERPRET=1 set before triton is imported, as the tests do): use "
@@ -81,7 +76,15 @@ def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
     if _OBSERVER is None:
         run()
     else:
-        _OBSERVER(planned, run)
+        _OBSERVER(Launch(kernel, grid, args, constants), run)
+
+
+def _first_tensor(args: tuple) -> torch.Tensor:
+    """The tensor of a launch's first operand (operands travel as tuples, their tensor first)."""
+    first = args[0]
+    while isinstance(first, tuple):
+        first = first[0]
+    return first
 
 
 ROWS_WIDTH = 64
@@ -303,11 +306,10 @@ def mix(
     (added in place)."""
     from lime_megatron.kernels.routing_kernels import mix_kernel
 
-    programs, arguments, constants = _mix_launch(out, first, second, accumulate, store, more)
+    tiles, arguments, constants = _mix_launch(out, first, second, accumulate, store, more)
     operand = arguments[0]  # out's: a placeholder for the weight gradient's operands, never read
     unused = ((out.keys, 0, 0, 1, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 0))
-    tiles = (*_mix_tiles(out), programs, 1, 1, 0)
-    launch(mix_kernel, (programs,), *arguments, unused, tiles, **constants, **_NO_WEIGHT_GRAD)
+    launch(mix_kernel, (tiles[2],), *arguments, unused, (*tiles, 1, 1, 0), **constants, **_NO_WEIGHT_GRAD)
 
 
 _NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16, KEEP=False, W_WIDTH=1)
@@ -336,7 +338,7 @@ def mix_and_weight_grad(
     if not fits_one_tile(grads):
         raise ValueError(f"the fused backward reads {grads.count} gradient rows: more than one tile")
     mixed = _mix_launch(out, first, second, accumulate, None, more)
-    _launch_both(out, mixed, _weight_grad_launch(weight_out, grads, rows, column_start, deterministic, splits), own_row)
+    _launch_both(mixed, _weight_grad_launch(weight_out, grads, rows, column_start, deterministic, splits), own_row)
 
 
 def mix_beside_weight_grad(
@@ -353,25 +355,24 @@ def mix_beside_weight_grad(
     splits)`` in one launch of ``routing_kernels.mix_kernel``, neither writing what the other
     reads: two of a routing block's backward products (``fused_blocks``)."""
     mixed = _mix_launch(out, first, None, None, None, None)
-    _launch_both(out, mixed, _weight_grad_launch(weight_out, grads, rows, column_start, deterministic, splits), None)
+    _launch_both(mixed, _weight_grad_launch(weight_out, grads, rows, column_start, deterministic, splits), None)
 
 
-def _launch_both(out: Halves, mixed: tuple[int, tuple, dict], weighed: tuple, keep_first: int | None) -> None:
-    """One ``mix_kernel`` launch of a mix into ``out`` (``_mix_launch``'s ``mixed``) and a weight
+def _launch_both(mixed: tuple[tuple[int, int, int], tuple, dict], weighed: tuple, keep_first: int | None) -> None:
+    """One ``mix_kernel`` launch of a mix (``_mix_launch``'s ``mixed``) and a weight
     gradient (``_weight_grad_launch``'s ``weighed``) whose programs keep its G over its rows from
     ``keep_first`` on (None: keep nothing)."""
     from lime_megatron.kernels.routing_kernels import mix_kernel
 
-    (programs, arguments, constants), (grid, weight_arguments, weight_constants) = mixed, weighed
+    (tiles, arguments, constants), (grid, weight_arguments, weight_constants) = mixed, weighed
     if (weight_constants.pop("ACC"), weight_constants.pop("UPCAST")) != (constants["ACC"], constants["UPCAST"]):
         raise ValueError("the fused backward's rows and gradients differ in dtype or device")
-    tiles = (*_mix_tiles(out), programs, *grid[:2], keep_first or 0)
     launch(
         mix_kernel,
-        (programs + math.prod(grid),),
+        (tiles[2] + math.prod(grid),),
         *arguments,
         weight_arguments,
-        tiles,
+        (*tiles, *grid[:2], keep_first or 0),
         **constants,
         WEIGHT_GRAD=True,
         KEEP=keep_first is not None,
@@ -384,12 +385,6 @@ def fits_one_tile(grads: Halves) -> bool:
     return grads.count <= block(grads.count)
 
 
-def _mix_tiles(out: Halves) -> tuple[int, int]:
-    """(tiles of a half's elements, tiles of the output rows) of a mix into ``out``."""
-    rows, elements = _tiles.tile(out)
-    return ceil_div(out.positions * out.width, elements), ceil_div(out.count, rows)
-
-
 def _mix_launch(
     out: Halves,
     first: tuple[Columns, Halves] | None,
@@ -397,9 +392,10 @@ def _mix_launch(
     accumulate: Halves | None,
     store: Halves | None,
     more: Halves | None,
-) -> tuple[int, tuple, dict]:
-    """(programs, arguments, constants) of ``mix``'s share of a ``mix_kernel`` launch: its
-    operands up to ``shape`` (the weight gradient's and the tiles not included)."""
+) -> tuple[tuple[int, int, int], tuple, dict]:
+    """(tiles, arguments, constants) of ``mix``'s share of a ``mix_kernel`` launch: ``tiles`` its
+    tiles of a half's elements, of the output rows, and its programs (both halves); its operands up
+    to ``shape`` (the weight gradient's and ``tiles`` argument not included)."""
     if store is not None and second is None:
         raise ValueError("the stored operand is the second term's")
     if first is None and second is None:
@@ -430,7 +426,8 @@ def _mix_launch(
         BLOCK_N=block_n,
         WIDTH=out.width,
     )
-    return 2 * math.prod(_mix_tiles(out)), arguments, constants
+    tiles = (ceil_div(out.positions * out.width, block_n), ceil_div(out.count, block_r))
+    return (*tiles, 2 * math.prod(tiles)), arguments, constants
 
 
 WEIGHT_GRAD_TILE = 64

@@ -6,6 +6,6 @@ from __future__ import annotations
 from tests.scripts import ROOT, load_scripts
 
 KIT = ROOT / "tools" / "gpu"
-carry_manifest, session_report, session_steps, session, prepare, attention_probe = load_scripts(
-    KIT, "carry_manifest", "session_report", "session_steps", "session", "prepare", "attention_probe"
+attention_probe, carry_manifest, session_report, session_steps, session, prepare = load_scripts(
+    KIT, "attention_probe", "carry_manifest", "session_report", "session_steps", "session", "prepare"
 )

@@ -149,6 +149,11 @@ def run_candidate(name: str, changed: dict[str, str], base: dict[str, str]) -> d
     return record
 
 
+def fused(record: dict) -> bool:
+    """Whether a candidate's ``record`` has TE select ``EXPECTED`` alone and run it without error."""
+    return record.get("selected") == [EXPECTED] and not record.get("error")
+
+
 def unavailable_reason() -> str | None:
     """Why no candidate can run here (no CUDA, no TransformerEngine), else None."""
     import importlib.util
@@ -177,7 +182,7 @@ def probe() -> dict:
             continue  # the session's own environment, tried first
         record = run_candidate(candidate.name, changed, base)
         candidates.append(record)
-        if record["selected"] == [EXPECTED] and not record.get("error"):
+        if fused(record):
             exports = record["changed"]
             break
     return dict(found, candidates=candidates, exports=exports)

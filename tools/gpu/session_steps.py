@@ -41,6 +41,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from attention_probe import fused
 from session_report import ReportRow, limit_status
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -209,18 +210,14 @@ def read_environment(mode: Mode, folder: Path) -> list[ReportRow]:
 # --------------------------------------------------------------------------- the attention backend
 
 ATTENTION_ROWS = ("attention | as the session runs it", "attention | environment for the later steps")
-ATTENTION_EXPECTED = "FusedAttention"
-"""``attention_probe.EXPECTED`` (the probe imports torch; the session may not)."""
+EXPORTS = "exports.json"
+"""A step's environment variables for the steps after it (``session.exported_environment``)."""
 
 
 def attention_commands(mode: Mode, folder: Path) -> list[Command]:
     output = folder / "attention.json"
     argv = python("tools/gpu/attention_probe.py", "--json", str(output), "--exports", str(folder / EXPORTS))
     return [Command(argv, output)]
-
-
-EXPORTS = "exports.json"
-"""A step's environment variables for the steps after it (``session.exported_environment``)."""
 
 
 def read_attention(mode: Mode, folder: Path) -> list[ReportRow]:
@@ -232,21 +229,20 @@ def read_attention(mode: Mode, folder: Path) -> list[ReportRow]:
     rows = [attention_row(record, enforced=index == 0) for index, record in enumerate(found.get("candidates", []))]
     if found.get("candidates"):
         exports = found.get("exports", {})
-        fused = any(record["selected"] == [ATTENTION_EXPECTED] for record in found["candidates"])
+        found_fused = any(fused(record) for record in found["candidates"])
         value = ", ".join(f"{name}={value}" for name, value in exports.items()) or "as it is"
-        rows.append(ReportRow(ATTENTION_ROWS[1], value[:300], status="ok" if fused else "FAILED"))
+        rows.append(ReportRow(ATTENTION_ROWS[1], value[:300], status="ok" if found_fused else "FAILED"))
     return rows
 
 
 def attention_row(record: dict, enforced: bool) -> ReportRow:
     """One candidate's row: the backend TE selected; the note its reasons, cuDNN's first error
     line and the cuDNN files mapped."""
-    selected = record.get("selected") or []
-    fused = selected == [ATTENTION_EXPECTED] and not record.get("error")
+    selected, ran_fused = record.get("selected") or [], fused(record)
     cudnn_files = [path for path in record.get("mapped", []) if "cudnn" in path.rsplit("/", 1)[-1]]
-    notes = [record.get("error", ""), "" if fused else record.get("reasons", "")]
+    notes = [record.get("error", ""), "" if ran_fused else record.get("reasons", "")]
     notes += [*record.get("cudnn_errors", [])[:2], f"cuDNN files: {', '.join(cudnn_files) or 'none'}"]
-    status = ("ok" if fused else "FAILED") if enforced else ""
+    status = ("ok" if ran_fused else "FAILED") if enforced else ""
     value = ", ".join(selected) or "none"
     return ReportRow(f"attention | {record['name']}", value, status=status, note="; ".join(filter(None, notes)))
 
