@@ -159,6 +159,25 @@ class Halves:
             keys, values, value_offset, 0, strides, strides, groups * heads, s * b, width, b, heads, keys.stride(0)
         )
 
+    @staticmethod
+    def of_rank_chunks(chunks: torch.Tensor, first: int, count: int) -> Halves:
+        """Rows ``first..first+count-1`` of chunks ``[2 * C, s, b, k, d]``, chunk c's keys at 2c
+        and its values at 2c + 1 (a tensor-parallel rank's keys and values of its k heads in
+        attention's layout, one chunk per rank, as a reduce-scatter takes them and an all-gather
+        leaves them; C may count the ranks of several layers): row i is head ``i % k`` of chunk
+        ``i // k``; ``first`` a multiple of k."""
+        _, s, b, heads, width = chunks.shape
+        if first % heads:
+            raise ValueError(f"row {first} does not begin a chunk of {heads} heads")
+        strides, half = (width, b * heads * width, heads * width), chunks.stride(0)
+        start = first // heads * 2 * half
+        return Halves(chunks, chunks, half, start, strides, strides, count, s * b, width, b, heads, 2 * half)
+
+    @property
+    def bytes(self) -> int:
+        """Bytes of the elements these rows address (both halves)."""
+        return 2 * self.count * self.positions * self.width * self.keys.element_size()
+
     def arguments(self, batch: int) -> tuple:
         """The kernels' operand tuple of twelve pointers, offsets and strides, its positions split
         as ``s_p * batch + b_p`` (its own split, or any where one stride steps through all its
@@ -323,7 +342,7 @@ def mix_and_weight_grad(
     weight_out: torch.Tensor,
     rows: Halves,
     column_start: int | Placement,
-    own_row: int,
+    own_row: int | None,
     deterministic: bool,
     splits: int,
     accumulate: Halves | None = None,
@@ -332,10 +351,11 @@ def mix_and_weight_grad(
     """``mix(out, first, second, accumulate, more=more)`` and ``weight_grad(weight_out, X2, rows,
     column_start, deterministic, splits)`` in one launch of ``routing_kernels.mix_kernel``, X2 (the
     incoming gradient) then written over ``rows``' rows ``own_row..own_row + X2.count - 1``, which
-    only the weight gradient reads: a layer's backward (``fused_routing``).  X2's rows must fit
-    one tile (``fits_one_tile``), so that one program alone reads each row it overwrites."""
+    only the weight gradient reads: a layer's backward (``fused_routing``; ``own_row`` None: X2
+    is kept elsewhere, nothing written).  Where X2 is written its rows must fit one tile
+    (``fits_one_tile``), so that one program alone reads each row it overwrites."""
     grads = second[1]
-    if not fits_one_tile(grads):
+    if own_row is not None and not fits_one_tile(grads):
         raise ValueError(f"the fused backward reads {grads.count} gradient rows: more than one tile")
     mixed = _mix_launch(out, first, second, accumulate, None, more)
     _launch_both(mixed, _weight_grad_launch(weight_out, grads, rows, column_start, deterministic, splits), own_row)

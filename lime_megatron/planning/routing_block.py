@@ -75,6 +75,10 @@ class HostOperators:
     """More once at B > 1 in the chunk holding layer 0, where a block reads earlier sources (layer
     0's block takes its later consumers' share on the general path, the identity routing not
     being fused)."""
+    per_layer_when_blocked: float = 0.0
+    """More per layer at any B > 1, where the path's B = 1 is fused and its blocks are not (the
+    Triton path under tensor parallelism: a blocked chunk routes every layer on the general
+    path, ``fused_routing.gathers_heads``)."""
 
 
 TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
@@ -83,16 +87,33 @@ TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
 exactly), and per micro-batch on PP = 4 ranks of 8 layers (32 layers, MHA), B = 1, 2, 4, 8 (the
 model within 62 operators of every count)."""
 
-TRITON_OPERATORS = HostOperators(9.7, 8, -4, 10, 2, per_received_block_per_chunk=21, per_first_block=9)
+TRITON_OPERATORS = HostOperators(9.375, 8, -4, 6, 2, per_received_block_per_chunk=17, per_first_block=3)
 """The Triton path's (a GPU's default, ``models.lime.fused_routing`` and ``fused_blocks``): counted
-at 16 layers, MHA, B = 1, 2, 4, 8, 16 (155, 164, 140, 140, 155 operators beyond the baseline), and
-per micro-batch on PP = 2 ranks of 8 layers, B = 1, 2, 4, 8 (the first rank's 121.5, 130.5, 122.5,
-121.5, the second's 172, 121, 101, 91); the model gives every difference from B = 1 exactly.  A
-block costs 8 operators and each of its layers 4 fewer than at B = 1 (its routed keys/values and
-their gradients are the block's tensors): per layer, blocking costs the host as much as B = 1 at
-B = 2 and less from B = 3 on (a chunk's first block aside).
-``per_received_block_per_layer`` is the count before the blocks were fused (B = 1 unchanged
-since; these counts fix only its difference from ``per_received_block_per_chunk``)."""
+at 16 layers, MHA, B = 1, 2, 4, 8, 16 (150, 153, 129, 129, 150 operators beyond the baseline), and
+per micro-batch on PP = 2 ranks of 8 layers, B = 1, 2, 4, 8 (with megatron's DDP, 2 micro-batches,
+the NCCL-rules mode: the first rank's 113, 116, 108, 113, the second's 136, 113, 93, 83); the model
+gives every difference from B = 1 exactly.  A block costs 8 operators and each of its layers 4
+fewer than at B = 1 (its routed keys/values and their gradients are the block's tensors): per
+layer, blocking costs the host as much as B = 1 at B = 2 and less from B = 3 on (a chunk's first
+block aside).  ``per_received_block_per_layer`` is fixed by the B = 1 count's change when the
+row gradients of received rows became one launch each (32 fewer on the second rank: 4 per layer);
+the counts above fix only its difference from ``per_received_block_per_chunk``."""
+
+TENSOR_PARALLEL_TRITON_OPERATORS = dataclasses.replace(
+    TRITON_OPERATORS,
+    per_layer=TRITON_OPERATORS.per_layer + 4,
+    per_block=15,
+    per_blocked_layer=10,
+    per_first_block=0,
+    per_layer_when_blocked=25.125,
+)
+"""The Triton path's under tensor parallelism (no kv head shared by ranks): at B = 1 the TP = 1
+path's and per layer its two collectives and the ``stack`` and ``unbind`` around them
+(``fused_routing``; ``tests/parallel/test_lime_tensor_parallel.py`` counts them); at B > 1 the
+general path, its products Triton launches: counted at TP = 2 (gloo), 16 layers, kv 4, B = 1, 2,
+4, 8, 16 (274, 921, 841, 771, 676 operators beyond the baseline with megatron's DDP; the model
+gives every difference from B = 1 exactly).  The received-block terms are the TP = 1 path's, not
+counted under tensor and pipeline parallelism together."""
 
 GPU_HOST_SECONDS_PER_OPERATOR = 17e-6
 """Host seconds per operator dispatched on a GPU machine (Python, dispatch and kernel launch):
@@ -210,9 +231,25 @@ def routing_machine(config) -> MachineBalance:
 def path_machine(config, machine: MachineBalance) -> MachineBalance:
     """``machine`` with the operators of the path the run takes there (``kernels.routing_path``):
     a GPU's Triton path unless the run asks for torch's, the CPU's torch path unless it asks for
-    Triton's."""
+    Triton's; under tensor parallelism the Triton path's there (``triton_operators``)."""
     triton = planned_kernel(config, torch.device("cuda" if machine.asynchronous else "cpu")) == "triton"
-    return dataclasses.replace(machine, operators=TRITON_OPERATORS if triton else TORCH_OPERATORS)
+    return dataclasses.replace(machine, operators=triton_operators(config) if triton else TORCH_OPERATORS)
+
+
+def triton_operators(config) -> HostOperators:
+    """The Triton path's operators for ``config``'s tensor parallelism: ``TRITON_OPERATORS``
+    without it, ``TENSOR_PARALLEL_TRITON_OPERATORS`` with it, and with kv heads shared by ranks
+    (fewer kv heads than ranks) the general path's at every B (those counts' B > 1 per layer; the
+    replicas' index operators not counted)."""
+    size = config.tensor_model_parallel_size
+    if size == 1:
+        return TRITON_OPERATORS
+    counts = TENSOR_PARALLEL_TRITON_OPERATORS
+    if config.kv_heads >= size:
+        return counts
+    return dataclasses.replace(
+        counts, per_layer=counts.per_layer + counts.per_layer_when_blocked, per_layer_when_blocked=0.0
+    )
 
 
 def blocks_of(layers: range, block: int) -> list[range]:
@@ -243,13 +280,14 @@ def host_operators(layers: range, block: int, received: int = 0, counts: HostOpe
     block."""
     if block == 1:
         return (counts.per_layer + counts.per_received_block_per_layer * received) * len(layers)
+    per_layer = counts.per_layer + counts.per_layer_when_blocked
     blocked = [len(consumers) for consumers in blocks_of(layers, block) if consumers.start > 0]
     per_block = counts.per_block + counts.per_received_block_per_block * received
     per_chunk = counts.per_received_block_per_chunk * received
     if layers.start == 0 and blocked:
         per_chunk += counts.per_first_block
     blocks = per_block * len(blocked) + counts.per_blocked_layer * sum(blocked)
-    return counts.per_layer * len(layers) + per_chunk + blocks
+    return per_layer * len(layers) + per_chunk + blocks
 
 
 def routing_step_seconds(

@@ -17,6 +17,7 @@ from typing import TypeVar
 
 import torch
 
+from lime_megatron.kernels.operands import Halves
 from lime_megatron.models.lime.routing_products import set_product_observer
 
 Result = TypeVar("Result")
@@ -37,8 +38,9 @@ class RoutingReads:
     def total(self) -> int:
         return sum(self.by_kind.values())
 
-    def add(self, kind: str, wide: torch.Tensor) -> None:
-        self.by_kind[kind] = self.by_kind.get(kind, 0) + wide.numel() * wide.element_size()
+    def add(self, kind: str, wide: torch.Tensor | Halves) -> None:
+        read = wide.bytes if isinstance(wide, Halves) else wide.numel() * wide.element_size()
+        self.by_kind[kind] = self.by_kind.get(kind, 0) + read
 
     def add_product(self, kind: str, flops: int, seconds: float) -> None:
         self.flops_by_kind[kind] = self.flops_by_kind.get(kind, 0) + flops
@@ -49,13 +51,14 @@ _OPEN: list[RoutingReads] = []
 """The counters of the ``routing_reads`` blocks open now (nested blocks all count)."""
 
 
-def synchronize_device_of(tensor: torch.Tensor) -> None:
+def synchronize_device_of(tensor: torch.Tensor | Halves) -> None:
     """Wait for the kernels queued on ``tensor``'s GPU (nothing on CPU), so wall time covers them."""
+    tensor = tensor.keys if isinstance(tensor, Halves) else tensor
     if tensor.is_cuda:
         torch.cuda.synchronize(tensor.device)
 
 
-def _count(kind: str, wide: torch.Tensor, flops: int | None, run: Callable[[], Result]) -> Result:
+def _count(kind: str, wide: torch.Tensor | Halves, flops: int | None, run: Callable[[], Result]) -> Result:
     """The product observer: ``wide``'s read counted as ``kind``; for a matrix product (``flops``
     given) its FLOPs and its wall time too."""
     for counter in _OPEN:

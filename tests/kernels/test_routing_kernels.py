@@ -264,6 +264,32 @@ def test_grouped_rows_are_a_blocks_layers(shape, dtype, together):
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", SHAPES)
+def test_rank_chunks_are_every_ranks_heads(shape, dtype):
+    """A mix written into rank chunks and one read from them (``Halves.of_rank_chunks``: ``[2C, s,
+    b, h, d]``, chunk c's keys at 2c and values at 2c + 1, row i head ``i % h`` of chunk ``i //
+    h``), the way tensor parallelism's reduce-scatter takes its input and all-gather leaves its
+    output; read from a chunk's first row on."""
+    torch.manual_seed(sum(shape) + 11)
+    s, b, h, d, sources = shape
+    chunks = 3
+    rows = torch.randn(sources, 2 * s * b * d, dtype=dtype)
+    weight = torch.randn(chunks * h, sources, dtype=dtype)
+    written = torch.empty(2 * chunks, s, b, h, d, dtype=dtype)
+    mix(Halves.of_rank_chunks(written, 0, chunks * h), (Columns.of_view(weight), Halves.of_rows(rows, 0, sources, d)))
+    got = torch.cat([as_rows(written[2 * c], written[2 * c + 1]) for c in range(chunks)])
+    assert relative(got, weight.double() @ rows.double()) <= TOLERANCE[dtype]
+    back = torch.empty((chunks - 1) * h, 2 * s * b * d, dtype=dtype)
+    eye = torch.eye((chunks - 1) * h, dtype=dtype)
+    read = Halves.of_rank_chunks(written, h, (chunks - 1) * h)
+    mix(Halves.of_rows(back, 0, (chunks - 1) * h, d), (Columns.of_view(eye), read))
+    assert torch.equal(back, got[h:])
+    assert read.bytes == back.numel() * back.element_size()
+    with pytest.raises(ValueError, match="row 1 does not begin a chunk"):
+        Halves.of_rank_chunks(written, 1, h)
+
+
+@pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])
 def test_a_blocks_forward_over_two_row_tiles(dtype):
     """A routing block's forward launch at a deep shape's size (``fused_blocks.mix_earlier``): 9
     readers of 8 heads (72 output rows, two R tiles) into grouped slots, over earlier rows and the

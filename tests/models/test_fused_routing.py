@@ -5,12 +5,16 @@ synchronisation, the buffer allocated once per pass)."""
 
 from __future__ import annotations
 
+from types import SimpleNamespace
+
 import pytest
 import torch
 
 from lime_megatron.choices import LimeConfigError
 from lime_megatron.kernels.routing_path import routing_kernel
 from lime_megatron.models.config import lime_config
+from lime_megatron.models.lime.fused_routing import gathers_heads
+from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.testing.dispatched_operators import DispatchedOperators
 from tests.lime_fixtures import (
@@ -302,3 +306,33 @@ def test_standing_router_stack_follows_the_weights():
                 for param in model.parameters():
                     param.sub_(0.1 * param.grad)
                 model.zero_grad(set_to_none=True)
+
+
+def routers_of(kv_heads: int, ranks: int, reads_own: bool = True) -> dict:
+    """Three layers' routers (as ``gathers_heads`` reads them) sharded over ``ranks``; the last
+    one's own layer pruned unless ``reads_own``."""
+    sharding = HeadSharding(kv_heads, 0, ranks, group="tp")
+    last = [0, 1, 2] if reads_own else [0, 1]
+    sources = {0: [0], 1: [0, 1], 2: last}
+    return {
+        layer: SimpleNamespace(layer=layer, identity=layer == 0, read_sources=read, sharding=sharding)
+        for layer, read in sources.items()
+    }
+
+
+@pytest.mark.parametrize(
+    "routers, triton, block, gathers",
+    [
+        (routers_of(4, 2), True, 1, True),
+        (routers_of(4, 4), True, 1, True),
+        (routers_of(4, 1), True, 1, False),  # no tensor parallelism: g_l kept in the dead rows
+        (routers_of(4, 2), False, 1, False),  # the torch path
+        (routers_of(4, 2), True, 2, False),  # blocked: the general path
+        (routers_of(2, 4), True, 1, False),  # heads shared by rank pairs: the general path
+        (routers_of(4, 2, reads_own=False), True, 1, False),  # a router not reading its own layer
+    ],
+    ids=["tp2", "tp4", "tp1", "torch", "blocked", "shared heads", "own layer pruned"],
+)
+def test_which_chunks_gather_heads(routers, triton, block, gathers):
+    """Which chunks route every layer on the gathered tensor-parallel path (``gathers_heads``)."""
+    assert (gathers_heads(routers, triton, block) == "tp") is gathers

@@ -6,6 +6,7 @@ import dataclasses
 from collections.abc import Callable
 from functools import partial
 
+import pytest
 import torch
 
 from lime_megatron.testing.distributed import (
@@ -51,6 +52,23 @@ def router_rule(config, name, param):
     return RouterShardRule(dim=1, blocks=param.shape[1] // local_heads, kv_heads=config.kv_heads)
 
 
+def small_config(layout: Layout, kv_heads: int = 4, num_layers: int = 4, **settings):
+    """The tests' LIMe config (hidden 32, 4 heads, ``kv_heads``, ``num_layers``) for ``layout``,
+    float32, initialised on the CPU, with ``settings``."""
+    from lime_megatron.models.config import lime_config
+
+    return lime_config(
+        num_layers=num_layers,
+        hidden_size=32,
+        ffn_hidden_size=64,
+        num_attention_heads=4,
+        num_query_groups=kv_heads,
+        use_cpu_initialization=True,
+        **settings,
+        **layout_config_kwargs(layout),
+    )
+
+
 def build_chunks(config, weights=None, extra_shard_rules=None) -> list:
     """This rank's DDP-wrapped chunks as the trainer builds them, loaded with the full
     single-process ``weights`` if given."""
@@ -84,32 +102,29 @@ def train(
     router: str = "full",
     prune: float | None = None,
     keep: Callable[[int, int], bool] | None = None,
+    kernel: str = "auto",
 ):
-    """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers, the routed K/V
+    """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers (the routing
+    products as ``kernel`` says: ``--lime-routing-kernel``), the routed K/V
     rebuilt in backward by the router products (their reduce-scatter included; with
     ``prune``: routes pruned at that top-p after the second step, as the trainer does; with
     ``keep``: routes pruned by hand before the first step, ``lime_fixtures.prune_by_hand``); returns
     (losses, [full grads per step], initial full weights, [router gradient norm per step as
     megatron's clipping sees it], the trainer's ``RouteCounts`` with ``prune``, else None)."""
-    from lime_megatron.models.config import lime_config
     from lime_megatron.models.lime.pruning import collect_dynamic_prior
     from lime_megatron.training.trainer import prune_routes, train_step
 
     initialize_layout(layout)
     # With ``keep`` a top-p of 1.0 (prunes nothing) only makes the routers prunable: their route
     # masks persist and mask the gradients, as they do for ``prune_by_hand``'s masks.
-    config = lime_config(
-        num_layers=4,
-        hidden_size=32,
-        ffn_hidden_size=64,
-        num_attention_heads=4,
-        num_query_groups=kv_heads,
-        use_cpu_initialization=True,
+    config = small_config(
+        layout,
+        kv_heads,
         lime_routing_block=block,
         lime_router=router,
         lime_prune_top_p=1.0 if keep else prune,
         lime_recompute_routed_kv=True,
-        **layout_config_kwargs(layout),
+        lime_routing_kernel=kernel,
     )
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
@@ -166,8 +181,10 @@ def compare_layouts(
     router: str = "full",
     prune: float | None = None,
     keep: Callable[[int, int], bool] | None = None,
+    kernel: str = "auto",
 ):
-    """On every rank: each layout against TP=1 from the same initial weights."""
+    """On every rank: each layout (its routing products as ``kernel`` says) against TP=1 (the torch
+    path) from the same initial weights."""
     report = []
     for kv_heads in sorted({kv for _, kv, _ in layouts}):
         ref_losses, ref_grads, weights, ref_norms, ref_counts = train(
@@ -176,7 +193,7 @@ def compare_layouts(
         for layout, kv, block in layouts:
             if kv != kv_heads:
                 continue
-            losses, grads, _, norms, counts = train(layout, kv_heads, weights, block, router, prune, keep)
+            losses, grads, _, norms, counts = train(layout, kv_heads, weights, block, router, prune, keep, kernel)
             assert counts == ref_counts, (layout.name, counts, ref_counts)  # both units, summed over ranks
             worst = max(
                 ((g[name] - ref[name]).norm() / ref[name].norm()).item()
@@ -327,3 +344,138 @@ def test_route_pruning_under_tensor_parallelism():
             )
             assert loss_diff <= 1e-5 and grad_err <= 1e-5, (router, name)
         assert len(report) == (1 if router == "dynamic" else 2)
+
+
+TRITON_LAYOUTS = [  # the Triton path (Triton's interpreter) against the TP=1 torch run
+    (Layout(tp=2), 4, 1),
+    (Layout(tp=2, sp=True), 4, 1),
+    (Layout(tp=4), 4, 1),
+    (Layout(tp=2), 2, 1),
+    (Layout(tp=4, sp=True), 2, 1),  # heads shared by rank pairs: the general path
+    (Layout(tp=2, sp=True), 4, 2),  # blocked: the general path
+]
+
+
+def skip_layer_one(layer: int, source: int) -> bool:
+    """Routes kept by hand: layer 3 skips layer 1, so it reads two runs of sources (0, 2-3) and
+    still its own layer (its chunk stays on the gathered path)."""
+    return layer != 3 or source != 1
+
+
+def triton_checks():
+    return {
+        "layouts": compare_layouts(TRITON_LAYOUTS, kernel="triton"),
+        "skipping a source": compare_layouts(TRITON_LAYOUTS[:1], keep=skip_layer_one, kernel="triton"),
+    }
+
+
+def test_triton_path_under_tensor_parallelism():
+    """The Triton path's routing under TP2 (GQA and MHA, with and without SP) and TP4, where each
+    layer's g_l is all-gathered into rank chunks and its forward mix reduce-scattered
+    (``fused_routing``), the heads shared by rank pairs and blocked routing (the general path,
+    its products Triton launches), and a router skipping a source: 3 SGD steps, losses and every
+    gradient against the TP=1 torch run."""
+    for case, report in run_distributed(triton_checks, 4)[0].items():
+        for name, kv_heads, loss_diff, grad_err, routers in report:
+            print(f"{case} {name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, max relative error {grad_err:.2e}")
+            assert len(routers) == 3
+            assert loss_diff <= 1e-5 and grad_err <= 1e-5, (case, name)
+        assert len(report) == {"layouts": len(TRITON_LAYOUTS)}.get(case, 1)
+
+
+def trainer_step_operators(config, micro_batches: int = 1) -> dict[str, float]:
+    """Operators per micro-batch of one training step's forward+backward (the trainer's chunks and
+    schedule; after an uncounted one, gradients zeroed between) on this rank for ``config``."""
+    from lime_megatron.testing.dispatched_operators import DispatchedOperators
+    from lime_megatron.training.trainer import forward_backward
+
+    chunks, batches = build_chunks(config), make_batches(micro_batches, 2, SEQ, VOCAB)
+    forward_backward(chunks, batches)
+    for chunk in chunks:
+        chunk.zero_grad_buffer()
+    with DispatchedOperators() as operators:
+        forward_backward(chunks, batches)
+    return {name: count / micro_batches for name, count in operators.by_name.items()}
+
+
+def step_operators(layers: int, lime: bool, block: int = 1) -> dict[str, float]:
+    """``trainer_step_operators`` of a TP=2, kv 4 chunk, LIMe on the Triton path (blocks of
+    ``block`` layers) or the baseline."""
+    layout = Layout(tp=2)
+    initialize_layout(layout)
+    kernel = "triton" if lime else "auto"
+    config = small_config(layout, num_layers=layers, lime=lime, lime_routing_kernel=kernel, lime_routing_block=block)
+    return trainer_step_operators(config)
+
+
+def collective_operators() -> dict[str, int]:
+    """The operators this backend dispatches for one reduce-scatter and one all-gather of a tensor
+    (gloo's reduce-scatter adds a ``split`` and a ``copy_``; NCCL's does not)."""
+    from lime_megatron.testing.dispatched_operators import DispatchedOperators
+
+    size = torch.distributed.get_world_size()
+    whole, part = torch.ones(2 * size, 3), torch.ones(2, 3)
+    with DispatchedOperators() as operators:
+        torch.distributed.reduce_scatter_tensor(part, whole)
+        torch.distributed.all_gather_into_tensor(whole, part)
+    return operators.by_name
+
+
+def host_work_under_tensor_parallelism() -> tuple[dict[str, float], dict[str, int]]:
+    """LIMe's operators per layer beyond the baseline's (by difference of 12 and 8 layers), and
+    ``collective_operators``."""
+    extra = {}
+    for layers in (8, 12):
+        lime, base = step_operators(layers, True), step_operators(layers, False)
+        extra[layers] = {name: lime.get(name, 0) - base.get(name, 0) for name in lime.keys() | base.keys()}
+    change = {name: (extra[12].get(name, 0) - extra[8].get(name, 0)) / 4 for name in extra[12].keys() | extra[8]}
+    return {name: count for name, count in change.items() if count}, collective_operators()
+
+
+TENSOR_PARALLEL_PER_LAYER = {
+    "new_empty": 4,  # forward: the mix's rank chunks, the routed keys/values; backward: their gradients
+    "new_zeros": 1,  # the router-weight gradient
+    "triton:mix_kernel": 2,  # forward: Eqs. 1-2; backward: the row and weight gradients
+    "stack": 1,  # the all-gather's input: this rank's keys' and values' gradients
+    "unbind": 1,  # the reduce-scatter's output: the routed keys and values
+    "detach": 2,  # megatron's DDP accumulating the router's gradient (as for every parameter)
+    "add_": 1,
+}
+"""Operators per layer beyond the baseline's on the Triton path at TP = 2 (B = 1), besides the
+reduce-scatter and the all-gather."""
+
+
+def test_triton_host_work_per_layer_under_tensor_parallelism():
+    """The host work LIMe adds per layer on the Triton path under tensor parallelism, a launch
+    counted as one, exactly: the TP = 1 path's (``tests/models/test_fused_routing.py``) plus one
+    reduce-scatter in forward and one all-gather in backward (Eq. 2 split by input head) and the
+    two rearrangements around them; no torch product, no view per source (48 per layer before the
+    gathered path, 12 now besides the collectives, 2 of them DDP's)."""
+    per_layer, collectives = run_distributed(host_work_under_tensor_parallelism, 2)[0]
+    expected = dict(TENSOR_PARALLEL_PER_LAYER)
+    for name, count in collectives.items():
+        expected[name] = expected.get(name, 0) + count
+    assert per_layer == expected
+
+
+def operators_by_block(blocks: tuple[int, ...]) -> dict[int, int]:
+    """Operators LIMe (the Triton path) dispatches beyond the baseline in one forward+backward at
+    TP = 2, 16 layers, per block size."""
+    base = sum(step_operators(16, False).values())
+    return {block: sum(step_operators(16, True, block).values()) - base for block in blocks}
+
+
+def test_host_operators_model_blocking_under_tensor_parallelism():
+    """What blocking adds on the Triton path under tensor parallelism (the general path, every
+    layer) is what ``host_operators`` adds with ``TENSOR_PARALLEL_TRITON_OPERATORS``, exactly, and
+    the block-size chooser counts those operators for such a run."""
+    from lime_megatron.models.config import lime_config
+    from lime_megatron.planning import routing_block as R
+
+    counted = run_distributed(operators_by_block, 2, (1, 4, 8, 16))[0]
+    counts = R.TENSOR_PARALLEL_TRITON_OPERATORS
+    modelled = {block: R.host_operators(range(16), block, counts=counts) for block in counted}
+    added = {block: (counted[block] - counted[1], modelled[block] - modelled[1]) for block in counted}
+    assert all(count == pytest.approx(model, abs=0.01) for count, model in added.values()), added
+    config = lime_config(num_layers=16, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=2)
+    assert R.path_machine(config, R.H100_SXM).operators == counts

@@ -287,3 +287,37 @@ def test_the_dry_run_prints_the_block_of_every_chunk():
         for chunk in chunks_of(64, 8)
     )
     assert f"block size B per chunk {expected} (cost model on {R.H100_SXM.name};" in line
+
+
+def pipeline_rank_operators(block: int, lime: bool) -> float:
+    """Operators per micro-batch of a training step (2 micro-batches) on this rank of PP = 2 (16
+    layers, 8 per rank), LIMe on the Triton path at blocks of ``block`` layers or the baseline
+    (``test_lime_tensor_parallel.trainer_step_operators``)."""
+    from lime_megatron.testing.distributed import Layout, initialize_layout
+    from tests.parallel.test_lime_tensor_parallel import small_config, trainer_step_operators
+
+    layout = Layout(pp=2)
+    initialize_layout(layout)
+    kernel = "triton" if lime else "auto"
+    config = small_config(layout, num_layers=16, lime=lime, lime_routing_kernel=kernel, lime_routing_block=block)
+    return sum(trainer_step_operators(config, 2).values())
+
+
+def pipeline_operators_by_block(blocks: tuple[int, ...]) -> dict[int, float]:
+    """This rank's LIMe operators beyond the baseline's per micro-batch, per block size."""
+    base = pipeline_rank_operators(1, False)
+    return {block: pipeline_rank_operators(block, True) - base for block in blocks}
+
+
+def test_host_operators_model_blocking_on_pipeline_ranks():
+    """What blocking adds on each rank of PP = 2 (the Triton path; the second rank receives one
+    block of rows) is what ``host_operators`` adds for its chunk with ``TRITON_OPERATORS``,
+    exactly: the received-block terms included."""
+    from lime_megatron.testing.distributed import run_distributed
+
+    blocks = (1, 2, 8)
+    counted = run_distributed(pipeline_operators_by_block, 2, blocks, nccl_rules=True)
+    for rank, (layers, received) in enumerate([(range(8), 0), (range(8, 16), 1)]):
+        modelled = {block: R.host_operators(layers, block, received, R.TRITON_OPERATORS) for block in blocks}
+        added = {block: (counted[rank][block] - counted[rank][1], modelled[block] - modelled[1]) for block in blocks}
+        assert all(count == pytest.approx(model, abs=0.01) for count, model in added.values()), (rank, added)

@@ -127,7 +127,8 @@ class ConsumerGradients:
         routers = [self._routers[m] for m in consumers]
         if routers[0].dynamic:  # never blocked (``chunk_routing_block``): nothing to accumulate
             return self.by_token.mixed_grad(sources, routers)
-        grads = self.kept.grad_rows(consumers, routers[0].weight.shape[0])
+        kv_heads, kept = routers[0].weight.shape[0], self.kept
+        grads = kept.grad_halves(consumers, kv_heads) if self.key_values.triton else kept.grad_rows(consumers, kv_heads)
         return self.stacked.row_grad(sources, consumers, grads, self._in_attention_layout(), accumulate)
 
     def later_consumer_grad(self, layer: int, sources: range) -> torch.Tensor | None:

@@ -31,13 +31,34 @@ accumulation) and 8 per block, its first layer's forward launch being the block'
 
 Sources in another pipeline chunk's rows take one launch more per row block, in forward and for
 the weight gradient; later pipeline chunks' share of the row gradient is added in the row
-gradient's launch.  Where a layer's case is not this one (``FusedRouting.serves`` decides), the memory's
-general path runs, its products Triton launches too (``routing_products``): tensor parallelism
-(rows layout, collectives), the identity routing of layer 0, a pruned router none of whose kept
-routes reads its own layer, and a blocked layer whose block does not route here.
+gradient's launch.
+
+Tensor parallelism (Eq. 2 split by input head, ``head_parallel``).  Each rank holds its heads'
+rows and its columns of every router, so the same two launches run over them with one collective
+each (``gathers_heads`` says where: B = 1, no head shared by ranks, every router reading its own
+layer; a chunk routes all its layers one way):
+
+    forward    this rank's columns' sums for every rank's heads, written as the rank chunks
+               [ranks * 2, s, b, local heads, d] a reduce-scatter takes   one mix_kernel launch
+               reduce-scatter: this rank's routed keys and values in attention's layout
+    backward   all-gather of g_l (this rank's keys' and values' gradients, one ``stack``) into the
+               layer's rank chunks, where it stays kept (``KeptGradients.gather``), then the row
+               gradient of this rank's heads and dW_l of its columns, reading every consumer's
+               kept g_m there                                            one mix_kernel launch
+
+4 operators per layer beyond the TP = 1 path's: the two collectives, and the ``stack`` and the
+``unbind`` around them (``tests/parallel/test_lime_tensor_parallel.py`` holds the count).
+
+Where a layer's case is not one of these (``FusedRouting.serves`` decides), the memory's general
+path runs, its products Triton launches too (``routing_products``; the row gradients read the kept
+g_m where they lie, ``StackedRouting.row_grad``): the identity routing of layer 0, a pruned router
+none of whose kept routes reads its own layer, a blocked layer whose block does not route here,
+and under tensor parallelism blocked routing and heads shared by ranks (rows layout, collectives).
 """
 
 from __future__ import annotations
+
+from typing import Any
 
 import torch
 
@@ -78,7 +99,10 @@ class FusedRouting:
     def serves(self, router: LimeRouter) -> bool:
         """Whether ``router``'s layer routes as the module docstring says: alone
         (``fused_blocks.routes_alone``) and, where its block mixes its earlier sources, in a block
-        that routes on the fused path too (``fused_blocks``)."""
+        that routes on the fused path too (``fused_blocks``); under tensor parallelism every
+        layer but the identity's where the memory gathers g_l (``gathers_heads``)."""
+        if self.kept.gathered is not None:
+            return not router.identity
         return routes_alone(router, self.key_values.triton) and (
             not self.routing.blocked(router) or self.blocks.fused(router)
         )
@@ -93,6 +117,8 @@ class FusedRouting:
         reads another pipeline chunk's rows or skips sources)."""
         rows = self.key_values
         rows.allocate(key)
+        if self.kept.gathered is not None:
+            return self._mix_for_every_rank(router, key, value)
         blocked, since = self.routing.blocked(router), 0
         if blocked:
             keys, values = self.blocks.take_sums(router.layer)
@@ -102,7 +128,16 @@ class FusedRouting:
         else:
             keys, values = key.new_empty(rows.kv_shape), key.new_empty(rows.kv_shape)
         out = Halves.of_heads(keys, values)
-        added = out if blocked else None
+        self._mix_sources(router, out, out if blocked else None, since, key, value)
+        return keys, values
+
+    def _mix_sources(
+        self, router: LimeRouter, out: Halves, added: Halves | None, since: int, key: torch.Tensor, value: torch.Tensor
+    ) -> None:
+        """``out = added + W_l[:, sources from since] @ B[sources] + W_l[:, l] @ (K_l|V_l)``, the
+        layer's keys/values ``key``, ``value`` stored into its rows on the way: one launch, and one
+        more per further row block of sources."""
+        rows = self.key_values
         *others, (start, _) = self.routing.source_spans(router, since)
         for other_start, other_stop in others:
             term = (_router_columns(router, other_start, other_stop), rows.halves(other_start, other_stop))
@@ -112,32 +147,55 @@ class FusedRouting:
         first = (_router_columns(router, start, layer), rows.halves(start, layer)) if start < layer else None
         own = (_router_columns(router, layer, layer + 1), Halves.of_heads(key, value))
         kernels.mix(out, first, own, accumulate=added, store=rows.halves(layer, layer + 1))
-        return keys, values
+
+    def _mix_for_every_rank(
+        self, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``store_and_mix`` under tensor parallelism (Eq. 2 split by input head,
+        ``head_parallel``): this rank's columns' sums for every rank's heads, written as the rank
+        chunks ``[ranks * 2, s, b, local heads, d]`` a reduce-scatter takes (one launch), then
+        reduce-scattered, which leaves this rank its own heads' keys and values in attention's
+        layout."""
+        s, b, heads, d = self.key_values.kv_shape
+        group = router.sharding.group
+        partial = key.new_empty(group.size() * 2, s, b, heads, d)
+        self._mix_sources(router, Halves.of_rank_chunks(partial, 0, router.weight.shape[0]), None, 0, key, value)
+        routed = key.new_empty(2, s, b, heads, d)
+        torch.distributed.reduce_scatter_tensor(routed, partial, group=group)
+        return routed.unbind(0)
 
     def backward(
-        self, router: LimeRouter, grads: Halves, since: int | None
+        self, router: LimeRouter, grad_keys: torch.Tensor, grad_values: torch.Tensor, since: int | None
     ) -> tuple[tuple[slice, torch.Tensor] | None, torch.Tensor, torch.Tensor]:
-        """A layer's backward, ``grads`` being g_l: ``(weight gradient piece or None, grad keys,
-        grad values)``.  The piece (``since``: its first source layer; None: no weight gradient)
-        is ``(columns, [kv_heads, len(columns)])`` in ``weight_grad_dtype``, dL/dW_l = g_l @
-        B[sources]^T at the columns of the sources from layer ``since`` on, zero where no kept
-        route reads; a fused block's reader returns none, its columns written into its block's
-        buffer (``_weight_target``); the keys'/values' gradients ``[s, b, h, d]`` each are
-        ``kv_grad``'s.  One
-        launch for both where g_l's rows fit one tile (``kernels.fits_one_tile``): the weight
-        gradient's programs keep g_l into l's dead rows after reading them; else one launch each.
-        Sources in another pipeline chunk's rows take one weight-gradient launch more each."""
+        """A layer's backward, g_l being its routed keys' and values' gradients ``grad_keys``,
+        ``grad_values`` (gathered from every rank first under tensor parallelism, ``kept.gather``):
+        ``(weight gradient piece or None, grad keys, grad values)``.  The piece (``since``: its
+        first source layer; None: no weight gradient) is ``(columns, [kv_heads, len(columns)])``
+        in ``weight_grad_dtype``, dL/dW_l = g_l @ B[sources]^T at the columns of the sources from
+        layer ``since`` on, zero where no kept route reads; a fused block's reader returns none,
+        its columns written into its block's buffer (``_weight_target``); the keys'/values'
+        gradients ``[s, b, h, d]`` each are ``kv_grad``'s.  One launch for both where g_l's rows
+        fit one tile (``kernels.fits_one_tile``): the weight gradient's programs keep g_l into
+        l's dead rows after reading them; else one launch each (gathered: one launch, g_l being
+        kept already).  Sources in another pipeline chunk's rows take one weight-gradient launch
+        more each."""
+        gathered = self.kept.gathered is not None
+        if gathered:
+            grads = self.kept.gather(router.layer, grad_keys, grad_values)
+        else:
+            grads = Halves.of_heads(grad_keys, grad_values)
         if since is None:
             return None, *self.kv_grad(router, grads)
         rows, spans = self.key_values, self.routing.source_spans(router, since)
         weight, placed, splits, piece = self._weight_target(router, grads, spans)
         *others, (own_start, own_stop) = spans
-        for start, stop in others if kernels.fits_one_tile(grads) else spans:
+        one_launch = gathered or kernels.fits_one_tile(grads)
+        for start, stop in others if one_launch else spans:
             kernels.weight_grad(weight, grads, rows.halves(start, stop), placed(start), rows.deterministic, splits)
-        if not kernels.fits_one_tile(grads):
+        if not one_launch:
             return piece(), *self.kv_grad(router, grads)
         keys, values, (out, first, mine, added, _, more) = self._kv_grad_operands(router, grads)
-        own_row = (router.layer - own_start) * router.local_heads
+        own_row = None if gathered else (router.layer - own_start) * router.local_heads
         own_rows, at = rows.halves(own_start, own_stop), placed(own_start)
         kernels.mix_and_weight_grad(
             out, first, mine, weight, own_rows, at, own_row, rows.deterministic, splits, added, more
@@ -203,9 +261,25 @@ class FusedRouting:
             columns = self.stacked.stack(grads.keys).operand(consumers, range(layer, layer + 1), transposed=True)
             first = (columns, kept.grad_halves(consumers, kv_heads))
         mine = (_router_columns(router, layer, layer + 1, transposed=True), grads)
-        kept_rows = kept.grad_halves(range(layer, layer + 1), kv_heads)
+        kept_rows = None if kept.gathered is not None else kept.grad_halves(range(layer, layer + 1), kv_heads)
         out = Halves.of_heads(keys, values)
         return keys, values, (out, first, mine, later, kept_rows, kept.downstream_halves(layer))
+
+
+def gathers_heads(routers: dict[int, LimeRouter], triton: bool, block: int) -> Any:
+    """The tensor-parallel process group whose ranks' g_l a chunk's memory gathers on the Triton
+    path (``KeptGradients.gather``), or None where its layers route otherwise: every layer but the
+    identity's routes as ``FusedRouting`` says under tensor parallelism when the run takes the
+    Triton path, B = 1, every kv head is held by one rank (no replicas: megatron shares a head
+    between ranks only with fewer kv heads than ranks) and every router reads its own layer (route
+    pruning may drop it).  A chunk routes all its layers one way: the g_m its layers keep are read
+    by the others'."""
+    sharding = next(iter(routers.values())).sharding if routers else None
+    if not triton or block > 1 or sharding is None or sharding.size == 1 or sharding.replicas > 1:
+        return None
+    if any(not router.identity and router.read_sources[-1] != router.layer for router in routers.values()):
+        return None
+    return sharding.group
 
 
 def _router_columns(router: LimeRouter, start: int, stop: int, transposed: bool = False) -> Columns:

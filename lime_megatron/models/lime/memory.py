@@ -74,9 +74,8 @@ import weakref
 
 import torch
 
-from lime_megatron.kernels.operands import Halves
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
-from lime_megatron.models.lime.fused_routing import FusedRouting
+from lime_megatron.models.lime.fused_routing import FusedRouting, gathers_heads
 from lime_megatron.models.lime.head_parallel import gather_heads
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
@@ -125,7 +124,7 @@ class LayerIntegratedMemory:
     ):
         layers = range(num_layers) if layers is None else layers
         self.key_values = KeyValueRows(layers, triton, deterministic)
-        self.kept = KeptGradients(self.key_values)
+        self.kept = KeptGradients(self.key_values, gathers_heads(routers, triton, block))
         self.routing = StaticRouting(self.key_values, block)
         self.stacked = StackedRouting(self.key_values, self.kept, self.routing, routers, standing_stack)
         self.by_token = TokenRouting(self.key_values, self.kept)
@@ -221,11 +220,10 @@ class RouteKeysValues(torch.autograd.Function):
         """``backward`` on the Triton path (``fused_routing.FusedRouting``): the incoming gradients read where
         they lie, the router-weight gradient and the keys' and values' in one launch."""
         memory, router = ctx.memory, ctx.router
-        grads = Halves.of_heads(grad_keys, grad_values)
         since = None
         if ctx.needs_input_grad[0]:
             since = memory.routing.block_of(router.layer).start if ctx.blocked else 0
-        piece, grad_key, grad_value = memory.fused.backward(router, grads, since)
+        piece, grad_key, grad_value = memory.fused.backward(router, grad_keys, grad_values, since)
         grad_weight = None if piece is None else placed_columns([piece], router.weight)
         return grad_weight, grad_key, grad_value, None, None, None, None
 

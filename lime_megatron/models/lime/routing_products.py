@@ -30,8 +30,9 @@ from lime_megatron.kernels.operands import Columns, Halves
 
 Result = TypeVar("Result")
 
-ProductObserver = Callable[[str, torch.Tensor, int | None, Callable[[], Result]], Result]
-"""``(kind, wide operand, FLOPs or None, run) -> run()``'s result."""
+ProductObserver = Callable[[str, torch.Tensor | Halves, int | None, Callable[[], Result]], Result]
+"""``(kind, wide operand (a tensor, or rows as the kernels address them), FLOPs or None, run) ->
+run()``'s result."""
 
 _OBSERVER: ProductObserver | None = None
 
@@ -42,7 +43,7 @@ def set_product_observer(observer: ProductObserver | None) -> None:
     _OBSERVER = observer
 
 
-def observed_product(kind: str, wide: torch.Tensor, flops: int, product: Callable[[], Result]) -> Result:
+def observed_product(kind: str, wide: torch.Tensor | Halves, flops: int, product: Callable[[], Result]) -> Result:
     """``product()``, a matrix product reading the N-wide ``wide`` for ``flops`` FLOPs, through the
     observer when one is installed."""
     return product() if _OBSERVER is None else _OBSERVER(kind, wide, flops, product)

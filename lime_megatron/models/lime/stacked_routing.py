@@ -22,6 +22,8 @@ from collections.abc import Sequence
 
 import torch
 
+from lime_megatron.kernels import operands as kernels
+from lime_megatron.kernels.operands import Halves
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter, contiguous_runs
@@ -32,7 +34,11 @@ from lime_megatron.models.lime.routing_blocks import (
     StandingRouterStack,
     mix_earlier,
 )
-from lime_megatron.models.lime.routing_products import routing_product, routing_product_attention_layout
+from lime_megatron.models.lime.routing_products import (
+    observed_product,
+    routing_product,
+    routing_product_attention_layout,
+)
 from lime_megatron.models.lime.static_routing import StaticRouting
 
 
@@ -124,18 +130,41 @@ class StackedRouting:
         self,
         sources: range,
         consumers: range,
-        grads: torch.Tensor,
+        grads: torch.Tensor | Halves,
         attention_layout: bool,
         accumulate: torch.Tensor | None = None,
     ) -> torch.Tensor:
         """sum_{m in consumers} W_m[:, block l]^T g_m for each l in ``sources``, stacked, one
-        product reading the kept g_m ``grads`` ``[len(consumers) * kv_heads, 2*s*b*d]`` once:
+        product reading the kept g_m ``grads`` ``[len(consumers) * kv_heads, 2*s*b*d]`` once (on
+        the Triton path where they lie, as kernel operands: ``_row_grad_launch``):
         ``[2*s*b, len(sources) * kv_heads, d]`` with ``attention_layout``, else rows
         ``[len(sources) * local heads, 2*s*b*d]``, plus ``accumulate`` (the same shape) in the
         product's kernel when given; a new tensor."""
+        if isinstance(grads, Halves):
+            return self._row_grad_launch(sources, consumers, grads, attention_layout, accumulate)
         narrow = self.stacked_columns(consumers, sources.start, sources.stop, grads).t()
-        triton = self.key_values.triton
         if attention_layout:
             inner = self.key_values.kv_shape[3]
-            return routing_product_attention_layout("row_grad", narrow, grads, inner, accumulate, triton)
-        return routing_product("row_grad", narrow, grads, accumulate, triton)
+            return routing_product_attention_layout("row_grad", narrow, grads, inner, accumulate)
+        return routing_product("row_grad", narrow, grads, accumulate)
+
+    def _row_grad_launch(
+        self, sources: range, consumers: range, grads: Halves, attention_layout: bool, accumulate: torch.Tensor | None
+    ) -> torch.Tensor:
+        """``row_grad`` as one ``mix_kernel`` launch, the router columns read from the stack
+        (``RouterStack.operand``) and the kept g_m where ``grads`` addresses them (rows, or the
+        rank chunks ``KeptGradients.gather`` keeps under tensor parallelism)."""
+        columns = self.stack(grads.keys).operand(consumers, sources, transposed=True)
+        s, b, _, width = self.key_values.kv_shape
+        if attention_layout:
+            out = grads.keys.new_empty(2 * s * b, columns.rows, width)
+        else:
+            out = grads.keys.new_empty(columns.rows, 2 * s * b * width)
+
+        def in_out_layout(tensor: torch.Tensor) -> Halves:
+            return Halves.of_heads(tensor) if attention_layout else Halves.of_rows(tensor, 0, columns.rows, width)
+
+        halves, added = in_out_layout(out), None if accumulate is None else in_out_layout(accumulate)
+        flops = 2 * columns.rows * grads.bytes // grads.keys.element_size()
+        observed_product("row_grad", grads, flops, lambda: kernels.mix(halves, (columns, grads), accumulate=added))
+        return out
