@@ -4,7 +4,11 @@ Builds LIMe and the LLaMA baseline with the same tiny shape and, in one process,
 two models, generates ``--new-tokens`` tokens greedily after a ``--prompt-length``-token prompt
 with ``lime_megatron.inference.generation`` (KV cache) and with full recomputation per token
 (``use_cache=False``).  Reports the median tokens/s over ``--repeats`` runs, the cache's speed-up
-and LIMe over the baseline, and checks that both modes generated the same tokens.
+and LIMe over the baseline, and checks that both modes generated the same tokens.  One untimed run
+of each model and mode comes first: on a GPU the first run of a shape compiles LIMe's Triton
+kernels and builds TransformerEngine's attention plans (one per sequence length the cache grows
+through), seconds that are no part of decoding's steady state (the H200 session of 2026-11-28
+timed them: 26 tokens/s for the baseline, 17 for LIMe, at a 1B shape).
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_decoding.py
@@ -68,11 +72,13 @@ def main(argv=None) -> None:
     options = SamplingOptions(max_new_tokens=args.new_tokens, stop_at_eod=False)
     rates = {(name, cache): [] for name in models for cache in (True, False)}
     tokens = {}
+    warmups = [(name, cache) for cache in (True, False) for name in models]
     runs = [(name, cache) for _ in range(args.repeats) for cache in (True, False) for name in models]
-    for name, cache in tqdm(runs, desc="decoding runs"):
+    for index, (name, cache) in enumerate(tqdm(warmups + runs, desc="decoding runs (warm-up first)")):
         result = Generator(models[name], use_cache=cache).generate(prompts, options)
-        rates[name, cache].append(result.tokens_per_second)
-        tokens.setdefault((name, cache), result.tokens)
+        if index >= len(warmups):
+            rates[name, cache].append(result.tokens_per_second)
+            tokens.setdefault((name, cache), result.tokens)
     median = {key: statistics.median(values) for key, values in rates.items()}
     if args.json:
         records = [
@@ -89,7 +95,7 @@ def main(argv=None) -> None:
         f"\n{args.num_layers} layers, hidden {args.hidden_size}, {args.num_attention_heads} heads / "
         f"{args.kv_heads} kv heads, batch {args.batch_size}, prompt {args.prompt_length}, "
         f"{args.new_tokens} new tokens, "
-        f"median of {args.repeats}, {torch.get_num_threads()} threads"
+        f"median of {args.repeats} after one warm-up run each, {torch.get_num_threads()} threads"
     )
     rows = [
         dict(

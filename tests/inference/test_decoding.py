@@ -1,7 +1,8 @@
 """KV-cache decoding (lime_megatron.inference.decoding) against the full forward, float64.
 
 Prefill plus one token at a time gives the logits of one full causal forward (every router
-variant, dynamic included, MHA and GQA, LIMe, the baseline and Hyper-Connections); a batch of different prompt
+variant, dynamic included, MHA and GQA, LIMe on both routing paths, the baseline and
+Hyper-Connections); a batch of different prompt
 lengths decoded at one shared position gives each sequence's own unpadded forward; LIMe's cache is the baseline's size
 and a decoding step's layer-integrated memory holds only the new tokens.
 """
@@ -31,6 +32,8 @@ MODELS = [
     dict(lime_router="last", lime_router_window=2),
     dict(lime_router="first", lime_router_window=2),
     dict(lime_router="dynamic"),  # per-token weights of the new tokens only
+    dict(lime_router="full", lime_routing_kernel="triton"),  # Eqs. 1-2 in one launch per layer and step
+    dict(lime_router="last", lime_router_window=2, lime_routing_block=2, lime_routing_kernel="triton"),
     dict(lime=False),
     dict(lime=False, hyper_connections=4),  # Hyper-Connections: the streams are per position
     dict(lime=False, hyper_connections=4, hyper_connections_manifold=True),  # mHC: so are its mappings
@@ -57,7 +60,9 @@ def test_incremental_logits_equal_the_full_forward(kv_heads, options):
 
 
 @pytest.mark.parametrize(
-    "options", [MODELS[0], MODELS[2], MODELS[4], MODELS[5]], ids=["full", "last-2", "dynamic", "baseline"]
+    "options",
+    [MODELS[0], MODELS[2], MODELS[4], dict(lime=False), MODELS[6]],
+    ids=["full", "last-2", "dynamic", "baseline", "last-2 triton"],
 )
 def test_prompts_of_different_lengths_decode_like_each_alone(options):
     """Shared-position decoding (megatron's static engine): prefill to the shortest prompt, then

@@ -11,6 +11,7 @@ import pytest
 import torch
 
 from lime_megatron.choices import LimeConfigError
+from lime_megatron.inference.decoding import decode_step, kv_cache_context
 from lime_megatron.kernels.routing_path import routing_kernel
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.lime.fused_routing import gathers_heads
@@ -214,13 +215,16 @@ def step_operators(model) -> DispatchedOperators:
     return operators
 
 
-def extra_per_layer(**settings) -> dict[str, float]:
-    """Operators LIMe dispatches per layer beyond the baseline, by name: the difference of the
-    extra counts at 12 and 8 layers over 4 (what a pass costs once cancels)."""
+def extra_per_layer(count=None, **settings) -> dict[str, float]:
+    """Operators LIMe (the Triton path unless ``settings`` say otherwise) dispatches per layer
+    beyond the baseline in what ``count`` counts (default ``step_operators``), by name: the
+    difference of the extra counts at 12 and 8 layers over 4 (what a pass costs once cancels)."""
+    count = count or step_operators
+    settings = dict(lime_routing_kernel="triton") | settings
     extra = {}
     for layers in (8, 12):
-        lime = step_operators(tiny_model(num_layers=layers, lime_routing_kernel="triton", **settings)).by_name
-        base = step_operators(tiny_model(num_layers=layers, lime=False)).by_name
+        lime = count(tiny_model(num_layers=layers, **settings)).by_name
+        base = count(tiny_model(num_layers=layers, lime=False)).by_name
         extra[layers] = {name: lime[name] - base[name] for name in lime.keys() | base.keys()}
     names = extra[12].keys() | extra[8].keys()
     change = {name: (extra[12].get(name, 0) - extra[8].get(name, 0)) / 4 for name in names}
@@ -266,6 +270,29 @@ def test_triton_host_work_per_layer(name):
     per_layer = extra_per_layer(**settings)
     assert per_layer == expected
     assert sum(per_layer.values()) == {"B=2": 8, "B=4": 6}.get(name, 8)
+
+
+def decoding_step_operators(model) -> DispatchedOperators:
+    """The operators of one KV-cache decoding step of one token per sequence, after a prefill."""
+    model.eval()
+    tokens = batch()[0]
+    context = kv_cache_context(model, tokens.shape[0], tokens.shape[1])
+    decode_step(model, context, tokens[:, :-1])
+    with DispatchedOperators() as operators:
+        decode_step(model, context, tokens[:, -1:])
+    return operators
+
+
+@pytest.mark.parametrize("kernel, expected", [("triton", 3), ("torch", 15)])
+def test_decoding_host_work_per_layer(kernel, expected):
+    """Operators a KV-cache decoding step dispatches per layer beyond the baseline's: on the
+    Triton path Eqs. 1-2 as one launch and its two outputs (``memory.route_new_tokens``), blocked
+    or not; the torch path's store and product with their views (docs/routing.md)."""
+    for block in (1, 2):
+        per_layer = extra_per_layer(decoding_step_operators, lime_routing_kernel=kernel, lime_routing_block=block)
+        assert sum(per_layer.values()) == expected, per_layer
+        if kernel == "triton":
+            assert per_layer == {"new_empty": 2, "triton:mix_kernel": 1}
 
 
 SYNCHRONISING = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose")

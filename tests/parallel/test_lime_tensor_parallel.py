@@ -362,10 +362,45 @@ def skip_layer_one(layer: int, source: int) -> bool:
     return layer != 3 or source != 1
 
 
+def decoding_step_operators(lime: bool) -> tuple[torch.Tensor, torch.Tensor, dict[str, int]]:
+    """A TP = 2 (kv 4) model, LIMe on the Triton path at B = 2 with random routers or the
+    baseline: its full forward's logits and KV-cache decoding's (a prefill of 5 tokens, then one
+    per step), and the operators of a decoding step of one token."""
+    from lime_megatron.inference.decoding import decode_step, full_logits, kv_cache_context
+    from lime_megatron.testing.dispatched_operators import DispatchedOperators
+    from tests.decoding_fixtures import incremental_logits
+
+    layout = Layout(tp=2)
+    initialize_layout(layout)
+    config = small_config(layout, lime=lime, lime_routing_kernel="triton" if lime else "auto", lime_routing_block=2)
+    model = build_chunks(config)[0].module.eval()
+    tokens = make_batches(1, 2, SEQ, VOCAB)[0]["tokens"]
+    with torch.no_grad():
+        for router in model.routers():
+            if router.learned:
+                router.weight.uniform_(-0.5, 0.5)
+        full, incremental = full_logits(model, tokens), incremental_logits(model, tokens, 5)
+        context = kv_cache_context(model, tokens.shape[0], tokens.shape[1])
+        decode_step(model, context, tokens[:, :-1])
+        with DispatchedOperators() as operators:
+            decode_step(model, context, tokens[:, -1:])
+    return full, incremental, operators.by_name
+
+
+def triton_decoding() -> tuple[float, dict[str, int]]:
+    """TP = 2, B = 2 on the Triton path: the relative error of KV-cache decoding's logits against
+    the full forward's, and the operators a decoding step dispatches beyond the baseline's."""
+    full, incremental, lime = decoding_step_operators(True)
+    base = decoding_step_operators(False)[2]
+    error = ((incremental[:, 4:] - full[:, 4:]).norm() / full[:, 4:].norm()).item()
+    return error, {name: lime.get(name, 0) - base.get(name, 0) for name in lime.keys() | base.keys()}
+
+
 def triton_checks():
     return {
         "layouts": compare_layouts(TRITON_LAYOUTS, kernel="triton"),
         "skipping a source": compare_layouts(TRITON_LAYOUTS[:1], keep=skip_layer_one, kernel="triton"),
+        "decoding": triton_decoding(),
     }
 
 
@@ -374,8 +409,18 @@ def test_triton_path_under_tensor_parallelism():
     layer's g_l is all-gathered into rank chunks and its forward mix reduce-scattered
     (``fused_routing``), the heads shared by rank pairs and blocked routing (the general path,
     its products Triton launches), and a router skipping a source: 3 SGD steps, losses and every
-    gradient against the TP=1 torch run."""
-    for case, report in run_distributed(triton_checks, 4)[0].items():
+    gradient against the TP=1 torch run; and TP2's KV-cache decoding on this path against its
+    full forward."""
+    reports = run_distributed(triton_checks, 4)[0]
+    decoding, operators = reports.pop("decoding")
+    print(f"decoding against the full forward at TP2, B = 2: relative error {decoding:.2e}; a step's {operators}")
+    assert decoding <= 1e-5
+    # per layer after the first: its two outputs, one launch, one reduce-scatter and one unbind;
+    # layer 0 (the identity) stores its rows by one stack; no product beyond the baseline's
+    picked = {name: operators[name] for name in ("triton:mix_kernel", "_reduce_scatter_base_", "unbind", "new_empty")}
+    assert picked == {"triton:mix_kernel": 3, "_reduce_scatter_base_": 3, "unbind": 3, "new_empty": 6}
+    assert operators["stack"] == 1 and all(operators[name] == 0 for name in ("mm", "bmm", "baddbmm"))
+    for case, report in reports.items():
         for name, kv_heads, loss_diff, grad_err, routers in report:
             print(f"{case} {name} kv={kv_heads}: max |loss diff| {loss_diff:.2e}, max relative error {grad_err:.2e}")
             assert len(routers) == 3

@@ -48,6 +48,8 @@ layer; a chunk routes all its layers one way):
 
 4 operators per layer beyond the TP = 1 path's: the two collectives, and the ``stack`` and the
 ``unbind`` around them (``tests/parallel/test_lime_tensor_parallel.py`` holds the count).
+KV-cache decoding keeps no gradient: its steps route this way (and without tensor parallelism as
+above, in one launch) whatever the block size (``routes_new_tokens``).
 
 Where a layer's case is not one of these (``FusedRouting.serves`` decides), the memory's general
 path runs, its products Triton launches too (``routing_products``; the row gradients read the kept
@@ -96,30 +98,36 @@ class FusedRouting:
         )
         self.blocks = FusedBlocks(gradients)
 
+    def routes_new_tokens(self, router: LimeRouter) -> bool:
+        """Whether a KV-cache decoding step of ``router``'s layer routes here (``store_and_mix``
+        over all its sources, blocked or not; no gradient kept)."""
+        return routes_alone(router, self.key_values.triton) or routes_on_ranks(router, self.key_values.triton)
+
     def serves(self, router: LimeRouter) -> bool:
         """Whether ``router``'s layer routes as the module docstring says: alone
         (``fused_blocks.routes_alone``) and, where its block mixes its earlier sources, in a block
-        that routes on the fused path too (``fused_blocks``); under tensor parallelism every
-        layer but the identity's where the memory gathers g_l (``gathers_heads``)."""
+        that routes on the fused path too (``fused_blocks``); under tensor parallelism every layer
+        but the identity's where the memory gathers g_l (``gathers_heads``)."""
         if self.kept.gathered is not None:
             return not router.identity
-        return routes_alone(router, self.key_values.triton) and (
-            not self.routing.blocked(router) or self.blocks.fused(router)
-        )
+        alone = routes_alone(router, self.key_values.triton)
+        return alone and (not self.routing.blocked(router) or self.blocks.fused(router))
 
     def store_and_mix(
-        self, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
+        self, router: LimeRouter, key: torch.Tensor, value: torch.Tensor, in_block: bool = True
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eqs. 1-2 of ``router``'s layer (module docstring): its keys/values ``[s, b, h, d]``
         written into the buffer, the routed keys and values returned (``[s, b, h, d]`` each, two
         tensors; a blocked layer's are its block's sums over earlier sources, completed in
-        place: ``fused_blocks``).  One launch per row block of sources (one unless the layer
-        reads another pipeline chunk's rows or skips sources)."""
+        place: ``fused_blocks``; with ``in_block`` False the layer's product covers all its
+        sources whatever its block: KV-cache decoding, ``memory.route_new_tokens``).  One launch
+        per row block of sources (one unless the layer reads another pipeline chunk's rows or
+        skips sources)."""
         rows = self.key_values
         rows.allocate(key)
-        if self.kept.gathered is not None:
+        if router.sharding.size > 1:
             return self._mix_for_every_rank(router, key, value)
-        blocked, since = self.routing.blocked(router), 0
+        blocked, since = in_block and self.routing.blocked(router), 0
         if blocked:
             keys, values = self.blocks.take_sums(router.layer)
             since = self.routing.block_of(router.layer).start + 1  # the block's launch added its first
@@ -266,20 +274,25 @@ class FusedRouting:
         return keys, values, (out, first, mine, later, kept_rows, kept.downstream_halves(layer))
 
 
+def routes_on_ranks(router: LimeRouter, triton: bool) -> bool:
+    """Whether ``router``'s layer can route on the fused path under tensor parallelism outside a
+    block (``FusedRouting._mix_for_every_rank``): the Triton path (``triton``), every kv head held
+    by one rank (no replicas: megatron shares a head between ranks only with fewer kv heads than
+    ranks), a learned or fixed product reading its own layer (route pruning may drop it)."""
+    sharding = router.sharding
+    own = not router.identity and router.read_sources[-1] == router.layer
+    return triton and sharding.size > 1 and sharding.replicas == 1 and own
+
+
 def gathers_heads(routers: dict[int, LimeRouter], triton: bool, block: int) -> Any:
     """The tensor-parallel process group whose ranks' g_l a chunk's memory gathers on the Triton
-    path (``KeptGradients.gather``), or None where its layers route otherwise: every layer but the
-    identity's routes as ``FusedRouting`` says under tensor parallelism when the run takes the
-    Triton path, B = 1, every kv head is held by one rank (no replicas: megatron shares a head
-    between ranks only with fewer kv heads than ranks) and every router reads its own layer (route
-    pruning may drop it).  A chunk routes all its layers one way: the g_m its layers keep are read
-    by the others'."""
-    sharding = next(iter(routers.values())).sharding if routers else None
-    if not triton or block > 1 or sharding is None or sharding.size == 1 or sharding.replicas > 1:
+    path (``KeptGradients.gather``), or None where its layers route otherwise: at B = 1 where every
+    layer but the identity's ``routes_on_ranks``.  A chunk routes all its layers one way: the g_m
+    its layers keep are read by the others'."""
+    learned = [router for router in routers.values() if not router.identity]
+    if block > 1 or not learned or not all(routes_on_ranks(router, triton) for router in learned):
         return None
-    if any(not router.identity and router.read_sources[-1] != router.layer for router in routers.values()):
-        return None
-    return sharding.group
+    return learned[0].sharding.group
 
 
 def _router_columns(router: LimeRouter, start: int, stop: int, transposed: bool = False) -> Columns:

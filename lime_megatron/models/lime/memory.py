@@ -60,7 +60,8 @@ inverted):
 
 Decoding.  With a KV cache (``lime_megatron.inference.decoding``) each forward pass is one decoding
 step over the step's new tokens only; the routed keys/values go to the per-layer cache.
-``route_new_tokens`` is that path: Eqs. 1-2 without autograd.
+``route_new_tokens`` is that path: Eqs. 1-2 without autograd, over all of a layer's sources
+(no block mixes earlier sources), one launch per layer on the Triton path.
 
 The memory of a pass is found by layers through a small handle tensor that megatron threads
 through every layer (and through its activation-recompute checkpoints) as the decoder's
@@ -245,9 +246,12 @@ def route_new_tokens(
     """KV-cache decoding step (no autograd): store the new tokens' keys/values ``[s_new, b, h, d]``
     of ``router``'s layer in the step's memory (Eq. 1) and return their routed keys and values
     ``([s_new, b, h, d], [s_new, b, h, d])`` (Eq. 2), which the caller copies into the layer's
-    cache: for the identity routing (layer 0) ``key`` and ``value`` themselves."""
+    cache: for the identity routing (layer 0) ``key`` and ``value`` themselves.  On the Triton path
+    both equations are one launch (``FusedRouting.store_and_mix``, over all the layer's sources)."""
     if torch.is_grad_enabled():
         raise RuntimeError("LIMe KV-cache decoding runs without autograd: call the model under torch.no_grad()")
+    if memory.fused.routes_new_tokens(router):
+        return memory.fused.store_and_mix(router, key, value, in_block=False)
     memory.key_values.store(router.layer, key, value)
     if router.identity:
         return key, value
