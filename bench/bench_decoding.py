@@ -15,7 +15,7 @@ Run (the figures in BENCHMARKS.md):
 On a GPU at the paper's 1B GQA-8 shape (the GPU session's decoding step, ``tools/gpu/session.py``):
     python bench/bench_decoding.py --device cuda --dtype bfloat16 --transformer-impl transformer_engine \
         --num-layers 16 --hidden-size 2048 --num-attention-heads 32 --kv-heads 8 --ffn-hidden-size 8192 \
-        --vocab-size 50304 --prompt-length 128 --new-tokens 128 --repeats 2
+        --vocab-size 50304 --prompt-length 128 --new-tokens 64 --repeats 1
 """
 
 from __future__ import annotations

@@ -102,7 +102,7 @@ GPU = Mode(
     pretrain_iterations=12,
     pretrain_warmup=4,
     decoding_shape="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --kv-heads 8 "
-    "--ffn-hidden-size 8192 --vocab-size 50304 --prompt-length 128 --new-tokens 128 --repeats 1".split(),
+    "--ffn-hidden-size 8192 --vocab-size 50304 --prompt-length 128 --new-tokens 64 --repeats 1".split(),
 )
 REHEARSAL = Mode(
     name="rehearsal",
