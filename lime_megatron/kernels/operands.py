@@ -161,15 +161,15 @@ class Halves:
 
     @staticmethod
     def of_rank_chunks(chunks: torch.Tensor, first: int, count: int) -> Halves:
-        """Rows ``first..first+count-1`` of chunks ``[2 * C, s, b, k, d]``, chunk c's keys at 2c
-        and its values at 2c + 1 (a tensor-parallel rank's keys and values of its k heads in
-        attention's layout, one chunk per rank, as a reduce-scatter takes them and an all-gather
-        leaves them; C may count the ranks of several layers): row i is head ``i % k`` of chunk
-        ``i // k``; ``first`` a multiple of k."""
-        _, s, b, heads, width = chunks.shape
+        """Rows ``first..first+count-1`` of contiguous chunks ``[..., 2 * C, s, b, k, d]``, chunk
+        c's keys at 2c and its values at 2c + 1 (a tensor-parallel rank's keys and values of its k
+        heads in attention's layout, one chunk per rank, as a reduce-scatter takes them and an
+        all-gather leaves them; C may count the ranks of several layers, and leading dimensions
+        more): row i is head ``i % k`` of chunk ``i // k``; ``first`` a multiple of k."""
+        *_, s, b, heads, width = chunks.shape
         if first % heads:
             raise ValueError(f"row {first} does not begin a chunk of {heads} heads")
-        strides, half = (width, b * heads * width, heads * width), chunks.stride(0)
+        strides, half = (width, b * heads * width, heads * width), s * b * heads * width
         start = first // heads * 2 * half
         return Halves(chunks, chunks, half, start, strides, strides, count, s * b, width, b, heads, 2 * half)
 

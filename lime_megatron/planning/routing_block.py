@@ -75,10 +75,6 @@ class HostOperators:
     """More once at B > 1 in the chunk holding layer 0, where a block reads earlier sources (layer
     0's block takes its later consumers' share on the general path, the identity routing not
     being fused)."""
-    per_layer_when_blocked: float = 0.0
-    """More per layer at any B > 1, where the path's B = 1 is fused and its blocks are not (the
-    Triton path under tensor parallelism: a blocked chunk routes every layer on the general
-    path, ``fused_routing.gathers_heads``)."""
 
 
 TORCH_OPERATORS = HostOperators(39, 25, 9, 20, 12)
@@ -99,21 +95,24 @@ block aside).  ``per_received_block_per_layer`` is fixed by the B = 1 count's ch
 row gradients of received rows became one launch each (32 fewer on the second rank: 4 per layer);
 the counts above fix only its difference from ``per_received_block_per_chunk``."""
 
-TENSOR_PARALLEL_TRITON_OPERATORS = dataclasses.replace(
-    TRITON_OPERATORS,
-    per_layer=TRITON_OPERATORS.per_layer + 4,
-    per_block=15,
-    per_blocked_layer=10,
-    per_first_block=0,
-    per_layer_when_blocked=25.125,
+TENSOR_PARALLEL_TRITON_OPERATORS = HostOperators(
+    TRITON_OPERATORS.per_layer + 4, 6, -3, 6, 2, per_received_block_per_chunk=17, per_first_block=3
 )
-"""The Triton path's under tensor parallelism (no kv head shared by ranks): at B = 1 the TP = 1
-path's and per layer its two collectives and the ``stack`` and ``unbind`` around them
-(``fused_routing``; ``tests/parallel/test_lime_tensor_parallel.py`` counts them); at B > 1 the
-general path, its products Triton launches: counted at TP = 2 (gloo), 16 layers, kv 4, B = 1, 2,
-4, 8, 16 (274, 921, 841, 771, 676 operators beyond the baseline with megatron's DDP; the model
-gives every difference from B = 1 exactly).  The received-block terms are the TP = 1 path's, not
-counted under tensor and pipeline parallelism together."""
+"""The Triton path's under tensor parallelism with every kv head on one rank (``fused_routing``,
+its rank chunks): per layer the TP = 1 path's and its two collectives with the ``stack`` and
+``unbind`` around them (``tests/parallel/test_lime_tensor_parallel.py`` counts them at B = 1); a
+fused block 2 fewer than at TP = 1 (its sums one tensor) and each of its layers 1 more (its routed
+keys/values the reduce-scatter's output): counted at TP = 2 (gloo, megatron's DDP), 16 layers,
+kv 4, B = 1, 2, 4, 8, 16 (274, 277, 259, 259, 274 operators beyond the baseline; the model gives
+every difference from B = 1 exactly).  The received-block terms are the TP = 1 path's, not counted
+under tensor and pipeline parallelism together."""
+
+SHARED_HEADS_TRITON_OPERATORS = HostOperators(41.2, 15, 10, 6, 2, per_received_block_per_chunk=17)
+"""The Triton path's under tensor parallelism with kv heads shared by ranks (fewer kv heads than
+ranks): the general path at every B, its products Triton launches (rows layout, ``scatter_heads``,
+``gather_heads``): counted at TP = 4, kv 2, 16 layers, B = 1, 2, 4, 8, 16 (719, 964, 884, 814, 719;
+per layer 27.8 more than the rank-chunk path's at B = 1, 274 at TP = 2, kv 4, in the same
+harness); the received-block terms as above."""
 
 GPU_HOST_SECONDS_PER_OPERATOR = 17e-6
 """Host seconds per operator dispatched on a GPU machine (Python, dispatch and kernel launch):
@@ -238,18 +237,12 @@ def path_machine(config, machine: MachineBalance) -> MachineBalance:
 
 def triton_operators(config) -> HostOperators:
     """The Triton path's operators for ``config``'s tensor parallelism: ``TRITON_OPERATORS``
-    without it, ``TENSOR_PARALLEL_TRITON_OPERATORS`` with it, and with kv heads shared by ranks
-    (fewer kv heads than ranks) the general path's at every B (those counts' B > 1 per layer; the
-    replicas' index operators not counted)."""
+    without it, ``TENSOR_PARALLEL_TRITON_OPERATORS`` with it, ``SHARED_HEADS_TRITON_OPERATORS``
+    with fewer kv heads than ranks."""
     size = config.tensor_model_parallel_size
     if size == 1:
         return TRITON_OPERATORS
-    counts = TENSOR_PARALLEL_TRITON_OPERATORS
-    if config.kv_heads >= size:
-        return counts
-    return dataclasses.replace(
-        counts, per_layer=counts.per_layer + counts.per_layer_when_blocked, per_layer_when_blocked=0.0
-    )
+    return TENSOR_PARALLEL_TRITON_OPERATORS if config.kv_heads >= size else SHARED_HEADS_TRITON_OPERATORS
 
 
 def blocks_of(layers: range, block: int) -> list[range]:
@@ -280,14 +273,13 @@ def host_operators(layers: range, block: int, received: int = 0, counts: HostOpe
     block."""
     if block == 1:
         return (counts.per_layer + counts.per_received_block_per_layer * received) * len(layers)
-    per_layer = counts.per_layer + counts.per_layer_when_blocked
     blocked = [len(consumers) for consumers in blocks_of(layers, block) if consumers.start > 0]
     per_block = counts.per_block + counts.per_received_block_per_block * received
     per_chunk = counts.per_received_block_per_chunk * received
     if layers.start == 0 and blocked:
         per_chunk += counts.per_first_block
     blocks = per_block * len(blocked) + counts.per_blocked_layer * sum(blocked)
-    return per_layer * len(layers) + per_chunk + blocks
+    return counts.per_layer * len(layers) + per_chunk + blocks
 
 
 def routing_step_seconds(

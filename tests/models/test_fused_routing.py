@@ -17,6 +17,7 @@ from lime_megatron.models.config import lime_config
 from lime_megatron.models.lime.fused_routing import gathers_heads
 from lime_megatron.models.lime.head_parallel import HeadSharding
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
+from lime_megatron.models.lime.static_routing import StaticRouting
 from lime_megatron.testing.dispatched_operators import DispatchedOperators
 from tests.lime_fixtures import (
     RECOMPUTE,
@@ -335,15 +336,22 @@ def test_standing_router_stack_follows_the_weights():
                 model.zero_grad(set_to_none=True)
 
 
-def routers_of(kv_heads: int, ranks: int, reads_own: bool = True) -> dict:
-    """Three layers' routers (as ``gathers_heads`` reads them) sharded over ``ranks``; the last
-    one's own layer pruned unless ``reads_own``."""
+def routers_of(kv_heads: int, ranks: int, reads: list[int] | None = None) -> dict:
+    """Three layers' routers (as ``gathers_heads`` reads them) sharded over ``ranks``, the full
+    router's, the last one reading ``reads`` (route pruning) when given."""
     sharding = HeadSharding(kv_heads, 0, ranks, group="tp")
-    last = [0, 1, 2] if reads_own else [0, 1]
-    sources = {0: [0], 1: [0, 1], 2: last}
+    local = len(sharding.local_heads)
     return {
-        layer: SimpleNamespace(layer=layer, identity=layer == 0, read_sources=read, sharding=sharding)
-        for layer, read in sources.items()
+        layer: SimpleNamespace(
+            layer=layer,
+            identity=layer == 0,
+            sources=list(range(layer + 1)),
+            read_sources=reads if reads is not None and layer == 2 else list(range(layer + 1)),
+            sharding=sharding,
+            local_heads=local,
+            weight=torch.empty(kv_heads, (layer + 1) * local),
+        )
+        for layer in range(3)
     }
 
 
@@ -352,14 +360,16 @@ def routers_of(kv_heads: int, ranks: int, reads_own: bool = True) -> dict:
     [
         (routers_of(4, 2), True, 1, True),
         (routers_of(4, 4), True, 1, True),
+        (routers_of(4, 2), True, 2, True),  # blocked: its block of layer 2 routes as one
         (routers_of(4, 1), True, 1, False),  # no tensor parallelism: g_l kept in the dead rows
         (routers_of(4, 2), False, 1, False),  # the torch path
-        (routers_of(4, 2), True, 2, False),  # blocked: the general path
         (routers_of(2, 4), True, 1, False),  # heads shared by rank pairs: the general path
-        (routers_of(4, 2, reads_own=False), True, 1, False),  # a router not reading its own layer
+        (routers_of(4, 2, reads=[0, 1]), True, 1, False),  # a router not reading its own layer
+        (routers_of(4, 2, reads=[0, 2]), True, 2, False),  # blocked, a source pruned: not one block
     ],
-    ids=["tp2", "tp4", "tp1", "torch", "blocked", "shared heads", "own layer pruned"],
+    ids=["tp2", "tp4", "blocked", "tp1", "torch", "shared heads", "own layer pruned", "blocked, pruned"],
 )
 def test_which_chunks_gather_heads(routers, triton, block, gathers):
     """Which chunks route every layer on the gathered tensor-parallel path (``gathers_heads``)."""
-    assert (gathers_heads(routers, triton, block) == "tp") is gathers
+    routing = StaticRouting(KeyValueRows(range(3), triton), block)
+    assert (gathers_heads(routers, triton, routing) == "tp") is gathers

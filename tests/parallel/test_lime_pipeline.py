@@ -166,6 +166,8 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("pruned-blocked-triton", dict(lime_prune_top_p=0.7), [Layout(pp=2, vpp=2)], dict(lime_routing_block=2, **TRITON)),
 ]
 SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
+    # fused blocks on tensor-parallel rank chunks, with received rows (the Triton path)
+    ("mha-blocked-triton", {}, [Layout(tp=2, pp=2, sp=True)], dict(lime_routing_block=2, **TRITON)),
     ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
     ("mha-uneven", {}, [Layout(pp=4)], UNEVEN),
     ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=4)]),

@@ -352,7 +352,9 @@ TRITON_LAYOUTS = [  # the Triton path (Triton's interpreter) against the TP=1 to
     (Layout(tp=4), 4, 1),
     (Layout(tp=2), 2, 1),
     (Layout(tp=4, sp=True), 2, 1),  # heads shared by rank pairs: the general path
-    (Layout(tp=2, sp=True), 4, 2),  # blocked: the general path
+    (Layout(tp=2, sp=True), 4, 2),  # blocks 0-1 (no earlier sources) and 2-3 (a fused block)
+    (Layout(tp=4), 4, 2),
+    (Layout(tp=4, sp=True), 2, 3),  # blocked, heads shared by rank pairs: the general path
 ]
 
 
@@ -443,14 +445,14 @@ def trainer_step_operators(config, micro_batches: int = 1) -> dict[str, float]:
     return {name: count / micro_batches for name, count in operators.by_name.items()}
 
 
-def step_operators(layers: int, lime: bool, block: int = 1) -> dict[str, float]:
-    """``trainer_step_operators`` of a TP=2, kv 4 chunk, LIMe on the Triton path (blocks of
-    ``block`` layers) or the baseline."""
-    layout = Layout(tp=2)
+def step_operators(layers: int, lime: bool, block: int = 1, tp: int = 2, kv_heads: int = 4) -> dict[str, float]:
+    """``trainer_step_operators`` of a TP = ``tp`` chunk of ``kv_heads``, LIMe on the Triton path
+    (blocks of ``block`` layers) or the baseline."""
+    layout = Layout(tp=tp)
     initialize_layout(layout)
     kernel = "triton" if lime else "auto"
-    config = small_config(layout, num_layers=layers, lime=lime, lime_routing_kernel=kernel, lime_routing_block=block)
-    return trainer_step_operators(config)
+    settings = dict(lime=lime, lime_routing_kernel=kernel, lime_routing_block=block)
+    return trainer_step_operators(small_config(layout, kv_heads, num_layers=layers, **settings))
 
 
 def collective_operators() -> dict[str, int]:
@@ -503,24 +505,33 @@ def test_triton_host_work_per_layer_under_tensor_parallelism():
     assert per_layer == expected
 
 
-def operators_by_block(blocks: tuple[int, ...]) -> dict[int, int]:
+def operators_by_block(blocks: tuple[int, ...], kv_heads: int) -> dict[int, float]:
     """Operators LIMe (the Triton path) dispatches beyond the baseline in one forward+backward at
-    TP = 2, 16 layers, per block size."""
-    base = sum(step_operators(16, False).values())
-    return {block: sum(step_operators(16, True, block).values()) - base for block in blocks}
+    TP = the world's size, 16 layers of ``kv_heads``, per block size."""
+    tp = torch.distributed.get_world_size()
+    base = sum(step_operators(16, False, tp=tp, kv_heads=kv_heads).values())
+    return {block: sum(step_operators(16, True, block, tp, kv_heads).values()) - base for block in blocks}
 
 
 def test_host_operators_model_blocking_under_tensor_parallelism():
-    """What blocking adds on the Triton path under tensor parallelism (the general path, every
-    layer) is what ``host_operators`` adds with ``TENSOR_PARALLEL_TRITON_OPERATORS``, exactly, and
-    the block-size chooser counts those operators for such a run."""
+    """What blocking adds on the Triton path under tensor parallelism is what ``host_operators``
+    adds with the path's counts, exactly: ``TENSOR_PARALLEL_TRITON_OPERATORS`` (TP = 2, kv 4:
+    fused blocks on the rank chunks) and ``SHARED_HEADS_TRITON_OPERATORS`` (TP = 4, kv 2: the
+    general path); and the block-size chooser counts those for such runs."""
     from lime_megatron.models.config import lime_config
     from lime_megatron.planning import routing_block as R
 
-    counted = run_distributed(operators_by_block, 2, (1, 4, 8, 16))[0]
-    counts = R.TENSOR_PARALLEL_TRITON_OPERATORS
-    modelled = {block: R.host_operators(range(16), block, counts=counts) for block in counted}
-    added = {block: (counted[block] - counted[1], modelled[block] - modelled[1]) for block in counted}
-    assert all(count == pytest.approx(model, abs=0.01) for count, model in added.values()), added
-    config = lime_config(num_layers=16, hidden_size=64, num_attention_heads=4, tensor_model_parallel_size=2)
-    assert R.path_machine(config, R.H100_SXM).operators == counts
+    paths = [(2, 4, R.TENSOR_PARALLEL_TRITON_OPERATORS), (4, 2, R.SHARED_HEADS_TRITON_OPERATORS)]
+    for ranks, kv_heads, counts in paths:
+        counted = run_distributed(operators_by_block, ranks, (1, 2, 8), kv_heads)[0]
+        modelled = {block: R.host_operators(range(16), block, counts=counts) for block in counted}
+        added = {block: (counted[block] - counted[1], modelled[block] - modelled[1]) for block in counted}
+        assert all(count == pytest.approx(model, abs=0.01) for count, model in added.values()), (ranks, added)
+        config = lime_config(
+            num_layers=16,
+            hidden_size=64,
+            num_attention_heads=4,
+            num_query_groups=kv_heads,
+            tensor_model_parallel_size=ranks,
+        )
+        assert R.path_machine(config, R.H100_SXM).operators == counts

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import torch
 
+from lime_megatron.kernels.operands import Halves
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter, routing_consumers
@@ -145,6 +146,13 @@ class ConsumerGradients:
             heads_dim = 1 if self._in_attention_layout() else 0
             self._later_grads.update(zip(sources, stacked.chunk(len(sources), dim=heads_dim)))
         return self._later_grads.pop(layer)
+
+    def later_consumer_halves(self, layer: int, sources: range) -> Halves | None:
+        """``later_consumer_grad`` as the kernels address it, in the layout it was summed in."""
+        grad = self.later_consumer_grad(layer, sources)
+        if grad is None or self._in_attention_layout():
+            return None if grad is None else Halves.of_heads(grad)
+        return Halves.of_rows(grad, 0, grad.shape[0], self.key_values.kv_shape[3])
 
     def _external_grad(self, layer: int, layers: range) -> torch.Tensor:
         """This chunk's share of the gradient of external layer ``layer`` (of the block

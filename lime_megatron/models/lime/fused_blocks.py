@@ -29,11 +29,15 @@ tensor, which every reader takes as an input, so its backward runs after every r
 before the backward of any layer before the block (``key``, as in
 ``routing_blocks.MixEarlierSources``), and returns each reader's whole weight gradient.
 
-A block routes here when each of its layers routes on the fused path alone (no tensor
-parallelism, a product reading its own layer) and its readers are consecutive layers from its
-first whose sources are whole runs (no pruned source) whose columns step evenly from reader to
-reader (the ``full`` and ``last`` routers; ``BlockReaders``); other blocks run the memory's general
-blocked path (``routing_blocks``), whose products are Triton launches too.
+A block routes here when each of its layers routes on the fused path alone (a product reading
+its own layer; under tensor parallelism on the rank chunks, where its chunk's memory gathers
+g_m: ``fused_routing.gathers_heads``) and its readers are consecutive layers from its first
+whose sources are whole runs (no pruned source) whose columns step evenly from reader to reader
+(the ``full`` and ``last`` routers; ``BlockReaders``); other blocks run the memory's general
+blocked path (``routing_blocks``), whose products are Triton launches too.  Under tensor
+parallelism P is one tensor ``[R, ranks * 2, s, b, local kv, d]`` (each reader's slot the rank
+chunks its reduce-scatter takes), G holds the rank's own heads, and the readers' weight
+gradients have all kv heads' rows and this rank's columns.
 """
 
 from __future__ import annotations
@@ -49,13 +53,15 @@ from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter
 from lime_megatron.models.lime.routing_products import weight_grad_dtype
+from lime_megatron.models.lime.static_routing import StaticRouting
 
 
 @dataclass(frozen=True)
 class BlockReaders:
     """A block's readers of earlier sources, consecutive layers from its first, reader q with
-    ``width + q * widen`` weight columns whose source j sits at column ``(j - first_source - q *
-    step) * heads``: their gradients lie one after another (``Placement``'s groups)."""
+    ``heads`` rows and ``width + q * widen`` weight columns whose source j sits at column ``(j -
+    first_source - q * step) * local`` (``local``: the heads this rank holds of each source):
+    their gradients lie one after another (``Placement``'s groups)."""
 
     routers: list[LimeRouter]
     width: int
@@ -63,6 +69,7 @@ class BlockReaders:
     first_source: int
     step: int
     heads: int
+    local: int
 
     @staticmethod
     def of(readers: list[LimeRouter]) -> BlockReaders | None:
@@ -79,7 +86,7 @@ class BlockReaders:
             )
             if not (whole and steps):
                 return None
-        return BlockReaders(readers, first.weight.shape[1], widen, first.sources[0], step, heads)
+        return BlockReaders(readers, first.weight.shape[1], widen, first.sources[0], step, heads, first.local_heads)
 
     def origin(self, q: int) -> int:
         """The element where reader q's gradient ``[heads, width + q * widen]`` starts."""
@@ -88,16 +95,16 @@ class BlockReaders:
     def every_reader(self, source: int) -> Placement:
         """A product over every reader's g (``[R * heads, ...]``) whose column 0 reads ``source``."""
         return Placement(
-            (source - self.first_source) * self.heads,
+            (source - self.first_source) * self.local,
             self.width,
             group=self.heads,
             widen=self.widen,
-            shift=-self.step * self.heads,
+            shift=-self.step * self.local,
         )
 
     def one_reader(self, q: int, source: int) -> Placement:
         """A product over reader q's g whose column 0 reads ``source``."""
-        column = (source - self.first_source - q * self.step) * self.heads
+        column = (source - self.first_source - q * self.step) * self.local
         return Placement(column, self.width + q * self.widen, origin=self.origin(q))
 
     def weight_grads(self, summed: torch.Tensor) -> list[torch.Tensor]:
@@ -117,6 +124,26 @@ def routes_alone(router: LimeRouter, triton: bool) -> bool:
     return triton and router.sharding.size == 1 and not router.identity and router.read_sources[-1] == router.layer
 
 
+def routes_on_ranks(router: LimeRouter, triton: bool) -> bool:
+    """Whether ``router``'s layer can route on the fused path under tensor parallelism
+    (``fused_routing``, its rank chunks): the Triton path (``triton``), every kv head held by one
+    rank (no replicas: megatron shares a head between ranks only with fewer kv heads than ranks),
+    a learned or fixed product reading its own layer (route pruning may drop it)."""
+    sharding = router.sharding
+    own = not router.identity and router.read_sources[-1] == router.layer
+    return triton and sharding.size > 1 and sharding.replicas == 1 and own
+
+
+def fusable_readers(routers: list[LimeRouter], routing: StaticRouting, triton: bool) -> BlockReaders | None:
+    """The readers of the block of ``routers`` (its layers) where the block can route here
+    (module docstring; under tensor parallelism on the rank chunks, ``routes_on_ranks``), else
+    None."""
+    readers = [router for router in routers if routing.blocked(router)]
+    fused = readers and readers[0].layer == routers[0].layer
+    fused = fused and all(routes_alone(router, triton) or routes_on_ranks(router, triton) for router in routers)
+    return BlockReaders.of(readers) if fused else None
+
+
 class FusedBlocks:
     """The fused blocks of a chunk (module docstring) over the memory's parts, those of
     ``gradients`` (which also says which layers read a layer); holds a block's shared tensors from
@@ -134,10 +161,10 @@ class FusedBlocks:
         """The readers of ``block`` when it routes here (module docstring), else None."""
         if block.start not in self._readers:
             routers = [self.stacked.routers[m] for m in block]
-            readers = [router for router in routers if self.routing.blocked(router)]
-            fused = readers and readers[0].layer == block.start
-            fused = fused and all(routes_alone(router, self.key_values.triton) for router in routers)
-            self._readers[block.start] = BlockReaders.of(readers) if fused else None
+            readers = fusable_readers(routers, self.routing, self.key_values.triton)
+            if routers[0].sharding.size > 1 and self.kept.gathered is None:  # g_m kept as rows
+                readers = None
+            self._readers[block.start] = readers
         return self._readers[block.start]
 
     def fused(self, router: LimeRouter) -> bool:
@@ -146,31 +173,34 @@ class FusedBlocks:
 
     def earlier_sums(self, router: LimeRouter, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """Forward, at each reader: P's keys (``MixEarlierRows``' output, the reader's input for
-        the order of backward), the block's product run at its first reader (``key``, ``value``:
-        its raw keys and values ``[s, b, kv, d]``, which that product stores and mixes)."""
+        the order of backward; under tensor parallelism P), the block's product run at its first
+        reader (``key``, ``value``: its raw keys and values ``[s, b, local kv, d]``, which that
+        product stores and mixes)."""
         block = self.routing.block_of(router.layer)
         readers = self.readers(block)
         if router is readers.routers[0]:
             MixEarlierRows.apply(self, block, key, value, *(reader.weight for reader in readers.routers))
         return self._sums[router.layer][2]
 
-    def take_sums(self, layer: int) -> tuple[torch.Tensor, torch.Tensor]:
-        """Reader ``layer``'s slots of P (its routed keys and values, to complete in place)."""
+    def take_sums(self, layer: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Reader ``layer``'s slots of P (its routed keys and values, to complete in place; under
+        tensor parallelism its rank chunks and None)."""
         keys, values, _ = self._sums.pop(layer)
         return keys, values
 
     def mix_earlier(self, block: range, key: torch.Tensor, value: torch.Tensor) -> torch.Tensor:
         """P (module docstring) of ``block``'s readers, with the first reader's own source m0 (its
-        raw keys and values ``key``, ``value`` ``[s, b, kv, d]``, stored into the buffer on the
-        way, which they allocate when m0 is the chunk's first layer): one launch per row block of
-        earlier sources, m0 added in the last.  The first reader's slots are then its routed
-        keys/values; each reader's slots kept for it; returns P's keys."""
+        raw keys and values ``key``, ``value`` ``[s, b, local kv, d]``, stored into the buffer on
+        the way, which they allocate when m0 is the chunk's first layer): one launch per row block
+        of earlier sources, m0 added in the last.  The first reader's slots are then its routed
+        keys/values (under tensor parallelism its sums for every rank's heads, to reduce-scatter:
+        P is ``[R, ranks * 2, s, b, local kv, d]``, each reader's slot its rank chunks); each
+        reader's slots kept for it; returns P's keys (P under tensor parallelism)."""
         readers = self.readers(block).routers
         rows = self.key_values
         rows.allocate(key)
-        s, b, kv_heads, d = rows.kv_shape
-        keys, values = key.new_empty(len(readers), s, b, kv_heads, d), key.new_empty(len(readers), s, b, kv_heads, d)
-        out, stack = Halves.of_groups(keys, values), self.stacked.stack(key)
+        keys, values, out = self._new_sums(readers)
+        stack = self.stacked.stack(key)
         layers = range(readers[0].layer, readers[-1].layer + 1)
         own = (stack.operand(layers, range(block.start, block.start + 1)), Halves.of_heads(key, value))
         *others, last = _earlier_spans(rows, readers, block.start)
@@ -180,9 +210,22 @@ class FusedBlocks:
             added = out
         first = (stack.operand(layers, range(*last)), rows.halves(*last))
         kernels.mix(out, first, own, accumulate=added, store=rows.halves(block.start, block.start + 1))
-        for reader, key_slot, value_slot in zip(readers, keys.unbind(0), values.unbind(0)):
+        value_slots = values.unbind(0) if values is not None else (None,) * len(readers)
+        for reader, key_slot, value_slot in zip(readers, keys.unbind(0), value_slots):
             self._sums[reader.layer] = (key_slot, value_slot, keys)
         return keys
+
+    def _new_sums(self, readers: list[LimeRouter]) -> tuple[torch.Tensor, torch.Tensor | None, Halves]:
+        """P of ``readers``, uninitialised: keys and values ``[R, s, b, kv, d]`` each, or under
+        tensor parallelism one ``[R, ranks * 2, s, b, local kv, d]`` and None; and P as the
+        kernels address it (R * kv rows)."""
+        s, b, heads, d = self.key_values.kv_shape
+        like, ranks = self.key_values.buffer, readers[0].sharding.size
+        if ranks > 1:
+            chunks = like.new_empty(len(readers), ranks * 2, s, b, heads, d)
+            return chunks, None, Halves.of_rank_chunks(chunks, 0, len(readers) * readers[0].weight.shape[0])
+        keys, values = like.new_empty(len(readers), s, b, heads, d), like.new_empty(len(readers), s, b, heads, d)
+        return keys, values, Halves.of_groups(keys, values)
 
     def take_grads(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Backward: layer ``layer``'s gradient slots G[j], G[B + j] and whether they hold the
@@ -214,7 +257,8 @@ class FusedBlocks:
         grads = self._new_grads(block)
         self._hand_out(block, grads, summed=True)
         columns = self.stacked.stack(grads).operand(consumers, block, transposed=True)
-        return Halves.of_groups(grads), (columns, self.kept.grad_halves(consumers, self.key_values.kv_shape[2]))
+        kv_heads = self.stacked.routers[consumers.start].weight.shape[0]
+        return Halves.of_groups(grads), (columns, self.kept.grad_halves(consumers, kv_heads))
 
     def _new_grads(self, block: range) -> torch.Tensor:
         """G ``[2B, s, b, kv, d]`` of ``block`` (module docstring), uninitialised."""
@@ -234,7 +278,7 @@ class FusedBlocks:
         block = self.routing.block_of(router.layer)
         readers = self.readers(block)
         if block.start not in self._weights:  # splits fit for the block's product over earlier rows
-            rows, columns = len(readers.routers) * readers.heads, (block.start - readers.first_source) * readers.heads
+            rows, columns = len(readers.routers) * readers.heads, (block.start - readers.first_source) * readers.local
             tiles = kernels.ceil_div(rows, kernels.block(rows)) * kernels.ceil_div(columns, kernels.block(columns))
             splits = kernels.weight_grad_splits(grads, tiles)
             shape = (splits, readers.elements()) if self.key_values.deterministic else (readers.elements(),)

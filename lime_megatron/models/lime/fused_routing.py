@@ -35,8 +35,9 @@ gradient's launch.
 
 Tensor parallelism (Eq. 2 split by input head, ``head_parallel``).  Each rank holds its heads'
 rows and its columns of every router, so the same two launches run over them with one collective
-each (``gathers_heads`` says where: B = 1, no head shared by ranks, every router reading its own
-layer; a chunk routes all its layers one way):
+each (``gathers_heads`` says where: no head shared by ranks, every router reading its own layer,
+every block with earlier sources fused, ``fused_blocks``, whose P holds each reader's rank
+chunks; a chunk routes all its layers one way):
 
     forward    this rank's columns' sums for every rank's heads, written as the rank chunks
                [ranks * 2, s, b, local heads, d] a reduce-scatter takes   one mix_kernel launch
@@ -55,7 +56,8 @@ Where a layer's case is not one of these (``FusedRouting.serves`` decides), the 
 path runs, its products Triton launches too (``routing_products``; the row gradients read the kept
 g_m where they lie, ``StackedRouting.row_grad``): the identity routing of layer 0, a pruned router
 none of whose kept routes reads its own layer, a blocked layer whose block does not route here,
-and under tensor parallelism blocked routing and heads shared by ranks (rows layout, collectives).
+and under tensor parallelism heads shared by ranks (rows layout, collectives) and chunks with a
+block that does not route as one.
 """
 
 from __future__ import annotations
@@ -67,7 +69,7 @@ import torch
 from lime_megatron.kernels import operands as kernels
 from lime_megatron.kernels.operands import Columns, Halves
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
-from lime_megatron.models.lime.fused_blocks import FusedBlocks, routes_alone
+from lime_megatron.models.lime.fused_blocks import FusedBlocks, fusable_readers, routes_alone, routes_on_ranks
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
 from lime_megatron.models.lime.router import LimeRouter
@@ -125,19 +127,18 @@ class FusedRouting:
         skips sources)."""
         rows = self.key_values
         rows.allocate(key)
-        if router.sharding.size > 1:
-            return self._mix_for_every_rank(router, key, value)
-        blocked, since = in_block and self.routing.blocked(router), 0
+        blocked, since, ranks = in_block and self.routing.blocked(router), 0, router.sharding.size
         if blocked:
             keys, values = self.blocks.take_sums(router.layer)
             since = self.routing.block_of(router.layer).start + 1  # the block's launch added its first
-            if since == router.layer + 1:  # its block's launch stored and mixed this layer
-                return keys, values
+        elif ranks > 1:
+            keys, values = key.new_empty(ranks * 2, *rows.kv_shape), None
         else:
             keys, values = key.new_empty(rows.kv_shape), key.new_empty(rows.kv_shape)
-        out = Halves.of_heads(keys, values)
-        self._mix_sources(router, out, out if blocked else None, since, key, value)
-        return keys, values
+        out = Halves.of_heads(keys, values) if ranks == 1 else Halves.of_rank_chunks(keys, 0, router.weight.shape[0])
+        if since <= router.layer:  # else its block's launch stored and mixed this layer
+            self._mix_sources(router, out, out if blocked else None, since, key, value)
+        return (keys, values) if ranks == 1 else self._scattered(router, keys)
 
     def _mix_sources(
         self, router: LimeRouter, out: Halves, added: Halves | None, since: int, key: torch.Tensor, value: torch.Tensor
@@ -156,20 +157,13 @@ class FusedRouting:
         own = (_router_columns(router, layer, layer + 1), Halves.of_heads(key, value))
         kernels.mix(out, first, own, accumulate=added, store=rows.halves(layer, layer + 1))
 
-    def _mix_for_every_rank(
-        self, router: LimeRouter, key: torch.Tensor, value: torch.Tensor
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``store_and_mix`` under tensor parallelism (Eq. 2 split by input head,
-        ``head_parallel``): this rank's columns' sums for every rank's heads, written as the rank
-        chunks ``[ranks * 2, s, b, local heads, d]`` a reduce-scatter takes (one launch), then
-        reduce-scattered, which leaves this rank its own heads' keys and values in attention's
-        layout."""
-        s, b, heads, d = self.key_values.kv_shape
-        group = router.sharding.group
-        partial = key.new_empty(group.size() * 2, s, b, heads, d)
-        self._mix_sources(router, Halves.of_rank_chunks(partial, 0, router.weight.shape[0]), None, 0, key, value)
-        routed = key.new_empty(2, s, b, heads, d)
-        torch.distributed.reduce_scatter_tensor(routed, partial, group=group)
+    def _scattered(self, router: LimeRouter, chunks: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Under tensor parallelism (Eq. 2 split by input head, ``head_parallel``): this rank's
+        columns' sums for every rank's heads, the rank chunks ``[ranks * 2, s, b, local heads,
+        d]`` a reduce-scatter takes, reduce-scattered: this rank's own heads' routed keys and
+        values in attention's layout, ``[s, b, local heads, d]`` each."""
+        routed = chunks.new_empty(2, *self.key_values.kv_shape)
+        torch.distributed.reduce_scatter_tensor(routed, chunks, group=router.sharding.group)
         return routed.unbind(0)
 
     def backward(
@@ -262,8 +256,7 @@ class FusedRouting:
         else:
             keys, values = grads.keys.new_empty(kv_shape), grads.keys.new_empty(kv_shape)
             if self.routing.block > 1:
-                later = gradients.later_consumer_grad(layer, self.routing.block_of(layer))
-                later = None if later is None else Halves.of_heads(later)
+                later = gradients.later_consumer_halves(layer, self.routing.block_of(layer))
         consumers, first = range(layer + 1, stop), None
         if consumers:
             columns = self.stacked.stack(grads.keys).operand(consumers, range(layer, layer + 1), transposed=True)
@@ -274,24 +267,19 @@ class FusedRouting:
         return keys, values, (out, first, mine, later, kept_rows, kept.downstream_halves(layer))
 
 
-def routes_on_ranks(router: LimeRouter, triton: bool) -> bool:
-    """Whether ``router``'s layer can route on the fused path under tensor parallelism outside a
-    block (``FusedRouting._mix_for_every_rank``): the Triton path (``triton``), every kv head held
-    by one rank (no replicas: megatron shares a head between ranks only with fewer kv heads than
-    ranks), a learned or fixed product reading its own layer (route pruning may drop it)."""
-    sharding = router.sharding
-    own = not router.identity and router.read_sources[-1] == router.layer
-    return triton and sharding.size > 1 and sharding.replicas == 1 and own
-
-
-def gathers_heads(routers: dict[int, LimeRouter], triton: bool, block: int) -> Any:
+def gathers_heads(routers: dict[int, LimeRouter], triton: bool, routing: StaticRouting) -> Any:
     """The tensor-parallel process group whose ranks' g_l a chunk's memory gathers on the Triton
-    path (``KeptGradients.gather``), or None where its layers route otherwise: at B = 1 where every
-    layer but the identity's ``routes_on_ranks``.  A chunk routes all its layers one way: the g_m
-    its layers keep are read by the others'."""
+    path (``KeptGradients.gather``), or None where its layers route otherwise: where every layer
+    but the identity's ``routes_on_ranks`` and, blocked, every block whose layers mix earlier
+    sources routes as one (``fused_blocks.fusable_readers``).  A chunk routes all its layers one
+    way: the g_m its layers keep are read by the others'."""
     learned = [router for router in routers.values() if not router.identity]
-    if block > 1 or not learned or not all(routes_on_ranks(router, triton) for router in learned):
+    if not learned or not all(routes_on_ranks(router, triton) for router in learned):
         return None
+    for start in range(min(routers), max(routers) + 1, routing.block):
+        block = [routers[layer] for layer in routing.block_of(start)]
+        if any(routing.blocked(router) for router in block) and fusable_readers(block, routing, triton) is None:
+            return None
     return learned[0].sharding.group
 
 

@@ -125,8 +125,8 @@ class LayerIntegratedMemory:
     ):
         layers = range(num_layers) if layers is None else layers
         self.key_values = KeyValueRows(layers, triton, deterministic)
-        self.kept = KeptGradients(self.key_values, gathers_heads(routers, triton, block))
         self.routing = StaticRouting(self.key_values, block)
+        self.kept = KeptGradients(self.key_values, gathers_heads(routers, triton, self.routing))
         self.stacked = StackedRouting(self.key_values, self.kept, self.routing, routers, standing_stack)
         self.by_token = TokenRouting(self.key_values, self.kept)
         self.gradients = ConsumerGradients(
