@@ -122,9 +122,10 @@ class FusedRouting:
         written into the buffer, the routed keys and values returned (``[s, b, h, d]`` each, two
         tensors; a blocked layer's are its block's sums over earlier sources, completed in
         place: ``fused_blocks``; with ``in_block`` False the layer's product covers all its
-        sources whatever its block: KV-cache decoding, ``memory.route_new_tokens``).  One launch
-        per row block of sources (one unless the layer reads another pipeline chunk's rows or
-        skips sources)."""
+        sources whatever its block: KV-cache decoding, ``memory.route_new_tokens``; under tensor
+        parallelism this rank's heads', its sums for every rank's heads reduce-scattered,
+        ``_scattered``).  One launch per row block of sources (one unless the layer reads another
+        pipeline chunk's rows or skips sources)."""
         rows = self.key_values
         rows.allocate(key)
         blocked, since, ranks = in_block and self.routing.blocked(router), 0, router.sharding.size
