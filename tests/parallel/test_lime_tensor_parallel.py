@@ -103,9 +103,11 @@ def train(
     prune: float | None = None,
     keep: Callable[[int, int], bool] | None = None,
     kernel: str = "auto",
+    deterministic: bool = False,
 ):
     """3 SGD steps of the ``router`` variant with routing blocks of ``block`` layers (the routing
-    products as ``kernel`` says: ``--lime-routing-kernel``), the routed K/V
+    products as ``kernel`` says: ``--lime-routing-kernel``; megatron's ``deterministic_mode`` with
+    ``deterministic``), the routed K/V
     rebuilt in backward by the router products (their reduce-scatter included; with
     ``prune``: routes pruned at that top-p after the second step, as the trainer does; with
     ``keep``: routes pruned by hand before the first step, ``lime_fixtures.prune_by_hand``); returns
@@ -125,6 +127,7 @@ def train(
         lime_prune_top_p=1.0 if keep else prune,
         lime_recompute_routed_kv=True,
         lime_routing_kernel=kernel,
+        deterministic_mode=deterministic,
     )
     rules = partial(router_rule, config)
     chunks = build_chunks(config, weights, rules)
@@ -182,9 +185,10 @@ def compare_layouts(
     prune: float | None = None,
     keep: Callable[[int, int], bool] | None = None,
     kernel: str = "auto",
+    deterministic: bool = False,
 ):
-    """On every rank: each layout (its routing products as ``kernel`` says) against TP=1 (the torch
-    path) from the same initial weights."""
+    """On every rank: each layout (its routing products as ``kernel`` says, deterministic or not)
+    against TP=1 (the torch path) from the same initial weights."""
     report = []
     for kv_heads in sorted({kv for _, kv, _ in layouts}):
         ref_losses, ref_grads, weights, ref_norms, ref_counts = train(
@@ -193,7 +197,8 @@ def compare_layouts(
         for layout, kv, block in layouts:
             if kv != kv_heads:
                 continue
-            losses, grads, _, norms, counts = train(layout, kv_heads, weights, block, router, prune, keep, kernel)
+            settings = (block, router, prune, keep, kernel, deterministic)
+            losses, grads, _, norms, counts = train(layout, kv_heads, weights, *settings)
             assert counts == ref_counts, (layout.name, counts, ref_counts)  # both units, summed over ranks
             worst = max(
                 ((g[name] - ref[name]).norm() / ref[name].norm()).item()
@@ -402,6 +407,7 @@ def triton_checks():
     return {
         "layouts": compare_layouts(TRITON_LAYOUTS, kernel="triton"),
         "skipping a source": compare_layouts(TRITON_LAYOUTS[:1], keep=skip_layer_one, kernel="triton"),
+        "deterministic": compare_layouts([(Layout(tp=2), 4, 2)], kernel="triton", deterministic=True),
         "decoding": triton_decoding(),
     }
 
@@ -410,7 +416,8 @@ def test_triton_path_under_tensor_parallelism():
     """The Triton path's routing under TP2 (GQA and MHA, with and without SP) and TP4, where each
     layer's g_l is all-gathered into rank chunks and its forward mix reduce-scattered
     (``fused_routing``), the heads shared by rank pairs and blocked routing (the general path,
-    its products Triton launches), and a router skipping a source: 3 SGD steps, losses and every
+    its products Triton launches), a router skipping a source and megatron's deterministic mode
+    (the weight gradients summed per split, blocked): 3 SGD steps, losses and every
     gradient against the TP=1 torch run; and TP2's KV-cache decoding on this path against its
     full forward."""
     reports = run_distributed(triton_checks, 4)[0]
@@ -428,6 +435,7 @@ def test_triton_path_under_tensor_parallelism():
             assert len(routers) == 3
             assert loss_diff <= 1e-5 and grad_err <= 1e-5, (case, name)
         assert len(report) == {"layouts": len(TRITON_LAYOUTS)}.get(case, 1)
+    assert set(reports) == {"layouts", "skipping a source", "deterministic"}
 
 
 def trainer_step_operators(config, micro_batches: int = 1) -> dict[str, float]:
