@@ -150,8 +150,10 @@ class ConsumerGradients:
     def later_consumer_halves(self, layer: int, sources: range) -> Halves | None:
         """``later_consumer_grad`` as the kernels address it, in the layout it was summed in."""
         grad = self.later_consumer_grad(layer, sources)
-        if grad is None or self._in_attention_layout():
-            return None if grad is None else Halves.of_heads(grad)
+        if grad is None:
+            return None
+        if self._in_attention_layout():
+            return Halves.of_heads(grad)
         return Halves.of_rows(grad, 0, grad.shape[0], self.key_values.kv_shape[3])
 
     def _external_grad(self, layer: int, layers: range) -> torch.Tensor:

@@ -62,10 +62,10 @@ class KeptGradients:
     def gather(self, layer: int, keys: torch.Tensor, values: torch.Tensor) -> Halves:
         """g_l of own layer ``layer`` from this rank's keys' and values' gradients ``[s, b, local
         heads, d]``: one all-gather over ``gathered`` into the layer's rank chunks, kept there and
-        returned as the kernels address them (all kv heads); the layer marked kept."""
+        returned as the kernels address them (all kv heads); the layer's backward marks it kept
+        (``mark_kept``) once its launch has run."""
         slot = self._rank_chunks()[1][layer - self.key_values.layers.start]
         torch.distributed.all_gather_into_tensor(slot, torch.stack((keys, values)), group=self.gathered)
-        self.mark_kept(layer)
         return Halves.of_rank_chunks(slot, 0, self.gathered.size() * self.key_values.kv_heads)
 
     def _rank_chunks(self) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
