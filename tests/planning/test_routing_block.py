@@ -289,35 +289,72 @@ def test_the_dry_run_prints_the_block_of_every_chunk():
     assert f"block size B per chunk {expected} (cost model on {R.H100_SXM.name};" in line
 
 
-def pipeline_rank_operators(block: int, lime: bool) -> float:
-    """Operators per micro-batch of a training step (2 micro-batches) on this rank of PP = 2 (16
-    layers, 8 per rank), LIMe on the Triton path at blocks of ``block`` layers or the baseline
-    (``test_lime_tensor_parallel.trainer_step_operators``)."""
+PIPELINE_DEPTHS = {16: (1, 2, 8), 24: (1, 3, 12)}
+"""Model depths (two stages of half of them each) and the block sizes counted at each."""
+
+PIPELINE_PATHS = {  # id: (tensor-parallel size, kv heads, the path's counts)
+    "pp2": (1, 4, R.TRITON_OPERATORS),
+    "tp2-pp2": (2, 4, R.TENSOR_PARALLEL_TRITON_OPERATORS),
+    "tp2-pp2-shared-heads": (2, 1, R.SHARED_HEADS_TRITON_OPERATORS),
+}
+
+
+def pipeline_rank_operators(tensor_parallel: int, kv_heads: int) -> dict[int, dict[int, float]]:
+    """This rank's operators per micro-batch of a training step (2 micro-batches, LIMe on the
+    Triton path) on TP = ``tensor_parallel`` x PP = 2 ranks, per model depth and block size
+    (``PIPELINE_DEPTHS``; ``test_lime_tensor_parallel.trainer_step_operators``)."""
     from lime_megatron.testing.distributed import Layout, initialize_layout
     from tests.parallel.test_lime_tensor_parallel import small_config, trainer_step_operators
 
-    layout = Layout(pp=2)
+    layout = Layout(tp=tensor_parallel, pp=2)
     initialize_layout(layout)
-    kernel = "triton" if lime else "auto"
-    config = small_config(layout, num_layers=16, lime=lime, lime_routing_kernel=kernel, lime_routing_block=block)
-    return sum(trainer_step_operators(config, 2).values())
+    counted: dict[int, dict[int, float]] = {}
+    for layers, blocks in PIPELINE_DEPTHS.items():
+        counted[layers] = {}
+        for block in blocks:
+            settings = dict(lime_routing_kernel="triton", lime_routing_block=block)
+            config = small_config(layout, kv_heads, num_layers=layers, **settings)
+            counted[layers][block] = sum(trainer_step_operators(config, 2).values())
+    return counted
 
 
-def pipeline_operators_by_block(blocks: tuple[int, ...]) -> dict[int, float]:
-    """This rank's LIMe operators beyond the baseline's per micro-batch, per block size."""
-    base = pipeline_rank_operators(1, False)
-    return {block: pipeline_rank_operators(block, True) - base for block in blocks}
+def model_errors(counted: dict, first: bool, counts: R.HostOperators) -> dict[tuple[int, int], float]:
+    """Per (depth, block): what blocking adds on a rank (``counted``: the first stage's or the
+    second's, which receives one block of rows) less what ``host_operators`` adds for its chunk."""
+    errors = {}
+    for layers, by_block in counted.items():
+        chunk, received = (range(layers // 2), 0) if first else (range(layers // 2, layers), 1)
+        for block, count in by_block.items():
+            modelled = R.host_operators(chunk, block, received, counts) - R.host_operators(chunk, 1, received, counts)
+            errors[layers, block] = count - by_block[1] - modelled
+    return errors
 
 
-def test_host_operators_model_blocking_on_pipeline_ranks():
-    """What blocking adds on each rank of PP = 2 (the Triton path; the second rank receives one
-    block of rows) is what ``host_operators`` adds for its chunk with ``TRITON_OPERATORS``,
-    exactly: the received-block terms included."""
+def blocked_layers(layers: range, block: int) -> int:
+    """Layers of ``layers`` in blocks that read earlier sources at block size ``block`` > 1."""
+    return sum(len(consumers) for consumers in R.blocks_of(layers, block) if consumers.start > 0) if block > 1 else 0
+
+
+@pytest.mark.parametrize(
+    "name", [pytest.param(name, marks=[pytest.mark.slow] if name != "pp2" else []) for name in PIPELINE_PATHS]
+)
+def test_host_operators_model_blocking_on_pipeline_ranks(name):
+    """What blocking adds on each stage of TP x PP = 2 (the Triton path; the second stage receives
+    one block of rows), 8 and 12 layers a stage, is what ``host_operators`` adds for its chunk with
+    the path's counts: exactly with every kv head on one rank, the received-block terms included;
+    with kv heads shared by ranks within 3 operators on the second stage, and 1 fewer per blocked
+    layer on the first than the model counts (``SHARED_HEADS_TRITON_OPERATORS``).  At B = 1 the
+    second stage's count grows per layer by ``per_received_block_per_layer`` more than the first's."""
     from lime_megatron.testing.distributed import run_distributed
 
-    blocks = (1, 2, 8)
-    counted = run_distributed(pipeline_operators_by_block, 2, blocks, nccl_rules=True)
-    for rank, (layers, received) in enumerate([(range(8), 0), (range(8, 16), 1)]):
-        modelled = {block: R.host_operators(layers, block, received, R.TRITON_OPERATORS) for block in blocks}
-        added = {block: (counted[rank][block] - counted[rank][1], modelled[block] - modelled[1]) for block in blocks}
-        assert all(count == pytest.approx(model, abs=0.01) for count, model in added.values()), (rank, added)
+    tensor_parallel, kv_heads, counts = PIPELINE_PATHS[name]
+    counted = run_distributed(pipeline_rank_operators, 2 * tensor_parallel, tensor_parallel, kv_heads, nccl_rules=True)
+    first, second = counted[0], counted[tensor_parallel]
+    shared = kv_heads < tensor_parallel
+    first_errors = model_errors(first, True, counts)
+    expected = {(layers, b): -blocked_layers(range(layers // 2), b) if shared else 0 for layers, b in first_errors}
+    assert first_errors == pytest.approx(expected, abs=0.01)
+    second_errors = model_errors(second, False, counts)
+    assert all(abs(error) <= (3 if shared else 0.01) for error in second_errors.values()), second_errors
+    grown = (second[24][1] - first[24][1]) - (second[16][1] - first[16][1])
+    assert grown == pytest.approx(4 * counts.per_received_block_per_layer, abs=0.01)
