@@ -121,7 +121,8 @@ per layer 27.8 more than the rank-chunk path's at B = 1, 274 at TP = 2, kv 4, in
 harness; the model gives every difference exactly).  Not exact elsewhere: on TP = 2 x PP = 2 ranks
 of 8 and 12 layers with kv 1 (10 more per layer on the later rank at B = 1) the model is within 3
 operators of every difference on the later ranks, and counts the first ranks' blocked layers 1
-operator each too many (10 of 165 at 12 layers, B = 2)."""
+operator each too many (10 of 165 at 12 layers, B = 2): a blocked layer's in-block router columns
+are copied contiguous (``StaticRouting.mix``), and with one kv head they are already."""
 
 GPU_HOST_SECONDS_PER_OPERATOR = 17e-6
 """Host seconds per operator dispatched on a GPU machine (Python, dispatch and kernel launch):
