@@ -88,10 +88,11 @@ class StaticRouting:
         self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None = None, kind: str = "forward"
     ) -> tuple[torch.Tensor, torch.Tensor]:
         """Eq. 2: ``W_l @ rows(sources)``, one product per contiguous block of sources (``W_l``: the
-        router's weight itself, contiguous, a copy only for part of its sources; a product of one
-        router needs no ``RouterStack``, so KV-cache decoding builds none); with
-        ``earlier`` (the block's sums over the sources before the block) only the in-block ones.
-        ``kind`` names the products (``rebuild`` in backward).
+        router's weight itself; for part of its sources a contiguous copy on the torch path, the
+        columns where they lie on the Triton path; a product of one router needs no
+        ``RouterStack``, so KV-cache decoding builds none); with ``earlier`` (the block's sums over
+        the sources before the block) only the in-block ones.  ``kind`` names the products
+        (``rebuild`` in backward).
 
         Under tensor parallelism each rank multiplies its own heads' rows, giving partial sums
         for all kv_heads output heads, and a reduce-scatter leaves each rank its heads' sums.
@@ -110,7 +111,9 @@ class StaticRouting:
         if router.sharding.primary:
             since = 0 if earlier is None else self.block_of(router.layer).start
             for start, stop, wide in self._source_blocks(router, since):
-                narrow = router.weight_columns(start, stop).contiguous()
+                narrow = router.weight_columns(start, stop)
+                if not rows.triton:  # a Triton launch reads the columns where they lie
+                    narrow = narrow.contiguous()
                 partial = routing_product(kind, narrow, wide, partial, rows.triton)
         if partial is None:  # a replica of another rank's heads (the primary adds those terms), or
             # a blocked layer whose kept routes all read sources before its block
