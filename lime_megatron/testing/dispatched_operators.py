@@ -19,12 +19,19 @@ class DispatchedOperators(TorchDispatchMode):
     ``operators.by_name`` (operator name, e.g. ``"bmm"``, -> calls).  A Triton kernel launch
     (``kernels.operands.launch``) counts as one, named ``"triton:<kernel>"``; what Triton's CPU
     interpreter dispatches to run it is not counted (on a GPU a launch dispatches nothing).
+
+    ``run_launches=False`` counts the launches without running them, so their outputs hold
+    whatever their memory held: the same count in a fraction of the time in Triton's interpreter,
+    since the host decides nothing by a routed value (no synchronisation in a step,
+    ``tests/models/test_fused_routing.py`` checks both; the same test checks the two counts equal).
+    For counting only: the step's values are then meaningless.
     """
 
-    def __init__(self):
+    def __init__(self, run_launches: bool = True):
         super().__init__()
         self.by_name: Counter[str] = Counter()
         self._launching = False
+        self._run_launches = run_launches
 
     def __enter__(self):
         set_launch_observer(self._count_launch)
@@ -36,6 +43,8 @@ class DispatchedOperators(TorchDispatchMode):
 
     def _count_launch(self, launch: Launch, run) -> None:
         self.by_name[f"triton:{launch.name}"] += 1
+        if not self._run_launches:
+            return
         self._launching = True
         try:
             run()

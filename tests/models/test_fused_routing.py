@@ -205,13 +205,14 @@ def test_an_unknown_routing_kernel_is_refused():
         config_with(lime_routing_kernel="cuda")
 
 
-def step_operators(model) -> DispatchedOperators:
+def step_operators(model, run_launches: bool = False) -> DispatchedOperators:
     """The operators of one forward+backward after one uncounted (gradients reset between, as an
-    optimizer's ``zero_grad`` does)."""
+    optimizer's ``zero_grad`` does); Triton launches counted, run only with ``run_launches``."""
     tokens, positions, mask = batch()
-    loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
+    with DispatchedOperators(run_launches):
+        loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
     model.zero_grad(set_to_none=True)
-    with DispatchedOperators() as operators:
+    with DispatchedOperators(run_launches) as operators:
         loss_of(megatron_logits(model, tokens, positions, mask), tokens).backward()
     return operators
 
@@ -273,13 +274,15 @@ def test_triton_host_work_per_layer(name):
     assert sum(per_layer.values()) == {"B=2": 8, "B=4": 6}.get(name, 8)
 
 
-def decoding_step_operators(model) -> DispatchedOperators:
-    """The operators of one KV-cache decoding step of one token per sequence, after a prefill."""
+def decoding_step_operators(model, run_launches: bool = False) -> DispatchedOperators:
+    """The operators of one KV-cache decoding step of one token per sequence, after a prefill;
+    Triton launches counted, run only with ``run_launches``."""
     model.eval()
     tokens = batch()[0]
     context = kv_cache_context(model, tokens.shape[0], tokens.shape[1])
-    decode_step(model, context, tokens[:, :-1])
-    with DispatchedOperators() as operators:
+    with DispatchedOperators(run_launches):
+        decode_step(model, context, tokens[:, :-1])
+    with DispatchedOperators(run_launches) as operators:
         decode_step(model, context, tokens[:, -1:])
     return operators
 
@@ -294,6 +297,18 @@ def test_decoding_host_work_per_layer(kernel, expected):
         assert sum(per_layer.values()) == expected, per_layer
         if kernel == "triton":
             assert per_layer == {"new_empty": 2, "triton:mix_kernel": 1}
+
+
+@pytest.mark.parametrize("count", ["step_operators", "decoding_step_operators"])
+@pytest.mark.parametrize("block", [1, 2])
+def test_counting_without_running_the_launches_counts_the_same(count, block):
+    """``DispatchedOperators(run_launches=False)``, which the host-work counts use (Triton's
+    interpreter is the slow part of a step on a CPU), counts what a step that runs its launches
+    counts, in training and in decoding: no host decision waits for a routed value."""
+    counted = globals()[count]
+    model = tiny_model(num_layers=6, lime_routing_kernel="triton", lime_routing_block=block)
+    ran, skipped = counted(model, run_launches=True), counted(model)
+    assert ran.by_name == skipped.by_name and ran.by_name["triton:mix_kernel"] > 0
 
 
 SYNCHRONISING = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal", "allclose")

@@ -161,13 +161,15 @@ CASES = [  # (name, model settings, layouts[, pipeline options left out of the s
     ("dynamic-pruned", dict(lime_router="dynamic", lime_prune_top_p=0.915), [Layout(pp=4)]),
     # the Triton kernels (Triton's CPU interpreter) against the torch single stage: TP-sharded
     # heads, external rows, VPP chunks, blocks, pruned routers
-    ("mha-triton", {}, [Layout(tp=2, pp=2, vpp=2, sp=True), Layout(pp=4, vpp=2)], TRITON),
-    ("mha-16-blocked-triton", dict(num_layers=16), [Layout(pp=2, vpp=2)], dict(lime_routing_block=3, **TRITON)),
+    ("mha-triton", {}, [Layout(tp=2, pp=2, vpp=2, sp=True)], TRITON),
     ("pruned-blocked-triton", dict(lime_prune_top_p=0.7), [Layout(pp=2, vpp=2)], dict(lime_routing_block=2, **TRITON)),
 ]
 SLOW_CASES = [  # the rest of the matrix, in the slow 4-process launch
-    # fused blocks on tensor-parallel rank chunks, with received rows (the Triton path)
+    # the Triton path (its interpreter is the slow part): fused blocks on tensor-parallel rank
+    # chunks with received rows, one layer per chunk, blocks of 3 across chunks of 4 layers
     ("mha-blocked-triton", {}, [Layout(tp=2, pp=2, sp=True)], dict(lime_routing_block=2, **TRITON)),
+    ("mha-triton", {}, [Layout(pp=4, vpp=2)], TRITON),
+    ("mha-16-blocked-triton", dict(num_layers=16), [Layout(pp=2, vpp=2)], dict(lime_routing_block=3, **TRITON)),
     ("gqa", dict(num_query_groups=2), [Layout(tp=2, pp=2, vpp=2, sp=True)]),
     ("mha-uneven", {}, [Layout(pp=4)], UNEVEN),
     ("gqa-full-recompute", dict(num_query_groups=2, **FULL_RECOMPUTE), [Layout(pp=4)]),
@@ -463,6 +465,7 @@ def test_rest_of_the_matrix_and_the_deep_model_over_four_ranks():
     report = run_distributed(slow_pipeline_checks, 4, timeout=1800, nccl_rules=True)[0]
     check_report(report)
     assert report["deep-128 tp1-pp4-vpp4"]["routers"] == 127
+    assert {"mha-triton tp1-pp4-vpp2", "mha-16-blocked-triton tp1-pp2-vpp2"} <= set(report)
 
 
 @pytest.mark.slow

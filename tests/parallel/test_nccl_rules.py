@@ -1,7 +1,7 @@
 """The NCCL-rules mode of the distributed harness (``lime_megatron.testing.nccl_rules``) on small programs:
 what NCCL deadlocks on is reported as a deadlock (with the pending operations) while plain gloo
 runs it, what NCCL runs passes, messages are matched per communicator and peer in posting order,
-tags ignored, and a slow rank is never mistaken for a deadlock."""
+tags ignored, and a slow rank is never mistaken for a deadlock (slow: it sleeps 25 s)."""
 
 import time
 
@@ -279,9 +279,10 @@ def test_a_rank_inside_new_group_is_seen():
     assert "blocked creating new_group [0, 1] (call 1)" in _assert_deadlock(_new_group_behind_a_wait, 2, mode="eager")
 
 
+@pytest.mark.slow
 def test_a_slow_rank_is_not_a_deadlock():
     """Rule 5: no timer; a rank that takes 25 s (longer than the 20 s stall limit the mode once
-    had) before posting passes."""
+    had) before posting passes.  In the slow suite: 25 s of sleep."""
     assert run_distributed(_slow_rank, 2, 25.0, nccl_rules=True, timeout=120) == [4.0, 4.0]
 
 
