@@ -60,8 +60,9 @@ def test_float32_rows_never_use_tf32(hopper_report):
 @pytest.fixture(scope="module")
 def bf16_model_launches(megatron, tmp_path_factory) -> list[dict]:
     """Every distinct launch of a bf16 GQA LIMe model's forward and backward on the Triton path
-    (head dimension 64; blocked and per-layer routing), recorded in the interpreter with the
-    specialization Triton's runtime gives it, then compiled for sm_90 (``hopper_ptx --launches``)."""
+    (head dimension 64; blocked and per-layer routing), recorded with the specialization Triton's
+    runtime gives it (from shapes, strides and the pointers' alignment, never a value: the launches
+    are not run), then compiled for sm_90 (``hopper_ptx --launches``)."""
     from lime_megatron.kernels.operands import set_launch_observer
     from tests.kernels.hopper_ptx import specialization
     from tests.lime_fixtures import batch, loss_of, megatron_logits, tiny_model
@@ -71,7 +72,6 @@ def bf16_model_launches(megatron, tmp_path_factory) -> list[dict]:
     def record(launch, run):
         found = specialization(launch.kernel, launch.args, launch.constants)
         recorded[json.dumps(found, sort_keys=True)] = found
-        run()
 
     shape = dict(num_layers=6, hidden_size=256, num_attention_heads=4, num_query_groups=2, lime_routing_kernel="triton")
     set_launch_observer(record)
