@@ -22,9 +22,9 @@ class DispatchedOperators(TorchDispatchMode):
 
     ``run_launches=False`` counts the launches without running them, so their outputs hold
     whatever their memory held: the same count in a fraction of the time in Triton's interpreter,
-    since the host decides nothing by a routed value (no synchronisation in a step,
-    ``tests/models/test_fused_routing.py`` checks both; the same test checks the two counts equal).
-    For counting only: the step's values are then meaningless.
+    since the host decides nothing by a routed value (``tests/models/test_fused_routing.py``
+    checks that a step reads no value back, and that both counts agree).  For counting only: the
+    step's values are then meaningless.
     """
 
     def __init__(self, run_launches: bool = True):

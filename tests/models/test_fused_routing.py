@@ -299,15 +299,14 @@ def test_decoding_host_work_per_layer(kernel, expected):
             assert per_layer == {"new_empty": 2, "triton:mix_kernel": 1}
 
 
-@pytest.mark.parametrize("count", ["step_operators", "decoding_step_operators"])
+@pytest.mark.parametrize("count", [step_operators, decoding_step_operators], ids=["training", "decoding"])
 @pytest.mark.parametrize("block", [1, 2])
 def test_counting_without_running_the_launches_counts_the_same(count, block):
     """``DispatchedOperators(run_launches=False)``, which the host-work counts use (Triton's
     interpreter is the slow part of a step on a CPU), counts what a step that runs its launches
     counts, in training and in decoding: no host decision waits for a routed value."""
-    counted = globals()[count]
     model = tiny_model(num_layers=6, lime_routing_kernel="triton", lime_routing_block=block)
-    ran, skipped = counted(model, run_launches=True), counted(model)
+    ran, skipped = count(model, run_launches=True), count(model)
     assert ran.by_name == skipped.by_name and ran.by_name["triton:mix_kernel"] > 0
 
 
