@@ -15,6 +15,7 @@ times each launch and counts the bytes it moves).
 from __future__ import annotations
 
 import contextlib
+import functools
 import inspect
 import math
 import os
@@ -211,11 +212,8 @@ class Halves:
 
 def _strides(heads: torch.Tensor) -> tuple[int, int, int]:
     """(row, outer, inner) of ``[s, b, heads, d]`` (heads, s, b) or ``[positions, heads, d]``."""
-    return (
-        (heads.stride(-2), heads.stride(0), heads.stride(1))
-        if heads.dim() == 4
-        else (heads.stride(-2), heads.stride(0), 0)
-    )
+    strides = heads.stride()
+    return (strides[-2], strides[0], strides[1] if len(strides) == 4 else 0)
 
 
 def launch_batch(*operands: Halves | None) -> int:
@@ -259,6 +257,7 @@ ACCUMULATORS = {torch.float64: "float64"}
 """The kernels' accumulator dtype by operand dtype (float32 otherwise)."""
 
 
+@functools.cache
 def accumulator(dtype: torch.dtype):
     """The ``tl`` dtype products of ``dtype`` operands accumulate in."""
     import triton.language as tl
@@ -266,6 +265,7 @@ def accumulator(dtype: torch.dtype):
     return getattr(tl, ACCUMULATORS.get(dtype, "float32"))
 
 
+@functools.cache
 def block(size: int, smallest: int = 16, largest: int = 64) -> int:
     """A power-of-two tile edge covering ``size`` within ``[smallest, largest]`` (``tl.dot``
     needs 16 at least)."""
@@ -460,8 +460,13 @@ def weight_grad_splits(halves: Halves, tiles: int) -> int:
     runs in Python there)."""
     if not halves.keys.is_cuda:
         return min(2, halves.positions)
-    sms = torch.cuda.get_device_properties(halves.keys.device).multi_processor_count
-    return max(1, min(halves.positions, 4 * sms // max(1, tiles)))
+    return max(1, min(halves.positions, 4 * multiprocessors(halves.keys.device) // max(1, tiles)))
+
+
+@functools.cache
+def multiprocessors(device: torch.device) -> int:
+    """The streaming multiprocessors of the CUDA ``device``."""
+    return torch.cuda.get_device_properties(device).multi_processor_count
 
 
 def weight_grad(

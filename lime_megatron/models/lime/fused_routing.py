@@ -99,6 +99,7 @@ class FusedRouting:
             gradients,
         )
         self.blocks = FusedBlocks(gradients)
+        self._serves: dict[int, bool] = {}  # serves, by layer: asked in forward and backward
 
     def routes_new_tokens(self, router: LimeRouter) -> bool:
         """Whether a KV-cache decoding step of ``router``'s layer routes here (``store_and_mix``
@@ -110,10 +111,15 @@ class FusedRouting:
         (``fused_blocks.routes_alone``) and, where its block mixes its earlier sources, in a block
         that routes on the fused path too (``fused_blocks``); under tensor parallelism every layer
         but the identity's where the memory gathers g_l (``gathers_heads``)."""
-        if self.kept.gathered is not None:
-            return not router.identity
-        alone = routes_alone(router, self.key_values.triton)
-        return alone and (not self.routing.blocked(router) or self.blocks.fused(router))
+        serves = self._serves.get(router.layer)
+        if serves is None:
+            if self.kept.gathered is not None:
+                serves = not router.identity
+            else:
+                alone = routes_alone(router, self.key_values.triton)
+                serves = alone and (not self.routing.blocked(router) or self.blocks.fused(router))
+            self._serves[router.layer] = serves
+        return serves
 
     def store_and_mix(
         self, router: LimeRouter, key: torch.Tensor, value: torch.Tensor, in_block: bool = True

@@ -52,6 +52,8 @@ class StaticRouting:
 
     def __init__(self, key_values: KeyValueRows, block: int):
         self.key_values, self.block = key_values, block
+        self._blocks: dict[int, range] = {}  # block_of, by layer: asked several times per layer and pass
+        self._blocked: dict[int, bool] = {}  # blocked, by layer
 
     def source_spans(self, router: LimeRouter, since: int = 0) -> list[tuple[int, int]]:
         """(first source layer, stop) per contiguous block of ``router``'s sources from layer
@@ -70,19 +72,25 @@ class StaticRouting:
 
     def block_of(self, layer: int) -> range:
         """The routing block of own layer ``layer``: B consecutive layers from the chunk's first."""
-        layers = self.key_values.layers
-        start = layers.start + (layer - layers.start) // self.block * self.block
-        return range(start, min(start + self.block, layers.stop))
+        block = self._blocks.get(layer)
+        if block is None:
+            layers = self.key_values.layers
+            start = layers.start + (layer - layers.start) // self.block * self.block
+            block = self._blocks[layer] = range(start, min(start + self.block, layers.stop))
+        return block
 
     def blocked(self, router: LimeRouter) -> bool:
         """Whether ``router``'s earlier sources are mixed once for its block (B > 1, a learned or
         fixed product, this rank the heads' primary, some source before the block)."""
-        return (
-            self.block > 1
-            and not router.identity
-            and router.sharding.primary
-            and router.read_sources[0] < self.block_of(router.layer).start
-        )
+        blocked = self._blocked.get(router.layer)
+        if blocked is None:
+            blocked = self._blocked[router.layer] = (
+                self.block > 1
+                and not router.identity
+                and router.sharding.primary
+                and router.read_sources[0] < self.block_of(router.layer).start
+            )
+        return blocked
 
     def mix(
         self, router: LimeRouter, earlier: tuple[torch.Tensor, torch.Tensor] | None = None, kind: str = "forward"
