@@ -11,7 +11,11 @@ For each depth it builds the baseline and LIMe at each block size of ``--blocks`
 path of ``--paths`` and times one forward+backward of each per round, in an order rotated by one
 each round (``bench_lime_overhead.round_times``).  Per model the table gives the median over rounds
 of its time minus the baseline's in the same round, per layer, in microseconds, and the baseline's
-own time per layer.  On a CPU the Triton path's launches are not run (``kernels.operands``' launch
+own time per layer; then, from further steps of each LIMe model alone, the medians of the
+seconds spent inside LIMe's routing autograd functions (``RouteKeysValues`` and the blocks'
+``MixEarlierSources``/``MixEarlierRows``, forward and backward, timed around each call:
+``routing_timers``), per layer: the part of LIMe's extra host time that is its routing code, free of
+the paired difference's spread.  On a CPU the Triton path's launches are not run (``kernels.operands``' launch
 observer drops them; in Triton's interpreter a launch costs a thousand times a GPU's): its figure
 is the host's work around the launches, the launches' own cost on a GPU host (Triton's argument
 binding and the driver call) not included.  With ``--device cuda`` every launch runs.
@@ -24,13 +28,28 @@ from __future__ import annotations
 
 import contextlib
 import statistics
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import cpu_triton  # noqa: F401 - before the package: Triton's interpreter on a CPU
-from bench_lime_overhead import build_shape, make_batch, measure_cases, parse_paired_args, round_times, shape_parser
+from bench_lime_overhead import (
+    build_shape,
+    make_batch,
+    measure_cases,
+    parse_paired_args,
+    round_times,
+    shape_parser,
+    train_step,
+)
 from tables import field, print_table
 
 from lime_megatron.kernels.operands import set_launch_observer
+from lime_megatron.models.lime.fused_blocks import MixEarlierRows
+from lime_megatron.models.lime.memory import RouteKeysValues
+from lime_megatron.models.lime.routing_blocks import MixEarlierSources
+
+ROUTING_FUNCTIONS = (RouteKeysValues, MixEarlierSources, MixEarlierRows)
+"""LIMe's autograd functions of static routing: a layer's Eqs. 1-2 and a block's earlier sums."""
 
 
 def parse_args(argv=None):
@@ -64,6 +83,47 @@ def launches_dropped(device: str) -> Iterator[None]:
         set_launch_observer(None)
 
 
+@contextlib.contextmanager
+def routing_timers(seconds: dict[str, float]) -> Iterator[None]:
+    """For the ``with`` block, the seconds spent inside the ``forward`` and the ``backward`` of each
+    of ``ROUTING_FUNCTIONS`` added into ``seconds["forward"]`` and ``seconds["backward"]``."""
+    originals = [(function, phase, function.__dict__[phase]) for function in ROUTING_FUNCTIONS for phase in PHASES]
+    for function, phase, original in originals:
+        setattr(function, phase, staticmethod(_timed(original.__func__, seconds, phase)))
+    try:
+        yield
+    finally:
+        for function, phase, original in originals:
+            setattr(function, phase, original)
+
+
+PHASES = ("forward", "backward")
+
+
+def _timed(call: Callable, seconds: dict[str, float], phase: str) -> Callable:
+    def timed(*args, **kwargs):
+        start = time.perf_counter()
+        try:
+            return call(*args, **kwargs)
+        finally:
+            seconds[phase] = seconds.get(phase, 0.0) + time.perf_counter() - start
+
+    return timed
+
+
+def routing_seconds(args, model, batch) -> dict[str, float]:
+    """Median seconds per step spent inside the routing functions (``routing_timers``), forward and
+    backward, over ``args.repeats`` steps of ``model`` after ``args.warmup``."""
+    steps = []
+    for run in range(args.warmup + args.repeats):
+        seconds = dict.fromkeys(PHASES, 0.0)
+        with routing_timers(seconds):
+            train_step(model, batch)
+        if run >= args.warmup:
+            steps.append(seconds)
+    return {phase: statistics.median(step[phase] for step in steps) for phase in PHASES}
+
+
 def model_name(path: str, block: int) -> str:
     return f"{path} B={block}"
 
@@ -76,12 +136,16 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
             models[model_name(path, block)] = build_shape(
                 args, num_layers, kv_heads, lime=True, lime_routing_kernel=path, lime_routing_block=block
             )
+    batch = make_batch(args)
     with launches_dropped(args.device):
-        times = round_times(args, models, make_batch(args))
+        times = round_times(args, models, batch)
+        routing = {name: routing_seconds(args, models[name], batch) for name in models.keys() - {"base"}}
     row = dict(layers=num_layers, kv_heads=kv_heads, base_us=1e6 * statistics.median(times["base"]) / num_layers)
     for name in models.keys() - {"base"}:
         extra = [lime - base for lime, base in zip(times[name], times["base"])]
         row[f"{name} us"] = 1e6 * statistics.median(extra) / num_layers
+        for phase in PHASES:
+            row[f"{name} {phase} us"] = 1e6 * routing[name][phase] / num_layers
     return row
 
 
@@ -96,6 +160,12 @@ def main(argv=None) -> list[dict]:
         *((f"{name}: extra us/layer", field(f"{name} us", ".0f")) for name in names),
     ]
     print_table(columns, rows, markdown=True)
+    print("\nInside the routing functions, us per layer (forward / backward):\n")
+    inside = [
+        (f"{name}", lambda row, name=name: f"{row[f'{name} forward us']:.0f} / {row[f'{name} backward us']:.0f}")
+        for name in names
+    ]
+    print_table(columns[:2] + inside, rows, markdown=True)
     return rows
 
 

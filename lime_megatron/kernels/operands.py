@@ -64,7 +64,7 @@ def set_launch_observer(observer: LaunchObserver | None) -> None:
 
 def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
     """``kernel[grid](*args, **constants)``, through the observer when one is installed."""
-    if not _first_tensor(args).is_cuda and os.environ.get("TRITON_INTERPRET") != "1":
+    if not _first_tensor(args).is_cuda and not _interpreted():
         raise RuntimeError(
             "the Triton routing kernels run on CUDA tensors; on a CPU only in Triton's interpreter "
             "(TRITON_INTERPRET=1 set before triton is imported, as the tests do): use "
@@ -78,6 +78,13 @@ def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
         run()
     else:
         _OBSERVER(Launch(kernel, grid, args, constants), run)
+
+
+@functools.cache
+def _interpreted() -> bool:
+    """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``, which Triton reads once, at
+    its import: read here at the first launch, after it)."""
+    return os.environ.get("TRITON_INTERPRET") == "1"
 
 
 def _first_tensor(args: tuple) -> torch.Tensor:
@@ -183,21 +190,13 @@ class Halves:
         """The kernels' operand tuple of twelve pointers, offsets and strides, its positions split
         as ``s_p * batch + b_p`` (its own split, or any where one stride steps through all its
         positions)."""
-        return (
-            self.keys,
-            self.values,
-            self.value_offset,
-            self.start,
-            *self._in_batch(self.key_strides, batch),
-            *self._in_batch(self.value_strides, batch),
-            self.group,
-            self.group_stride,
-        )
+        keys, values = self.key_strides, self.value_strides
+        if batch != self.batch:
+            keys, values = self._in_batch(keys, batch), self._in_batch(values, batch)
+        return (self.keys, self.values, self.value_offset, self.start, *keys, *values, self.group, self.group_stride)
 
     def _in_batch(self, strides: tuple[int, int, int], batch: int) -> tuple[int, int, int]:
         row, outer, inner = strides
-        if batch == self.batch:
-            return strides
         if self.batch > 1 and outer != self.batch * inner:
             raise ValueError(f"operands split positions by {self.batch} and by {batch}")
         step = inner if self.batch > 1 else outer
@@ -205,9 +204,8 @@ class Halves:
 
     def collapsible(self) -> bool:
         """Whether one stride steps through all positions of each half (any split serves)."""
-        return self.batch == 1 or all(
-            outer == self.batch * inner for _, outer, inner in (self.key_strides, self.value_strides)
-        )
+        (_, key_outer, key_inner), (_, value_outer, value_inner) = self.key_strides, self.value_strides
+        return self.batch == 1 or (key_outer == self.batch * key_inner and value_outer == self.batch * value_inner)
 
 
 def _strides(heads: torch.Tensor) -> tuple[int, int, int]:
@@ -385,7 +383,8 @@ def _launch_both(mixed: tuple[tuple[int, int, int], tuple, dict], weighed: tuple
     from lime_megatron.kernels.routing_kernels import mix_kernel
 
     (tiles, arguments, constants), (grid, weight_arguments, weight_constants) = mixed, weighed
-    if (weight_constants.pop("ACC"), weight_constants.pop("UPCAST")) != (constants["ACC"], constants["UPCAST"]):
+    # ``accumulator`` gives one object per dtype
+    if weight_constants.pop("ACC") is not constants["ACC"] or weight_constants.pop("UPCAST") != constants["UPCAST"]:
         raise ValueError("the fused backward's rows and gradients differ in dtype or device")
     launch(
         mix_kernel,

@@ -1,11 +1,12 @@
 """``bench/bench_host_time.py`` at a tiny shape on the CPU: a row per depth with the baseline's time
-per layer and each LIMe model's extra, the Triton path's launches dropped while it times (and only
-on a CPU), its Markdown table."""
+per layer, each LIMe model's extra and its time inside the routing functions, the Triton path's
+launches dropped while it times (and only on a CPU), its Markdown tables."""
 
 from __future__ import annotations
 
 import contextlib
 import io
+import time
 
 import pytest
 
@@ -34,6 +35,8 @@ def test_rows_and_table_of_each_path_and_block(monkeypatch):
     names = ["torch B=1", "torch B=2", "triton B=1", "triton B=2"]
     assert [row["layers"] for row in rows] == [2, 3]
     assert all(row["base_us"] > 0 and all(f"{name} us" in row for name in names) for row in rows)
+    # every LIMe model spends time inside its routing functions, forward and backward
+    assert all(row[f"{name} {phase} us"] > 0 for row in rows for name in names for phase in ("forward", "backward"))
     # per depth the timed rounds ran under an observer that never runs a launch, removed after
     assert len(installed) == 4 and installed[1::2] == [None, None] and operands._OBSERVER is None
     assert "mix_kernel" in launched  # the Triton models' launches went to it
@@ -43,7 +46,8 @@ def test_rows_and_table_of_each_path_and_block(monkeypatch):
     table = [line for line in printed.getvalue().splitlines() if line.startswith("|")]
     titles = ["layers", "kv", "base us/layer", *(f"{name}: extra us/layer" for name in names)]
     assert table[0] == "| " + " | ".join(titles) + " |"
-    assert len(table) == 4
+    assert table[4] == "| " + " | ".join(["layers", "kv", *names]) + " |"
+    assert len(table) == 8
 
 
 def test_launches_run_on_a_gpu():
@@ -53,3 +57,27 @@ def test_launches_run_on_a_gpu():
     with host_time.launches_dropped("cpu"):
         assert operands._OBSERVER is not None
     assert operands._OBSERVER is None
+
+
+def test_routing_timers_time_each_phase_and_restore_the_functions():
+    """The timers add each call's seconds to its phase and put the functions back after."""
+
+    def phases() -> dict:
+        return {
+            (function, phase): function.__dict__[phase]
+            for function in host_time.ROUTING_FUNCTIONS
+            for phase in host_time.PHASES
+        }
+
+    function, before, seconds, calls = host_time.ROUTING_FUNCTIONS[0], phases(), {}, []
+    function.forward = staticmethod(lambda *args: calls.append(args) or time.sleep(0.01))
+    stub = phases()
+    try:
+        with host_time.routing_timers(seconds):
+            assert phases() != stub
+            function.forward(1, 2)
+        assert calls == [(1, 2)] and seconds["forward"] >= 0.01 and "backward" not in seconds
+        assert phases() == stub
+    finally:
+        function.forward = before[function, "forward"]
+    assert phases() == before

@@ -112,8 +112,8 @@ class KeptGradients:
     def require(self, layer: int, consumers: range) -> None:
         """Fail unless every own layer of ``consumers`` kept its g_m before ``layer``'s backward."""
         first = self.key_values.layers.start
-        missing = [m for m in consumers if not self._kept[m - first]]
-        if missing:
+        if not all(self._kept[consumers.start - first : consumers.stop - first]):
+            missing = [m for m in consumers if not self._kept[m - first]]
             raise RuntimeError(f"LIMe backward reached layer {layer} before that of its consumer layers {missing}")
 
     def leave_in_block(self, layer: int, pieces: list[tuple[slice, torch.Tensor]]) -> None:

@@ -46,6 +46,7 @@ class KeyValueRows:
         self.writer: torch.Tensor | None = None
         self.kv_shape: tuple[int, int, int, int] | None = None
         self.external: list[tuple[range, torch.Tensor]] = []
+        self._cuts = [layers.start]  # where the own rows and the external blocks begin and end, ascending
 
     def allocate(self, key: torch.Tensor) -> None:
         """Allocate the own rows for keys shaped like ``key`` ``[s, b, kv_heads, d]``, once per pass."""
@@ -94,8 +95,7 @@ class KeyValueRows:
 
     def row_blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
         """``(start, stop)`` split where external blocks and the own rows begin and end."""
-        cuts = {self.layers.start} | {edge for layers, _ in self.external for edge in (layers.start, layers.stop)}
-        edges = [start, *sorted(cut for cut in cuts if start < cut < stop), stop]
+        edges = [start, *(cut for cut in self._cuts if start < cut < stop), stop]
         return list(zip(edges[:-1], edges[1:]))
 
     def new_zero_rows(self, count: int) -> torch.Tensor:
@@ -134,7 +134,9 @@ class KeyValueRows:
             if layers.stop > self.layers.start:
                 raise ValueError(f"external layers {layers} must come before this chunk's {self.layers}")
         self.external, self.kv_shape = blocks, kv_shape
+        edges = {edge for layers, _ in blocks for edge in (layers.start, layers.stop)}
+        self._cuts = sorted(edges | {self.layers.start})
 
     def forget_external(self) -> None:
         """Drop the external blocks (their gradient was handed back: ``ConsumerGradients.external_shares``)."""
-        self.external = []
+        self.external, self._cuts = [], [self.layers.start]
