@@ -20,7 +20,7 @@ observer drops them; in Triton's interpreter a launch costs a thousand times a G
 is the host's work around the launches, the launches' own cost on a GPU host (Triton's argument
 binding and the driver call) not included.  With ``--device cuda`` every launch runs.
 
-Run (the figures in BENCHMARKS.md, "Host time per layer"):
+Run (the figures in BENCHMARKS.md, "Host time per layer: the Triton path's Python"):
     python bench/bench_host_time.py
 """
 
@@ -50,6 +50,9 @@ from lime_megatron.models.lime.routing_blocks import MixEarlierSources
 
 ROUTING_FUNCTIONS = (RouteKeysValues, MixEarlierSources, MixEarlierRows)
 """LIMe's autograd functions of static routing: a layer's Eqs. 1-2 and a block's earlier sums."""
+
+PHASES = ("forward", "backward")
+"""What ``routing_timers`` times of each of them."""
 
 
 def parse_args(argv=None):
@@ -95,9 +98,6 @@ def routing_timers(seconds: dict[str, float]) -> Iterator[None]:
     finally:
         for function, phase, original in originals:
             setattr(function, phase, original)
-
-
-PHASES = ("forward", "backward")
 
 
 def _timed(call: Callable, seconds: dict[str, float], phase: str) -> Callable:
