@@ -383,8 +383,7 @@ def _launch_both(mixed: tuple[tuple[int, int, int], tuple, dict], weighed: tuple
     from lime_megatron.kernels.routing_kernels import mix_kernel
 
     (tiles, arguments, constants), (grid, weight_arguments, weight_constants) = mixed, weighed
-    # ``accumulator`` gives one object per dtype
-    if weight_constants.pop("ACC") is not constants["ACC"] or weight_constants.pop("UPCAST") != constants["UPCAST"]:
+    if (weight_constants.pop("ACC"), weight_constants.pop("UPCAST")) != (constants["ACC"], constants["UPCAST"]):
         raise ValueError("the fused backward's rows and gradients differ in dtype or device")
     launch(
         mix_kernel,
