@@ -50,8 +50,12 @@ N names the baseline spends the most time in (which kernels the attention ran as
 JSON row holds them as ``kernel_profile`` (lists of those entries), ``kernel_profile_total`` and
 ``kernel_profile_base``; then, from unprofiled steps, each model's host time (until its last
 kernel is queued), wall time and the device's idle time in it (wall minus the profiled busy
-time: ``host_and_idle``), which says where LIMe's wall time beyond its device time goes.
-``--launch-profile`` splits the routing kernels' share by what each
+time: ``host_and_idle``), which says where LIMe's wall time beyond its device time goes; and with
+``--idle-profile``, from the profiled steps (the host's activity recorded beside the device's),
+where the device waited: its idle ms before the work of each operator, the N names with the most
+LIMe-minus-baseline idle ms, and the host's calls that wait for the device (synchronisations,
+allocations; ``testing.device_idle``), as ``idle_profile``, ``idle_profile_total`` and
+``blocking_calls`` (on a CPU none).  ``--launch-profile`` splits the routing kernels' share by what each
 launch does (``testing.kernel_launches``): one forward+backward of blocked LIMe with every launch
 timed between CUDA events, per kind (a mix with the store, the partial sums, the weight gradient
 beside it; the weight gradient alone) the launches, their ms, the least bytes they must move and
@@ -106,6 +110,7 @@ from lime_megatron.planning.flops import forward_flops_per_token, router_flops_p
 from lime_megatron.planning.routing_block import CPU_2_CORE, MachineBalance, chunk_routing_block, present_machine
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.testing.copied_bytes import CopiedBytes
+from lime_megatron.testing.device_idle import Totals, blocking_calls, device_work, idle_gaps
 from lime_megatron.testing.dispatched_operators import DispatchedOperators
 from lime_megatron.testing.kernel_launches import KernelLaunches
 from lime_megatron.testing.routing_reads import RoutingReads, routing_reads, synchronize_device_of
@@ -205,6 +210,13 @@ def parse_args(argv=None) -> argparse.Namespace:
         "the N kernels (CPU: operators) with the most LIMe-minus-baseline self time (0: off)",
     )
     parser.add_argument(
+        "--idle-profile",
+        action="store_true",
+        help="with --kernel-profile on a GPU, record the host's activity beside the device's and print where "
+        "the device waited: its idle ms before each operator's work and the host's blocking calls "
+        "(testing.device_idle; the profile's post-processing takes seconds per 10,000 operators)",
+    )
+    parser.add_argument(
         "--launch-profile",
         nargs="*",
         type=int,
@@ -217,6 +229,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     args = parse_paired_args(parser, argv)
     if args.kernel_profile < 0:
         parser.error(f"--kernel-profile {args.kernel_profile}: a count of names, 0 for none")
+    if args.idle_profile and not args.kernel_profile:
+        parser.error("--idle-profile reads the kernel profile's steps: give --kernel-profile N too")
     return args
 
 
@@ -598,21 +612,46 @@ def split_fields(setting: Setting) -> dict:
     return time_split(setting.args, setting.config, counted, products["blocked"])
 
 
-ProfiledTimes = dict[str, tuple[float, int]]
+ProfiledTimes = Totals
 """Self milliseconds and calls of each kernel (GPU) or operator (CPU) name in one profiled step."""
 
 
-def profiled_self_times(model, batch) -> ProfiledTimes:
-    """``model``'s one forward+backward under ``torch.profiler``: on a GPU each CUDA kernel's (and
-    copy's) device time, on a CPU each operator's self CPU time (ATen operators, LIMe's autograd
-    functions and their backward nodes), summed by name; annotated ranges left out (on a GPU they
-    span the kernels they hold)."""
+@dataclasses.dataclass(frozen=True)
+class ProfiledStep:
+    """What one profiled forward+backward says (``profiled_step``)."""
+
+    self_times: ProfiledTimes
+    idle: Totals | None
+    """The device's idle ms before the work of each operator, and its gaps (``device_idle.idle_gaps``;
+    None where the host's activity was not asked for)."""
+    blocking: Totals | None
+    """The host's ms in calls that wait for the device, and their calls (``device_idle.blocking_calls``)."""
+
+
+def profiled_step(model, batch, idle: bool = False) -> ProfiledStep:
+    """``model``'s one forward+backward under ``torch.profiler``: as ``self_times`` each CUDA
+    kernel's (and copy's) device time on a GPU, each operator's self CPU time on a CPU (ATen
+    operators, LIMe's autograd functions and their backward nodes), summed by name, annotated ranges
+    left out (on a GPU they span the kernels they hold); with ``idle`` the host's activity recorded
+    beside the device's, and from both the device's idle gaps and the host's blocking calls
+    (``testing.device_idle``; on a CPU none)."""
     cuda = batch[0].is_cuda
-    device = DeviceType.CUDA if cuda else DeviceType.CPU
-    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as profiler:
+    activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
+    activities += [ProfilerActivity.CPU] if cuda and idle else []
+    with profile(activities=activities) as profiler:
         train_step(model, batch)
+    times = self_times(profiler.key_averages(), cuda)
+    if not idle:
+        return ProfiledStep(times, None, None)
+    events = profiler.events()
+    return ProfiledStep(times, idle_gaps(device_work(events)), blocking_calls(events))
+
+
+def self_times(averages, cuda: bool) -> ProfiledTimes:
+    """``profiled_step``'s ``self_times`` from the profile's ``key_averages()``."""
+    device = DeviceType.CUDA if cuda else DeviceType.CPU
     times: ProfiledTimes = {}
-    for event in profiler.key_averages():
+    for event in averages:
         if event.device_type == device and not event.is_user_annotation:
             self_us = event.self_device_time_total if cuda else event.self_cpu_time_total
             ms, count = times.get(event.key, (0.0, 0))
@@ -643,20 +682,36 @@ def profile_total(times: ProfiledTimes) -> tuple[float, int]:
 
 def kernel_profile_fields(setting: Setting) -> dict:
     """Where blocked LIMe's extra device time goes: ``kernel_differences`` of one profiled step of
-    each model (``--kernel-profile`` names) and the totals over all names; where the profiler
-    cannot run (e.g. a GPU image without CUPTI), ``kernel_profile_error`` says why instead, so
-    that the setting's timings, measured before, are not lost with it."""
+    each model (``--kernel-profile`` names) and the totals over all names; where the device waited
+    in those steps: the operators before whose work it sat idle (``idle_profile``, the names with the
+    most LIMe-minus-baseline idle ms; on a CPU none) and the host's blocking calls (all of them);
+    where the profiler cannot run (e.g. a GPU image without CUPTI), ``kernel_profile_error`` says
+    why instead, so that the setting's timings, measured before, are not lost with it."""
+    args = setting.args
     try:
-        lime, base = (profiled_self_times(setting.models[name], setting.batch) for name in ("blocked", "base"))
+        lime, base = (
+            profiled_step(setting.models[name], setting.batch, args.idle_profile) for name in ("blocked", "base")
+        )
     except RuntimeError as error:
         print(f"kernel profile: {error}", flush=True)
         return dict(kernel_profile_error=f"{type(error).__name__}: {error}")
-    total = profile_entry("all names", profile_total(lime), profile_total(base))
-    return dict(
-        kernel_profile=kernel_differences(lime, base, setting.args.kernel_profile),
-        kernel_profile_base=kernel_differences(lime, base, setting.args.kernel_profile, by="base_ms"),
+    total = profile_entry("all names", profile_total(lime.self_times), profile_total(base.self_times))
+    fields = dict(
+        kernel_profile=kernel_differences(lime.self_times, base.self_times, args.kernel_profile),
+        kernel_profile_base=kernel_differences(lime.self_times, base.self_times, args.kernel_profile, by="base_ms"),
         kernel_profile_total=total,
         host_and_idle=host_and_idle(setting, total),
+    )
+    return fields | (idle_fields(lime, base, args.kernel_profile) if args.idle_profile else {})
+
+
+def idle_fields(lime: ProfiledStep, base: ProfiledStep, top: int) -> dict:
+    """``--idle-profile``'s fields: the ``top`` operators with the most LIMe-minus-baseline idle ms
+    before their work, the totals over all gaps, and every blocking call of either step."""
+    return dict(
+        idle_profile=kernel_differences(lime.idle, base.idle, top),
+        idle_profile_total=profile_entry("all gaps", profile_total(lime.idle), profile_total(base.idle)),
+        blocking_calls=kernel_differences(lime.blocking, base.blocking, len(lime.blocking | base.blocking)),
     )
 
 
@@ -822,6 +877,9 @@ KERNEL_COLUMNS: list[Column] = [
 ]
 """The kernel profile's columns, one line per name (``profile_entry``)."""
 
+IDLE_COLUMNS: list[Column] = KERNEL_COLUMNS[:-1] + [("operator (gaps) / call in operator", field("name"))]
+"""The idle profile's and the blocking calls' columns (``print_idle_profile``)."""
+
 
 LAUNCH_COLUMNS: list[Column] = [
     ("launch kind", field("kind")),
@@ -874,6 +932,21 @@ def print_kernel_profiles(rows: list[dict]) -> None:
             print_table(KERNEL_COLUMNS, row["kernel_profile_base"])
             print("\nunprofiled steps (medians): the host's ms to queue the step, its wall ms, the device idle in it:")
             print_table(HOST_COLUMNS, [row["host_and_idle"]])
+        if "idle_profile" in row:
+            print_idle_profile(row)
+
+
+def print_idle_profile(row: dict) -> None:
+    """Where the profiled steps' device waited: its idle ms before each operator's work (the names
+    with the most LIMe-minus-baseline idle ms, "calls" counting gaps), and every host call that waits
+    for the device."""
+    print(
+        f"\nthe device idle in the profiled steps before the work of each operator, the {len(row['idle_profile'])} "
+        "names with the most LIMe-minus-baseline idle ms (calls: gaps):"
+    )
+    print_table(IDLE_COLUMNS, row["idle_profile"] + [row["idle_profile_total"]])
+    print("\nthe host's calls that wait for the device, in the profiled steps (none: no row):")
+    print_table(IDLE_COLUMNS, row["blocking_calls"])
 
 
 def summary(rows: list[dict]) -> str:

@@ -46,10 +46,11 @@ def table_after(output: str, heading: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def profiled_run(tmp_path_factory):
-    """Rows, output and JSON document of a run measuring everything, with a kernel profile and a
-    launch profile (empty: on a CPU the bench takes the torch path, which launches no kernel)."""
+    """Rows, output and JSON document of a run measuring everything, with a kernel profile, its idle
+    profile and a launch profile (empty: on a CPU the bench takes the torch path, which launches
+    no kernel)."""
     path = tmp_path_factory.mktemp("overhead") / "overhead.json"
-    rows, output = run_main("--kernel-profile", str(TOP), "--launch-profile", "--json", str(path))
+    rows, output = run_main("--kernel-profile", str(TOP), "--idle-profile", "--launch-profile", "--json", str(path))
     return rows, output, json.loads(path.read_text())
 
 
@@ -162,6 +163,13 @@ def test_kernel_profile_prints_the_requested_names_and_totals(profiled_run):
         assert host[f"{model}_idle_ms"] == pytest.approx(host[f"{model}_wall_ms"] - busy)
     [cells] = [line.split() for line in table_after(output, "unprofiled steps (medians)")[2:]]
     assert float(cells[0]) == pytest.approx(host["lime_host_ms"], abs=0.05)
+    # and where the device waited in the profiled steps: on a CPU no device work, so no gap, no call
+    assert row["idle_profile"] == [] and row["blocking_calls"] == []
+    assert row["idle_profile_total"] == dict(
+        name="all gaps", lime_ms=0.0, base_ms=0.0, diff_ms=0.0, lime_count=0, base_count=0
+    )
+    assert table_after(output, "the device idle in the profiled steps")[-1].split()[-1] == "gaps"
+    assert len(table_after(output, "the host's calls that wait")) == 2
 
 
 @pytest.mark.usefixtures("megatron")
@@ -182,14 +190,22 @@ def test_lime_only_operators_have_no_baseline_time():
     assert sum(entry["base_count"] for entry in by_name.values()) == total["base_count"]
 
 
+def test_the_idle_profile_needs_the_kernel_profile_and_is_absent_without_its_flag(capsys):
+    with pytest.raises(SystemExit):
+        overhead.parse_args([*TINY, "--idle-profile"])
+    assert "give --kernel-profile N too" in capsys.readouterr().err
+    [row], output = run_main("--skip", *overhead.SKIP_CHOICES, "--kernel-profile", "2")
+    assert "kernel_profile" in row and "idle_profile" not in row and "the device idle in the profiled" not in output
+
+
 def test_a_profiler_that_cannot_run_keeps_the_timings(monkeypatch):
     """A GPU image whose profiler fails (no CUPTI) costs the profile, said in ``kernel_profile_error``,
     not the setting's timings."""
 
-    def no_profiler(model, batch):
+    def no_profiler(model, batch, idle):
         raise RuntimeError("CUPTI initialization failed")
 
-    monkeypatch.setattr(overhead, "profiled_self_times", no_profiler)
+    monkeypatch.setattr(overhead, "profiled_step", no_profiler)
     [row], output = run_main("--skip", *overhead.SKIP_CHOICES, "--kernel-profile", "3")
     assert row["kernel_profile_error"] == "RuntimeError: CUPTI initialization failed"
     assert "kernel_profile" not in row and {"base_s", "lime_x", "lime_spread"} <= row.keys()

@@ -137,6 +137,26 @@ def test_a_case_without_a_quantity_says_why_in_its_row():
     assert rows["1B GQA-8 | LIMe blocked / baseline"].status == "target missed"
 
 
+def test_a_case_reports_where_the_device_waited():
+    """The profiled steps' idle gaps by operator and the host's blocking calls become rows of the
+    case, each its LIMe-minus-baseline ms with both models' ms and counts in its note."""
+
+    def entry(name, lime_ms, base_ms, lime_count, base_count):
+        return dict(name=name, lime_ms=lime_ms, base_ms=base_ms, diff_ms=lime_ms - base_ms, lime_count=lime_count,
+                    base_count=base_count)  # fmt: skip
+
+    record = dict(
+        idle_profile=[entry("RouteKeysValuesBackward", 2.5, 0.0, 16, 0)],
+        idle_profile_total=entry("all gaps", 7.5, 1.0, 40, 12),
+        blocking_calls=[entry("cudaStreamSynchronize in aten::item", 0.2, 0.2, 1, 1)],
+    )
+    rows = {row.name: row for row in session_steps.case_rows("1B GQA-8", record, session_steps.IDLE_FIELDS)}
+    assert rows["1B GQA-8 | profiled idle gaps ms LIMe - baseline"].value == 6.5
+    gap = rows["1B GQA-8 | +idle ms before | RouteKeysValuesBackward"]
+    assert gap.value == 2.5 and gap.note == "LIMe 2.500 ms x16, baseline 0.000 ms x0"
+    assert rows["1B GQA-8 | blocking ms | cudaStreamSynchronize in aten::item"].value == 0.0
+
+
 ATTENTION_FINDINGS = dict(
     candidates=[
         dict(

@@ -352,7 +352,15 @@ paper's Table 9 on an H100: +1.2-1.6% and +10.5%), blocked routing within 1.05x 
 saved bytes within 2%.  Then one profiled step's device time (on a CPU: operator time) over the
 baseline's (``--kernel-profile``; its largest differences follow as rows, ``case_rows``), and from
 unprofiled steps LIMe's extra host time and extra device idle time: the second H200 session found
-LIMe's wall time at 1B GQA-8 11 ms over the baseline's against 3.7 ms of extra device time."""
+LIMe's wall time at 1B GQA-8 11 ms over the baseline's against 3.7 ms of extra device time.  At 1B
+(``IDLE_FIELDS``) the profiled steps' idle gaps over the baseline's follow (``testing.device_idle``),
+and their operators and the host's blocking calls as rows (``case_rows``): where that time goes."""
+
+IDLE_FIELDS = (
+    *OVERHEAD_FIELDS,
+    BenchField("profiled idle gaps ms LIMe - baseline", lambda r: r["idle_profile_total"]["diff_ms"]),
+)
+"""The 1B cases' rows (``--idle-profile``): ``OVERHEAD_FIELDS`` and the profiled steps' idle gaps."""
 
 
 def session_bench_flags() -> list[str]:
@@ -376,11 +384,9 @@ def case_rows(label: str, record: dict, fields: tuple[BenchField, ...]) -> list[
     the routing kernels' rate per kind of launch (GB/s of the least bytes each must move) and the
     seconds the bench spent in each of its phases (``phase_s``)."""
     rows = [bench_field.row(label, record) for bench_field in fields]
-    for entry in record.get("kernel_profile", []):
-        note = f"LIMe {entry['lime_ms']:.3f} ms x{entry['lime_count']}, baseline {entry['base_ms']:.3f} ms"
-        rows.append(
-            ReportRow(f"{label} | +ms | {entry['name'][:80]}", entry["diff_ms"], note=f"{note} x{entry['base_count']}")
-        )
+    rows += profile_rows(f"{label} | +ms", record.get("kernel_profile", []))
+    rows += profile_rows(f"{label} | +idle ms before", record.get("idle_profile", []))
+    rows += profile_rows(f"{label} | blocking ms", record.get("blocking_calls", []))
     rows += launch_rows(f"{label} | GB/s", record.get("launch_profile", []))
     for tiled in record.get("launch_profile_tiles", []):
         name = f"{label} | tiles of {tiled['elements']} elements"
@@ -389,6 +395,20 @@ def case_rows(label: str, record: dict, fields: tuple[BenchField, ...]) -> list[
     phases = record.get("phase_s", {})
     note = ", ".join(f"{name} {seconds:.1f}" for name, seconds in phases.items())
     return rows + [ReportRow(f"{label} | bench seconds", sum(phases.values()), note=note)]
+
+
+def profile_rows(prefix: str, entries: list[dict]) -> list[ReportRow]:
+    """One row per name of a profile (``bench_lime_overhead.profile_entry``): its LIMe-minus-baseline
+    ms, and each model's ms and count."""
+    return [
+        ReportRow(
+            f"{prefix} | {entry['name'][:80]}",
+            entry["diff_ms"],
+            note=f"LIMe {entry['lime_ms']:.3f} ms x{entry['lime_count']}, "
+            f"baseline {entry['base_ms']:.3f} ms x{entry['base_count']}",
+        )
+        for entry in entries
+    ]
 
 
 def launch_rows(prefix: str, kinds: list[dict]) -> list[ReportRow]:
@@ -407,13 +427,13 @@ def overhead_commands(mode: Mode, folder: Path) -> list[Command]:
     output = folder / "overhead.json"
     kv_heads = [str(kv) for kv in mode.overhead_kv_heads]
     argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.overhead_shape, "--kv-heads", *kv_heads)
-    return [Command(argv + [*session_bench_flags(), "--json", str(output)], output)]
+    return [Command(argv + [*session_bench_flags(), "--idle-profile", "--json", str(output)], output)]
 
 
 def read_overhead(mode: Mode, folder: Path) -> list[ReportRow]:
     rows = []
     for record in load_json(folder / "overhead.json").get("rows", []):
-        rows += case_rows(mode.overhead_kv_heads[record["kv_heads"]], record, OVERHEAD_FIELDS)
+        rows += case_rows(mode.overhead_kv_heads[record["kv_heads"]], record, IDLE_FIELDS)
     return rows
 
 
@@ -567,7 +587,7 @@ STEPS = (
         "overhead-1b",
         "LIMe overhead at the paper's 1B shape, micro batch 4",
         110,
-        bench_rows(list(GPU.overhead_kv_heads.values()), OVERHEAD_FIELDS),
+        bench_rows(list(GPU.overhead_kv_heads.values()), IDLE_FIELDS),
         overhead_commands,
         read_overhead,
     ),
