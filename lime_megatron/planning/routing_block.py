@@ -112,12 +112,12 @@ PP = 2 ranks of 8 and of 12 layers as ``TRITON_OPERATORS``; the model gives ever
 B = 1 exactly.  A received block costs 4 per layer at B = 1, 2 per block at B > 1 and 1 once."""
 
 SHARED_HEADS_TRITON_OPERATORS = HostOperators(
-    41.2, 15, 9, 10, 12, per_received_block_per_chunk=-11, per_received_block_per_blocked_layer=-2
+    39.3, 15, 9, 10, 12, per_received_block_per_chunk=-11, per_received_block_per_blocked_layer=-2
 )
 """The Triton path's under tensor parallelism with kv heads shared by ranks (fewer kv heads than
 ranks): the general path at every B, its products Triton launches (rows layout, ``scatter_heads``,
-``gather_heads``): counted at TP = 4, kv 2, 16 layers, B = 1, 2, 4, 8, 16 (719, 950, 872, 806, 719;
-per layer 27.8 more than the rank-chunk path's at B = 1, 274 at TP = 2, kv 4, in the same
+``gather_heads``): counted at TP = 4, kv 2, 16 layers, B = 1, 2, 4, 8, 16 (689, 920, 842, 776, 689;
+per layer 25.9 more than the rank-chunk path's at B = 1, 274 at TP = 2, kv 4, in the same
 harness), and on TP = 2 x PP = 2 ranks of 8 and 12 layers with kv 1 (10 more per layer on the
 later rank at B = 1): the model gives every difference from B = 1 exactly but the later ranks',
 which it gives within 3 operators (its received-block terms fitted to them)."""

@@ -317,8 +317,9 @@ SYNCHRONISING = ("_local_scalar_dense", "item", "nonzero", "is_nonzero", "equal"
 @pytest.mark.parametrize("kernel", ["triton", "torch"])
 def test_a_step_adds_no_host_synchronisation_and_one_buffer(kernel, monkeypatch):
     """What a CUDA-graph capture of a step would need of LIMe and CPU tests can check: no operator
-    that reads a value back (beyond the baseline's), and the memory's buffer allocated once per pass
-    (one ``empty`` of its shape: B is static per micro-batch)."""
+    that reads a value back and no tensor made from host data but the memory's handle (beyond the
+    baseline's), and the memory's buffer allocated once per pass (one ``empty`` of its shape: B is
+    static per micro-batch)."""
     counts, buffers = {}, []
     allocate = KeyValueRows.allocate
 
@@ -332,6 +333,9 @@ def test_a_step_adds_no_host_synchronisation_and_one_buffer(kernel, monkeypatch)
         counts[lime] = step_operators(model).by_name
         monkeypatch.setattr(KeyValueRows, "allocate", allocate)
     assert {name: counts[True][name] - counts[False][name] for name in SYNCHRONISING} == dict.fromkeys(SYNCHRONISING, 0)
+    # a tensor from host data is, on a GPU, a copy after which the host waits: one, the memory's
+    # handle, which stays on the host
+    assert counts[True]["lift_fresh"] - counts[False]["lift_fresh"] == 1
     assert sum(buffers) == 2  # one buffer per pass: the uncounted step's and the counted one's
 
 

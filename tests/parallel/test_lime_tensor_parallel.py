@@ -542,6 +542,22 @@ def operators_by_block(blocks: tuple[int, ...], kv_heads: int) -> dict[int, floa
     return {block: sum(step_operators(16, True, block, tp, kv_heads).values()) - base for block in blocks}
 
 
+def host_data_tensors(kv_heads: int) -> dict[bool, float]:
+    """Tensors made from host data (``lift_fresh``) in one forward+backward at TP = the world's
+    size, 16 layers of ``kv_heads``, of the baseline (False) and of LIMe on the Triton path (True)."""
+    tp = torch.distributed.get_world_size()
+    return {lime: step_operators(16, lime, tp=tp, kv_heads=kv_heads).get("lift_fresh", 0) for lime in (False, True)}
+
+
+def test_heads_shared_by_ranks_make_no_tensor_from_host_data_per_layer():
+    """On a GPU a tensor made from host data is a copy to the device after which the host waits for
+    it to drain: with kv heads shared by ranks (TP = 4, kv 2: the general path's ``scatter_heads``
+    and ``gather_heads``) LIMe makes one per pass beyond the baseline, its memory's handle, which
+    stays on the host (``head_parallel.rank_order`` keeps the heads' index on the device)."""
+    counted = run_distributed(host_data_tensors, 4, 2)[0]
+    assert counted[True] - counted[False] == 1, counted
+
+
 def test_host_operators_model_blocking_under_tensor_parallelism():
     """What blocking adds on the Triton path under tensor parallelism is what ``host_operators``
     adds with the path's counts, exactly: ``TENSOR_PARALLEL_TRITON_OPERATORS`` (TP = 2, kv 4:

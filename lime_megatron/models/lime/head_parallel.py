@@ -8,6 +8,7 @@ of its own heads.  In backward ``gather_heads`` (one all-gather) is its adjoint.
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -60,7 +61,7 @@ def scatter_heads(partial: torch.Tensor, sharding: HeadSharding) -> torch.Tensor
     """Sum ``partial`` [kv_heads, n] over tensor-parallel ranks; each keeps its own heads' rows."""
     if sharding.size == 1:
         return partial
-    rows = partial[sharding.heads_by_rank()] if sharding.replicas > 1 else partial
+    rows = partial[rank_order(sharding, partial.device)] if sharding.replicas > 1 else partial
     out = partial.new_empty(len(sharding.local_heads), partial.shape[1])
     torch.distributed.reduce_scatter_tensor(out, rows.contiguous(), group=sharding.group)
     return out
@@ -74,5 +75,17 @@ def gather_heads(local: torch.Tensor, sharding: HeadSharding) -> torch.Tensor:
     torch.distributed.all_gather_into_tensor(gathered, local.contiguous(), group=sharding.group)
     if sharding.replicas == 1:
         return gathered
-    index = torch.tensor(sharding.heads_by_rank(), device=local.device)
+    index = rank_order(sharding, local.device)
     return local.new_zeros(sharding.kv_heads, local.shape[1]).index_add_(0, index, gathered)
+
+
+def rank_order(sharding: HeadSharding, device: torch.device) -> torch.Tensor:
+    """``sharding.heads_by_rank()`` as an index tensor on ``device``, made once per sharding and
+    device: a tensor made from host data per pass would cost a copy to the device, on a GPU one
+    that waits for the device to drain (a copy from pageable memory)."""
+    return _rank_order(sharding.kv_heads, sharding.size, device)
+
+
+@functools.cache
+def _rank_order(kv_heads: int, size: int, device: torch.device) -> torch.Tensor:
+    return torch.tensor(HeadSharding(kv_heads, size=size).heads_by_rank(), device=device)
