@@ -413,14 +413,19 @@ def copied_bytes(model, batch) -> int:
 def measure_cases(args, measure, json_path: str | None = None) -> list:
     """``measure(args, layers, kv_heads)`` for each of ``args.kv_heads`` and, inside, each of
     ``args.depths``, in one process with megatron's parallel state set up and a progress bar;
-    with ``json_path`` the rows so far are written there after each case (``tables.write_json``)."""
+    with ``json_path`` the rows so far are written there (``tables.write_json``) after each case
+    and while one runs: ``measure`` is then called with ``publish``, a function of the case's row so
+    far that writes the rows before it and that one (a bench stopped mid-case keeps what it
+    measured)."""
     initialize_parallel()
     cases = [(layers, kv) for kv in args.kv_heads for layers in args.depths]
     rows = []
     for layers, kv in tqdm(cases, desc="depth x kv-heads"):
-        rows.append(measure(args, layers, kv))
         if json_path:
+            rows.append(measure(args, layers, kv, publish=lambda row: write_json(json_path, args, [*rows, row])))
             write_json(json_path, args, rows)
+        else:
+            rows.append(measure(args, layers, kv))
     return rows
 
 
@@ -801,21 +806,24 @@ def phase_clock(phase_s: dict[str, float], name: str) -> Iterator[None]:
     phase_s[name] = time.perf_counter() - start
 
 
-def measure(args, num_layers: int, kv_heads: int) -> dict:
+def measure(args, num_layers: int, kv_heads: int, publish: Callable[[dict], None] = lambda row: None) -> dict:
     """The row of one setting: the paired timing, the plan's floor and reads, the optional phases'
-    fields (``optional_phases``) and ``phase_s``, the wall seconds of each phase run."""
+    fields (``optional_phases``) and ``phase_s``, the wall seconds of each phase run; the row so far
+    handed to ``publish`` after the timed rounds and after each optional phase."""
     phase_s: dict[str, float] = {}
     with phase_clock(phase_s, "build"):
         setting = build_setting(args, num_layers, kv_heads)
     with frozen_heap():
         with phase_clock(phase_s, "timed"):
             times = round_times(args, setting.models, setting.batch)
-        row = dict(layers=num_layers, kv_heads=kv_heads, block=setting.block)
+        row = dict(layers=num_layers, kv_heads=kv_heads, block=setting.block, phase_s=phase_s)
         row |= timing_fields(setting, times) | plan_fields(setting)
+        publish(row)
         for name, run in optional_phases(args).items():
             with phase_clock(phase_s, name):
                 row |= run(setting)
-    return row | dict(phase_s=phase_s)
+            publish(row)
+    return row
 
 
 SHAPE_COLUMNS = [("layers", field("layers")), ("kv", field("kv_heads")), ("B", field("block"))]

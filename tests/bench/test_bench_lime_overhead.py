@@ -198,6 +198,23 @@ def test_the_idle_profile_needs_the_kernel_profile_and_is_absent_without_its_fla
     assert "kernel_profile" in row and "idle_profile" not in row and "the device idle in the profiled" not in output
 
 
+def test_a_bench_stopped_mid_case_keeps_what_it_measured(monkeypatch, tmp_path):
+    """The JSON holds a case's row after its timed rounds and after each phase, not only at its end:
+    a GPU session stops a bench at its budget (the second H200 session's 128-layer case, stopped
+    in its profiles, left nothing of its timed rounds)."""
+
+    def stopped(setting):
+        raise KeyboardInterrupt  # as a stop at the budget arrives: mid-phase
+
+    monkeypatch.setitem(overhead.SKIPPABLE_PHASES, "saved", stopped)
+    path = tmp_path / "overhead.json"
+    with pytest.raises(KeyboardInterrupt):
+        run_main("--skip", "rebuilt", "split", "--json", str(path))
+    [row] = json.loads(path.read_text())["rows"]
+    assert {"base_s", "lime_x", "floor", "per_layer_operators"} <= row.keys()  # timed, then the counts
+    assert list(row["phase_s"]) == ["build", "timed", "counts"] and "lime_saved" not in row
+
+
 def test_a_profiler_that_cannot_run_keeps_the_timings(monkeypatch):
     """A GPU image whose profiler fails (no CUPTI) costs the profile, said in ``kernel_profile_error``,
     not the setting's timings."""
