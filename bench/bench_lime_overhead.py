@@ -55,11 +55,14 @@ time: ``host_and_idle``), which says where LIMe's wall time beyond its device ti
 where the device waited: its idle ms before the work of each operator, the N names with the most
 LIMe-minus-baseline idle ms, and the host's calls that wait for the device (synchronisations,
 allocations; ``testing.device_idle``), as ``idle_profile``, ``idle_profile_total`` and
-``blocking_calls`` (on a CPU none).  ``--launch-profile`` splits the routing kernels' share by what each
-launch does (``testing.kernel_launches``): one forward+backward of blocked LIMe with every launch
-timed between CUDA events, per kind (a mix with the store, the partial sums, the weight gradient
-beside it; the weight gradient alone) the launches, their ms, the least bytes they must move and
-the rate that gives, against the device's bandwidth (``launch_profile`` in the JSON row).
+``blocking_calls`` (on a CPU none).  ``--launch-profile`` splits the routing kernels' share by
+what each launch does (``testing.kernel_launches``): one forward+backward of blocked LIMe with
+every launch timed between CUDA events, per kind (a mix with the store, the partial sums, the
+weight gradient beside it; the weight gradient alone) the launches, their ms, the least bytes
+they must move and the rate that gives, against the device's bandwidth (``launch_profile`` in the
+JSON row); element counts after it and ``--launch-profile-warps W ...`` time the same step under
+other mix tiles (``launch_profile_tiles``).  The JSON row is written after the timed rounds and
+after each phase, so a run stopped at a time budget keeps what it measured.
 
 What runs: ``--skip`` drops quantities, any of ``rebuilt`` (the model rebuilding the routed K/V:
 not built nor timed), ``counts`` (the dispatched operators, torch and Triton), ``copies``,
@@ -100,7 +103,7 @@ from torch.profiler import ProfilerActivity, profile
 from tqdm import tqdm
 
 from lime_megatron.choices import ROUTING_KERNELS
-from lime_megatron.kernels.operands import MIX_TILES, use_mix_tiles
+from lime_megatron.kernels.operands import MIX_TILES, MixTiles, use_mix_tiles
 from lime_megatron.models.config import lime_config
 from lime_megatron.models.gpt_model import build_model
 from lime_megatron.parallel import fusions
@@ -226,9 +229,20 @@ def parse_args(argv=None) -> argparse.Namespace:
         "(testing.kernel_launches; the Triton path only); each ELEMENTS given: the same step again with the "
         "mixes' tiles at up to that many elements of a half (kernels.operands.MixTiles), beside the default's",
     )
+    parser.add_argument(
+        "--launch-profile-warps",
+        nargs="+",
+        type=int,
+        default=[],
+        metavar="WARPS",
+        help="with --launch-profile, the same step again for each WARPS: the mixes' launches with that many "
+        f"warps per program (Triton's num_warps; the default {MIX_TILES.warps})",
+    )
     args = parse_paired_args(parser, argv)
     if args.kernel_profile < 0:
         parser.error(f"--kernel-profile {args.kernel_profile}: a count of names, 0 for none")
+    if args.launch_profile_warps and args.launch_profile is None:
+        parser.error("--launch-profile-warps varies the launch profile's step: give --launch-profile too")
     if args.idle_profile and not args.kernel_profile:
         parser.error("--idle-profile reads the kernel profile's steps: give --kernel-profile N too")
     return args
@@ -742,21 +756,39 @@ def launch_profile_fields(setting: Setting) -> dict:
     """Each routing-kernel launch of one forward+backward of blocked LIMe timed, by kind
     (``testing.kernel_launches``): ``launch_profile``, a list of ``LaunchKind.as_row`` (empty on
     the torch path, which launches none), under the default tiles; ``launch_profile_tiles``, per
-    other element count of ``--launch-profile``, the same under those tiles with the step's
-    largest relative difference from the default's in the loss and in each parameter's
-    gradient (the same products: only the order of a tile dot's sums and of the router-weight
-    gradient's atomic sums may differ)."""
-    reference, fields = None, {}
-    for elements in [MIX_TILES.elements, *setting.args.launch_profile]:
-        with use_mix_tiles(dataclasses.replace(MIX_TILES, elements=elements)), KernelLaunches() as launches:
-            outcome = step_outcome(setting.models["blocked"], setting.batch)
+    other tiles of ``--launch-profile`` (element counts) and ``--launch-profile-warps``
+    (``profiled_tiles``), the same under those tiles (after one untimed step under them: their
+    kernels compile in it, not in the timed launches) with the step's largest relative difference
+    from the default's in the loss and in each parameter's gradient (the same products: only the
+    order of a tile dot's sums and of the router-weight gradient's atomic sums may differ)."""
+    model, batch = setting.models["blocked"], setting.batch
+    reference, fields = None, dict(launch_profile_tiles=[])
+    for tiles in profiled_tiles(setting.args):
+        with use_mix_tiles(tiles):
+            if reference is not None:
+                step_outcome(model, batch)
+            with KernelLaunches() as launches:
+                outcome = step_outcome(model, batch)
         if reference is None:
             reference, fields["launch_profile"] = outcome, launches.kinds()
-            fields["launch_profile_tiles"] = []
             continue
         difference = outcome_difference(outcome, reference)
-        fields["launch_profile_tiles"].append(dict(elements=elements, kinds=launches.kinds(), difference=difference))
+        tiled = dict(tiles=tiles_name(tiles), kinds=launches.kinds(), difference=difference)
+        fields["launch_profile_tiles"].append(tiled)
     return fields
+
+
+def profiled_tiles(args) -> list[MixTiles]:
+    """The launch profile's tiles: the default's, then each element count of ``--launch-profile``,
+    then each warp count of ``--launch-profile-warps`` (the rest as the default's)."""
+    elements = [dataclasses.replace(MIX_TILES, elements=count) for count in args.launch_profile]
+    warps = [dataclasses.replace(MIX_TILES, warps=count) for count in args.launch_profile_warps]
+    return [MIX_TILES, *elements, *warps]
+
+
+def tiles_name(tiles: MixTiles) -> str:
+    """How the launch profile names ``tiles``."""
+    return f"tiles of up to {tiles.elements} elements, {tiles.warps} warps"
 
 
 def step_outcome(model, batch) -> torch.Tensor:
@@ -915,13 +947,13 @@ def print_launch_profiles(rows: list[dict]) -> None:
             continue
         print(
             f"\nL{row['layers']} kv {row['kv_heads']} B {row['block']}: the routing kernels' launches in one "
-            f"forward+backward of blocked LIMe, by kind (GB: the least each must read and write), tiles of up to "
-            f"{MIX_TILES.elements} elements:"
+            f"forward+backward of blocked LIMe, by kind (GB: the least each must read and write), "
+            f"{tiles_name(MIX_TILES)}:"
         )
         print_table(LAUNCH_COLUMNS, row["launch_profile"])
         for tiled in row["launch_profile_tiles"]:
             print(
-                f"\nthe same with tiles of up to {tiled['elements']} elements (largest relative difference "
+                f"\nthe same with {tiled['tiles']} (largest relative difference "
                 f"in the loss and the gradients: {tiled['difference']:.1e}):"
             )
             print_table(LAUNCH_COLUMNS, tiled["kinds"])

@@ -28,13 +28,14 @@ import torch
 
 @dataclass(frozen=True)
 class Launch:
-    """One kernel launch as ``launch`` makes it: the kernel, its grid, its arguments in order and
-    its constants (``constexpr`` keywords)."""
+    """One kernel launch as ``launch`` makes it: the kernel, its grid, its arguments in order, its
+    constants (``constexpr`` keywords) and its warps per program (None: Triton's default)."""
 
     kernel: Any
     grid: tuple[int, ...]
     args: tuple
     constants: dict
+    warps: int | None = None
 
     @property
     def name(self) -> str:
@@ -62,8 +63,9 @@ def set_launch_observer(observer: LaunchObserver | None) -> None:
     _OBSERVER = observer
 
 
-def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
-    """``kernel[grid](*args, **constants)``, through the observer when one is installed."""
+def launch(kernel, grid: tuple[int, ...], *args, warps: int | None = None, **constants) -> None:
+    """``kernel[grid](*args, **constants)`` with ``num_warps=warps`` (None: Triton's default),
+    through the observer when one is installed."""
     if not _first_tensor(args).is_cuda and not _interpreted():
         raise RuntimeError(
             "the Triton routing kernels run on CUDA tensors; on a CPU only in Triton's interpreter "
@@ -71,13 +73,15 @@ def launch(kernel, grid: tuple[int, ...], *args, **constants) -> None:
             "--lime-routing-kernel torch"
         )
 
+    options = {} if warps is None else dict(num_warps=warps)
+
     def run() -> None:
-        kernel[grid](*args, **constants)
+        kernel[grid](*args, **constants, **options)
 
     if _OBSERVER is None:
         run()
     else:
-        _OBSERVER(Launch(kernel, grid, args, constants), run)
+        _OBSERVER(Launch(kernel, grid, args, constants, warps), run)
 
 
 @functools.cache
@@ -279,12 +283,15 @@ def next_power_of_2(size: int) -> int:
 class MixTiles:
     """How ``mix_kernel`` tiles a mix: at most ``rows`` output rows per tile (BLOCK_R), each row
     tile reading every source row once; as many elements of a half (BLOCK_N) as keep the tile
-    within ``area`` float32 sums in registers, at most ``elements``."""
+    within ``area`` float32 sums in registers, at most ``elements``; ``warps`` warps per program
+    (Triton's ``num_warps``: the threads sharing a tile's loads and sums)."""
 
     rows: int = 128
     """A routing block of up to 16 layers of 8 kv heads reads each source row once."""
     area: int = 64 * 128
     elements: int = 128
+    warps: int = 4
+    """Triton's default, named so that a launch profile can compare others."""
 
     def tile(self, out: Halves) -> tuple[int, int]:
         """(BLOCK_R, BLOCK_N) of a mix into ``out``."""
@@ -326,7 +333,8 @@ def mix(
     tiles, arguments, constants = _mix_launch(out, first, second, accumulate, store, more)
     operand = arguments[0]  # out's: a placeholder for the weight gradient's operands, never read
     unused = ((out.keys, 0, 0, 1, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 0))
-    launch(mix_kernel, (tiles[2],), *arguments, unused, (*tiles, 1, 1, 0), **constants, **_NO_WEIGHT_GRAD)
+    options = dict(warps=_tiles.warps, **constants, **_NO_WEIGHT_GRAD)
+    launch(mix_kernel, (tiles[2],), *arguments, unused, (*tiles, 1, 1, 0), **options)
 
 
 _NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16, KEEP=False, W_WIDTH=1)
@@ -391,6 +399,7 @@ def _launch_both(mixed: tuple[tuple[int, int, int], tuple, dict], weighed: tuple
         *arguments,
         weight_arguments,
         (*tiles, *grid[:2], keep_first or 0),
+        warps=_tiles.warps,
         **constants,
         WEIGHT_GRAD=True,
         KEEP=keep_first is not None,

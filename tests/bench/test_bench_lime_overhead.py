@@ -12,6 +12,7 @@ import json
 import pytest
 import torch
 
+from lime_megatron.kernels import operands
 from tests.bench import load_bench
 
 tables, _, overhead = load_bench("tables", "cpu_triton", "bench_lime_overhead")
@@ -126,16 +127,34 @@ def test_phase_s_holds_every_phase_run(profiled_run):
     assert len(cells) == len(overhead.PHASE_COLUMNS) and "-" not in cells
 
 
-def test_the_launch_profile_compares_tiles_on_the_triton_path():
-    """Per kind of launch, under the default tiles and under wider ones: the same launches, and
-    the same step (up to the order of sums: a tile's dot, the router-weight gradient's atomics)."""
+def test_the_launch_profile_compares_tiles_on_the_triton_path(monkeypatch):
+    """Per kind of launch, under the default tiles, wider ones and more warps: the same launches,
+    and the same step (up to the order of sums: a tile's dot, the router-weight gradient's
+    atomics); each other tiles' timed step after an untimed one under them (their compilation)."""
     skipped = ("--skip", "rebuilt", "counts", "copies", "split", "saved")
-    [row], output = run_main("--lime-routing-kernel", "triton", "--launch-profile", "512", *skipped)
-    default, [wider] = row["launch_profile"], row["launch_profile_tiles"]
-    assert wider["elements"] == 512 and wider["difference"] <= 1e-6
+    steps, outcome = [], overhead.step_outcome
+
+    def counted(model, batch):
+        steps.append(operands._tiles)  # the tiles the step runs under
+        return outcome(model, batch)
+
+    monkeypatch.setattr(overhead, "step_outcome", counted)
+    flags = ("--launch-profile", "512", "--launch-profile-warps", "8")
+    [row], output = run_main("--lime-routing-kernel", "triton", *flags, *skipped)
+    default, [wider, warps] = row["launch_profile"], row["launch_profile_tiles"]
+    assert wider["tiles"] == "tiles of up to 512 elements, 4 warps" and wider["difference"] <= 1e-6
+    assert warps["tiles"] == "tiles of up to 128 elements, 8 warps" and warps["difference"] <= 1e-6
     launches = {kind["kind"]: kind["launches"] for kind in default}
     assert launches and {kind["kind"]: kind["launches"] for kind in wider["kinds"]} == launches
+    assert {kind["kind"]: kind["launches"] for kind in warps["kinds"]} == launches
     assert len(table_after(output, "the same with tiles of up to 512 elements")) == 2 + len(launches)
+    assert [(tiles.elements, tiles.warps) for tiles in steps] == [(128, 4), (512, 4), (512, 4), (128, 8), (128, 8)]
+
+
+def test_the_launch_profiles_warps_need_the_launch_profile(capsys):
+    with pytest.raises(SystemExit):
+        overhead.parse_args([*TINY, "--launch-profile-warps", "8"])
+    assert "give --launch-profile too" in capsys.readouterr().err
 
 
 def test_kernel_profile_prints_the_requested_names_and_totals(profiled_run):

@@ -90,7 +90,8 @@ def test_gpu_and_rehearsal_run_the_same_commands_at_other_shapes(tmp_path):
 
 def test_the_gpu_sessions_bench_commands_parse(tmp_path):
     """The GPU's bench commands are ones the bench takes (the rehearsal runs only its own shapes):
-    both steps profile kernels and launches and leave the operator counts to the CPU."""
+    both steps profile kernels and launches and leave the operator counts to the CPU; at 1B the
+    launch profile compares other tiles and warps, and the idle profile runs."""
     from tests.bench import load_bench
 
     *_, overhead = load_bench("tables", "cpu_triton", "bench_lime_overhead")
@@ -102,7 +103,10 @@ def test_the_gpu_sessions_bench_commands_parse(tmp_path):
     for name, runs in parsed.items():
         for args in runs:
             assert args.device == "cuda" and args.kernel_profile > 0 and {"rebuilt", "split"} <= set(args.skip)
-            assert "counts" in args.skip and args.launch_profile, name
+            assert "counts" in args.skip and args.launch_profile is not None, name
+    [one_b] = parsed["overhead-1b"]
+    assert one_b.launch_profile == [512] and one_b.launch_profile_warps == [8] and one_b.idle_profile
+    assert all(args.launch_profile == [] and not args.idle_profile for args in parsed["deep-128"])
     assert [args.micro_batch_size for args in parsed["deep-128"]] == list(session_steps.GPU.deep_micro_batches)
 
 

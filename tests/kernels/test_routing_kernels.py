@@ -16,6 +16,7 @@ from lime_megatron.kernels.operands import (
     mix,
     mix_and_weight_grad,
     mix_beside_weight_grad,
+    set_launch_observer,
     use_mix_tiles,
     weight_grad,
     weight_grad_sums,
@@ -67,7 +68,9 @@ def test_store_and_mix_equals_torch(shape, dtype):
     assert relative(as_rows(keys, values), expected) <= TOLERANCE[dtype]
 
 
-@pytest.mark.parametrize("tiles", [MixTiles(rows=16), MixTiles(elements=512), MixTiles(rows=16, area=16 * 64)], ids=str)
+@pytest.mark.parametrize(
+    "tiles", [MixTiles(rows=16), MixTiles(elements=512), MixTiles(rows=16, area=16 * 64), MixTiles(warps=8)], ids=str
+)
 def test_any_tiles_give_the_same_mix(tiles):
     """Tiles divide the output rows and the elements among programs, never a sum across them:
     several row tiles (the store by the first's programs alone), wide and narrow element tiles,
@@ -89,6 +92,26 @@ def test_any_tiles_give_the_same_mix(tiles):
         results.append((as_rows(keys, values), stored))
     assert torch.equal(results[1][1], as_rows(key, value))
     assert relative(results[1][0], results[0][0]) <= 1e-6
+
+
+def test_the_mixes_launch_with_their_tiles_warps():
+    """A mix, and a mix beside a weight gradient, launch with the tiles' warps (``num_warps``):
+    Triton's default 4 unless a launch profile asks for others."""
+    h, d, sources = 2, 8, 3
+    rows, weight = torch.randn(sources, 2 * 4 * d), torch.randn(h, sources)
+    first = (Columns.of(weight, slice(0, h), slice(0, sources)), Halves.of_rows(rows, 0, sources, d))
+    warps = []
+    set_launch_observer(lambda launch, run: warps.append((launch.name, launch.warps)))
+    try:
+        for tiles in (MixTiles(), MixTiles(warps=8)):
+            with use_mix_tiles(tiles):
+                out = Halves.of_rows(torch.empty(h, 2 * 4 * d), 0, h, d)
+                mix(out, first)
+                grads = Halves.of_rows(torch.randn(h, 2 * 4 * d), 0, h, d)
+                mix_beside_weight_grad(out, first, torch.zeros(h, sources), grads, first[1], 0, False, 1)
+    finally:
+        set_launch_observer(None)
+    assert warps == [("mix_kernel", 4), ("mix_kernel", 4), ("mix_kernel", 8), ("mix_kernel", 8)]
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

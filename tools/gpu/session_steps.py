@@ -363,16 +363,20 @@ IDLE_FIELDS = (
 """The 1B cases' rows (``--idle-profile``): ``OVERHEAD_FIELDS`` and the profiled steps' idle gaps."""
 
 
-def session_bench_flags() -> list[str]:
+def session_bench_flags(tile_variants: bool) -> list[str]:
     """What the session's bench runs leave out (``--skip``): the rebuilt-K/V model, the copy bytes (a
     CPU count), the synchronised rounds of the time split, whose "rest" a GPU inflates, and the
     operator counts (the first two H200 sessions read 9.6 per layer at B = 1 and 8.7 blocked at 1B
     on the TE spec; the kernels' tiles do not change them, and counting took 22 s of the 1B step);
     the kernel profile says instead where LIMe's extra device time goes (its 8 largest
     differences), the launch profile at what rate each kind of routing-kernel launch moves its
-    bytes, under the default tiles and under tiles of up to 512 elements (the second session's
-    launches that each moved 0.1-0.9 GB reached 0.65-1.75 TB/s of 4.8)."""
-    return ["--skip", "rebuilt", "copies", "split", "counts", "--kernel-profile", "8", "--launch-profile", "512"]
+    bytes, under the default tiles and, with ``tile_variants`` (the 1B shape, whose launches move
+    0.1-0.9 GB each: the second session's reached 0.65-1.75 TB/s of 4.8), under tiles of up to 512
+    elements and with 8 warps per program (the 128-layer step is the host's pace, not its
+    kernels')."""
+    skipped = ["--skip", "rebuilt", "copies", "split", "counts"]
+    tiles = ["512", "--launch-profile-warps", "8"] if tile_variants else []
+    return skipped + ["--kernel-profile", "8", "--launch-profile", *tiles]
 
 
 def bench_rows(labels: list[str], fields: tuple[BenchField, ...]) -> tuple[str, ...]:
@@ -389,7 +393,7 @@ def case_rows(label: str, record: dict, fields: tuple[BenchField, ...]) -> list[
     rows += profile_rows(f"{label} | blocking ms", record.get("blocking_calls", []))
     rows += launch_rows(f"{label} | GB/s", record.get("launch_profile", []))
     for tiled in record.get("launch_profile_tiles", []):
-        name = f"{label} | tiles of {tiled['elements']} elements"
+        name = f"{label} | {tiled['tiles']}"
         rows.append(ReportRow(f"{name}: largest difference", tiled["difference"], note="loss and gradients"))
         rows += launch_rows(f"{name}, GB/s", tiled["kinds"])
     phases = record.get("phase_s", {})
@@ -427,7 +431,7 @@ def overhead_commands(mode: Mode, folder: Path) -> list[Command]:
     output = folder / "overhead.json"
     kv_heads = [str(kv) for kv in mode.overhead_kv_heads]
     argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.overhead_shape, "--kv-heads", *kv_heads)
-    return [Command(argv + [*session_bench_flags(), "--idle-profile", "--json", str(output)], output)]
+    return [Command(argv + [*session_bench_flags(True), "--idle-profile", "--json", str(output)], output)]
 
 
 def read_overhead(mode: Mode, folder: Path) -> list[ReportRow]:
@@ -441,7 +445,9 @@ def deep_commands(mode: Mode, folder: Path) -> list[Command]:
     commands = []
     for micro_batch in mode.deep_micro_batches:
         output = folder / f"deep_mb{micro_batch}.json"
-        argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.deep_shape, *session_bench_flags())
+        argv = python(
+            "bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.deep_shape, *session_bench_flags(False)
+        )
         commands.append(Command(argv + ["--micro-batch-size", str(micro_batch), "--json", str(output)], output))
     return commands
 
