@@ -113,7 +113,14 @@ from lime_megatron.planning.flops import forward_flops_per_token, router_flops_p
 from lime_megatron.planning.routing_block import CPU_2_CORE, MachineBalance, chunk_routing_block, present_machine
 from lime_megatron.planning.routing_bytes import routing_bytes_per_step
 from lime_megatron.testing.copied_bytes import CopiedBytes
-from lime_megatron.testing.device_idle import Totals, blocking_calls, device_work, idle_gaps
+from lime_megatron.testing.device_idle import (
+    Totals,
+    TraceEvent,
+    blocking_calls,
+    device_work,
+    idle_gaps,
+    trace_events,
+)
 from lime_megatron.testing.dispatched_operators import DispatchedOperators
 from lime_megatron.testing.kernel_launches import KernelLaunches
 from lime_megatron.testing.routing_reads import RoutingReads, routing_reads, synchronize_device_of
@@ -640,11 +647,9 @@ class ProfiledStep:
     """What one profiled forward+backward says (``profiled_step``)."""
 
     self_times: ProfiledTimes
-    idle: Totals | None
-    """The device's idle ms before the work of each operator, and its gaps (``device_idle.idle_gaps``;
-    None where the host's activity was not asked for)."""
-    blocking: Totals | None
-    """The host's ms in calls that wait for the device, and their calls (``device_idle.blocking_calls``)."""
+    trace: list[TraceEvent] | None
+    """The profile's Chrome-trace events, host and device (``device_idle.trace_events``; None where
+    the host's activity was not asked for)."""
 
 
 def profiled_step(model, batch, idle: bool = False) -> ProfiledStep:
@@ -652,18 +657,13 @@ def profiled_step(model, batch, idle: bool = False) -> ProfiledStep:
     kernel's (and copy's) device time on a GPU, each operator's self CPU time on a CPU (ATen
     operators, LIMe's autograd functions and their backward nodes), summed by name, annotated ranges
     left out (on a GPU they span the kernels they hold); with ``idle`` the host's activity recorded
-    beside the device's, and from both the device's idle gaps and the host's blocking calls
-    (``testing.device_idle``; on a CPU none)."""
+    beside the device's, and the profile's trace kept (``idle_fields`` reads it)."""
     cuda = batch[0].is_cuda
     activities = [ProfilerActivity.CUDA] if cuda else [ProfilerActivity.CPU]
     activities += [ProfilerActivity.CPU] if cuda and idle else []
     with profile(activities=activities) as profiler:
         train_step(model, batch)
-    times = self_times(profiler.key_averages(), cuda)
-    if not idle:
-        return ProfiledStep(times, None, None)
-    events = profiler.events()
-    return ProfiledStep(times, idle_gaps(device_work(events)), blocking_calls(events))
+    return ProfiledStep(self_times(profiler.key_averages(), cuda), trace_events(profiler) if idle else None)
 
 
 def self_times(averages, cuda: bool) -> ProfiledTimes:
@@ -725,12 +725,20 @@ def kernel_profile_fields(setting: Setting) -> dict:
 
 
 def idle_fields(lime: ProfiledStep, base: ProfiledStep, top: int) -> dict:
-    """``--idle-profile``'s fields: the ``top`` operators with the most LIMe-minus-baseline idle ms
-    before their work, the totals over all gaps, and every blocking call of either step."""
+    """``--idle-profile``'s fields from the two steps' traces (``testing.device_idle``): the ``top``
+    operators with the most LIMe-minus-baseline idle ms before their work, the totals over all gaps,
+    and every blocking call of either step; where a trace lacks what they read (another torch's
+    format), ``idle_profile_error`` says what instead, the kernel profile kept."""
+    try:
+        idle = [idle_gaps(device_work(step.trace)) for step in (lime, base)]
+        blocking = [blocking_calls(step.trace) for step in (lime, base)]
+    except (KeyError, TypeError, ValueError) as error:
+        print(f"idle profile: {type(error).__name__}: {error}", flush=True)
+        return dict(idle_profile_error=f"the profile's trace could not be read: {type(error).__name__}: {error}")
     return dict(
-        idle_profile=kernel_differences(lime.idle, base.idle, top),
-        idle_profile_total=profile_entry("all gaps", profile_total(lime.idle), profile_total(base.idle)),
-        blocking_calls=kernel_differences(lime.blocking, base.blocking, len(lime.blocking | base.blocking)),
+        idle_profile=kernel_differences(*idle, top),
+        idle_profile_total=profile_entry("all gaps", profile_total(idle[0]), profile_total(idle[1])),
+        blocking_calls=kernel_differences(*blocking, len(blocking[0] | blocking[1])),
     )
 
 

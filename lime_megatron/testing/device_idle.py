@@ -9,18 +9,22 @@ waited for.  Gaps whose cause is a host call that waits for the device (a synchr
 to pageable memory, ``cudaMalloc``/``cudaFree``) close after that call returns; those calls are
 listed on their own (``blocking_calls``) with the operator around each.
 
-Both read the events of one ``torch.profiler`` run with CPU and CUDA activity
-(``profiler.events()``), by their kineto activity type: CPU operators (``cpu_op``) carry their
-correlation id, the device's work (``kernel``, ``gpu_memcpy``, ``gpu_memset``; not its
-synchronisation or annotation ranges, which the profiler also puts on the device) and the
-runtime's and driver's calls the id of the operator around their launch
-(``linked_correlation_id``).  On a CPU there is no device work and no CUDA call: both are empty.
-``bench/bench_lime_overhead.py --kernel-profile N --idle-profile`` reports both, LIMe's beside the
-baseline's; the GPU session's 1B step runs it.
+Both read the events of one ``torch.profiler`` run with CPU and CUDA activity as its Chrome trace
+gives them (``trace_events``: the format kineto has written for years, where the attributes of
+``profiler.events()`` change between torch versions), by their category: CPU operators
+(``cpu_op``), the device's work (``kernel``, ``gpu_memcpy``, ``gpu_memset``; not its
+synchronisation or annotation ranges, which the trace also puts on the device) and the runtime's
+and driver's calls (``cuda_runtime``, ``cuda_driver``), each of the last two with the ``External
+id`` of the operator around its launch.  On a CPU there is no device work and no CUDA call: both
+are empty.  ``bench/bench_lime_overhead.py --kernel-profile N --idle-profile`` reports both,
+LIMe's beside the baseline's; the GPU session's 1B step runs it.
 """
 
 from __future__ import annotations
 
+import json
+import os
+import tempfile
 from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
@@ -63,28 +67,40 @@ class DeviceWork:
 
 
 DEVICE_WORK = frozenset({"kernel", "gpu_memcpy", "gpu_memset"})
-"""The activity types of work the device runs."""
+"""The trace categories of work the device runs."""
 
 HOST_CALLS = frozenset({"cuda_runtime", "cuda_driver"})
-"""The activity types of the host's calls into CUDA."""
+"""The trace categories of the host's calls into CUDA."""
+
+TraceEvent = dict[str, Any]
+"""One event of a Chrome trace: ``name``, ``cat``, ``ts`` and ``dur`` (microseconds), ``args``."""
 
 
-def operator_names(events: Iterable[Any]) -> dict[int, str]:
-    """The CPU operators' names by correlation id."""
-    return {event.id: event.name for event in events if event.activity_type == "cpu_op"}
+def trace_events(profiler) -> list[TraceEvent]:
+    """The events of a finished ``torch.profiler.profile``'s Chrome trace."""
+    with tempfile.TemporaryDirectory() as folder:
+        path = os.path.join(folder, "trace.json")
+        profiler.export_chrome_trace(path)
+        with open(path) as file:
+            return json.load(file)["traceEvents"]
 
 
-def device_work(events: list[Any]) -> list[DeviceWork]:
+def operator_names(events: Iterable[TraceEvent]) -> dict[int, str]:
+    """The CPU operators' names by their external id."""
+    return {
+        event["args"]["External id"]: event["name"]
+        for event in events
+        if event.get("cat") == "cpu_op" and "External id" in event.get("args", {})
+    }
+
+
+def device_work(events: list[TraceEvent]) -> list[DeviceWork]:
     """The device's kernels, copies and fills of ``events``, in start order."""
     operators = operator_names(events)
     work = [
-        DeviceWork(
-            event.time_range.start,
-            event.time_range.end,
-            operators.get(event.linked_correlation_id, NO_OPERATOR),
-        )
+        DeviceWork(event["ts"], event["ts"] + event["dur"], _operator_of(event, operators))
         for event in events
-        if event.activity_type in DEVICE_WORK
+        if event.get("cat") in DEVICE_WORK
     ]
     return sorted(work, key=lambda item: item.start_us)
 
@@ -103,14 +119,19 @@ def idle_gaps(work: list[DeviceWork]) -> Totals:
     return gaps
 
 
-def blocking_calls(events: list[Any]) -> Totals:
+def blocking_calls(events: list[TraceEvent]) -> Totals:
     """Per ``call in operator`` (``BLOCKING_CALLS``), the host's milliseconds in it and its calls."""
     operators = operator_names(events)
     calls: Totals = {}
     for event in events:
-        if event.activity_type not in HOST_CALLS or event.name not in BLOCKING_CALLS:
+        if event.get("cat") not in HOST_CALLS or event["name"] not in BLOCKING_CALLS:
             continue
-        name = f"{event.name} in {operators.get(event.linked_correlation_id, NO_OPERATOR)}"
+        name = f"{event['name']} in {_operator_of(event, operators)}"
         ms, count = calls.get(name, (0.0, 0))
-        calls[name] = (ms + (event.time_range.end - event.time_range.start) / 1e3, count + 1)
+        calls[name] = (ms + event["dur"] / 1e3, count + 1)
     return calls
+
+
+def _operator_of(event: TraceEvent, operators: dict[int, str]) -> str:
+    """The name of the operator around ``event``'s launch or call."""
+    return operators.get(event.get("args", {}).get("External id"), NO_OPERATOR)

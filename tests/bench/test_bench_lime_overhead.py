@@ -234,6 +234,15 @@ def test_a_bench_stopped_mid_case_keeps_what_it_measured(monkeypatch, tmp_path):
     assert list(row["phase_s"]) == ["build", "timed", "counts"] and "lime_saved" not in row
 
 
+def test_a_trace_it_cannot_read_keeps_the_kernel_profile(monkeypatch):
+    """A trace without what the idle profile reads (another torch's format) costs the idle
+    profile, said in ``idle_profile_error``, not the kernel profile nor the run."""
+    monkeypatch.setattr(overhead, "trace_events", lambda profiler: [dict(cat="kernel", name="gemm")])
+    [row], output = run_main("--skip", *overhead.SKIP_CHOICES, "--kernel-profile", "2", "--idle-profile")
+    assert row["idle_profile_error"] == "the profile's trace could not be read: KeyError: 'ts'"
+    assert "kernel_profile" in row and "idle_profile" not in row and "idle profile: KeyError" in output
+
+
 def test_a_profiler_that_cannot_run_keeps_the_timings(monkeypatch):
     """A GPU image whose profiler fails (no CUPTI) costs the profile, said in ``kernel_profile_error``,
     not the setting's timings."""

@@ -1,54 +1,57 @@
 """Where a GPU step's device waits (``testing.device_idle``): its idle gaps charged to the operator
-whose launch ended each, and the host calls that wait for the device, on profiler events laid out
-by hand as a GPU's profile gives them (CPU operators, runtime calls linked to them, device work
-linked to them), and on a real CPU profile, which has no device work."""
+whose launch ended each, and the host calls that wait for the device, on Chrome-trace events laid
+out by hand as a GPU's profile writes them (CPU operators, runtime calls and device work with the
+external id of the operator around their launch), and on a real CPU profile's trace, which has no
+device work."""
 
 from __future__ import annotations
-
-from types import SimpleNamespace
 
 import pytest
 import torch
 from torch.profiler import ProfilerActivity, profile
 
-from lime_megatron.testing.device_idle import NO_OPERATOR, blocking_calls, device_work, idle_gaps
+from lime_megatron.testing.device_idle import (
+    NO_OPERATOR,
+    blocking_calls,
+    device_work,
+    idle_gaps,
+    operator_names,
+    trace_events,
+)
 
 OPERATORS = {1: "aten::mm", 2: "RouteKeysValuesBackward", 3: "aten::item"}
-"""The profile's CPU operators by correlation id."""
+"""The profile's CPU operators by external id."""
 
 
-def event(name, start, end, activity="cpu_op", linked=0, id=0):
-    return SimpleNamespace(
-        name=name,
-        id=id,
-        linked_correlation_id=linked,
-        activity_type=activity,
-        time_range=SimpleNamespace(start=start, end=end),
-    )
+def event(name, start, end, category="cpu_op", external=None):
+    """A Chrome-trace event as kineto writes it (``ts``/``dur`` in microseconds)."""
+    args = {} if external is None else {"External id": external}
+    return dict(ph="X", cat=category, name=name, ts=start, dur=end - start, args=args)
 
 
-def kernel(name, start, end, operator, activity="kernel"):
-    return event(name, start, end, activity, linked=operator, id=100 + start)
+def kernel(name, start, end, operator, category="kernel"):
+    return event(name, start, end, category, external=operator)
 
 
 def profile_events():
     """A step: mm's kernel 0-100 us; an idle 30 us, then the Triton kernel of RouteKeysValuesBackward
     (130-200) overlapping a copy on another stream (150-260); item's copy back after 40 us idle
     (300-310), its cudaStreamSynchronize waiting 10 us; a fill launched outside any operator 10 us
-    after; and what the profiler puts on the device that is no work: an annotation range over
-    all, the synchronisation's range."""
-    operators = [event(name, 0, 1, id=id) for id, name in OPERATORS.items()]
+    after; and what the trace puts on the device that is no work: an annotation range over all,
+    the synchronisation's range; and a metadata event."""
+    operators = [event(name, 0, 1, external=id) for id, name in OPERATORS.items()]
     return operators + [
         kernel("gemm", 0, 100, 1),
         kernel("mix_kernel", 130, 200, 2),
         kernel("Memcpy DtoD", 150, 260, 2, "gpu_memcpy"),
         kernel("Memcpy DtoH", 300, 310, 3, "gpu_memcpy"),
         kernel("fill", 320, 330, 99, "gpu_memset"),
-        event("cuLaunchKernel", 129, 130, "cuda_driver", linked=2, id=7),
-        event("cudaStreamSynchronize", 300, 310, "cuda_runtime", linked=3, id=8),
-        event("cudaMalloc", 310, 315, "cuda_runtime", id=9),
+        event("cuLaunchKernel", 129, 130, "cuda_driver", external=2),
+        event("cudaStreamSynchronize", 300, 310, "cuda_runtime", external=3),
+        event("cudaMalloc", 310, 315, "cuda_runtime"),
         event("ProfilerStep", 0, 330, "gpu_user_annotation"),
-        event("Stream Sync", 260, 310, "cuda_sync", linked=3),
+        event("Stream Sync", 260, 310, "cuda_sync", external=3),
+        dict(ph="M", name="process_name", ts=0, pid=1, tid=0, args=dict(name="python")),
     ]
 
 
@@ -81,6 +84,6 @@ def test_blocking_calls_name_the_operator_around_them():
 def test_a_cpu_profile_has_no_device_work():
     with profile(activities=[ProfilerActivity.CPU]) as profiler:
         torch.randn(8, 8).matmul(torch.randn(8, 8)).sum()
-    events = profiler.events()
-    assert any(event.name == "aten::mm" for event in events)
+    events = trace_events(profiler)
+    assert "aten::mm" in operator_names(events).values()
     assert device_work(events) == [] and idle_gaps(device_work(events)) == {} and blocking_calls(events) == {}
