@@ -765,33 +765,32 @@ def launch_profile_fields(setting: Setting) -> dict:
     (``testing.kernel_launches``): ``launch_profile``, a list of ``LaunchKind.as_row`` (empty on
     the torch path, which launches none), under the default tiles; ``launch_profile_tiles``, per
     other tiles of ``--launch-profile`` (element counts) and ``--launch-profile-warps``
-    (``profiled_tiles``), the same under those tiles (after one untimed step under them: their
+    (``other_tiles``), the same under those tiles (after one untimed step under them: their
     kernels compile in it, not in the timed launches) with the step's largest relative difference
     from the default's in the loss and in each parameter's gradient (the same products: only the
     order of a tile dot's sums and of the router-weight gradient's atomic sums may differ)."""
     model, batch = setting.models["blocked"], setting.batch
-    reference, fields = None, dict(launch_profile_tiles=[])
-    for tiles in profiled_tiles(setting.args):
+    with KernelLaunches() as launches:
+        reference = step_outcome(model, batch)
+    fields = dict(launch_profile=launches.kinds(), launch_profile_tiles=[])
+    for tiles in other_tiles(setting.args):
         with use_mix_tiles(tiles):
-            if reference is not None:
-                step_outcome(model, batch)
+            step_outcome(model, batch)  # compiles the tiles' kernels, untimed
             with KernelLaunches() as launches:
                 outcome = step_outcome(model, batch)
-        if reference is None:
-            reference, fields["launch_profile"] = outcome, launches.kinds()
-            continue
         difference = outcome_difference(outcome, reference)
-        tiled = dict(tiles=tiles_name(tiles), kinds=launches.kinds(), difference=difference)
-        fields["launch_profile_tiles"].append(tiled)
+        fields["launch_profile_tiles"].append(
+            dict(tiles=tiles_name(tiles), kinds=launches.kinds(), difference=difference)
+        )
     return fields
 
 
-def profiled_tiles(args) -> list[MixTiles]:
-    """The launch profile's tiles: the default's, then each element count of ``--launch-profile``,
+def other_tiles(args) -> list[MixTiles]:
+    """The launch profile's tiles beside the default's: each element count of ``--launch-profile``,
     then each warp count of ``--launch-profile-warps`` (the rest as the default's)."""
     elements = [dataclasses.replace(MIX_TILES, elements=count) for count in args.launch_profile]
     warps = [dataclasses.replace(MIX_TILES, warps=count) for count in args.launch_profile_warps]
-    return [MIX_TILES, *elements, *warps]
+    return [*elements, *warps]
 
 
 def tiles_name(tiles: MixTiles) -> str:

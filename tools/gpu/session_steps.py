@@ -363,20 +363,21 @@ IDLE_FIELDS = (
 """The 1B cases' rows (``--idle-profile``): ``OVERHEAD_FIELDS`` and the profiled steps' idle gaps."""
 
 
-def session_bench_flags(tile_variants: bool) -> list[str]:
+def session_bench_flags(device_bound: bool) -> list[str]:
     """What the session's bench runs leave out (``--skip``): the rebuilt-K/V model, the copy bytes (a
     CPU count), the synchronised rounds of the time split, whose "rest" a GPU inflates, and the
     operator counts (the first two H200 sessions read 9.6 per layer at B = 1 and 8.7 blocked at 1B
     on the TE spec; the kernels' tiles do not change them, and counting took 22 s of the 1B step);
     the kernel profile says instead where LIMe's extra device time goes (its 8 largest
     differences), the launch profile at what rate each kind of routing-kernel launch moves its
-    bytes, under the default tiles and, with ``tile_variants`` (the 1B shape, whose launches move
-    0.1-0.9 GB each: the second session's reached 0.65-1.75 TB/s of 4.8), under tiles of up to 512
-    elements and with 8 warps per program (the 128-layer step is the host's pace, not its
-    kernels')."""
+    bytes, under the default tiles.  A ``device_bound`` shape (1B, whose launches move 0.1-0.9 GB
+    each: the second session's reached 0.65-1.75 TB/s of 4.8) adds the launch profile under tiles
+    of up to 512 elements and with 8 warps per program, and the idle profile (where the device
+    waited: 7.4 ms of LIMe's step at 1B GQA-8 in the second session); the 128-layer step is the
+    host's pace, not its kernels', and its profile too long to read for the idle profile."""
     skipped = ["--skip", "rebuilt", "copies", "split", "counts"]
-    tiles = ["512", "--launch-profile-warps", "8"] if tile_variants else []
-    return skipped + ["--kernel-profile", "8", "--launch-profile", *tiles]
+    extras = ["512", "--launch-profile-warps", "8", "--idle-profile"] if device_bound else []
+    return skipped + ["--kernel-profile", "8", "--launch-profile", *extras]
 
 
 def bench_rows(labels: list[str], fields: tuple[BenchField, ...]) -> tuple[str, ...]:
@@ -431,7 +432,7 @@ def overhead_commands(mode: Mode, folder: Path) -> list[Command]:
     output = folder / "overhead.json"
     kv_heads = [str(kv) for kv in mode.overhead_kv_heads]
     argv = python("bench/bench_lime_overhead.py", *mode.bench_flags(), *mode.overhead_shape, "--kv-heads", *kv_heads)
-    return [Command(argv + [*session_bench_flags(True), "--idle-profile", "--json", str(output)], output)]
+    return [Command(argv + [*session_bench_flags(True), "--json", str(output)], output)]
 
 
 def read_overhead(mode: Mode, folder: Path) -> list[ReportRow]:
