@@ -15,10 +15,13 @@ own time per layer; then, from further steps of each LIMe model alone, the media
 seconds spent inside LIMe's routing autograd functions (``RouteKeysValues`` and the blocks'
 ``MixEarlierSources``/``MixEarlierRows``, forward and backward, timed around each call:
 ``routing_timers``), per layer: the part of LIMe's extra host time that is its routing code, free of
-the paired difference's spread.  On a CPU the Triton path's launches are not run (``kernels.operands``' launch
-observer drops them; in Triton's interpreter a launch costs a thousand times a GPU's): its figure
-is the host's work around the launches, the launches' own cost on a GPU host (Triton's argument
-binding and the driver call) not included.  With ``--device cuda`` every launch runs.
+the paired difference's spread; and, on a CPU, LIMe's Python calls per layer beyond the
+baseline's in one step (this project's functions and the built-ins they call,
+``testing.python_calls``: the same in every run, where the times move by more than a cut does).
+On a CPU the Triton path's launches are not run (``kernels.operands``' launch observer drops them;
+in Triton's interpreter a launch costs a thousand times a GPU's): its figure is the host's work
+around the launches, the launches' own cost on a GPU host (Triton's argument binding and the
+driver call) not included.  With ``--device cuda`` every launch runs.
 
 Run (the figures in BENCHMARKS.md, "Host time per layer: the Triton path's Python"):
     python bench/bench_host_time.py
@@ -47,12 +50,16 @@ from lime_megatron.kernels.operands import set_launch_observer
 from lime_megatron.models.lime.fused_blocks import MixEarlierRows
 from lime_megatron.models.lime.memory import RouteKeysValues
 from lime_megatron.models.lime.routing_blocks import MixEarlierSources
+from lime_megatron.testing.python_calls import PythonCalls
 
 ROUTING_FUNCTIONS = (RouteKeysValues, MixEarlierSources, MixEarlierRows)
 """LIMe's autograd functions of static routing: a layer's Eqs. 1-2 and a block's earlier sums."""
 
 PHASES = ("forward", "backward")
 """What ``routing_timers`` times of each of them."""
+
+PACKAGE = "lime_megatron"
+"""Whose Python calls ``python_calls`` counts: the project's functions and the built-ins they call."""
 
 
 def parse_args(argv=None):
@@ -124,6 +131,14 @@ def routing_seconds(args, model, batch) -> dict[str, float]:
     return {phase: statistics.median(step[phase] for step in steps) for phase in PHASES}
 
 
+def python_calls(model, batch) -> int:
+    """The calls of ``PACKAGE`` in one forward+backward of ``model`` on a CPU (the launches not run;
+    on a GPU autograd's backward runs on a thread of its own, which ``PythonCalls`` does not see)."""
+    with PythonCalls() as calls:
+        train_step(model, batch)
+    return calls.total(PACKAGE)
+
+
 def model_name(path: str, block: int) -> str:
     return f"{path} B={block}"
 
@@ -140,12 +155,15 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     with launches_dropped(args.device):
         times = round_times(args, models, batch)
         routing = {name: routing_seconds(args, models[name], batch) for name in models.keys() - {"base"}}
+    calls = {name: python_calls(model, batch) for name, model in models.items()} if args.device == "cpu" else {}
     row = dict(layers=num_layers, kv_heads=kv_heads, base_us=1e6 * statistics.median(times["base"]) / num_layers)
     for name in models.keys() - {"base"}:
         extra = [lime - base for lime, base in zip(times[name], times["base"])]
         row[f"{name} us"] = 1e6 * statistics.median(extra) / num_layers
         for phase in PHASES:
             row[f"{name} {phase} us"] = 1e6 * routing[name][phase] / num_layers
+        if calls:
+            row[f"{name} calls"] = (calls[name] - calls["base"]) / num_layers
     return row
 
 
@@ -166,6 +184,8 @@ def main(argv=None) -> list[dict]:
         for name in names
     ]
     print_table(columns[:2] + inside, rows, markdown=True)
+    print(f"\nPython calls per layer beyond the baseline's ({PACKAGE}'s functions and the built-ins they call):\n")
+    print_table(columns[:2] + [(name, field(f"{name} calls", ".1f")) for name in names], rows, markdown=True)
     return rows
 
 

@@ -4,7 +4,10 @@ A ``Halves`` names rows of keys|values where they lie, as the kernels address th
 an element offset and three strides): buffer rows, attention's layout, the strided keys/values of
 megatron's QKV split.  Building one dispatches no operator, so a product costs the host its launch
 (and its output's allocation) whatever its operands' layouts.  ``Columns`` names a router matrix
-``[R, K]`` the same way (a weight, a slice of it, a transposed slice of a ``RouterStack``).
+``[R, K]`` the same way (a weight, a slice of it, a transposed slice of a ``RouterStack``).  A layer
+builds about a dozen such records per pass, so they are slotted dataclasses, not frozen ones (whose
+``__init__`` sets each field through ``object.__setattr__``: 2.5 us a ``Halves`` on the 2-core VM,
+0.3 us slotted); nothing changes one after it is built.
 
 ``mix`` and ``weight_grad`` launch the kernels through ``launch``, which an observer may wrap
 (``set_launch_observer``: ``testing.dispatched_operators`` counts a launch as one operator, and
@@ -103,7 +106,7 @@ ROWS_WIDTH = 64
 """Elements per position where rows are read as rows (``Halves.of_rows`` without a width)."""
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Halves:
     """``count`` rows of keys|values: element e of position p = ``s_p * batch + b_p`` of row i of
     the keys half at ``keys + start + i * row + s_p * outer + b_p * inner + e`` with ``(row,
@@ -143,17 +146,14 @@ class Halves:
         positions (``[2*s*b, heads, d]``).  A tensor whose elements are not adjacent is made
         contiguous first."""
         keys = keys if keys.stride(-1) == 1 else keys.contiguous()
-        batch = keys.shape[1] if keys.dim() == 4 else 1
-        heads, width = keys.shape[-2], keys.shape[-1]
-        positions = math.prod(keys.shape[:-2])
+        shape, key_strides = keys.shape, _strides(keys)
+        batch = shape[1] if len(shape) == 4 else 1
+        positions, (heads, width) = math.prod(shape[:-2]), shape[-2:]
         if values is None:
-            positions //= 2
-            strides = _strides(keys)
-            return Halves(
-                keys, keys, keys.shape[0] // 2 * keys.stride(0), 0, strides, strides, heads, positions, width, batch
-            )
+            value_offset = shape[0] // 2 * key_strides[1]  # the values' first position, after the keys'
+            return Halves(keys, keys, value_offset, 0, key_strides, key_strides, heads, positions // 2, width, batch)
         values = values if values.stride(-1) == 1 else values.contiguous()
-        return Halves(keys, values, 0, 0, _strides(keys), _strides(values), heads, positions, width, batch)
+        return Halves(keys, values, 0, 0, key_strides, _strides(values), heads, positions, width, batch)
 
     @staticmethod
     def of_groups(keys: torch.Tensor, values: torch.Tensor | None = None) -> Halves:
@@ -196,15 +196,16 @@ class Halves:
         positions)."""
         keys, values = self.key_strides, self.value_strides
         if batch != self.batch:
-            keys, values = self._in_batch(keys, batch), self._in_batch(values, batch)
+            keys, values = self._in_batch(batch)
         return (self.keys, self.values, self.value_offset, self.start, *keys, *values, self.group, self.group_stride)
 
-    def _in_batch(self, strides: tuple[int, int, int], batch: int) -> tuple[int, int, int]:
-        row, outer, inner = strides
-        if self.batch > 1 and outer != self.batch * inner:
+    def _in_batch(self, batch: int) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+        """The keys' and the values' strides with positions split as ``s_p * batch + b_p``."""
+        if not self.collapsible():
             raise ValueError(f"operands split positions by {self.batch} and by {batch}")
-        step = inner if self.batch > 1 else outer
-        return row, batch * step, step
+        (key_row, key_outer, key_inner), (value_row, value_outer, value_inner) = self.key_strides, self.value_strides
+        key_step, value_step = (key_inner, value_inner) if self.batch > 1 else (key_outer, value_outer)
+        return (key_row, batch * key_step, key_step), (value_row, batch * value_step, value_step)
 
     def collapsible(self) -> bool:
         """Whether one stride steps through all positions of each half (any split serves)."""
@@ -214,16 +215,20 @@ class Halves:
 
 def _strides(heads: torch.Tensor) -> tuple[int, int, int]:
     """(row, outer, inner) of ``[s, b, heads, d]`` (heads, s, b) or ``[positions, heads, d]``."""
-    strides = heads.stride()
-    return (strides[-2], strides[0], strides[1] if len(strides) == 4 else 0)
+    *positions, row, _ = heads.stride()
+    outer, *inner = positions
+    return row, outer, inner[0] if inner else 0
 
 
 def launch_batch(*operands: Halves | None) -> int:
     """The position split a launch over ``operands`` uses: that of any operand needing its own."""
-    return next((halves.batch for halves in operands if halves is not None and not halves.collapsible()), 1)
+    for halves in operands:
+        if halves is not None and not halves.collapsible():
+            return halves.batch
+    return 1
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Columns:
     """A router matrix ``[rows, count]``: element (i, k) at ``matrix + start + i * row + k * column``."""
 
@@ -489,7 +494,7 @@ def weight_grad(
     launch(weight_grad_kernel, grid, arguments, **constants)
 
 
-@dataclass(frozen=True)
+@dataclass(slots=True)
 class Placement:
     """Where a router-weight gradient ``[M, C]`` lands in its float32 target, whose elements are
     adjacent (``routing_kernels._placed``): its rows in groups of ``group``, group q the matrix

@@ -1,6 +1,6 @@
 """``bench/bench_host_time.py`` at a tiny shape on the CPU: a row per depth with the baseline's time
-per layer, each LIMe model's extra and its time inside the routing functions, the Triton path's
-launches dropped while it times (and only on a CPU), its Markdown tables."""
+per layer, each LIMe model's extra, its time inside the routing functions and its Python calls, the
+Triton path's launches dropped while it times (and only on a CPU), its Markdown tables."""
 
 from __future__ import annotations
 
@@ -40,14 +40,16 @@ def test_rows_and_table_of_each_path_and_block(monkeypatch):
     # per depth the timed rounds ran under an observer that never runs a launch, removed after
     assert len(installed) == 4 and installed[1::2] == [None, None] and operands._OBSERVER is None
     assert "mix_kernel" in launched  # the Triton models' launches went to it
+    # every LIMe model runs Python of its own beyond the baseline's, counted per layer
+    assert all(row[f"{name} calls"] > 0 for row in rows for name in names)
     ran = []
     installed[0](None, lambda: ran.append(True))
     assert ran == []
     table = [line for line in printed.getvalue().splitlines() if line.startswith("|")]
     titles = ["layers", "kv", "base us/layer", *(f"{name}: extra us/layer" for name in names)]
     assert table[0] == "| " + " | ".join(titles) + " |"
-    assert table[4] == "| " + " | ".join(["layers", "kv", *names]) + " |"
-    assert len(table) == 8
+    assert table[4] == table[8] == "| " + " | ".join(["layers", "kv", *names]) + " |"
+    assert len(table) == 12
 
 
 def test_launches_run_on_a_gpu():

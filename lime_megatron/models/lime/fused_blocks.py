@@ -321,7 +321,7 @@ class FusedBlocks:
         return before if self.readers(before) is not None and before[-1] not in self._grads else None
 
 
-def _earlier_spans(key_values: KeyValueRows, readers: list[LimeRouter], before: int) -> list[tuple[int, int]]:
+def _earlier_spans(key_values: KeyValueRows, readers: list[LimeRouter], before: int) -> tuple[tuple[int, int], ...]:
     """The row blocks (``KeyValueRows.row_blocks``) of the sources before layer ``before`` that
     any of ``readers`` reads: from the first reader's first source (its window reaches furthest
     back)."""

@@ -221,9 +221,10 @@ class FusedRouting:
         if self.routing.blocked(router):
             target, in_block, splits = self.blocks.weight_target(router, grads)
             return target, in_block, splits, lambda: None
-        columns = slice(router.columns(*spans[0]).start, router.weight.shape[1])
+        router_weight = router.weight
+        columns = slice(router.columns(*spans[0]).start, router_weight.shape[1])
         widest = max(stop - start for start, stop in spans) * router.local_heads
-        width, dtype = columns.stop - columns.start, weight_grad_dtype(router.weight)
+        width, dtype = columns.stop - columns.start, weight_grad_dtype(router_weight)
         weight, splits = kernels.weight_grad_output(grads, widest, width, dtype, self.key_values.deterministic)
 
         def placed(source: int) -> int:
@@ -292,4 +293,5 @@ def gathers_heads(routers: dict[int, LimeRouter], triton: bool, routing: StaticR
 
 def _router_columns(router: LimeRouter, start: int, stop: int, transposed: bool = False) -> Columns:
     """``router.weight[:, columns of sources start..stop-1]`` (``.t()`` when ``transposed``)."""
-    return Columns.of(router.weight, slice(0, router.weight.shape[0]), router.columns(start, stop), transposed)
+    weight = router.weight
+    return Columns.of(weight, slice(0, weight.shape[0]), router.columns(start, stop), transposed)

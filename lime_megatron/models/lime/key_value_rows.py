@@ -47,6 +47,7 @@ class KeyValueRows:
         self.kv_shape: tuple[int, int, int, int] | None = None
         self.external: list[tuple[range, torch.Tensor]] = []
         self._cuts = [layers.start]  # where the own rows and the external blocks begin and end, ascending
+        self._row_blocks: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # row_blocks, while the cuts hold
 
     def allocate(self, key: torch.Tensor) -> None:
         """Allocate the own rows for keys shaped like ``key`` ``[s, b, kv_heads, d]``, once per pass."""
@@ -93,10 +94,14 @@ class KeyValueRows:
                 return Halves.of_rows(rows, (start - layers.start) * h, (stop - start) * h, width)
         raise IndexError(f"rows of layers {start}..{stop - 1} are not held by the chunk of layers {self.layers}")
 
-    def row_blocks(self, start: int, stop: int) -> list[tuple[int, int]]:
-        """``(start, stop)`` split where external blocks and the own rows begin and end."""
-        edges = [start, *(cut for cut in self._cuts if start < cut < stop), stop]
-        return list(zip(edges[:-1], edges[1:]))
+    def row_blocks(self, start: int, stop: int) -> tuple[tuple[int, int], ...]:
+        """``(start, stop)`` split where external blocks and the own rows begin and end (asked for
+        every product: kept per span until the blocks change)."""
+        blocks = self._row_blocks.get((start, stop))
+        if blocks is None:
+            edges = [start, *(cut for cut in self._cuts if start < cut < stop), stop]
+            blocks = self._row_blocks[start, stop] = tuple(zip(edges[:-1], edges[1:]))
+        return blocks
 
     def new_zero_rows(self, count: int) -> torch.Tensor:
         """``[count, 2 * s * b * d]`` zeros in the dtype and on the device of the rows held."""
@@ -135,8 +140,8 @@ class KeyValueRows:
                 raise ValueError(f"external layers {layers} must come before this chunk's {self.layers}")
         self.external, self.kv_shape = blocks, kv_shape
         edges = {edge for layers, _ in blocks for edge in (layers.start, layers.stop)}
-        self._cuts = sorted(edges | {self.layers.start})
+        self._cuts, self._row_blocks = sorted(edges | {self.layers.start}), {}
 
     def forget_external(self) -> None:
         """Drop the external blocks (their gradient was handed back: ``ConsumerGradients.external_shares``)."""
-        self.external, self._cuts = [], [self.layers.start]
+        self.external, self._cuts, self._row_blocks = [], [self.layers.start], {}

@@ -159,7 +159,8 @@ def placed_columns(pieces: list[tuple[slice, torch.Tensor]], weight: torch.Tenso
     if pieces and all(left.stop == right.start for (left, _), (right, _) in zip(pieces, pieces[1:])):
         grad = torch.cat([piece for _, piece in pieces], dim=1) if len(pieces) > 1 else pieces[0][1]
         margins = (pieces[0][0].start, weight.shape[1] - pieces[-1][0].stop)
-        return grad.to(dtype) if margins == (0, 0) else torch.nn.functional.pad(grad.to(dtype), margins)
+        grad = grad if grad.dtype == dtype else grad.to(dtype)
+        return grad if margins == (0, 0) else torch.nn.functional.pad(grad, margins)
     grad = torch.zeros_like(weight, dtype=dtype)
     for columns, piece in pieces:
         grad[:, columns] = piece
