@@ -50,16 +50,13 @@ from lime_megatron.kernels.operands import set_launch_observer
 from lime_megatron.models.lime.fused_blocks import MixEarlierRows
 from lime_megatron.models.lime.memory import RouteKeysValues
 from lime_megatron.models.lime.routing_blocks import MixEarlierSources
-from lime_megatron.testing.python_calls import PythonCalls
+from lime_megatron.testing.python_calls import PROJECT, PythonCalls
 
 ROUTING_FUNCTIONS = (RouteKeysValues, MixEarlierSources, MixEarlierRows)
 """LIMe's autograd functions of static routing: a layer's Eqs. 1-2 and a block's earlier sums."""
 
 PHASES = ("forward", "backward")
 """What ``routing_timers`` times of each of them."""
-
-PACKAGE = "lime_megatron"
-"""Whose Python calls ``python_calls`` counts: the project's functions and the built-ins they call."""
 
 
 def parse_args(argv=None):
@@ -132,11 +129,11 @@ def routing_seconds(args, model, batch) -> dict[str, float]:
 
 
 def python_calls(model, batch) -> int:
-    """The calls of ``PACKAGE`` in one forward+backward of ``model`` on a CPU (the launches not run;
+    """The calls of ``PROJECT`` in one forward+backward of ``model`` on a CPU (the launches not run;
     on a GPU autograd's backward runs on a thread of its own, which ``PythonCalls`` does not see)."""
     with PythonCalls() as calls:
         train_step(model, batch)
-    return calls.total(PACKAGE)
+    return calls.total(PROJECT)
 
 
 def model_name(path: str, block: int) -> str:
@@ -184,7 +181,7 @@ def main(argv=None) -> list[dict]:
         for name in names
     ]
     print_table(columns[:2] + inside, rows, markdown=True)
-    print(f"\nPython calls per layer beyond the baseline's ({PACKAGE}'s functions and the built-ins they call):\n")
+    print(f"\nPython calls per layer beyond the baseline's ({PROJECT}'s functions and the built-ins they call):\n")
     print_table(columns[:2] + [(name, field(f"{name} calls", ".1f")) for name in names], rows, markdown=True)
     return rows
 

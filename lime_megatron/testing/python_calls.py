@@ -20,6 +20,11 @@ from typing import Any
 
 from lime_megatron.kernels.operands import Launch, set_launch_observer
 
+PROJECT = __name__.split(".")[0]
+"""This project's package: ``total(PROJECT)`` counts its functions and the built-ins they call, the
+Python LIMe's tests and benches hold and report (megatron-core's and torch's own calls differ
+between their versions)."""
+
 
 class PythonCalls:
     """Calls made on the calling thread while active: of Python functions (``functions``: (module,

@@ -13,14 +13,10 @@ import pytest
 import torch
 
 from lime_megatron.kernels import operands
-from lime_megatron.testing.python_calls import PythonCalls
+from lime_megatron.testing.python_calls import PROJECT, PythonCalls
 from tests.lime_fixtures import batch, loss_of, megatron_logits, tiny_model
 
 pytestmark = [pytest.mark.usefixtures("megatron")]
-
-PACKAGE = "lime_megatron"
-"""Whose calls are counted: this project's functions and the built-ins they call (megatron-core's
-and torch's own calls differ between their versions)."""
 
 PATHS = {  # id: (settings, LIMe's Python calls per layer beyond the baseline's, at most)
     "triton B=1": (dict(lime_routing_kernel="triton", lime_routing_block=1), 267),
@@ -47,15 +43,19 @@ def step_calls(model) -> PythonCalls:
 
 def extra_calls(settings: dict, layers: int, heads: int = 4, kv_heads: int = 4) -> int:
     """LIMe's calls in a step beyond the baseline's, at ``layers`` layers."""
-    shape = dict(num_layers=layers, num_attention_heads=heads, num_query_groups=kv_heads)
-    return step_calls(tiny_model(**shape, **settings)).total(PACKAGE) - baseline_calls(layers, heads, kv_heads)
+    return model_calls(layers, heads, kv_heads, **settings) - baseline_calls(layers, heads, kv_heads)
 
 
 @functools.cache
 def baseline_calls(layers: int, heads: int, kv_heads: int) -> int:
     """The baseline's calls in a step (one model per shape for every path compared with it)."""
+    return model_calls(layers, heads, kv_heads, lime=False)
+
+
+def model_calls(layers: int, heads: int, kv_heads: int, **settings) -> int:
+    """``PROJECT``'s calls in a step of a tiny model of that shape and ``settings``."""
     shape = dict(num_layers=layers, num_attention_heads=heads, num_query_groups=kv_heads)
-    return step_calls(tiny_model(**shape, lime=False)).total(PACKAGE)
+    return step_calls(tiny_model(**shape, **settings)).total(PROJECT)
 
 
 @pytest.mark.parametrize("name", list(PATHS))
