@@ -46,7 +46,7 @@ from bench_lime_overhead import (
 )
 from tables import field, print_table
 
-from lime_megatron.kernels.operands import set_launch_observer
+from lime_megatron.kernels.operands import launches_observed
 from lime_megatron.models.lime.fused_blocks import MixEarlierRows
 from lime_megatron.models.lime.memory import RouteKeysValues
 from lime_megatron.models.lime.routing_blocks import MixEarlierSources
@@ -83,11 +83,8 @@ def launches_dropped(device: str) -> Iterator[None]:
     if device != "cpu":
         yield
         return
-    set_launch_observer(lambda launch, run: None)
-    try:
+    with launches_observed(lambda launch, run: None):
         yield
-    finally:
-        set_launch_observer(None)
 
 
 @contextlib.contextmanager

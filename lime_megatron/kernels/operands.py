@@ -10,7 +10,7 @@ builds about a dozen such records per pass, so they are slotted dataclasses, not
 0.3 us slotted); nothing changes one after it is built.
 
 ``mix`` and ``weight_grad`` launch the kernels through ``launch``, which an observer may wrap
-(``set_launch_observer``: ``testing.dispatched_operators`` counts a launch as one operator, and
+(``launches_observed``: ``testing.dispatched_operators`` counts a launch as one operator, and
 keeps Triton's interpreter's own tensor work on a CPU out of the count; ``testing.kernel_launches``
 times each launch and counts the bytes it moves).
 """
@@ -60,10 +60,16 @@ LaunchObserver = Callable[[Launch, Callable[[], None]], None]
 _OBSERVER: LaunchObserver | None = None
 
 
-def set_launch_observer(observer: LaunchObserver | None) -> None:
-    """Install ``observer`` around every kernel launch (None removes it)."""
+@contextlib.contextmanager
+def launches_observed(observer: LaunchObserver) -> Iterator[None]:
+    """Every kernel launch inside the ``with`` block goes through ``observer``; the observer in
+    place before (one or none) is back afterwards, so observers nest."""
     global _OBSERVER
-    _OBSERVER = observer
+    previous, _OBSERVER = _OBSERVER, observer
+    try:
+        yield
+    finally:
+        _OBSERVER = previous
 
 
 def launch(kernel, grid: tuple[int, ...], *args, warps: int | None = None, **constants) -> None:

@@ -8,7 +8,7 @@ from collections import Counter
 
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from lime_megatron.kernels.operands import Launch, set_launch_observer
+from lime_megatron.kernels.operands import Launch, launches_observed
 
 
 class DispatchedOperators(TorchDispatchMode):
@@ -34,11 +34,12 @@ class DispatchedOperators(TorchDispatchMode):
         self._run_launches = run_launches
 
     def __enter__(self):
-        set_launch_observer(self._count_launch)
+        self._observing = launches_observed(self._count_launch)
+        self._observing.__enter__()
         return super().__enter__()
 
     def __exit__(self, *exc):
-        set_launch_observer(None)
+        self._observing.__exit__(*exc)
         return super().__exit__(*exc)
 
     def _count_launch(self, launch: Launch, run) -> None:

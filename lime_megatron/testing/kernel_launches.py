@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 import torch
 
-from lime_megatron.kernels.operands import Launch, set_launch_observer
+from lime_megatron.kernels.operands import Launch, launches_observed
 
 
 def launch_kind(launch: Launch) -> str:
@@ -87,11 +87,12 @@ class KernelLaunches:
         self._timed: list[tuple[str, int, object, object]] = []
 
     def __enter__(self) -> KernelLaunches:
-        set_launch_observer(self._time)
+        self._observing = launches_observed(self._time)
+        self._observing.__enter__()
         return self
 
     def __exit__(self, *exc) -> None:
-        set_launch_observer(None)
+        self._observing.__exit__(*exc)
 
     def _time(self, launch: Launch, run) -> None:
         if launch.device.type == "cuda":

@@ -18,7 +18,7 @@ from collections import Counter
 from types import FrameType
 from typing import Any
 
-from lime_megatron.kernels.operands import Launch, set_launch_observer
+from lime_megatron.kernels.operands import Launch, launches_observed
 
 PROJECT = __name__.split(".")[0]
 """This project's package: ``total(PROJECT)`` counts its functions and the built-ins they call, the
@@ -49,14 +49,15 @@ class PythonCalls:
         self._previous: Any = None
 
     def __enter__(self) -> PythonCalls:
-        set_launch_observer(_not_run)
+        self._observing = launches_observed(_not_run)
+        self._observing.__enter__()
         self._previous = sys.getprofile()
         sys.setprofile(self._count)
         return self
 
     def __exit__(self, *exc) -> None:
         sys.setprofile(self._previous)
-        set_launch_observer(None)
+        self._observing.__exit__(*exc)
 
     def _count(self, frame: FrameType, event: str, arg: Any) -> None:
         if event == "call":

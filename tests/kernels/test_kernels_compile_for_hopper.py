@@ -63,7 +63,7 @@ def bf16_model_launches(megatron, tmp_path_factory) -> list[dict]:
     (head dimension 64; blocked and per-layer routing), recorded with the specialization Triton's
     runtime gives it (from shapes, strides and the pointers' alignment, never a value: the launches
     are not run), then compiled for sm_90 (``hopper_ptx --launches``)."""
-    from lime_megatron.kernels.operands import set_launch_observer
+    from lime_megatron.kernels.operands import launches_observed
     from tests.kernels.hopper_ptx import specialization
     from tests.lime_fixtures import batch, loss_of, megatron_logits, tiny_model
 
@@ -74,14 +74,11 @@ def bf16_model_launches(megatron, tmp_path_factory) -> list[dict]:
         recorded[json.dumps(found, sort_keys=True)] = found
 
     shape = dict(num_layers=6, hidden_size=256, num_attention_heads=4, num_query_groups=2, lime_routing_kernel="triton")
-    set_launch_observer(record)
-    try:
+    with launches_observed(record):
         for block in (3, 1):
             model = tiny_model(torch.bfloat16, ffn_hidden_size=64, lime_routing_block=block, **shape)
             tokens, positions, mask = batch()
             loss_of(megatron_logits(model, tokens, positions, mask).float(), tokens).backward()
-    finally:
-        set_launch_observer(None)
     path = tmp_path_factory.mktemp("launches") / "launches.json"
     path.write_text(json.dumps(list(recorded.values())))
     return compiled_report(tmp_path_factory.mktemp("triton-cache"), "--launches", str(path))

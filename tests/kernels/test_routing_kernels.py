@@ -8,15 +8,16 @@ from __future__ import annotations
 import pytest
 import torch
 
+from lime_megatron.kernels import operands
 from lime_megatron.kernels.operands import (
     Columns,
     Halves,
     MixTiles,
     Placement,
+    launches_observed,
     mix,
     mix_and_weight_grad,
     mix_beside_weight_grad,
-    set_launch_observer,
     use_mix_tiles,
     weight_grad,
     weight_grad_sums,
@@ -101,17 +102,34 @@ def test_the_mixes_launch_with_their_tiles_warps():
     rows, weight = torch.randn(sources, 2 * 4 * d), torch.randn(h, sources)
     first = (Columns.of(weight, slice(0, h), slice(0, sources)), Halves.of_rows(rows, 0, sources, d))
     warps = []
-    set_launch_observer(lambda launch, run: warps.append((launch.name, launch.warps)))
-    try:
+    with launches_observed(lambda launch, run: warps.append((launch.name, launch.warps))):
         for tiles in (MixTiles(), MixTiles(warps=8)):
             with use_mix_tiles(tiles):
                 out = Halves.of_rows(torch.empty(h, 2 * 4 * d), 0, h, d)
                 mix(out, first)
                 grads = Halves.of_rows(torch.randn(h, 2 * 4 * d), 0, h, d)
                 mix_beside_weight_grad(out, first, torch.zeros(h, sources), grads, first[1], 0, False, 1)
-    finally:
-        set_launch_observer(None)
     assert warps == [("mix_kernel", 4), ("mix_kernel", 4), ("mix_kernel", 8), ("mix_kernel", 8)]
+
+
+def test_launch_observers_nest_and_the_outer_one_comes_back():
+    """An observer installed inside another's ``with`` block takes the launches until its block
+    ends, an exception included; then the outer one does again, and after it none."""
+    h, d, sources = 2, 8, 3
+    weight, rows = torch.randn(h, sources), torch.randn(sources, 2 * 4 * d)
+    first = (Columns.of(weight, slice(0, h), slice(0, sources)), Halves.of_rows(rows, 0, sources, d))
+    seen = []
+
+    def launch_once():
+        mix(Halves.of_rows(torch.empty(h, 2 * 4 * d), 0, h, d), first)
+
+    with launches_observed(lambda launch, run: seen.append("outer")):
+        launch_once()
+        with pytest.raises(ValueError), launches_observed(lambda launch, run: seen.append("inner")):
+            launch_once()
+            raise ValueError
+        launch_once()
+    assert seen == ["outer", "inner", "outer"] and operands._OBSERVER is None
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.bfloat16])

@@ -30,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import shutil
 import subprocess
 import sys
@@ -46,8 +47,11 @@ IMAGE_PACKAGES = ("numpy", "packaging", "einops", "onnx", "onnxscript")
 TransformerEngine carry was first made; TransformerEngine imports onnx and onnxscript (megatron-core
 imports TransformerEngine when it is there), so ``--check``'s clean venv holds them too."""
 MEGATRON = "megatron-core==0.19.2"
-WHERE_MISSING = ("numpy", "packaging", "pyyaml", "tqdm")
-"""What the project imports at its top levels besides torch and megatron (installed where missing)."""
+WHERE_MISSING = ("numpy<2.4", "packaging", "pyyaml", "tqdm")
+"""What the project imports at its top levels besides torch and megatron (installed where missing).
+numpy below 2.4: the image's torch pins Triton 3.6, whose CPU interpreter (the rehearsal's routing
+kernels) takes a loop bound with ``int()`` of a one-element array, an error since numpy 2.4; the
+image has its own numpy, which the compiled kernels never hand to Triton this way."""
 TE = "transformer-engine"
 TE_ALWAYS = ("transformer_engine",)
 """Wheel-name prefixes of TransformerEngine's own wheels (installed always); the rest of the
@@ -85,7 +89,7 @@ def run(command: list[str], **kwargs) -> None:
 def download(requirement: str, downloads: Path) -> Path:
     """The wheel of ``requirement`` for the image's Python (no dependencies), downloaded into a
     folder of its own under ``downloads``."""
-    into = downloads / requirement.split("=")[0]
+    into = downloads / re.split("[<=>]", requirement)[0]
     shutil.rmtree(into, ignore_errors=True)
     run([sys.executable, "-m", "pip", "download", "-q", "--no-deps", *PLATFORM.split(), "-d", str(into), requirement])
     [wheel] = into.glob("*.whl")
