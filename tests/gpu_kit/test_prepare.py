@@ -34,3 +34,19 @@ def test_the_device_call_runs_the_session_on_the_carry():
     ignored = subprocess.run(["git", "check-ignore", "-q", ".gpu-carry/wheels/x.whl"], cwd=prepare.ROOT)
     assert ignored.returncode == 0  # carried to the device, never committed
     assert session_steps.GPU.budget_s < prepare.SESSION_TIMEOUT_S
+
+
+def test_a_pinned_requirement_is_downloaded_as_pinned_into_its_own_folder(tmp_path, monkeypatch):
+    """``download("numpy<2.4", ...)`` hands pip the pin (the carry's numpy for Triton 3.6's
+    interpreter, ``WHERE_MISSING``) and keeps the wheel in a folder named for the project."""
+    commands = []
+
+    def pip(command):
+        commands.append(command)
+        into = prepare.Path(command[command.index("-d") + 1])
+        into.mkdir(parents=True)  # as pip download does
+        (into / "numpy-2.3.5-cp312-cp312-manylinux_2_28_x86_64.whl").touch()
+
+    monkeypatch.setattr(prepare, "run", pip)
+    wheel = prepare.download("numpy<2.4", tmp_path)
+    assert wheel.parent == tmp_path / "numpy" and commands[0][-1] == "numpy<2.4"

@@ -12,7 +12,7 @@ The carry (``carry_manifest.py``) holds:
 - TransformerEngine 2.20.2 for Hopper, built here by ``te_carry/build.sh``: its core library cut to
   the sm_90 cubins, its torch extension compiled against torch 2.11.0 (installed always), with
   pydantic and its dependencies (installed where missing);
-- numpy, packaging, pyyaml, tqdm: what the project imports at its top levels (installed where
+- numpy (below 2.4), packaging, pyyaml, tqdm: what the project imports at its top levels (installed where
   missing).
 
 ``--check`` then, in a clean Python 3.12 venv holding torch 2.11.0+cu130 and ``IMAGE_PACKAGES``
