@@ -96,8 +96,31 @@ def launch(kernel, grid: tuple[int, ...], *args, warps: int | None = None, **con
 @functools.cache
 def _interpreted() -> bool:
     """Whether Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``, which Triton reads once, at
-    its import: read here at the first launch, after it)."""
-    return os.environ.get("TRITON_INTERPRET") == "1"
+    its import: read here at the first launch, after it); if so, one that can run the kernels."""
+    interpreted = os.environ.get("TRITON_INTERPRET") == "1"
+    if interpreted:
+        import numpy
+        import triton
+
+        check_interpreter(triton.__version__, numpy.__version__)
+    return interpreted
+
+
+def check_interpreter(triton_version: str, numpy_version: str) -> None:
+    """Refuse, naming the fix, Triton's interpreter before 3.7 beside numpy 2.4 or later: it takes a
+    kernel's loop bound with ``int()`` of a one-element array, an error since numpy 2.4 (Triton 3.7
+    squeezes the array first; measured with Triton 3.6, which torch 2.11 pins, and numpy 2.4.6)."""
+    if _major_minor(triton_version) < (3, 7) and _major_minor(numpy_version) >= (2, 4):
+        raise RuntimeError(
+            f"Triton {triton_version}'s CPU interpreter cannot run the routing kernels beside numpy "
+            f"{numpy_version} (loop bounds fail with 'only 0-dimensional arrays can be converted to Python "
+            "scalars'): install numpy<2.4 or triton>=3.7"
+        )
+
+
+def _major_minor(version: str) -> tuple[int, int]:
+    major, minor = version.split(".")[:2]
+    return int(major), int(minor)
 
 
 def _first_tensor(args: tuple) -> torch.Tensor:

@@ -112,6 +112,21 @@ def test_the_mixes_launch_with_their_tiles_warps():
     assert warps == [("mix_kernel", 4), ("mix_kernel", 4), ("mix_kernel", 8), ("mix_kernel", 8)]
 
 
+@pytest.mark.parametrize(
+    "triton_version, numpy_version, refused",
+    [("3.6.0", "2.4.6", True), ("3.6.0", "2.5.5", True), ("3.6.0", "2.3.5", False), ("3.7.1", "2.5.5", False)],
+)
+def test_an_interpreter_that_cannot_run_the_kernels_is_refused_by_name(triton_version, numpy_version, refused):
+    """Triton 3.6's interpreter fails the kernels' loop bounds beside numpy 2.4 and later (found
+    rehearsing the GPU session on the image's torch 2.11): one message naming both versions and the
+    fix, not an ``InterpreterError`` from inside a kernel."""
+    if refused:
+        with pytest.raises(RuntimeError, match=f"Triton {triton_version}.* numpy {numpy_version}.*numpy<2.4"):
+            operands.check_interpreter(triton_version, numpy_version)
+    else:
+        operands.check_interpreter(triton_version, numpy_version)
+
+
 def test_launch_observers_nest_and_the_outer_one_comes_back():
     """An observer installed inside another's ``with`` block takes the launches until its block
     ends, an exception included; then the outer one does again, and after it none."""
