@@ -234,7 +234,8 @@ def parse_args(argv=None) -> argparse.Namespace:
         help="after the timed rounds, time each routing-kernel launch of one forward+backward of blocked LIMe "
         "and print, per kind of launch, the launches, their ms, the GB they must move and the rate "
         "(testing.kernel_launches; the Triton path only); each ELEMENTS given: the same step again with the "
-        "mixes' tiles at up to that many elements of a half (kernels.operands.MixTiles), beside the default's",
+        "mixes' tiles at up to that many elements of a half in every launch (kernels.operands.MixTiles), beside the "
+        "default's",
     )
     parser.add_argument(
         "--launch-profile-warps",
@@ -786,16 +787,22 @@ def launch_profile_fields(setting: Setting) -> dict:
 
 
 def other_tiles(args) -> list[MixTiles]:
-    """The launch profile's tiles beside the default's: each element count of ``--launch-profile``,
-    then each warp count of ``--launch-profile-warps`` (the rest as the default's)."""
-    elements = [dataclasses.replace(MIX_TILES, elements=count) for count in args.launch_profile]
+    """The launch profile's tiles beside the default's: each element count of ``--launch-profile``
+    (in every launch, those beside a weight gradient too), then each warp count of
+    ``--launch-profile-warps`` (the rest as the default's)."""
+    elements = [
+        dataclasses.replace(MIX_TILES, elements=count, weight_grad_elements=count) for count in args.launch_profile
+    ]
     warps = [dataclasses.replace(MIX_TILES, warps=count) for count in args.launch_profile_warps]
     return [*elements, *warps]
 
 
 def tiles_name(tiles: MixTiles) -> str:
     """How the launch profile names ``tiles``."""
-    return f"tiles of up to {tiles.elements} elements, {tiles.warps} warps"
+    elements = f"{tiles.elements}"
+    if tiles.weight_grad_elements != tiles.elements:
+        elements += f" ({tiles.weight_grad_elements} beside a weight gradient)"
+    return f"tiles of up to {elements} elements, {tiles.warps} warps"
 
 
 def step_outcome(model, batch) -> torch.Tensor:

@@ -57,10 +57,11 @@ def print_table(columns: list[Column], rows: list[dict], markdown: bool = False)
     print("\n".join(table_lines(columns, rows, markdown)))
 
 
-def write_json(path: str, args: argparse.Namespace, rows: list[dict]) -> None:
-    """``{"command": argv, "args": args, "rows": rows}`` at ``path``, replaced whole (a reader never
-    sees half a file: a bench killed between cases leaves the cases before)."""
-    document = dict(command=sys.argv, args=vars(args), rows=rows)
+def write_json(path: str, args: argparse.Namespace, rows: list[dict], **sections) -> None:
+    """``{"command": argv, "args": args, "rows": rows}`` and any further ``sections`` (e.g. a
+    profile beside the rows) at ``path``, replaced whole (a reader never sees half a file: a bench
+    killed between cases leaves the cases before)."""
+    document = dict(command=sys.argv, args=vars(args), rows=rows, **sections)
     with open(path + ".part", "w") as file:
         json.dump(document, file, indent=1)
     os.replace(path + ".part", path)

@@ -143,7 +143,8 @@ def test_the_launch_profile_compares_tiles_on_the_triton_path(monkeypatch):
     [row], output = run_main("--lime-routing-kernel", "triton", *flags, *skipped)
     default, [wider, warps] = row["launch_profile"], row["launch_profile_tiles"]
     assert wider["tiles"] == "tiles of up to 512 elements, 4 warps" and wider["difference"] <= 1e-6
-    assert warps["tiles"] == "tiles of up to 128 elements, 8 warps" and warps["difference"] <= 1e-6
+    assert warps["tiles"] == "tiles of up to 128 (512 beside a weight gradient) elements, 8 warps"
+    assert warps["difference"] <= 1e-6
     launches = {kind["kind"]: kind["launches"] for kind in default}
     assert launches and {kind["kind"]: kind["launches"] for kind in wider["kinds"]} == launches
     assert {kind["kind"]: kind["launches"] for kind in warps["kinds"]} == launches

@@ -12,6 +12,7 @@ import json
 import os
 import subprocess
 import sys
+import tarfile
 import time
 import zipfile
 from pathlib import Path
@@ -35,6 +36,7 @@ SKIPPED_ON_A_CPU = {
     },
     **{f"layouts | {model} | {leg} vs DP": "torchrun" for model in ("LIMe", "baseline") for leg in ("TP2", "PP2")},
     **{f"{model} | {name}": "CUDA only" for model in ("LIMe", "baseline") for name in ("TFLOP/s per GPU", "MFU")},
+    **{f"{model} | device busy ms per KV-cache token": "CUDA only" for model in ("LIMe", "baseline")},
 }
 """Rows a CPU cannot measure, and a word their reason must hold; every other row has a value."""
 
@@ -77,6 +79,39 @@ def test_the_rehearsal_runs_the_steps_commands(rehearsal):
     assert [c.split()[3] for c in steps["pretrain"]["commands"]] == list(session_steps.PRETRAIN_CONFIGS.values())
     overhead = json.loads((out / "steps" / "overhead-1b" / "overhead.json").read_text())
     assert overhead["args"]["device"] == "cpu" and len(overhead["rows"]) == 2
+    assert steps["decoding"]["commands"][0].split("--profile ")[1].startswith(session_steps.DECODING_PROFILE)
+
+
+def test_the_rehearsal_bundles_every_steps_files_beside_the_report(rehearsal):
+    """The device returns at most 8 files: the steps' JSON and logs travel in one archive beside
+    ``report.md`` and ``results.json``, the same files as the folders hold."""
+    _, out = rehearsal
+    assert sorted(path.name for path in out.iterdir() if path.is_file()) == [
+        "report.md",
+        "results.json",
+        session.BUNDLE,
+    ]
+    with tarfile.open(out / session.BUNDLE) as archive:
+        names = set(archive.getnames())
+        bundled = archive.extractfile("steps/overhead-1b/overhead.json").read()
+    expected = {str(path.relative_to(out)) for path in out.rglob("*") if path.parent != out or path.is_dir()}
+    assert names == expected
+    assert bundled == (out / "steps" / "overhead-1b" / "overhead.json").read_bytes()
+
+
+def test_the_rehearsal_profiles_a_decoding_token(rehearsal):
+    """The decoding step's profile rows: LIMe's LIMe-only functions (its attention's decoding
+    branch) above the baseline's, the baseline's own generation loop on top of its list."""
+    _, out = rehearsal
+    steps = json.loads((out / "results.json").read_text())["steps"]
+    rows = {row["name"]: row for step in steps if step["name"] == "decoding" for row in step["rows"]}
+    extra = [name for name in rows if name.startswith("+host ms per token | ")]
+    base = [name for name in rows if name.startswith("baseline host ms per token | ")]
+    assert len(extra) == len(base) == int(session_steps.DECODING_PROFILE)
+    assert any("_decoding_forward" in name for name in extra)
+    assert any("generate" in name for name in base)
+    per_token = rows["LIMe | ms per KV-cache token"]["value"]
+    assert per_token == pytest.approx(1e3 / rows["LIMe | KV-cache tokens/s"]["value"])
 
 
 def test_gpu_and_rehearsal_run_the_same_commands_at_other_shapes(tmp_path):
@@ -105,9 +140,21 @@ def test_the_gpu_sessions_bench_commands_parse(tmp_path):
             assert args.device == "cuda" and args.kernel_profile > 0 and {"rebuilt", "split"} <= set(args.skip)
             assert "counts" in args.skip and args.launch_profile is not None, name
     [one_b] = parsed["overhead-1b"]
-    assert one_b.launch_profile == [512] and one_b.launch_profile_warps == [8] and one_b.idle_profile
+    assert one_b.launch_profile == [128] and one_b.launch_profile_warps == [] and one_b.idle_profile
     assert all(args.launch_profile == [] and not args.idle_profile for args in parsed["deep-128"])
     assert [args.micro_batch_size for args in parsed["deep-128"]] == list(session_steps.GPU.deep_micro_batches)
+
+
+def test_the_gpu_sessions_decoding_command_parses(tmp_path):
+    """The GPU's decoding command is one ``bench_decoding.py`` takes: on CUDA, the 1B GQA-8 shape,
+    profiled."""
+    from tests.bench import load_bench
+
+    *_, decoding = load_bench("tables", "cpu_triton", "bench_lime_overhead", "host_profile", "bench_decoding")
+    [command] = session_steps.decoding_commands(session_steps.GPU, tmp_path)
+    args = decoding.parse_args(command.argv[2:])
+    assert args.device == "cuda" and args.kv_heads == 8 and args.num_layers == 16
+    assert args.profile == int(session_steps.DECODING_PROFILE) and args.json == str(command.output)
 
 
 def test_the_sessions_pretrain_needs_no_tokenizer_files(monkeypatch, tmp_path):

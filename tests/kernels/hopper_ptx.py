@@ -70,15 +70,18 @@ def report() -> dict:
     import triton.language as tl
 
     from lime_megatron.kernels import routing_kernels
+    from lime_megatron.kernels.operands import MIX_TILES
 
     result = {}
     for dtype in ("fp32", "bf16", "fp16"):
         mix_signature = {name: operand(dtype) for name in ROW_OPERANDS}
         mix_signature |= dict(a1=("*fp32", *["i32"] * 4), a2=(f"*{dtype}", *["i32"] * 4), shape=("i32",) * 3)
         mix_signature |= dict(weight=weight_argument(dtype), tiles=("i32",) * 6)
-        tiles = dict(BLOCK_R=16, BLOCK_K=16, BLOCK_N=128, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64, WIDTH=128, W_WIDTH=128)
+        tiles = dict(BLOCK_R=16, BLOCK_K=16, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64, WIDTH=128, W_WIDTH=128)
         for variant, flags in MIX_VARIANTS.items():
-            constants = {**flags, **tiles, "ACC": tl.float32, "UPCAST": False, "ATOMIC": flags["WEIGHT_GRAD"]}
+            elements = MIX_TILES.weight_grad_elements if flags["WEIGHT_GRAD"] else MIX_TILES.elements
+            constants = {**flags, **tiles, "BLOCK_N": elements, "ACC": tl.float32, "UPCAST": False}
+            constants["ATOMIC"] = flags["WEIGHT_GRAD"]
             result[f"mix {dtype} {variant}"] = products(ptx(routing_kernels.mix_kernel, mix_signature, constants))
         for atomic in (True, False):
             constants = dict(

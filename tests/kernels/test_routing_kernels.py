@@ -70,7 +70,9 @@ def test_store_and_mix_equals_torch(shape, dtype):
 
 
 @pytest.mark.parametrize(
-    "tiles", [MixTiles(rows=16), MixTiles(elements=512), MixTiles(rows=16, area=16 * 64), MixTiles(warps=8)], ids=str
+    "tiles",
+    [MixTiles(rows=16), MixTiles(elements=512), MixTiles(rows=16, area=16 * 64), MixTiles(warps=8)],
+    ids=str,
 )
 def test_any_tiles_give_the_same_mix(tiles):
     """Tiles divide the output rows and the elements among programs, never a sum across them:
@@ -95,21 +97,22 @@ def test_any_tiles_give_the_same_mix(tiles):
     assert relative(results[1][0], results[0][0]) <= 1e-6
 
 
-def test_the_mixes_launch_with_their_tiles_warps():
+def test_the_mixes_launch_with_their_tiles_warps_and_elements():
     """A mix, and a mix beside a weight gradient, launch with the tiles' warps (``num_warps``):
-    Triton's default 4 unless a launch profile asks for others."""
+    Triton's default 4 unless a launch profile asks for others; the mix beside the weight gradient
+    with its own element tiles (``MixTiles.weight_grad_elements``)."""
     h, d, sources = 2, 8, 3
     rows, weight = torch.randn(sources, 2 * 4 * d), torch.randn(h, sources)
     first = (Columns.of(weight, slice(0, h), slice(0, sources)), Halves.of_rows(rows, 0, sources, d))
-    warps = []
-    with launches_observed(lambda launch, run: warps.append((launch.name, launch.warps))):
-        for tiles in (MixTiles(), MixTiles(warps=8)):
+    launched = []
+    with launches_observed(lambda launch, run: launched.append((launch.warps, launch.constants["BLOCK_N"]))):
+        for tiles in (MixTiles(), MixTiles(warps=8, elements=64, weight_grad_elements=32)):
             with use_mix_tiles(tiles):
                 out = Halves.of_rows(torch.empty(h, 2 * 4 * d), 0, h, d)
                 mix(out, first)
                 grads = Halves.of_rows(torch.randn(h, 2 * 4 * d), 0, h, d)
                 mix_beside_weight_grad(out, first, torch.zeros(h, sources), grads, first[1], 0, False, 1)
-    assert warps == [("mix_kernel", 4), ("mix_kernel", 4), ("mix_kernel", 8), ("mix_kernel", 8)]
+    assert launched == [(4, 128), (4, 512), (8, 64), (8, 32)]
 
 
 @pytest.mark.parametrize(

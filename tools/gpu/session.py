@@ -1,5 +1,6 @@
 """One GPU session: install what the GPU image lacks, then every step in order, each within its
-own time budget, writing ``report.md`` and ``results.json`` into ``--out`` after each step.
+own time budget, writing ``report.md``, ``results.json`` and ``session-files.tar.gz`` (every step's
+JSON and log: the device returns at most 8 files of ``$OUT``) into ``--out`` after each step.
 
 On the lent GPU machine (``prepare.py`` prints the call to make; no network there):
     python3 tools/gpu/session.py --carry .gpu-carry --commit <git describe here> --out "$OUT"
@@ -29,6 +30,7 @@ import platform
 import signal
 import subprocess
 import sys
+import tarfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
@@ -41,6 +43,9 @@ MIN_STEP_S = 10.0
 """A step is not started with less than this (or its whole budget, if smaller) left of the
 session's budget."""
 KILL_GRACE_S = 5.0
+BUNDLE = "session-files.tar.gz"
+"""The steps' folders and logs in one archive beside the report: the device returns at most 8
+files of ``$OUT``, its top-level ones first (``bundle``)."""
 LOG_TAIL_BYTES = 256 * 2**10
 """A step's log keeps its last 256 KiB (the device returns files up to a size)."""
 
@@ -258,8 +263,21 @@ def run_session(
                 result.status = "failed"
         report.steps.append(result)
         report.write(out)
+        bundle(out)
         print(f"session: {step.name}: {result.status} ({result.seconds:.0f} s)", flush=True)
     return report
+
+
+def bundle(out: Path) -> None:
+    """``out``'s ``logs`` and ``steps`` folders as ``out/BUNDLE``, replaced whole: the benches' JSON
+    (absolute times, host and idle ms, the profiles) comes back with the report, where the
+    device's file limit dropped it before (8765886: 8 of 19 files came back, no step JSON)."""
+    part = out / f"{BUNDLE}.part"
+    with tarfile.open(part, "w:gz") as archive:
+        for name in ("logs", "steps"):
+            if (out / name).is_dir():
+                archive.add(out / name, arcname=name)
+    part.replace(out / BUNDLE)
 
 
 def exported_environment(env: dict[str, str], folder: Path) -> dict[str, str]:

@@ -16,15 +16,18 @@ TransformerEngine say why they were skipped.
 | gpu-check | 95 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
 | | | mHC) on the TE spec, the routing kernels, FP8 (delayed, current scaling), the attention |
 | | | backend, bf16 training |
-| overhead-1b | 110 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
+| overhead-1b | 135 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
 | | | per-layer and blocked routing, the TE spec, the kernel profile (``session_bench_flags``) |
-| deep-128 | 125 | the same bench at 128 layers, hidden 512, micro batch 1 |
+| deep-128 | 90 | the same bench at 128 layers, hidden 512, micro batch 1 |
 | pretrain | 80 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
 | | | data, 12 iterations: tokens/s, MFU |
-| decoding | 50 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA |
+| decoding | 60 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA, and where |
+| | | a token's host time goes (``--profile``: Python's profiler, the kernels' busy time) |
 
-The budgets come from the two H200 sessions (at a6951d8 and 88c5415; docs/gpu.md gives each
-step's times there), less what the session's bench runs now skip.  Micro batches 2 and 4 at 128
+The budgets come from the H200 sessions (at a6951d8, 88c5415 and 8765886; docs/gpu.md gives each
+step's times there), less what the session's bench runs now skip: at 8765886 overhead-1b and
+decoding ran out of their 110 and 50 s with their tables printed (the processes' exit cut off), and
+deep-128 took 76 of its 125 s.  Micro batches 2 and 4 at 128
 layers take longer than a session can give them: run the bench on its own for those.
 
 Standard library only, like the session.
@@ -102,7 +105,7 @@ GPU = Mode(
     pretrain_iterations=12,
     pretrain_warmup=4,
     decoding_shape="--num-layers 16 --hidden-size 2048 --num-attention-heads 32 --kv-heads 8 "
-    "--ffn-hidden-size 8192 --vocab-size 50304 --prompt-length 128 --new-tokens 64 --repeats 1".split(),
+    "--ffn-hidden-size 8192 --vocab-size 50304 --prompt-length 128 --new-tokens 32 --repeats 1".split(),
 )
 REHEARSAL = Mode(
     name="rehearsal",
@@ -372,11 +375,12 @@ def session_bench_flags(device_bound: bool) -> list[str]:
     differences), the launch profile at what rate each kind of routing-kernel launch moves its
     bytes, under the default tiles.  A ``device_bound`` shape (1B, whose launches move 0.1-0.9 GB
     each: the second session's reached 0.65-1.75 TB/s of 4.8) adds the launch profile under tiles
-    of up to 512 elements and with 8 warps per program, and the idle profile (where the device
-    waited: 7.4 ms of LIMe's step at 1B GQA-8 in the second session); the 128-layer step is the
-    host's pace, not its kernels', and its profile too long to read for the idle profile."""
+    of up to 128 elements in every launch (the default before 8765886's profile, which compared
+    512 elements and 8 warps: ``MixTiles.weight_grad_elements``), and the idle profile (where the
+    device waited: 7.4 ms of LIMe's step at 1B GQA-8 in the second session); the 128-layer step is
+    the host's pace, not its kernels', and its profile too long to read for the idle profile."""
     skipped = ["--skip", "rebuilt", "copies", "split", "counts"]
-    extras = ["512", "--launch-profile-warps", "8", "--idle-profile"] if device_bound else []
+    extras = ["128", "--idle-profile"] if device_bound else []
     return skipped + ["--kernel-profile", "8", "--launch-profile", *extras]
 
 
@@ -545,31 +549,71 @@ DECODING_ROWS = (
     *(
         f"{model} | {name}"
         for model in ("LIMe", "baseline")
-        for name in ("KV-cache tokens/s", "recompute tokens/s", "cached tokens = recomputed")
+        for name in (
+            "KV-cache tokens/s",
+            "recompute tokens/s",
+            "cached tokens = recomputed",
+            "ms per KV-cache token",
+            "device busy ms per KV-cache token",
+        )
     ),
     "LIMe / baseline | KV-cache tokens/s",
 )
+DECODING_PROFILE = "12"
+"""Functions of each ``--profile`` list the decoding step reports (``bench_decoding.py``)."""
 
 
 def decoding_commands(mode: Mode, folder: Path) -> list[Command]:
     output = folder / "decoding.json"
-    argv = python("bench/bench_decoding.py", *mode.bench_flags(), *mode.decoding_shape, "--json", str(output))
-    return [Command(argv, output)]
+    argv = python("bench/bench_decoding.py", *mode.bench_flags(), *mode.decoding_shape, "--profile", DECODING_PROFILE)
+    return [Command(argv + ["--json", str(output)], output)]
 
 
 def read_decoding(mode: Mode, folder: Path) -> list[ReportRow]:
-    records = {r["model"]: r for r in load_json(folder / "decoding.json").get("rows", [])}
+    document = load_json(folder / "decoding.json")
+    records = {r["model"]: r for r in document.get("rows", [])}
+    profiled = document.get("profile", {})
     rows = []
     for model, record in records.items():
-        rows.append(ReportRow(f"{model} | KV-cache tokens/s", record["cached_tokens_per_s"]))
-        rows.append(ReportRow(f"{model} | recompute tokens/s", record["recompute_tokens_per_s"]))
-        same = "yes" if record["same_tokens"] else "no"
-        note = "" if record["same_tokens"] else "greedy ties may differ in bf16"
-        rows.append(ReportRow(f"{model} | cached tokens = recomputed", same, note=note))
+        rows += decoding_rate_rows(mode, model, record, profiled.get("device_ms_per_token", {}).get(model))
     if len(records) == 2:
         ratio = records["LIMe"]["cached_tokens_per_s"] / records["baseline"]["cached_tokens_per_s"]
         rows.append(ReportRow("LIMe / baseline | KV-cache tokens/s", ratio))
+    rows += function_rows("+host ms per token", profiled.get("functions", []))
+    return rows + function_rows("baseline host ms per token", profiled.get("functions_base", []), "base_ms")
+
+
+def decoding_rate_rows(mode: Mode, model: str, record: dict, device_ms: float | None) -> list[ReportRow]:
+    """A model's tokens/s with and without the cache, whether both made the same tokens, and a
+    KV-cache token's wall and device-busy ms (the latter measured on CUDA only)."""
+    same = "yes" if record["same_tokens"] else "no"
+    tie = "" if same == "yes" else "greedy ties may differ in bf16"
+    rows = [
+        ReportRow(f"{model} | KV-cache tokens/s", record["cached_tokens_per_s"]),
+        ReportRow(f"{model} | recompute tokens/s", record["recompute_tokens_per_s"]),
+        ReportRow(f"{model} | cached tokens = recomputed", same, note=tie),
+        ReportRow(f"{model} | ms per KV-cache token", 1e3 / record["cached_tokens_per_s"], note="prefill included"),
+    ]
+    busy = f"{model} | device busy ms per KV-cache token"
+    if device_ms is not None:
+        return rows + [ReportRow(busy, device_ms, note="all kernels' time in one profiled generation")]
+    if mode.rehearsal:
+        return rows + [ReportRow(busy, status="skipped", note="the kernels' time is profiled on CUDA only")]
     return rows
+
+
+def function_rows(prefix: str, entries: list[dict], by: str = "diff_ms") -> list[ReportRow]:
+    """One row per function of a ``host_profile.function_differences`` list: its ``by`` ms per token,
+    and each model's cumulative and own ms and calls per token."""
+    return [
+        ReportRow(
+            f"{prefix} | {entry['name'][:80]}",
+            entry[by],
+            note=f"LIMe {entry['lime_ms']:.3f} ms ({entry['lime_own_ms']:.3f} own) x{entry['lime_calls']:.1f}, "
+            f"baseline {entry['base_ms']:.3f} ms ({entry['base_own_ms']:.3f} own) x{entry['base_calls']:.1f}",
+        )
+        for entry in entries
+    ]
 
 
 STEPS = (
@@ -593,7 +637,7 @@ STEPS = (
     Step(
         "overhead-1b",
         "LIMe overhead at the paper's 1B shape, micro batch 4",
-        110,
+        135,
         bench_rows(list(GPU.overhead_kv_heads.values()), IDLE_FIELDS),
         overhead_commands,
         read_overhead,
@@ -601,7 +645,7 @@ STEPS = (
     Step(
         "deep-128",
         "128 narrow layers, micro batch 1",
-        125,
+        90,
         bench_rows(list(GPU.deep_micro_batches.values()), OVERHEAD_FIELDS),
         deep_commands,
         read_deep,
@@ -609,5 +653,5 @@ STEPS = (
     Step(
         "pretrain", "pretrain_lime.py, 1B GQA-8, bf16, mock data", 80, PRETRAIN_ROWS, pretrain_commands, read_pretrain
     ),
-    Step("decoding", "Decoding, 1B GQA-8, KV cache", 50, DECODING_ROWS, decoding_commands, read_decoding),
+    Step("decoding", "Decoding, 1B GQA-8, KV cache", 60, DECODING_ROWS, decoding_commands, read_decoding),
 )

@@ -1,0 +1,66 @@
+"""``bench/bench_decoding.py`` and ``bench/host_profile.py`` on the CPU: the JSON rows of both
+models, and ``--profile``'s functions, per token, the time of LIMe's own decoding branch among
+LIMe's differences and the generation loop at the top of the baseline's."""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import json
+import time
+
+import pytest
+
+from tests.bench import load_bench
+
+*_, host_profile, decoding = load_bench("tables", "cpu_triton", "bench_lime_overhead", "host_profile", "bench_decoding")
+
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning")]
+
+TINY = "--num-layers 2 --hidden-size 32 --num-attention-heads 2 --kv-heads 2 --ffn-hidden-size 64 --vocab-size 64"
+
+
+def test_function_times_and_differences_per_call():
+    def slow():
+        time.sleep(0.02)
+
+    def fast():
+        pass
+
+    def lime():
+        for _ in range(4):
+            slow()
+        fast()
+
+    def base():
+        slow()
+        fast()
+
+    lime_times, base_times = host_profile.function_times(lime), host_profile.function_times(base)
+    [slow_name] = [name for name in lime_times if name.endswith("(slow)")]
+    assert "test_bench_decoding.py" in slow_name and lime_times[slow_name][2] == 4
+    entries = host_profile.function_differences(lime_times, base_times, top=3, per=2.0)
+    assert [entry["name"].split("(")[-1] for entry in entries[:2]] == ["lime)", "slow)"]
+    by_name = {entry["name"]: entry for entry in entries}
+    assert by_name[slow_name]["lime_calls"] == 2.0 and by_name[slow_name]["base_calls"] == 0.5
+    assert by_name[slow_name]["diff_ms"] == pytest.approx(30, abs=8)  # 3 more sleeps of 20 ms, per 2
+    top_base = host_profile.function_differences(lime_times, base_times, top=2, by="base_ms")
+    assert all(entry["base_ms"] > 15 for entry in top_base)
+
+
+def test_profiled_run_writes_rates_and_functions(tmp_path):
+    path = tmp_path / "decoding.json"
+    printed = io.StringIO()
+    argv = [*TINY.split(), "--new-tokens", "4", "--prompt-length", "4", "--repeats", "1", "--profile", "5"]
+    with contextlib.redirect_stdout(printed):
+        decoding.main([*argv, "--json", str(path)])
+    document = json.loads(path.read_text())
+    assert [row["model"] for row in document["rows"]] == ["LIMe", "baseline"]
+    assert all(row["same_tokens"] and row["cached_tokens_per_s"] > 0 for row in document["rows"])
+    profile = document["profile"]
+    assert "device_ms_per_token" not in profile  # a CPU: no kernels to profile
+    assert len(profile["functions"]) == len(profile["functions_base"]) == 5
+    assert any("_decoding_forward" in entry["name"] for entry in profile["functions"])
+    assert all(entry["lime_calls"] > 0 and entry["base_calls"] == 0 for entry in profile["functions"][:2])
+    assert any(entry["name"].startswith("inference/generation.py") for entry in profile["functions_base"])
+    assert "ms a KV-cache token" in printed.getvalue() and "most LIMe - baseline" in printed.getvalue()
