@@ -325,10 +325,12 @@ class MixTiles:
     area: int = 64 * 128
     elements: int = 128
     weight_grad_elements: int = 512
-    """``elements`` of a mix launched with weight-gradient programs (a backward's).  The H200's
-    launch profile at 8765886 (1B GQA-8, bf16): with 512 such launches took 17-21% less time than
-    with 128 (0.885 against 1.063 ms and 0.595 against 0.753 ms a step), the forward's storing ones
-    2.4-2.7x more (1.28 against 0.54 ms)."""
+    """``elements`` of a mix launched with weight-gradient programs (a backward's).  On an H200 at
+    1B GQA-8 in bf16 (the launch profiles of the 8765886 and ce64950 sessions, which timed the two
+    tiles in either order), such launches took 17-21% less time with 512 than with 128 (0.88
+    against 1.06-1.08 ms and 0.60 against 0.74-0.75 ms a step), at 1B MHA 1% less.  The forward's
+    launches keep 128: the profile cannot compare them yet (its second step timed the storing
+    launches 2.3x slower under unchanged tiles as well; BENCHMARKS.md)."""
     warps: int = 4
     """Triton's default, named so that a launch profile can compare others."""
 
