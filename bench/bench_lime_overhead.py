@@ -743,20 +743,26 @@ def idle_fields(lime: ProfiledStep, base: ProfiledStep, top: int) -> dict:
     )
 
 
-HOST_STEPS = 3
-"""Unprofiled steps per model whose medians ``host_and_idle`` takes."""
+HOST_STEPS = 5
+"""Unprofiled step pairs (LIMe, then the baseline) whose medians ``host_and_idle`` takes."""
 
 
 def host_and_idle(setting: Setting, total: dict) -> dict:
     """Per model (``lime``: blocked, ``base``) the medians over ``HOST_STEPS`` unprofiled steps of
     the host's ms (``host_and_wall_step``) and the wall ms, and the device's idle ms: wall minus
     the profiled step's busy time (``total``: all kernels' device time; on a CPU operator time,
-    which says nothing).  Where LIMe's wall time over the baseline exceeds its extra device time,
-    this says whether the host (its ms) or waiting (idle) holds the rest."""
-    fields = {}
-    for name, key in (("blocked", "lime"), ("base", "base")):
-        steps = [host_and_wall_step(setting.models[name], setting.batch) for _ in range(HOST_STEPS)]
-        host, wall = (1e3 * statistics.median(values) for values in zip(*steps))
+    which says nothing); and ``host_diff_ms``, the median of LIMe's host ms minus the baseline's
+    over the pairs.  The two models' steps alternate, so a host whose pace drifts (the lent H200's
+    moved by 10-20% between rounds at 128 layers) moves both members of a pair alike.  Where LIMe's
+    wall time over the baseline exceeds its extra device time, this says whether the host (its ms)
+    or waiting (idle) holds the rest."""
+    pairs = [
+        tuple(host_and_wall_step(setting.models[name], setting.batch) for name in ("blocked", "base"))
+        for _ in range(HOST_STEPS)
+    ]
+    fields = dict(host_diff_ms=1e3 * statistics.median(lime[0] - base[0] for lime, base in pairs))
+    for index, key in enumerate(("lime", "base")):
+        host, wall = (1e3 * statistics.median(values) for values in zip(*(pair[index] for pair in pairs)))
         fields |= {f"{key}_host_ms": host, f"{key}_wall_ms": wall, f"{key}_idle_ms": wall - total[f"{key}_ms"]}
     return fields
 
@@ -949,8 +955,9 @@ HOST_COLUMNS: list[Column] = [
     (f"{label} {what}", field(f"{key}_{what.split()[0]}_ms", ".1f"))
     for key, label in (("lime", "LIMe"), ("base", "base"))
     for what in ("host ms", "wall ms", "idle ms")
-]
-"""``host_and_idle``'s columns: per model the host's, the wall's and the idle device's ms."""
+] + [("LIMe - base host ms, paired", field("host_diff_ms", ".2f"))]
+"""``host_and_idle``'s columns: per model the host's, the wall's and the idle device's ms; LIMe's
+host ms over the baseline's, the median of the pairs."""
 
 
 def print_launch_profiles(rows: list[dict]) -> None:

@@ -8,6 +8,7 @@ import contextlib
 import gc
 import io
 import json
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -183,6 +184,7 @@ def test_kernel_profile_prints_the_requested_names_and_totals(profiled_run):
         assert host[f"{model}_idle_ms"] == pytest.approx(host[f"{model}_wall_ms"] - busy)
     [cells] = [line.split() for line in table_after(output, "unprofiled steps (medians)")[2:]]
     assert float(cells[0]) == pytest.approx(host["lime_host_ms"], abs=0.05)
+    assert float(cells[-1]) == pytest.approx(host["host_diff_ms"], abs=0.005)
     # and where the device waited in the profiled steps: on a CPU no device work, so no gap, no call
     assert row["idle_profile"] == [] and row["blocking_calls"] == []
     assert row["idle_profile_total"] == dict(
@@ -256,3 +258,25 @@ def test_a_profiler_that_cannot_run_keeps_the_timings(monkeypatch):
     assert row["kernel_profile_error"] == "RuntimeError: CUPTI initialization failed"
     assert "kernel_profile" not in row and {"base_s", "lime_x", "lime_spread"} <= row.keys()
     assert "CUPTI initialization failed" in output
+
+
+def test_host_time_pairs_the_models_steps_against_a_drifting_host(monkeypatch):
+    """``host_and_idle`` alternates LIMe's and the baseline's unprofiled steps and takes the median
+    of the pairs' differences: a host slowing by 0.1 ms a step (the lent H200's pace moved by 10-20%
+    between rounds) leaves LIMe's 1 ms of extra host time at 1 ms less one step's drift, where
+    the difference of two medians of steps run apart would carry the drift of all of them."""
+    calls = []
+
+    def step(model, batch):
+        host = 0.010 + 0.0001 * len(calls) + (0.001 if model == "lime model" else 0.0)
+        calls.append(model)
+        return host, host + 0.002
+
+    monkeypatch.setattr(overhead, "host_and_wall_step", step)
+    setting = SimpleNamespace(models=dict(blocked="lime model", base="base model"), batch=None)
+    fields = overhead.host_and_idle(setting, dict(lime_ms=1.0, base_ms=1.0))
+    assert calls == ["lime model", "base model"] * overhead.HOST_STEPS
+    assert fields["host_diff_ms"] == pytest.approx(0.9)
+    middle = overhead.HOST_STEPS // 2
+    assert fields["lime_host_ms"] == pytest.approx(11 + 0.2 * middle)
+    assert fields["base_idle_ms"] == pytest.approx(fields["base_wall_ms"] - 1.0)
