@@ -7,7 +7,11 @@ launcher).  ``function_times`` runs a call under ``cProfile`` and keeps, per fun
 cumulative seconds (itself and what it called), its own seconds and its calls;
 ``function_differences`` lines two models' up, as ``bench_lime_overhead.kernel_differences`` does
 for kernels.  cProfile slows Python-heavy code by a similar factor in both models, so read the
-differences and the ranking, not the absolute times.
+differences and the ranking, not the absolute times.  On Python 3.12 (the GPU image's) with
+megatron-core 0.19 the profiler does not see every frame: the generation loop, ``decode_step`` and
+the model's forward around the layers are missing or their calls miscounted (a decoder block's
+forward once in four tokens), while the layers' functions and everything inside them are counted
+in full (16 calls of each layer function a token at 16 layers); read the layers' rows.
 """
 
 from __future__ import annotations
