@@ -14,8 +14,8 @@ timed them: 26 tokens/s for the baseline, 17 for LIMe, at a 1B shape).
 (``host_profile``) and, on a GPU, one under ``torch.profiler``: per generated token, the wall ms,
 the device's busy ms (all kernels' time; where it is far below the wall, the step waits on the
 host), and the N functions whose cumulative ms LIMe exceeds the baseline's by most, and the N the
-baseline spends most in (where a decoding step's host time goes; the H200 session of 2026-11-29
-measured 29 ms a token for the baseline and 42 for LIMe, the cache slower than recomputing for LIMe).
+baseline spends most in (where a decoding step's host time goes: on the H200 of 2026-11-29, TE
+spec, the kernels were busy 1.3 ms of a 33-41 ms token, both models; BENCHMARKS.md).
 
 Run (the figures in BENCHMARKS.md):
     python bench/bench_decoding.py
@@ -94,7 +94,7 @@ def timed_runs(args, models: dict, prompts: list[list[int]], options: SamplingOp
     return {key: statistics.median(values) for key, values in rates.items()}, tokens
 
 
-def profiled_generation(model, prompts: list[list[int]], options: SamplingOptions, top: int) -> dict:
+def profiled_generation(model, prompts: list[list[int]], options: SamplingOptions) -> dict:
     """One KV-cache generation of ``model`` under Python's profiler (its function times) and, on a
     GPU, one under ``torch.profiler`` (its kernels' device ms per generated token)."""
     generate = Generator(model, use_cache=True).generate
@@ -111,7 +111,7 @@ def profile_section(args, models: dict, prompts: list[list[int]], options: Sampl
     """``--profile``'s JSON section: per model its device ms per token (GPU), and the functions
     (``host_profile.function_differences``, ms per token) with the most LIMe-minus-baseline time
     and the most baseline time."""
-    lime, base = (profiled_generation(models[name], prompts, options, args.profile) for name in ("LIMe", "baseline"))
+    lime, base = (profiled_generation(models[name], prompts, options) for name in ("LIMe", "baseline"))
     per = len(prompts) * options.max_new_tokens
     section = dict(
         functions=function_differences(lime["functions"], base["functions"], args.profile, per),
