@@ -94,11 +94,10 @@ def timed_runs(args, models: dict, prompts: list[list[int]], options: SamplingOp
     return {key: statistics.median(values) for key, values in rates.items()}, tokens
 
 
-def profiled_generation(model, prompts: list[list[int]], options: SamplingOptions) -> dict:
+def profiled_generation(model, prompts: list[list[int]], options: SamplingOptions, tokens: int) -> dict:
     """One KV-cache generation of ``model`` under Python's profiler (its function times) and, on a
-    GPU, one under ``torch.profiler`` (its kernels' device ms per generated token)."""
+    GPU, one under ``torch.profiler`` (its kernels' device ms per generated token, of ``tokens``)."""
     generate = Generator(model, use_cache=True).generate
-    tokens = len(prompts) * options.max_new_tokens
     result = dict(functions=function_times(lambda: generate(prompts, options)))
     if next(model.parameters()).is_cuda:
         with profile(activities=[ProfilerActivity.CUDA]) as profiler:
@@ -111,8 +110,8 @@ def profile_section(args, models: dict, prompts: list[list[int]], options: Sampl
     """``--profile``'s JSON section: per model its device ms per token (GPU), and the functions
     (``host_profile.function_differences``, ms per token) with the most LIMe-minus-baseline time
     and the most baseline time."""
-    lime, base = (profiled_generation(models[name], prompts, options) for name in ("LIMe", "baseline"))
     per = len(prompts) * options.max_new_tokens
+    lime, base = (profiled_generation(models[name], prompts, options, per) for name in ("LIMe", "baseline"))
     section = dict(
         functions=function_differences(lime["functions"], base["functions"], args.profile, per),
         functions_base=function_differences(lime["functions"], base["functions"], args.profile, per, by="base_ms"),

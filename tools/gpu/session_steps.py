@@ -342,7 +342,7 @@ OVERHEAD_FIELDS = (
     BenchField("saved bytes blocked / baseline", lambda r: r["lime_saved"] / r["base_saved"], target=1.02),
     BenchField("baseline saved GiB", lambda r: r["base_saved"] / 2**30),
     BenchField("profiled time LIMe - baseline ms", lambda r: r["kernel_profile_total"]["diff_ms"]),
-    BenchField("host ms LIMe - baseline", lambda r: paired_host_ms(r["host_and_idle"])),
+    BenchField("host ms LIMe - baseline", lambda r: r["host_and_idle"]["host_diff_ms"]),
     BenchField(
         "device idle ms LIMe - baseline",
         lambda r: r["host_and_idle"]["lime_idle_ms"] - r["host_and_idle"]["base_idle_ms"],
@@ -383,12 +383,6 @@ def session_bench_flags(device_bound: bool) -> list[str]:
     return skipped + ["--kernel-profile", "8", "--launch-profile", *extras]
 
 
-def paired_host_ms(host: dict) -> float:
-    """LIMe's host ms over the baseline's: the median of the paired differences where the bench
-    gives it (since ce64950), else the difference of the medians."""
-    return host.get("host_diff_ms", host["lime_host_ms"] - host["base_host_ms"])
-
-
 def bench_rows(labels: list[str], fields: tuple[BenchField, ...]) -> tuple[str, ...]:
     return tuple(f"{label} | {field.name}" for label in labels for field in fields)
 
@@ -411,18 +405,21 @@ def case_rows(label: str, record: dict, fields: tuple[BenchField, ...]) -> list[
     return rows + [ReportRow(f"{label} | bench seconds", sum(phases.values()), note=note)]
 
 
-def profile_rows(prefix: str, entries: list[dict]) -> list[ReportRow]:
-    """One row per name of a profile (``bench_lime_overhead.profile_entry``): its LIMe-minus-baseline
-    ms, and each model's ms and count."""
-    return [
-        ReportRow(
-            f"{prefix} | {entry['name'][:80]}",
-            entry["diff_ms"],
-            note=f"LIMe {entry['lime_ms']:.3f} ms x{entry['lime_count']}, "
-            f"baseline {entry['base_ms']:.3f} ms x{entry['base_count']}",
-        )
-        for entry in entries
-    ]
+def kernel_note(entry: dict) -> str:
+    """Each model's ms and count of a ``bench_lime_overhead.profile_entry``."""
+    return (
+        f"LIMe {entry['lime_ms']:.3f} ms x{entry['lime_count']}, "
+        f"baseline {entry['base_ms']:.3f} ms x{entry['base_count']}"
+    )
+
+
+def profile_rows(
+    prefix: str, entries: list[dict], by: str = "diff_ms", note: Callable[[dict], str] = kernel_note
+) -> list[ReportRow]:
+    """One row per name of a profile: its ``by`` ms (the LIMe-minus-baseline ms unless told) and,
+    as ``note`` writes it, each model's figures (by default a kernel profile's,
+    ``bench_lime_overhead.profile_entry``: ms and count)."""
+    return [ReportRow(f"{prefix} | {entry['name'][:80]}", entry[by], note=note(entry)) for entry in entries]
 
 
 def launch_rows(prefix: str, kinds: list[dict]) -> list[ReportRow]:
@@ -584,8 +581,9 @@ def read_decoding(mode: Mode, folder: Path) -> list[ReportRow]:
     if len(records) == 2:
         ratio = records["LIMe"]["cached_tokens_per_s"] / records["baseline"]["cached_tokens_per_s"]
         rows.append(ReportRow("LIMe / baseline | KV-cache tokens/s", ratio))
-    rows += function_rows("+host ms per token", profiled.get("functions", []))
-    return rows + function_rows("baseline host ms per token", profiled.get("functions_base", []), "base_ms")
+    rows += profile_rows("+host ms per token", profiled.get("functions", []), note=function_note)
+    base = profiled.get("functions_base", [])
+    return rows + profile_rows("baseline host ms per token", base, "base_ms", function_note)
 
 
 def decoding_rate_rows(mode: Mode, model: str, record: dict, device_ms: float | None) -> list[ReportRow]:
@@ -607,18 +605,13 @@ def decoding_rate_rows(mode: Mode, model: str, record: dict, device_ms: float | 
     return rows
 
 
-def function_rows(prefix: str, entries: list[dict], by: str = "diff_ms") -> list[ReportRow]:
-    """One row per function of a ``host_profile.function_differences`` list: its ``by`` ms per token,
-    and each model's cumulative and own ms and calls per token."""
-    return [
-        ReportRow(
-            f"{prefix} | {entry['name'][:80]}",
-            entry[by],
-            note=f"LIMe {entry['lime_ms']:.3f} ms ({entry['lime_own_ms']:.3f} own) x{entry['lime_calls']:.1f}, "
-            f"baseline {entry['base_ms']:.3f} ms ({entry['base_own_ms']:.3f} own) x{entry['base_calls']:.1f}",
-        )
-        for entry in entries
-    ]
+def function_note(entry: dict) -> str:
+    """Each model's cumulative and own ms and calls per token of a
+    ``host_profile.function_differences`` entry."""
+    return (
+        f"LIMe {entry['lime_ms']:.3f} ms ({entry['lime_own_ms']:.3f} own) x{entry['lime_calls']:.1f}, "
+        f"baseline {entry['base_ms']:.3f} ms ({entry['base_own_ms']:.3f} own) x{entry['base_calls']:.1f}"
+    )
 
 
 STEPS = (
