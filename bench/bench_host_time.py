@@ -44,7 +44,7 @@ from bench_lime_overhead import (
     shape_parser,
     train_step,
 )
-from tables import field, print_table
+from tables import field, print_table, write_json
 
 from lime_megatron.kernels.operands import launches_observed
 from lime_megatron.models.lime.fused_blocks import MixEarlierRows
@@ -73,6 +73,7 @@ def parse_args(argv=None):
     )
     parser.add_argument("--blocks", type=int, nargs="+", default=[1, 4], help="routing block sizes B")
     parser.add_argument("--paths", nargs="+", choices=("torch", "triton"), default=["torch", "triton"])
+    parser.add_argument("--json", metavar="PATH", help="also write the measured rows to PATH")
     return parse_paired_args(parser, argv)
 
 
@@ -112,17 +113,34 @@ def _timed(call: Callable, seconds: dict[str, float], phase: str) -> Callable:
     return timed
 
 
+def launch_timer(seconds: dict[str, float], device: str) -> contextlib.AbstractContextManager:
+    """For a ``with`` block, the host's seconds inside the routing kernels' launches (Triton's
+    argument binding and the driver call; the kernels run asynchronously) added into
+    ``seconds["launches"]`` on a GPU; on a CPU the launches are dropped (``launches_dropped``).  The
+    observer adds its own ``Launch`` record per launch (about 2 us) to the routing functions' times."""
+    if device == "cpu":
+        return contextlib.nullcontext()
+
+    def timed(launch, run) -> None:
+        start = time.perf_counter()
+        run()
+        seconds["launches"] += time.perf_counter() - start
+
+    return launches_observed(timed)
+
+
 def routing_seconds(args, model, batch) -> dict[str, float]:
     """Median seconds per step spent inside the routing functions (``routing_timers``), forward and
-    backward, over ``args.repeats`` steps of ``model`` after ``args.warmup``."""
+    backward, and, on a GPU, inside the routing kernels' launches (``launch_timer``), over
+    ``args.repeats`` steps of ``model`` after ``args.warmup``."""
     steps = []
     for run in range(args.warmup + args.repeats):
-        seconds = dict.fromkeys(PHASES, 0.0)
-        with routing_timers(seconds):
+        seconds = dict.fromkeys((*PHASES, "launches"), 0.0)
+        with routing_timers(seconds), launch_timer(seconds, args.device):
             train_step(model, batch)
         if run >= args.warmup:
             steps.append(seconds)
-    return {phase: statistics.median(step[phase] for step in steps) for phase in PHASES}
+    return {phase: statistics.median(step[phase] for step in steps) for phase in steps[0]}
 
 
 def python_calls(model, batch) -> int:
@@ -154,7 +172,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     for name in models.keys() - {"base"}:
         extra = [lime - base for lime, base in zip(times[name], times["base"])]
         row[f"{name} us"] = 1e6 * statistics.median(extra) / num_layers
-        for phase in PHASES:
+        for phase in (*PHASES, "launches"):
             row[f"{name} {phase} us"] = 1e6 * routing[name][phase] / num_layers
         if calls:
             row[f"{name} calls"] = (calls[name] - calls["base"]) / num_layers
@@ -178,8 +196,14 @@ def main(argv=None) -> list[dict]:
         for name in names
     ]
     print_table(columns[:2] + inside, rows, markdown=True)
+    if args.device != "cpu":
+        print("\nOf which inside the routing kernels' launches (Triton and the driver), us per layer:\n")
+        launches = [(name, field(f"{name} launches us", ".0f")) for name in names]
+        print_table(columns[:2] + launches, rows, markdown=True)
     print(f"\nPython calls per layer beyond the baseline's ({PROJECT}'s functions and the built-ins they call):\n")
     print_table(columns[:2] + [(name, field(f"{name} calls", ".1f")) for name in names], rows, markdown=True)
+    if args.json:
+        write_json(args.json, args, rows)
     return rows
 
 

@@ -82,15 +82,11 @@ def launch(kernel, grid: tuple[int, ...], *args, warps: int | None = None, **con
             "--lime-routing-kernel torch"
         )
 
-    options = {} if warps is None else dict(num_warps=warps)
-
-    def run() -> None:
-        kernel[grid](*args, **constants, **options)
-
+    options = constants if warps is None else {**constants, "num_warps": warps}
     if _OBSERVER is None:
-        run()
+        kernel[grid](*args, **options)
     else:
-        _OBSERVER(Launch(kernel, grid, args, constants, warps), run)
+        _OBSERVER(Launch(kernel, grid, args, constants, warps), lambda: kernel[grid](*args, **options))
 
 
 @functools.cache
@@ -174,15 +170,19 @@ class Halves:
         heads, d]``; with ``values`` None, ``keys`` holds both halves, the values after the keys'
         positions (``[2*s*b, heads, d]``).  A tensor whose elements are not adjacent is made
         contiguous first."""
-        keys = keys if keys.stride(-1) == 1 else keys.contiguous()
-        shape, key_strides = keys.shape, _strides(keys)
-        batch = shape[1] if len(shape) == 4 else 1
-        positions, (heads, width) = math.prod(shape[:-2]), shape[-2:]
+        keys, key_strides = _adjacent(keys)
+        shape = keys.shape
+        if len(shape) == 4:
+            s, batch, heads, width = shape
+            positions = s * batch
+        else:
+            positions, heads, width = shape
+            batch = 1
         if values is None:
             value_offset = shape[0] // 2 * key_strides[1]  # the values' first position, after the keys'
             return Halves(keys, keys, value_offset, 0, key_strides, key_strides, heads, positions // 2, width, batch)
-        values = values if values.stride(-1) == 1 else values.contiguous()
-        return Halves(keys, values, 0, 0, key_strides, _strides(values), heads, positions, width, batch)
+        values, value_strides = _adjacent(values)
+        return Halves(keys, values, 0, 0, key_strides, value_strides, heads, positions, width, batch)
 
     @staticmethod
     def of_groups(keys: torch.Tensor, values: torch.Tensor | None = None) -> Halves:
@@ -242,11 +242,17 @@ class Halves:
         return self.batch == 1 or (key_outer == self.batch * key_inner and value_outer == self.batch * value_inner)
 
 
-def _strides(heads: torch.Tensor) -> tuple[int, int, int]:
-    """(row, outer, inner) of ``[s, b, heads, d]`` (heads, s, b) or ``[positions, heads, d]``."""
-    *positions, row, _ = heads.stride()
-    outer, *inner = positions
-    return row, outer, inner[0] if inner else 0
+def _adjacent(heads: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
+    """``heads`` ``[s, b, heads, d]`` or ``[positions, heads, d]`` (made contiguous unless its
+    elements are adjacent) and its (row, outer, inner) strides: (heads, s, b), or (heads,
+    positions, 0); one ``stride()`` call where nothing is copied (a layer asks for about five)."""
+    strides = heads.stride()
+    if strides[-1] != 1:
+        heads = heads.contiguous()
+        strides = heads.stride()
+    if len(strides) == 4:
+        return heads, (strides[2], strides[0], strides[1])
+    return heads, (strides[1], strides[0], 0)
 
 
 def launch_batch(*operands: Halves | None) -> int:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import contextlib
 import io
+import json
 import time
 
 import pytest
@@ -58,6 +59,26 @@ def test_launches_run_on_a_gpu():
     with host_time.launches_dropped("cpu"):
         assert operands._OBSERVER is not None
     assert operands._OBSERVER is None
+
+
+def test_launch_timer_times_each_launch_on_a_gpu_only():
+    """On a GPU each launch's host seconds add up in ``seconds["launches"]``; a CPU installs nothing."""
+    seconds, ran = {"launches": 0.0}, []
+    with host_time.launch_timer(seconds, "cuda"):
+        operands._OBSERVER(None, lambda: ran.append(time.sleep(0.01)))
+        operands._OBSERVER(None, lambda: ran.append(None))
+    assert len(ran) == 2 and 0.01 <= seconds["launches"] < 1 and operands._OBSERVER is None
+    with host_time.launch_timer(seconds, "cpu"):
+        assert operands._OBSERVER is None
+
+
+def test_json_holds_the_rows(tmp_path):
+    path = tmp_path / "host.json"
+    with contextlib.redirect_stdout(io.StringIO()):
+        rows = host_time.main([*TINY[:2], *TINY[3:], "--blocks", "1", "--paths", "triton", "--json", str(path)])
+    written = json.loads(path.read_text())
+    assert written["rows"] == rows and written["args"]["paths"] == ["triton"]
+    assert rows[0]["triton B=1 launches us"] == 0  # dropped on a CPU
 
 
 def test_routing_timers_time_each_phase_and_restore_the_functions():

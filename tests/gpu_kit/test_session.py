@@ -80,6 +80,8 @@ def test_the_rehearsal_runs_the_steps_commands(rehearsal):
     overhead = json.loads((out / "steps" / "overhead-1b" / "overhead.json").read_text())
     assert overhead["args"]["device"] == "cpu" and len(overhead["rows"]) == 2
     assert steps["decoding"]["commands"][0].split("--profile ")[1].startswith(session_steps.DECODING_PROFILE)
+    host = json.loads((out / "steps" / "host-time" / "host_time.json").read_text())
+    assert host["args"]["device"] == "cpu" and [row["layers"] for row in host["rows"]] == [4]
 
 
 def test_the_rehearsal_bundles_every_steps_files_beside_the_report(rehearsal):
@@ -276,11 +278,23 @@ def test_the_probes_candidates_change_only_the_library_variables(monkeypatch):
 def test_the_gpu_session_fits_nine_minutes():
     """The steps' budgets fit the session's, and the session (install included) 9 minutes of
     device time, with the device call's limit above it to write the report."""
-    budgets = [step.budget(session_steps.GPU) for step in session_steps.STEPS]
+    budgets = [step.budget(session_steps.GPU) for step in session_steps.STEPS if step.by_default]
     assert sum(budgets) <= session_steps.GPU.budget_s <= 540
     from tests.gpu_kit import prepare
 
     assert session_steps.GPU.budget_s < prepare.SESSION_TIMEOUT_S <= 600
+
+
+def test_a_gpu_session_runs_its_default_steps_and_a_rehearsal_every_step():
+    names = [step.name for step in session_steps.STEPS]
+    assert [step.name for step in session.chosen_steps(None, rehearse=True)] == names
+    assert [step.name for step in session.chosen_steps(None, rehearse=False)] == [
+        name for name in names if name != "decoding"
+    ]
+    assert [step.name for step in session.chosen_steps(["decoding", "environment"], False)] == [
+        "environment",
+        "decoding",
+    ]
 
 
 def test_the_docs_give_each_steps_budget():
@@ -290,7 +304,7 @@ def test_the_docs_give_each_steps_budget():
     text = (ROOT / "docs" / "gpu.md").read_text()
     documented = dict(re.findall(r"^\| `([\w-]+)` \| (\d+) s \|", text, flags=re.MULTILINE))
     assert documented == {step.name: f"{step.budget_s:g}" for step in session_steps.STEPS}
-    total = sum(step.budget_s for step in session_steps.STEPS)
+    total = sum(step.budget_s for step in session_steps.STEPS if step.by_default)
     assert f"budgets add up to {total:g} s of its {session_steps.GPU.budget_s:g}" in text
 
 

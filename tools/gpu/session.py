@@ -58,12 +58,15 @@ def parse_args(argv=None) -> argparse.Namespace:
     parser.add_argument("--carry", type=Path, help="a carry folder made by prepare.py, installed first")
     parser.add_argument("--site", type=Path, default=Path("/tmp/lime-gpu-site"), help="where the carry is installed")
     parser.add_argument("--rehearse", action="store_true", help="the same steps on a CPU at tiny shapes")
-    parser.add_argument("--budget", type=float, help="the session's seconds (default: the mode's, 530 on a GPU)")
+    parser.add_argument("--budget", type=float, help="the session's seconds (default: the mode's, 540 on a GPU)")
     parser.add_argument(
         "--commit", help="the checkout's commit, for the report (default: git's; the device copies no git)"
     )
     parser.add_argument(
-        "--steps", nargs="+", choices=[step.name for step in STEPS], help="run only these steps (default: all)"
+        "--steps",
+        nargs="+",
+        choices=[step.name for step in STEPS],
+        help="run only these steps (default: those a GPU session runs by default, every step in a rehearsal)",
     )
     return parser.parse_args(argv)
 
@@ -313,12 +316,21 @@ def _write_json(path: Path, document: dict) -> None:
     path.write_text(json.dumps(document, indent=1))
 
 
+def chosen_steps(names: list[str] | None, rehearse: bool) -> list[Step]:
+    """The steps of ``names`` in the session's order; without names, those a GPU session runs by
+    default (``Step.by_default``: their budgets fill one device call), or every step in a rehearsal
+    (CI's, so that none rots)."""
+    if names:
+        return [step for step in STEPS if step.name in names]
+    return [step for step in STEPS if rehearse or step.by_default]
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     mode = REHEARSAL if args.rehearse else GPU
     if args.budget:
         mode = dataclasses.replace(mode, budget_s=args.budget)
-    steps = [step for step in STEPS if not args.steps or step.name in args.steps]
+    steps = chosen_steps(args.steps, args.rehearse)
     out = Path(args.out)
     report = run_session(mode, out, steps, args.carry, args.site, args.commit)
     print(report.markdown(), flush=True)  # also on stdout: the device returns its tail even without files

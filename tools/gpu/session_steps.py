@@ -13,23 +13,26 @@ TransformerEngine say why they were skipped.
 | environment | 30 | install the carry (``session.install``); versions, the device, TE, cuDNN, FP8 |
 | attention | 40 | ``tools/gpu/attention_probe.py``: the backend TE selects, and the library environment |
 | | | under which it selects FusedAttention, exported to the later steps |
-| gpu-check | 95 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
+| gpu-check | 105 | ``python -m lime_megatron.gpu_check --skip-timing``: bf16 vs fp32 (LIMe, LLaMA, HC, |
 | | | mHC) on the TE spec, the routing kernels, FP8 (delayed, current scaling), the attention |
 | | | backend, bf16 training |
-| overhead-1b | 130 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
+| overhead-1b | 120 | ``bench/bench_lime_overhead.py`` at 1B GQA-8 and MHA, micro batch 4 x 2048, |
 | | | per-layer and blocked routing, the TE spec, the kernel profile (``session_bench_flags``) |
 | deep-128 | 95 | the same bench at 128 layers, hidden 512, micro batch 1 |
+| host-time | 70 | ``bench/bench_host_time.py`` at 32 layers whose kernels cost next to nothing: the |
+| | | host's us per layer LIMe adds, inside its routing functions and inside its launches |
 | pretrain | 80 | ``pretrain_lime.py`` with the 1B GQA-8 example configs (LIMe, LLaMA), bf16, TE, mock |
 | | | data, 12 iterations: tokens/s, MFU |
-| decoding | 60 | ``bench/bench_decoding.py`` at 1B GQA-8: KV-cache tokens/s, LIMe vs LLaMA, and where |
-| | | a token's host time goes (``--profile``: Python's profiler, the kernels' busy time) |
+| decoding | 60 | not by default (``--steps decoding``): ``bench/bench_decoding.py`` at 1B GQA-8: |
+| | | KV-cache tokens/s, LIMe vs LLaMA, and where a token's host time goes (``--profile``) |
 
 The budgets come from the H200 sessions (at a6951d8, 88c5415 and 8765886; docs/gpu.md gives each
 step's times there), less what the session's bench runs now skip: at 8765886 overhead-1b and
 decoding ran out of their 110 and 50 s with their tables printed (the processes' exit cut off), and
 deep-128 took 76 of its 125 s (79 at ce64950; its host steps then became 5 pairs, from 3 per
-model).  Micro batches 2 and 4 at 128
-layers take longer than a session can give them: run the bench on its own for those.
+model).  At 76e4f5c the GPU check ran one comparison past its 95 s, and overhead-1b took 104 s.
+Micro batches 2 and 4 at 128 layers take longer than a session can give them: run the bench on
+its own for those.
 
 Standard library only, like the session.
 """
@@ -75,6 +78,8 @@ class Mode:
     """The kv-head counts of the 1B shape and the row label of each."""
     deep_shape: list[str]
     deep_micro_batches: dict[int, str]
+    host_shape: list[str]
+    """``bench_host_time.py`` flags: a shape whose kernels cost next to nothing, 32 layers."""
     pretrain_shape: list[str]
     """Trainer flags on top of the 1B example configs (the rehearsal shrinks the model).  Both give
     ``--vocab-size``: mock data then takes the NullTokenizer, as the GPU image has no GPT-2
@@ -95,13 +100,15 @@ GPU = Mode(
     device="cuda",
     dtype="bfloat16",
     transformer_impl="transformer_engine",
-    budget_s=530,
+    budget_s=540,
     overhead_shape="--depths 16 --hidden-size 2048 --num-attention-heads 32 --ffn-hidden-size 8192 "
     "--seq-length 2048 --micro-batch-size 4 --repeats 5 --warmup 1".split(),
     overhead_kv_heads={8: "1B GQA-8", 32: "1B MHA"},
     deep_shape="--depths 128 --hidden-size 512 --num-attention-heads 8 --ffn-hidden-size 2048 "
     "--seq-length 2048 --kv-heads 8 --repeats 5 --warmup 1".split(),
     deep_micro_batches={1: "deep-128 mb1"},
+    host_shape="--depths 32 --hidden-size 128 --num-attention-heads 4 --kv-heads 4 --ffn-hidden-size 256 "
+    "--seq-length 16 --repeats 15 --warmup 2".split(),
     pretrain_shape="--micro-batch-size 4 --global-batch-size 16 --vocab-size 50257".split(),
     pretrain_iterations=12,
     pretrain_warmup=4,
@@ -121,6 +128,8 @@ REHEARSAL = Mode(
     deep_shape="--depths 8 --hidden-size 64 --num-attention-heads 4 --ffn-hidden-size 128 "
     "--seq-length 32 --kv-heads 4 --repeats 2 --warmup 1".split(),
     deep_micro_batches={1: "deep-128 mb1"},
+    host_shape="--depths 4 --hidden-size 32 --num-attention-heads 4 --kv-heads 4 --ffn-hidden-size 64 "
+    "--seq-length 4 --repeats 3 --warmup 1".split(),
     pretrain_shape="--micro-batch-size 2 --global-batch-size 4 --num-layers 2 --hidden-size 64 "
     "--ffn-hidden-size 128 --num-attention-heads 4 --num-query-groups 2 --seq-length 32 --vocab-size 128 "
     "--transformer-impl local".split(),
@@ -153,6 +162,8 @@ class Step:
     commands: Callable[[Mode, Path], list[Command]] = field(repr=False)
     read: Callable[[Mode, Path], list[ReportRow]] = field(repr=False)
     """The rows found in the step's folder (those of commands that did not run are absent)."""
+    by_default: bool = True
+    """Whether a session without ``--steps`` runs it (the default steps' budgets fill the call)."""
 
     def budget(self, mode: Mode) -> float:
         return REHEARSAL_STEP_S if mode.rehearsal else self.budget_s
@@ -467,6 +478,40 @@ def read_deep(mode: Mode, folder: Path) -> list[ReportRow]:
     return rows
 
 
+# --------------------------------------------------------------------------- host time
+
+HOST_MODELS = ("torch B=1", "torch B=4", "triton B=1", "triton B=4")
+"""``bench_host_time.py``'s LIMe models (its default paths and blocks)."""
+HOST_FIELDS = {
+    "extra us/layer": "us",
+    "routing forward us/layer": "forward us",
+    "routing backward us/layer": "backward us",
+    "launches us/layer": "launches us",
+}
+"""Each model's rows: the row's name and the bench's key (after the model's name)."""
+HOST_ROWS = (
+    "host 32 layers | baseline us/layer",
+    *(f"{model} | {name}" for model in HOST_MODELS for name in HOST_FIELDS),
+)
+
+
+def host_commands(mode: Mode, folder: Path) -> list[Command]:
+    output = folder / "host_time.json"
+    argv = python("bench/bench_host_time.py", *mode.bench_flags(), *mode.host_shape, "--json", str(output))
+    return [Command(argv, output)]
+
+
+def read_host(mode: Mode, folder: Path) -> list[ReportRow]:
+    """The baseline's host us per layer and each LIMe model's extra, its time inside its routing
+    functions and (on a GPU) inside its kernels' launches, per layer."""
+    rows = []
+    for record in load_json(folder / "host_time.json").get("rows", []):
+        rows.append(ReportRow("host 32 layers | baseline us/layer", record["base_us"]))
+        for model in HOST_MODELS:
+            rows += [ReportRow(f"{model} | {name}", record[f"{model} {key}"]) for name, key in HOST_FIELDS.items()]
+    return rows
+
+
 # --------------------------------------------------------------------------- pretrain
 
 PRETRAIN_CONFIGS = {"LIMe": "examples/lime_1b_gqa8.yaml", "baseline": "examples/llama_1b_gqa8.yaml"}
@@ -627,7 +672,7 @@ STEPS = (
     Step(
         "gpu-check",
         "bf16, the routing kernels, FP8 and the attention backend on TransformerEngine",
-        95,
+        105,
         GPU_CHECK_ROWS,
         gpu_check_commands,
         read_gpu_check,
@@ -635,7 +680,7 @@ STEPS = (
     Step(
         "overhead-1b",
         "LIMe overhead at the paper's 1B shape, micro batch 4",
-        130,
+        120,
         bench_rows(list(GPU.overhead_kv_heads.values()), IDLE_FIELDS),
         overhead_commands,
         read_overhead,
@@ -649,7 +694,23 @@ STEPS = (
         read_deep,
     ),
     Step(
+        "host-time",
+        "LIMe's host time per layer, 32 layers whose kernels cost next to nothing",
+        70,
+        HOST_ROWS,
+        host_commands,
+        read_host,
+    ),
+    Step(
         "pretrain", "pretrain_lime.py, 1B GQA-8, bf16, mock data", 80, PRETRAIN_ROWS, pretrain_commands, read_pretrain
     ),
-    Step("decoding", "Decoding, 1B GQA-8, KV cache", 60, DECODING_ROWS, decoding_commands, read_decoding),
+    Step(
+        "decoding",
+        "Decoding, 1B GQA-8, KV cache",
+        60,
+        DECODING_ROWS,
+        decoding_commands,
+        read_decoding,
+        by_default=False,
+    ),
 )
