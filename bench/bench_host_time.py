@@ -37,6 +37,7 @@ from collections.abc import Callable, Iterator
 import cpu_triton  # noqa: F401 - before the package: Triton's interpreter on a CPU
 from bench_lime_overhead import (
     build_shape,
+    frozen_heap,
     make_batch,
     measure_cases,
     parse_paired_args,
@@ -164,7 +165,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
                 args, num_layers, kv_heads, lime=True, lime_routing_kernel=path, lime_routing_block=block
             )
     batch = make_batch(args)
-    with launches_dropped(args.device):
+    with frozen_heap(), launches_dropped(args.device):
         times = round_times(args, models, batch)
         routing = {name: routing_seconds(args, models[name], batch) for name in models.keys() - {"base"}}
     calls = {name: python_calls(model, batch) for name, model in models.items()} if args.device == "cpu" else {}

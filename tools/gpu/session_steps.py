@@ -108,7 +108,7 @@ GPU = Mode(
     "--seq-length 2048 --kv-heads 8 --repeats 5 --warmup 1".split(),
     deep_micro_batches={1: "deep-128 mb1"},
     host_shape="--depths 32 --hidden-size 128 --num-attention-heads 4 --kv-heads 4 --ffn-hidden-size 256 "
-    "--seq-length 16 --repeats 15 --warmup 2".split(),
+    "--seq-length 16 --repeats 11 --warmup 2".split(),
     pretrain_shape="--micro-batch-size 4 --global-batch-size 16 --vocab-size 50257".split(),
     pretrain_iterations=12,
     pretrain_warmup=4,
