@@ -72,7 +72,7 @@ def launches_observed(observer: LaunchObserver) -> Iterator[None]:
         _OBSERVER = previous
 
 
-def launch(kernel, grid: tuple[int, ...], *args, warps: int | None = None, **constants) -> None:
+def launch(kernel, grid: tuple[int, ...], args: tuple, constants: dict, warps: int | None = None) -> None:
     """``kernel[grid](*args, **constants)`` with ``num_warps=warps`` (None: Triton's default),
     through the observer when one is installed."""
     if not _first_tensor(args).is_cuda and not _interpreted():
@@ -87,6 +87,15 @@ def launch(kernel, grid: tuple[int, ...], *args, warps: int | None = None, **con
         kernel[grid](*args, **options)
     else:
         _OBSERVER(Launch(kernel, grid, args, constants, warps), lambda: kernel[grid](*args, **options))
+
+
+@functools.cache
+def routing_kernels():
+    """The ``routing_kernels`` module, imported at the first launch: it imports Triton, which reads
+    ``TRITON_INTERPRET`` once, at its import (the tests set it first)."""
+    from lime_megatron.kernels import routing_kernels as kernels
+
+    return kernels
 
 
 @functools.cache
@@ -258,7 +267,7 @@ def _adjacent(heads: torch.Tensor) -> tuple[torch.Tensor, tuple[int, int, int]]:
 def launch_batch(*operands: Halves | None) -> int:
     """The position split a launch over ``operands`` uses: that of any operand needing its own."""
     for halves in operands:
-        if halves is not None and not halves.collapsible():
+        if halves is not None and halves.batch != 1 and not halves.collapsible():
             return halves.batch
     return 1
 
@@ -340,11 +349,17 @@ class MixTiles:
     warps: int = 4
     """Triton's default, named so that a launch profile can compare others."""
 
-    def tile(self, out: Halves, weight_grad: bool = False) -> tuple[int, int]:
-        """(BLOCK_R, BLOCK_N) of a mix into ``out`` (``weight_grad``: in a launch with the weight
-        gradient's programs)."""
-        rows = block(out.count, largest=self.rows)
+    def tile(self, count: int, weight_grad: bool = False) -> tuple[int, int]:
+        """(BLOCK_R, BLOCK_N) of a mix into ``count`` output rows (``weight_grad``: in a launch with
+        the weight gradient's programs)."""
+        rows = block(count, 16, self.rows)
         return rows, min(self.weight_grad_elements if weight_grad else self.elements, self.area // rows)
+
+
+@functools.cache
+def _tile(tiles: MixTiles, count: int, weight_grad: bool) -> tuple[int, int]:
+    """``tiles.tile(count, weight_grad)``, kept: a layer asks for two or three each pass."""
+    return tiles.tile(count, weight_grad)
 
 
 MIX_TILES = MixTiles()
@@ -376,13 +391,11 @@ def mix(
     X2)`` (either None: no such term; ``more``: a second sum to add), writing X2 to ``store`` when
     given; one launch of ``routing_kernels.mix_kernel``.  ``out`` may be ``accumulate`` itself
     (added in place)."""
-    from lime_megatron.kernels.routing_kernels import mix_kernel
-
     tiles, arguments, constants = _mix_launch(out, first, second, accumulate, store, more)
     operand = arguments[0]  # out's: a placeholder for the weight gradient's operands, never read
     unused = ((out.keys, 0, 0, 1, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 0))
-    options = dict(warps=_tiles.warps, **constants, **_NO_WEIGHT_GRAD)
-    launch(mix_kernel, (tiles[2],), *arguments, unused, (*tiles, 1, 1, 0), **options)
+    constants.update(_NO_WEIGHT_GRAD)
+    launch(routing_kernels().mix_kernel, (tiles[2],), (*arguments, unused, (*tiles, 1, 1, 0)), constants, _tiles.warps)
 
 
 _NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16, KEEP=False, W_WIDTH=1)
@@ -436,23 +449,13 @@ def _launch_both(mixed: tuple[tuple[int, int, int], tuple, dict], weighed: tuple
     """One ``mix_kernel`` launch of a mix (``_mix_launch``'s ``mixed``) and a weight
     gradient (``_weight_grad_launch``'s ``weighed``) whose programs keep its G over its rows from
     ``keep_first`` on (None: keep nothing)."""
-    from lime_megatron.kernels.routing_kernels import mix_kernel
-
     (tiles, arguments, constants), (grid, weight_arguments, weight_constants) = mixed, weighed
     if (weight_constants.pop("ACC"), weight_constants.pop("UPCAST")) != (constants["ACC"], constants["UPCAST"]):
         raise ValueError("the fused backward's rows and gradients differ in dtype or device")
-    launch(
-        mix_kernel,
-        (tiles[2] + math.prod(grid),),
-        *arguments,
-        weight_arguments,
-        (*tiles, *grid[:2], keep_first or 0),
-        warps=_tiles.warps,
-        **constants,
-        WEIGHT_GRAD=True,
-        KEEP=keep_first is not None,
-        **weight_constants,
-    )
+    constants.update(weight_constants, WEIGHT_GRAD=True, KEEP=keep_first is not None)
+    programs = (tiles[2] + grid[0] * grid[1] * grid[2],)
+    arguments = (*arguments, weight_arguments, (*tiles, *grid[:2], keep_first or 0))
+    launch(routing_kernels().mix_kernel, programs, arguments, constants, _tiles.warps)
 
 
 def fits_one_tile(grads: Halves) -> bool:
@@ -480,7 +483,7 @@ def _mix_launch(
     (a1, x1), (a2, x2) = first or second, second or first  # an absent term's operands: K = 0, never read
     added, stored, further = accumulate or out, store or out, more or out
     batch = launch_batch(out, x1, x2, accumulate, store, more)
-    block_r, block_n = _tiles.tile(out, weight_grad)
+    block_r, block_n = _tile(_tiles, out.count, weight_grad)
     arguments = (
         out.arguments(batch),
         added.arguments(batch),
@@ -503,8 +506,8 @@ def _mix_launch(
         BLOCK_N=block_n,
         WIDTH=out.width,
     )
-    tiles = (ceil_div(out.positions * out.width, block_n), ceil_div(out.count, block_r))
-    return (*tiles, 2 * math.prod(tiles)), arguments, constants
+    elements, rows = -(-out.positions * out.width // block_n), -(-out.count // block_r)  # tiles, rounded up
+    return (elements, rows, 2 * elements * rows), arguments, constants
 
 
 WEIGHT_GRAD_TILE = 64
@@ -533,10 +536,8 @@ def weight_grad(
     halves and every position (or placed as a ``Placement`` says): with ``deterministic`` ``out``
     is ``[splits, ...]`` (one slice per split, summed by the caller), else added to atomically.
     One launch."""
-    from lime_megatron.kernels.routing_kernels import weight_grad_kernel
-
     grid, arguments, constants = _weight_grad_launch(out, grads, rows, column_start, deterministic, splits)
-    launch(weight_grad_kernel, grid, arguments, **constants)
+    launch(routing_kernels().weight_grad_kernel, grid, (arguments,), constants)
 
 
 @dataclass(slots=True)
