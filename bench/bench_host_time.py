@@ -59,6 +59,9 @@ ROUTING_FUNCTIONS = (RouteKeysValues, MixEarlierSources, MixEarlierRows)
 PHASES = ("forward", "backward")
 """What ``routing_timers`` times of each of them."""
 
+TIMED = (*PHASES, "launches")
+"""What ``routing_seconds`` reports per step: the phases, and the launches' share (``launch_timer``)."""
+
 
 def parse_args(argv=None):
     parser = shape_parser(__doc__, [32, 128])
@@ -136,12 +139,12 @@ def routing_seconds(args, model, batch) -> dict[str, float]:
     ``args.repeats`` steps of ``model`` after ``args.warmup``."""
     steps = []
     for run in range(args.warmup + args.repeats):
-        seconds = dict.fromkeys((*PHASES, "launches"), 0.0)
+        seconds = dict.fromkeys(TIMED, 0.0)
         with routing_timers(seconds), launch_timer(seconds, args.device):
             train_step(model, batch)
         if run >= args.warmup:
             steps.append(seconds)
-    return {phase: statistics.median(step[phase] for step in steps) for phase in steps[0]}
+    return {phase: statistics.median(step[phase] for step in steps) for phase in TIMED}
 
 
 def python_calls(model, batch) -> int:
@@ -173,7 +176,7 @@ def measure(args, num_layers: int, kv_heads: int) -> dict:
     for name in models.keys() - {"base"}:
         extra = [lime - base for lime, base in zip(times[name], times["base"])]
         row[f"{name} us"] = 1e6 * statistics.median(extra) / num_layers
-        for phase in (*PHASES, "launches"):
+        for phase in TIMED:
             row[f"{name} {phase} us"] = 1e6 * routing[name][phase] / num_layers
         if calls:
             row[f"{name} calls"] = (calls[name] - calls["base"]) / num_layers
