@@ -1,6 +1,8 @@
 """Fixtures shared by modules.
 
-Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``) for every test.
+Triton runs in its CPU interpreter (``TRITON_INTERPRET=1``) for every test, and every replayed
+routing launch is verified against a build (``LIME_VERIFY_LAUNCH_PLANS=1``,
+``kernels.launch_plans``).
 
 ``megatron``: torch.distributed and megatron's parallel state of one process (TP=1, PP=1), for
 modules that build models outside ``lime_megatron.testing.distributed``'s ranks; use it with
@@ -15,6 +17,8 @@ import pytest
 # Triton's CPU interpreter runs the routing kernels on CPU tensors; it is chosen when triton is
 # imported, so before any test imports it (spawned ranks inherit it).
 os.environ.setdefault("TRITON_INTERPRET", "1")
+# Every replayed routing launch is checked against a build of it (``kernels.launch_plans``).
+os.environ.setdefault("LIME_VERIFY_LAUNCH_PLANS", "1")
 
 
 @pytest.fixture(scope="module")

@@ -72,6 +72,11 @@ def launches_observed(observer: LaunchObserver) -> Iterator[None]:
         _OBSERVER = previous
 
 
+def current_observer() -> LaunchObserver | None:
+    """The observer launches go through now (None: none)."""
+    return _OBSERVER
+
+
 def launch(kernel, grid: tuple[int, ...], args: tuple, constants: dict, warps: int | None = None) -> None:
     """``kernel[grid](*args, **constants)`` with ``num_warps=warps`` (None: Triton's default),
     through the observer when one is installed."""
@@ -365,6 +370,11 @@ def _tile(tiles: MixTiles, count: int, weight_grad: bool) -> tuple[int, int]:
 MIX_TILES = MixTiles()
 """The tiles every mix takes (``use_mix_tiles`` changes them: the launch profile compares)."""
 _tiles = MIX_TILES
+
+
+def mix_tiles() -> MixTiles:
+    """The tiles mixes take now (``use_mix_tiles``)."""
+    return _tiles
 
 
 @contextlib.contextmanager

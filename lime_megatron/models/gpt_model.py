@@ -17,6 +17,7 @@ from megatron.core import parallel_state
 from megatron.core.models.gpt.gpt_model import GPTModel
 from megatron.core.transformer.transformer_layer import get_transformer_layer_offset
 
+from lime_megatron.kernels.launch_plans import LaunchPlans
 from lime_megatron.kernels.routing_path import routing_kernel
 from lime_megatron.models.config import LimeTransformerConfig
 from lime_megatron.models.initialization import initialize_weights
@@ -109,7 +110,8 @@ class LimeGPTModel(GPTModel):
         """How this chunk's routing products run on the device its routers are on
         (``kernels.routing_path.routing_kernel``, decided once per device): the memory's
         ``triton``, ``deterministic`` (megatron's ``deterministic_mode``) and, on the Triton path,
-        the chunk's ``standing_stack`` of routers."""
+        the chunk's ``standing_stack`` of routers and its ``launch_plans``
+        (``kernels.launch_plans``), both kept across passes."""
         routers = self._routers_by_layer()
         if not routers:  # a pipeline chunk without layers: nothing is routed
             return {}
@@ -117,8 +119,13 @@ class LimeGPTModel(GPTModel):
         chosen = getattr(self, "_routing_kernel_of", {})
         if device not in chosen:
             triton = routing_kernel(self.config, device) == "triton"
-            standing = StandingRouterStack(routers, self.own_layers) if triton and self.own_layers else None
-            settings = dict(triton=triton, deterministic=self.config.deterministic_mode, standing_stack=standing)
+            standing = triton and bool(self.own_layers)  # kept by the chunk across passes
+            settings = dict(
+                triton=triton,
+                deterministic=self.config.deterministic_mode,
+                standing_stack=StandingRouterStack(routers, self.own_layers) if standing else None,
+                launch_plans=LaunchPlans() if standing else None,
+            )
             self._routing_kernel_of = chosen = {**chosen, device: settings}
         return chosen[device]
 

@@ -48,10 +48,12 @@ from dataclasses import dataclass
 import torch
 
 from lime_megatron.kernels import operands as kernels
+from lime_megatron.kernels.launch_plans import LaunchPlans, Unplanned
 from lime_megatron.kernels.operands import Columns, Halves, Placement
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
-from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.router import LimeRouter, route_changes
+from lime_megatron.models.lime.routing_blocks import RouterStack
 from lime_megatron.models.lime.routing_products import weight_grad_dtype
 from lime_megatron.models.lime.static_routing import StaticRouting
 
@@ -147,11 +149,12 @@ def fusable_readers(routers: list[LimeRouter], routing: StaticRouting, triton: b
 class FusedBlocks:
     """The fused blocks of a chunk (module docstring) over the memory's parts, those of
     ``gradients`` (which also says which layers read a layer); holds a block's shared tensors from
-    the first of its layers that needs them until the last has taken its own."""
+    the first of its layers that needs them until the last has taken its own.  Each block's
+    launches are recorded in ``plans`` (``kernels.launch_plans``)."""
 
-    def __init__(self, gradients: ConsumerGradients):
+    def __init__(self, gradients: ConsumerGradients, plans: LaunchPlans | Unplanned):
         self.key_values, self.kept, self.routing = gradients.key_values, gradients.kept, gradients.routing
-        self.stacked, self._consumers = gradients.stacked, gradients.consumers
+        self.stacked, self._consumers, self.plans = gradients.stacked, gradients.consumers, plans
         self._readers: dict[int, BlockReaders | None] = {}
         self._sums: dict[int, tuple[torch.Tensor, ...]] = {}  # forward: a reader's keys, values
         self._grads: dict[int, tuple[torch.Tensor, torch.Tensor, bool]] = {}  # backward: G[j], whether summed
@@ -199,8 +202,34 @@ class FusedBlocks:
         readers = self.readers(block).routers
         rows = self.key_values
         rows.allocate(key)
-        keys, values, out = self._new_sums(readers)
+        keys, values = self._new_sums(readers)
         stack = self.stacked.stack(key)
+        tensors = (keys, values, key, value, stack.matrix, *rows.tensors())
+        facts = (route_changes(), rows.cuts)
+        self.plans.launch(
+            ("earlier sums", block.start), facts, tensors, self._mix_earlier, block, keys, values, stack, key, value
+        )
+        value_slots = values.unbind(0) if values is not None else (None,) * len(readers)
+        for reader, key_slot, value_slot in zip(readers, keys.unbind(0), value_slots):
+            self._sums[reader.layer] = (key_slot, value_slot, keys)
+        return keys
+
+    def _mix_earlier(
+        self,
+        block: range,
+        keys: torch.Tensor,
+        values: torch.Tensor | None,
+        stack,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """``mix_earlier``'s launches into P (``keys``, ``values``; ``_new_sums``') from the
+        readers' columns in ``stack`` (this pass's ``RouterStack``)."""
+        readers, rows = self.readers(block).routers, self.key_values
+        if values is None:
+            out = Halves.of_rank_chunks(keys, 0, len(readers) * readers[0].weight.shape[0])
+        else:
+            out = Halves.of_groups(keys, values)
         layers = range(readers[0].layer, readers[-1].layer + 1)
         own = (stack.operand(layers, range(block.start, block.start + 1)), Halves.of_heads(key, value))
         *others, last = _earlier_spans(rows, readers, block.start)
@@ -210,22 +239,15 @@ class FusedBlocks:
             added = out
         first = (stack.operand(layers, range(*last)), rows.halves(*last))
         kernels.mix(out, first, own, accumulate=added, store=rows.halves(block.start, block.start + 1))
-        value_slots = values.unbind(0) if values is not None else (None,) * len(readers)
-        for reader, key_slot, value_slot in zip(readers, keys.unbind(0), value_slots):
-            self._sums[reader.layer] = (key_slot, value_slot, keys)
-        return keys
 
-    def _new_sums(self, readers: list[LimeRouter]) -> tuple[torch.Tensor, torch.Tensor | None, Halves]:
+    def _new_sums(self, readers: list[LimeRouter]) -> tuple[torch.Tensor, torch.Tensor | None]:
         """P of ``readers``, uninitialised: keys and values ``[R, s, b, kv, d]`` each, or under
-        tensor parallelism one ``[R, ranks * 2, s, b, local kv, d]`` and None; and P as the
-        kernels address it (R * kv rows)."""
+        tensor parallelism one ``[R, ranks * 2, s, b, local kv, d]`` and None."""
         s, b, heads, d = self.key_values.kv_shape
         like, ranks = self.key_values.buffer, readers[0].sharding.size
         if ranks > 1:
-            chunks = like.new_empty(len(readers), ranks * 2, s, b, heads, d)
-            return chunks, None, Halves.of_rank_chunks(chunks, 0, len(readers) * readers[0].weight.shape[0])
-        keys, values = like.new_empty(len(readers), s, b, heads, d), like.new_empty(len(readers), s, b, heads, d)
-        return keys, values, Halves.of_groups(keys, values)
+            return like.new_empty(len(readers), ranks * 2, s, b, heads, d), None
+        return like.new_empty(len(readers), s, b, heads, d), like.new_empty(len(readers), s, b, heads, d)
 
     def take_grads(self, layer: int) -> tuple[torch.Tensor, torch.Tensor, bool]:
         """Backward: layer ``layer``'s gradient slots G[j], G[B + j] and whether they hold the
@@ -240,23 +262,38 @@ class FusedBlocks:
         """G of ``block`` with the share of the chunk's consumers after it (one launch), or
         unsummed where none reads it."""
         consumers = self._later_consumers(block)
-        if consumers:
-            kernels.mix(*self._later_product(block, consumers))
-        else:
+        if not consumers:
             self._hand_out(block, self._new_grads(block), summed=False)
+            return
+        grads, stack = self._later_grads_made(block, consumers)
+        facts = (route_changes(), consumers)
+        tensors = (grads, stack.matrix, *self.key_values.tensors(), *self.kept.tensors())
+        site, launches = ("later sums", block.start), self._later_sums
+        self.plans.launch(site, facts, tensors, launches, block, consumers, grads, stack)
+
+    def _later_sums(self, block: range, consumers: range, grads: torch.Tensor, stack) -> None:
+        """``_later_grads``' launch: G (``grads``) of ``block``, the later ``consumers``' share."""
+        kernels.mix(*self._later_product(block, consumers, grads, stack))
 
     def _later_consumers(self, block: range) -> range:
         """The chunk's layers after ``block`` that read any of its layers."""
         stop = min(max(self._consumers(source)[1] for source in block), self.key_values.layers.stop)
         return range(block.stop, stop)
 
-    def _later_product(self, block: range, consumers: range) -> tuple[Halves, tuple[Columns, Halves]]:
-        """G of ``block`` allocated and handed out, and its product ``(out, (W^T, g))`` of the
-        later ``consumers``' share (a ``mix``'s), to launch at once."""
+    def _later_grads_made(self, block: range, consumers: range) -> tuple[torch.Tensor, RouterStack]:
+        """(G of ``block``, allocated and handed out; this pass's router stack) for the product of
+        the later ``consumers``' share, whose g_m must be kept."""
         self.kept.require(block.start, consumers)
         grads = self._new_grads(block)
         self._hand_out(block, grads, summed=True)
-        columns = self.stacked.stack(grads).operand(consumers, block, transposed=True)
+        return grads, self.stacked.stack(grads)
+
+    def _later_product(
+        self, block: range, consumers: range, grads: torch.Tensor, stack: RouterStack
+    ) -> tuple[Halves, tuple[Columns, Halves]]:
+        """The product ``(out, (W^T, g))`` (a ``mix``'s) of the later ``consumers``' share into G
+        (``grads``) of ``block``."""
+        columns = stack.operand(consumers, block, transposed=True)
         kv_heads = self.stacked.routers[consumers.start].weight.shape[0]
         return Halves.of_groups(grads), (columns, self.kept.grad_halves(consumers, kv_heads))
 
@@ -296,22 +333,44 @@ class FusedBlocks:
         readers = self.readers(block)
         layers = range(readers.routers[0].layer, readers.routers[-1].layer + 1)
         self.kept.require(block.start, layers)  # so a trainable reader's launch made the buffer
-        grads = self.kept.grad_halves(layers, readers.heads)
         buffer, splits = self._weights.pop(block.start)
+        before = self._fused_before(block)
+        consumers = self._later_consumers(before) if before else range(0)
+        later = self._later_grads_made(before, consumers) if consumers else (None, None)
+        facts = (route_changes(), self.key_values.cuts, self.key_values.deterministic, splits, before, consumers)
+        stack_matrix = None if later[1] is None else later[1].matrix
+        tensors = (buffer, later[0], stack_matrix, *self.key_values.tensors(), *self.kept.tensors())
+        site, launches = ("earlier weight grads", block.start), self._earlier_weight_grads
+        self.plans.launch(site, facts, tensors, launches, block, buffer, splits, before, consumers, *later)
         deterministic = self.key_values.deterministic
+        return readers.weight_grads(buffer.sum(0) if deterministic else buffer)
+
+    def _earlier_weight_grads(
+        self,
+        block: range,
+        buffer: torch.Tensor,
+        splits: int,
+        before: range | None,
+        consumers: range,
+        later_grads: torch.Tensor | None,
+        stack: RouterStack | None,
+    ) -> None:
+        """``earlier_weight_grads``' launches into the readers' ``buffer``, the last beside the
+        product of the later ``consumers``' share into G (``later_grads``) of the block ``before``
+        where there are any (``_later_grads_made``')."""
+        readers, deterministic = self.readers(block), self.key_values.deterministic
+        layers = range(readers.routers[0].layer, readers.routers[-1].layer + 1)
+        grads = self.kept.grad_halves(layers, readers.heads)
         *others, last = _earlier_spans(self.key_values, readers.routers, block.start)
         for start, stop in others:
             rows = self.key_values.halves(start, stop)
             kernels.weight_grad(buffer, grads, rows, readers.every_reader(start), deterministic, splits)
         rows, placed = self.key_values.halves(*last), readers.every_reader(last[0])
-        before = self._fused_before(block)
-        consumers = self._later_consumers(before) if before else range(0)
-        if before and consumers:
-            out, later = self._later_product(before, consumers)
+        if consumers:
+            out, later = self._later_product(before, consumers, later_grads, stack)
             kernels.mix_beside_weight_grad(out, later, buffer, grads, rows, placed, deterministic, splits)
         else:
             kernels.weight_grad(buffer, grads, rows, placed, deterministic, splits)
-        return readers.weight_grads(buffer.sum(0) if deterministic else buffer)
 
     def _fused_before(self, block: range) -> range | None:
         """The chunk's block before ``block`` where it routes here and its G is not made yet."""

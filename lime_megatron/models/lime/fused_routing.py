@@ -62,17 +62,19 @@ block that does not route as one.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from lime_megatron.kernels import operands as kernels
-from lime_megatron.kernels.operands import Columns, Halves
+from lime_megatron.kernels.launch_plans import LaunchPlans, Unplanned
+from lime_megatron.kernels.operands import Columns, Halves, Placement
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
 from lime_megatron.models.lime.fused_blocks import FusedBlocks, fusable_readers, routes_alone, routes_on_ranks
 from lime_megatron.models.lime.kept_gradients import KeptGradients
 from lime_megatron.models.lime.key_value_rows import KeyValueRows
-from lime_megatron.models.lime.router import LimeRouter
+from lime_megatron.models.lime.router import LimeRouter, route_changes
 from lime_megatron.models.lime.routing_products import weight_grad_dtype
 from lime_megatron.models.lime.stacked_routing import StackedRouting
 from lime_megatron.models.lime.static_routing import StaticRouting
@@ -81,7 +83,9 @@ from lime_megatron.models.lime.static_routing import StaticRouting
 class FusedRouting:
     """A layer's routing on the Triton path (module docstring), over the memory's parts: the rows
     ``key_values``, the kept g_m ``kept``, the blocks of ``routing``, the router stack of
-    ``stacked`` and the block and pipeline shares of ``gradients``."""
+    ``stacked`` and the block and pipeline shares of ``gradients``; each layer's launches
+    recorded in the model chunk's ``plans`` and launched again in later passes
+    (``kernels.launch_plans``; None: built every pass)."""
 
     def __init__(
         self,
@@ -90,6 +94,7 @@ class FusedRouting:
         routing: StaticRouting,
         stacked: StackedRouting,
         gradients: ConsumerGradients,
+        plans: LaunchPlans | None = None,
     ):
         self.key_values, self.kept, self.routing, self.stacked, self.gradients = (
             key_values,
@@ -98,7 +103,8 @@ class FusedRouting:
             stacked,
             gradients,
         )
-        self.blocks = FusedBlocks(gradients)
+        self.plans = plans or Unplanned()
+        self.blocks = FusedBlocks(gradients, self.plans)
         self._serves: dict[int, bool] = {}  # serves, by layer: asked in forward and backward
 
     def routes_new_tokens(self, router: LimeRouter) -> bool:
@@ -142,10 +148,30 @@ class FusedRouting:
             keys, values = key.new_empty(ranks * 2, *rows.kv_shape), None
         else:
             keys, values = key.new_empty(rows.kv_shape), key.new_empty(rows.kv_shape)
-        out = Halves.of_heads(keys, values) if ranks == 1 else Halves.of_rank_chunks(keys, 0, router.weight.shape[0])
         if since <= router.layer:  # else its block's launch stored and mixed this layer
-            self._mix_sources(router, out, out if blocked else None, since, key, value)
+            facts = (in_block, blocked, since, route_changes(), rows.cuts)
+            tensors = (router.weight, key, value, keys, values, *rows.tensors())
+            site, launches = ("store and mix", router.layer), self._store_and_mix
+            self.plans.launch(site, facts, tensors, launches, router, keys, values, blocked, since, key, value)
         return (keys, values) if ranks == 1 else self._scattered(router, keys)
+
+    def _store_and_mix(
+        self,
+        router: LimeRouter,
+        keys: torch.Tensor,
+        values: torch.Tensor | None,
+        blocked: bool,
+        since: int,
+        key: torch.Tensor,
+        value: torch.Tensor,
+    ) -> None:
+        """``store_and_mix``'s launches into its outputs ``keys``, ``values`` (under tensor
+        parallelism rank chunks and None; ``blocked``: the block's sums, added to)."""
+        if values is None:
+            out = Halves.of_rank_chunks(keys, 0, router.weight.shape[0])
+        else:
+            out = Halves.of_heads(keys, values)
+        self._mix_sources(router, out, out if blocked else None, since, key, value)
 
     def _mix_sources(
         self, router: LimeRouter, out: Halves, added: Halves | None, since: int, key: torch.Tensor, value: torch.Tensor
@@ -197,20 +223,41 @@ class FusedRouting:
             return None, *self.kv_grad(router, grads)
         rows, spans = self.key_values, self.routing.source_spans(router, since)
         weight, placed, splits, piece = self._weight_target(router, grads, spans)
-        *others, (own_start, own_stop) = spans
-        one_launch = gathered or kernels.fits_one_tile(grads)
-        for start, stop in others if one_launch else spans:
-            kernels.weight_grad(weight, grads, rows.halves(start, stop), placed(start), rows.deterministic, splits)
-        if not one_launch:
+        if not (gathered or kernels.fits_one_tile(grads)):
+            for start, stop in spans:
+                kernels.weight_grad(weight, grads, rows.halves(start, stop), placed(start), rows.deterministic, splits)
             return piece(), *self.kv_grad(router, grads)
-        keys, values, (out, first, mine, added, _, more) = self._kv_grad_operands(router, grads)
-        own_row = None if gathered else (router.layer - own_start) * router.local_heads
+        outputs = self._kv_grad_outputs(router, grads)
+        facts = (since, splits, route_changes(), rows.cuts, self.kept.read_later, gathered, rows.deterministic)
+        tensors = (weight, *self._kv_grad_tensors(router, grads, outputs))
+        site = ("backward", router.layer)
+        self.plans.launch(site, facts, tensors, self._backward, router, grads, outputs, weight, placed, spans, splits)
+        self.kept.mark_kept(router.layer)
+        return piece(), outputs[0], outputs[1]
+
+    def _backward(
+        self,
+        router: LimeRouter,
+        grads: Halves,
+        outputs: tuple,
+        weight: torch.Tensor,
+        placed: Callable[[int], int | Placement],
+        spans: list[tuple[int, int]],
+        splits: int,
+    ) -> None:
+        """``backward``'s launches where g_l fits one tile: the weight gradient of each span of
+        sources but the last, then that of the last with the row gradient into ``outputs``
+        (``_kv_grad_outputs``'), g_l kept into the layer's dead rows (unless gathered, kept already)."""
+        rows = self.key_values
+        *others, (own_start, own_stop) = spans
+        for start, stop in others:
+            kernels.weight_grad(weight, grads, rows.halves(start, stop), placed(start), rows.deterministic, splits)
+        out, first, mine, added, _, more = self._kv_grad_operands(router, grads, outputs)
+        own_row = None if self.kept.gathered is not None else (router.layer - own_start) * router.local_heads
         own_rows, at = rows.halves(own_start, own_stop), placed(own_start)
         kernels.mix_and_weight_grad(
             out, first, mine, weight, own_rows, at, own_row, rows.deterministic, splits, added, more
         )
-        self.kept.mark_kept(router.layer)
-        return piece(), keys, values
 
     def _weight_target(self, router: LimeRouter, grads: Halves, spans: list[tuple[int, int]]) -> tuple:
         """Where ``backward``'s weight-gradient products over ``spans`` go: ``(target, source ->
@@ -242,37 +289,75 @@ class FusedRouting:
         (computed for the block at its first use) added, and only the in-block consumers
         multiplied here; under pipeline parallelism later chunks' share
         (``KeptGradients.downstream_halves``) added.  One launch."""
-        keys, values, (out, first, mine, added, kept_rows, more) = self._kv_grad_operands(router, grads)
+        outputs = self._kv_grad_outputs(router, grads)
+        out, first, mine, added, kept_rows, more = self._kv_grad_operands(router, grads, outputs)
         kernels.mix(out, first, mine, accumulate=added, store=kept_rows, more=more)
         self.kept.mark_kept(router.layer)
-        return keys, values
+        return outputs[0], outputs[1]
 
-    def _kv_grad_operands(self, router: LimeRouter, grads: Halves) -> tuple[torch.Tensor, torch.Tensor, tuple]:
-        """``kv_grad``'s outputs (new, or the layer's slots of its fused block's gradients) and its
-        mix's operands ``(out, first, mine, added, kept rows, more)``."""
-        layer, gradients, kept = router.layer, self.gradients, self.kept
-        own = self.key_values.layers
-        stop = min(gradients.consumers(layer)[1], own.stop)
-        kept.require(layer, range(layer + 1, stop))
-        kv_heads, kv_shape = router.weight.shape[0], self.key_values.kv_shape
-        later = None
-        if self.routing.block > 1:
-            stop = min(stop, self.routing.block_of(layer).stop)
+    def _kv_grad_outputs(self, router: LimeRouter, grads: Halves) -> tuple:
+        """``(keys, values, later, stack)``: ``kv_grad``'s outputs (new, or the layer's slots of its
+        fused block's gradients), the share added to them (``Halves`` or None) and this pass's
+        router stack where the layer has in-block consumers (else None), after the bookkeeping the
+        mix relies on (its consumers' g_m kept, the stack refreshed, the buffer g_l is kept in
+        allocated): what ``_kv_grad_operands`` reads besides facts."""
+        layer, kept = router.layer, self.kept
+        kept.require(layer, self._consumers(router))
+        stack = self.stacked.stack(grads.keys) if self._in_block_consumers(router) else None
+        if kept.gathered is None:
+            kept.buffer(router.weight.shape[0])
         if self.blocks.fused(router):
             keys, values, summed = self.blocks.take_grads(layer)
-            later = Halves.of_heads(keys, values) if summed else None
-        else:
-            keys, values = grads.keys.new_empty(kv_shape), grads.keys.new_empty(kv_shape)
-            if self.routing.block > 1:
-                later = gradients.later_consumer_halves(layer, self.routing.block_of(layer))
-        consumers, first = range(layer + 1, stop), None
+            return keys, values, Halves.of_heads(keys, values) if summed else None, stack
+        kv_shape = self.key_values.kv_shape
+        keys, values, later = grads.keys.new_empty(kv_shape), grads.keys.new_empty(kv_shape), None
+        if self.routing.block > 1:
+            later = self.gradients.later_consumer_halves(layer, self.routing.block_of(layer))
+        return keys, values, later, stack
+
+    def _consumers(self, router: LimeRouter) -> range:
+        """The own layers after ``router``'s that read it."""
+        layer = router.layer
+        return range(layer + 1, min(self.gradients.consumers(layer)[1], self.key_values.layers.stop))
+
+    def _in_block_consumers(self, router: LimeRouter) -> range:
+        """``_consumers`` within ``router``'s routing block when blocked (the later ones' share is
+        the block's)."""
+        consumers = self._consumers(router)
+        if self.routing.block == 1:
+            return consumers
+        return range(consumers.start, min(consumers.stop, self.routing.block_of(router.layer).stop))
+
+    def _kv_grad_tensors(self, router: LimeRouter, grads: Halves, outputs: tuple) -> tuple:
+        """Every tensor ``_kv_grad_operands`` reads (a launch plan's, ``kernels.launch_plans``)."""
+        keys, values, later, stack = outputs
+        later_tensors = (None, None) if later is None else (later.keys, later.values)
+        stack_matrix = None if stack is None else stack.matrix
+        return (
+            router.weight,
+            grads.keys,
+            grads.values,
+            keys,
+            values,
+            *later_tensors,
+            stack_matrix,
+            *self.key_values.tensors(),
+            *self.kept.tensors(),
+        )
+
+    def _kv_grad_operands(self, router: LimeRouter, grads: Halves, outputs: tuple) -> tuple:
+        """``kv_grad``'s mix's operands ``(out, first, mine, added, kept rows, more)`` over
+        ``_kv_grad_outputs``' ``outputs``."""
+        layer, kept, kv_heads = router.layer, self.kept, router.weight.shape[0]
+        keys, values, later, stack = outputs
+        consumers, first = self._in_block_consumers(router), None
         if consumers:
-            columns = self.stacked.stack(grads.keys).operand(consumers, range(layer, layer + 1), transposed=True)
+            columns = stack.operand(consumers, range(layer, layer + 1), transposed=True)
             first = (columns, kept.grad_halves(consumers, kv_heads))
         mine = (_router_columns(router, layer, layer + 1, transposed=True), grads)
         kept_rows = None if kept.gathered is not None else kept.grad_halves(range(layer, layer + 1), kv_heads)
         out = Halves.of_heads(keys, values)
-        return keys, values, (out, first, mine, later, kept_rows, kept.downstream_halves(layer))
+        return out, first, mine, later, kept_rows, kept.downstream_halves(layer)
 
 
 def gathers_heads(routers: dict[int, LimeRouter], triton: bool, routing: StaticRouting) -> Any:

@@ -49,6 +49,11 @@ class KeptGradients:
         self.read_later: tuple[int, ...] = ()
         self._downstream: torch.Tensor | None = None
 
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors g_m are kept in and the downstream gradient's (a launch plan's,
+        ``kernels.launch_plans``); ``key_values.tensors()`` holds the dead own rows."""
+        return self._separate, self._chunks, self._downstream
+
     def buffer(self, kv_heads: int) -> torch.Tensor:
         """Where g_l (``kv_heads`` rows) of every own layer l is kept, ``[len(layers) * kv_heads,
         2*s*b*d]``: the dead own raw rows when g_l has as many rows as they do, else a buffer."""

@@ -46,7 +46,7 @@ class KeyValueRows:
         self.writer: torch.Tensor | None = None
         self.kv_shape: tuple[int, int, int, int] | None = None
         self.external: list[tuple[range, torch.Tensor]] = []
-        self._cuts = [layers.start]  # where the own rows and the external blocks begin and end, ascending
+        self.cuts: tuple[int, ...] = (layers.start,)  # where own rows and external blocks begin and end, ascending
         self._row_blocks: dict[tuple[int, int], tuple[tuple[int, int], ...]] = {}  # row_blocks, while the cuts hold
 
     def allocate(self, key: torch.Tensor) -> None:
@@ -99,9 +99,16 @@ class KeyValueRows:
         every product: kept per span until the blocks change)."""
         blocks = self._row_blocks.get((start, stop))
         if blocks is None:
-            edges = [start, *(cut for cut in self._cuts if start < cut < stop), stop]
+            edges = [start, *(cut for cut in self.cuts if start < cut < stop), stop]
             blocks = self._row_blocks[start, stop] = tuple(zip(edges[:-1], edges[1:]))
         return blocks
+
+    def tensors(self) -> tuple[torch.Tensor | None, ...]:
+        """The tensors rows are read from and written through: ``buffer``, ``writer`` and each
+        external block's rows (a launch plan's, ``kernels.launch_plans``)."""
+        if not self.external:
+            return self.buffer, self.writer
+        return self.buffer, self.writer, *[rows for _, rows in self.external]
 
     def new_zero_rows(self, count: int) -> torch.Tensor:
         """``[count, 2 * s * b * d]`` zeros in the dtype and on the device of the rows held."""
@@ -140,8 +147,8 @@ class KeyValueRows:
                 raise ValueError(f"external layers {layers} must come before this chunk's {self.layers}")
         self.external, self.kv_shape = blocks, kv_shape
         edges = {edge for layers, _ in blocks for edge in (layers.start, layers.stop)}
-        self._cuts, self._row_blocks = sorted(edges | {self.layers.start}), {}
+        self.cuts, self._row_blocks = tuple(sorted(edges | {self.layers.start})), {}
 
     def forget_external(self) -> None:
         """Drop the external blocks (their gradient was handed back: ``ConsumerGradients.external_shares``)."""
-        self.external, self._cuts, self._row_blocks = [], [self.layers.start], {}
+        self.external, self.cuts, self._row_blocks = [], (self.layers.start,), {}

@@ -75,6 +75,7 @@ import weakref
 
 import torch
 
+from lime_megatron.kernels.launch_plans import LaunchPlans
 from lime_megatron.models.lime.consumer_gradients import ConsumerGradients
 from lime_megatron.models.lime.fused_routing import FusedRouting, gathers_heads
 from lime_megatron.models.lime.head_parallel import gather_heads
@@ -108,6 +109,8 @@ class LayerIntegratedMemory:
         deterministic: the kernels' router-weight gradients sum in a fixed order.
         standing_stack: the chunk's ``RouterStack`` kept across passes (the Triton path), else
             each pass builds its own.
+        launch_plans: the chunk's routing launches kept across passes (the Triton path,
+            ``kernels.launch_plans``), else each pass builds its own.
     """
 
     def __init__(
@@ -122,6 +125,7 @@ class LayerIntegratedMemory:
         triton: bool = False,
         deterministic: bool = True,
         standing_stack: StandingRouterStack | None = None,
+        launch_plans: LaunchPlans | None = None,
     ):
         layers = range(num_layers) if layers is None else layers
         self.key_values = KeyValueRows(layers, triton, deterministic)
@@ -132,7 +136,7 @@ class LayerIntegratedMemory:
         self.gradients = ConsumerGradients(
             num_layers, variant, window, self.key_values, self.kept, self.routing, self.stacked, self.by_token
         )
-        self.fused = FusedRouting(self.key_values, self.kept, self.routing, self.stacked, self.gradients)
+        self.fused = FusedRouting(self.key_values, self.kept, self.routing, self.stacked, self.gradients, launch_plans)
         self.id = next(_NEXT_ID)
         _MEMORIES[self.id] = self
 

@@ -134,10 +134,21 @@ def kept_by_source(mask: torch.Tensor, n_sources: int) -> torch.Tensor:
     return mask.view(mask.shape[0], n_sources, -1).any(dim=2)
 
 
+_route_changes = 0
+
+
+def route_changes() -> int:
+    """How many times a router's read sources were set (``refresh_read_sources``): the routing
+    launches recorded before a change are recorded anew after it (``kernels.launch_plans``)."""
+    return _route_changes
+
+
 def refresh_read_sources(router: nn.Module) -> None:
     """``router.read_sources`` (and their contiguous ``source_runs``) and ``router.pruned`` from
     its mask: the sources some kept route reads.  The mask's columns group by source (static
     ``[kv, sources * local heads]``, dynamic ``[local heads, sources]``)."""
+    global _route_changes
+    _route_changes += 1
     mask = router.route_mask
     read = kept_by_source(mask, len(router.sources)).any(dim=0).tolist()
     router.pruned = not bool(mask.all())
