@@ -61,7 +61,15 @@ def replays(model) -> int:
     return settings["launch_plans"].replays
 
 
-@pytest.mark.parametrize("name", list(VARIANTS))
+DEFAULT_SUITE = ("full B=3", "gqa B=2")
+"""The variants of the default suite (a fused block's every site; a GQA model's position splits);
+the others run in the slow suite, which CI runs once (tests/conftest.py's verification covers
+replays in the rest of the suite on both Pythons)."""
+
+
+@pytest.mark.parametrize(
+    "name", [name if name in DEFAULT_SUITE else pytest.param(name, marks=pytest.mark.slow) for name in VARIANTS]
+)
 def test_replayed_steps_equal_built_steps(name, monkeypatch):
     planned, built = planned_and_built(monkeypatch, **VARIANTS[name])
     before = replays(planned)
