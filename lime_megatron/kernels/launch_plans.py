@@ -4,9 +4,10 @@ Pass after pass a layer launches the same kernels with the same grids, constants
 arguments; only the tensors are new (its keys and values, the pass's buffer, the gradients).
 Building a launch (``kernels.operands``: the ``Halves`` and ``Columns`` of its operands, their
 argument tuples, and the choices of ``fused_routing`` before them) was a third of the Python the
-Triton path adds per layer, 81 of 236 calls at B = 1 (BENCHMARKS.md, "Host time per layer").  ``LaunchPlans.launch`` runs a site's build once and records its launches; at the site's
-next call with the same signature (the caller's facts, the shape, strides, dtype and device of
-each of its tensors, and the mix tiles in use) it launches the recorded ones with the new tensors
+Triton path adds per layer, 81 of 236 calls at B = 1 (BENCHMARKS.md, "Host time per layer").
+``LaunchPlans.launch`` runs a site's build once and records its launches; at the site's next
+call with the same signature (the caller's facts, the shape, strides, dtype and device of each of
+its tensors, and the mix tiles in use) it launches the recorded ones with the new tensors
 in place of the old, each found by its position among the site's tensors, and never runs the
 build.  So a site's build must be a function of those facts and tensors alone, and do nothing but
 launch: allocations and bookkeeping stay outside it.

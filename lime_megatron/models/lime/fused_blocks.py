@@ -219,7 +219,7 @@ class FusedBlocks:
         block: range,
         keys: torch.Tensor,
         values: torch.Tensor | None,
-        stack,
+        stack: RouterStack,
         key: torch.Tensor,
         value: torch.Tensor,
     ) -> None:
@@ -271,7 +271,7 @@ class FusedBlocks:
         site, launches = ("later sums", block.start), self._later_sums
         self.plans.launch(site, facts, tensors, launches, block, consumers, grads, stack)
 
-    def _later_sums(self, block: range, consumers: range, grads: torch.Tensor, stack) -> None:
+    def _later_sums(self, block: range, consumers: range, grads: torch.Tensor, stack: RouterStack) -> None:
         """``_later_grads``' launch: G (``grads``) of ``block``, the later ``consumers``' share."""
         kernels.mix(*self._later_product(block, consumers, grads, stack))
 
