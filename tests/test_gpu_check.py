@@ -492,7 +492,11 @@ def layout_rows(lime: bool, extra_legs: dict) -> list[Row]:
     ]
 
 
-@pytest.mark.parametrize("lime", [True, False], ids=["lime", "llama"])
+@pytest.mark.parametrize(
+    "lime",
+    [True, pytest.param(False, marks=pytest.mark.slow)],
+    ids=["lime", "llama"],  # llama: ~20 s, slow suite
+)
 def test_layout_legs_match_data_parallel_on_two_ranks(lime):
     rows = dist.run_distributed(layout_rows, 2, lime, OTHER_LR, nccl_rules=True)[0]
     assert [row.quantity.split()[0] for row in rows] == ["TP2", "PP2", "other-lr"]

@@ -48,6 +48,7 @@ def rehearsal(tmp_path_factory) -> tuple[subprocess.CompletedProcess, Path]:
     return subprocess.run(command, cwd=ROOT, capture_output=True, text=True), out
 
 
+@pytest.mark.slow  # the rehearsal runs every GPU step's commands in subprocesses: ~130 s
 def test_the_rehearsal_reports_every_row(rehearsal):
     completed, out = rehearsal
     assert completed.returncode == 0, completed.stdout[-3000:]
@@ -69,6 +70,7 @@ def test_the_rehearsal_reports_every_row(rehearsal):
     assert sorted(skipped) == sorted(SKIPPED_ON_A_CPU)
 
 
+@pytest.mark.slow  # the rehearsal runs every GPU step's commands in subprocesses: ~130 s
 def test_the_rehearsal_runs_the_steps_commands(rehearsal):
     """Each step ran the project's commands, at the rehearsal's shapes, with the modes' flags."""
     _, out = rehearsal
@@ -84,6 +86,7 @@ def test_the_rehearsal_runs_the_steps_commands(rehearsal):
     assert host["args"]["device"] == "cpu" and [row["layers"] for row in host["rows"]] == [4]
 
 
+@pytest.mark.slow  # the rehearsal runs every GPU step's commands in subprocesses: ~130 s
 def test_the_rehearsal_bundles_every_steps_files_beside_the_report(rehearsal):
     """The device returns at most 8 files: the steps' JSON and logs travel in one archive beside
     ``report.md`` and ``results.json``, the same files as the folders hold."""
@@ -101,6 +104,7 @@ def test_the_rehearsal_bundles_every_steps_files_beside_the_report(rehearsal):
     assert bundled == (out / "steps" / "overhead-1b" / "overhead.json").read_bytes()
 
 
+@pytest.mark.slow  # the rehearsal runs every GPU step's commands in subprocesses: ~130 s
 def test_the_rehearsal_profiles_a_decoding_token(rehearsal):
     """The decoding step's profile rows: LIMe's LIMe-only functions (its attention's decoding
     branch) among its differences, the baseline's list by its own time, largest first."""

@@ -195,6 +195,7 @@ def _tensor_parallel_decoding(checkpoints: dict[str, str], tokens: torch.Tensor,
     return results
 
 
+@pytest.mark.slow  # ~45 s; TP2 decoding on the Triton path stays in tests/parallel/test_lime_tensor_parallel.py
 def test_tensor_parallel_decoding_equals_one_process(tmp_path, tokenizer):
     checkpoints = {name: tiny_checkpoint(tmp_path / name, *flags)[0] for name, flags in TENSOR_PARALLEL_MODELS.items()}
     tokens = torch.randint(0, tokenizer.unpadded_vocab_size, (2, 12), generator=torch.Generator().manual_seed(0))

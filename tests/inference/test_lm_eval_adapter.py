@@ -212,6 +212,7 @@ def command_line_run(local_tasks, tmp_path_factory) -> tuple[dict, dict]:
     return json.loads(results_file.read_text())["results"], _responses(samples)
 
 
+@pytest.mark.slow  # command-line runs (one under two ranks): ~60 s
 def test_lm_eval_command_line_scores_local_tasks_with_known_answers(command_line_run):
     results, responses = command_line_run
     assert results["tiny_best"]["acc,none"] == 1.0
@@ -270,6 +271,7 @@ def _close(actual, expected) -> bool:
     return actual == expected
 
 
+@pytest.mark.slow  # command-line runs (one under two ranks): ~60 s
 def test_data_parallel_evaluation_equals_one_process(local_tasks, command_line_run):
     checkpoint, directory = local_tasks
     ranks = run_distributed(_data_parallel_evaluation, 2, checkpoint, str(directory))

@@ -353,15 +353,19 @@ def test_route_pruning_under_tensor_parallelism():
 
 TRITON_LAYOUTS = [  # the Triton path (Triton's interpreter) against the TP=1 torch run
     (Layout(tp=2, sp=True), 4, 1),
-    (Layout(tp=2), 2, 1),
-    (Layout(tp=4, sp=True), 2, 1),  # heads shared by rank pairs: the general path
     (Layout(tp=2, sp=True), 4, 2),  # blocks 0-1 (no earlier sources) and 2-3 (a fused block)
     (Layout(tp=4, sp=True), 2, 3),  # blocked, heads shared by rank pairs: the general path
 ]
-SLOW_TRITON_LAYOUTS = [(Layout(tp=2), 4, 1), (Layout(tp=4), 4, 1), (Layout(tp=4), 4, 2)]
-"""Rank chunks without SP, in the slow suite (Triton's interpreter is the slow part): SP changes
-only the hidden states' split, the routing reads whole sequences either way; one head per rank
-and fused blocks on rank chunks are in the default layouts (TP2 with kv 2, TP2 + SP at B = 2)."""
+SLOW_TRITON_LAYOUTS = [
+    (Layout(tp=2), 2, 1),  # one head per rank
+    (Layout(tp=4, sp=True), 2, 1),  # heads shared by rank pairs, per layer
+    (Layout(tp=2), 4, 1),
+    (Layout(tp=4), 4, 1),
+    (Layout(tp=4), 4, 2),
+]
+"""The rest, in the slow suite (Triton's interpreter is the slow part): one head per rank, the
+general path per layer, and rank chunks without SP (SP changes only the hidden states' split, the
+routing reads whole sequences either way)."""
 
 
 def skip_layer_one(layer: int, source: int) -> bool:
@@ -414,13 +418,14 @@ def triton_checks():
 
 
 def test_triton_path_under_tensor_parallelism():
-    """The Triton path's routing under TP2 (GQA and MHA, with and without SP), where each layer's
-    g_l is all-gathered into rank chunks and its forward mix reduce-scattered (``fused_routing``),
-    and fused blocks on those chunks; TP4 with heads shared by rank pairs, per layer and blocked
-    (the general path, its products Triton launches); a router skipping a source and megatron's
-    deterministic mode (the weight gradients summed per split, blocked): 3 SGD steps, losses and
-    every gradient against the TP=1 torch run; and TP2's KV-cache decoding on this path against
-    its full forward.  TP4 rank chunks and TP2 MHA without SP: ``SLOW_TRITON_LAYOUTS``."""
+    """The Triton path's routing under TP2 + SP (per layer and blocked), where each layer's g_l is
+    all-gathered into rank chunks and its forward mix reduce-scattered (``fused_routing``), and
+    fused blocks on those chunks; TP4 with heads shared by rank pairs, blocked (the general path,
+    its products Triton launches); a router skipping a source and megatron's deterministic mode
+    (the weight gradients summed per split, blocked): 3 SGD steps, losses and every gradient
+    against the TP=1 torch run; and TP2's KV-cache decoding on this path against its full forward.
+    One head per rank, the general path per layer and rank chunks without SP:
+    ``SLOW_TRITON_LAYOUTS``."""
     reports = run_distributed(triton_checks, 4)[0]
     decoding, operators = reports.pop("decoding")
     print(f"decoding against the full forward at TP2, B = 2: relative error {decoding:.2e}; a step's {operators}")

@@ -213,6 +213,7 @@ def test_gpu_only_options_fail_on_cpu():
             parse_args(BASE + flags, world_size=1)
 
 
+@pytest.mark.slow  # two command-line runs: ~75 s; bf16 layouts stay in tests/parallel/test_bf16_layouts.py
 def test_bf16_command_line_run_trains_on_cpu_near_the_float32_run():
     """``--bf16`` on CPU (``Float16Module``, fp32 main parameters): the losses of the float32 run
     within ``test_bf16_layouts.LOSS_TOLERANCE`` (u/2 = 2^-9, relative; derived there)."""
