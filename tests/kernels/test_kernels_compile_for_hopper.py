@@ -84,6 +84,7 @@ def bf16_model_launches(megatron, tmp_path_factory) -> list[dict]:
     return compiled_report(tmp_path_factory.mktemp("triton-cache"), "--launches", str(path))
 
 
+@pytest.mark.slow  # a bf16 model's step compiled for sm_90: ~30 s
 def test_a_models_launches_move_rows_16_bytes_at_a_time(bf16_model_launches):
     """The kernels read their rows in 16-byte asynchronous copies (what lets Triton pipeline the
     loads) and the mixes write theirs in 16-byte stores, as a GPU compiles the model's own launches:

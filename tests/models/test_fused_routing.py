@@ -94,7 +94,7 @@ def test_which_blocks_route_as_one(settings, fused, monkeypatch):
     assert loss_error <= 1e-13 and max(grad_errors.values()) <= 1e-12, grad_errors
 
 
-@pytest.mark.parametrize("block", [2, 3])
+@pytest.mark.parametrize("block", [2, pytest.param(3, marks=pytest.mark.slow)])
 def test_a_fused_block_keeps_nothing_alive_without_the_garbage_collector(block):
     """With Python's cyclic collector off, no memory, block state or key/value rows of a step
     survives it on the Triton path with fused blocks (the block's node holds the blocks, which
@@ -262,7 +262,10 @@ TRITON_HOST_WORK = {  # id: (settings, operators per layer beyond the baseline's
 }
 
 
-@pytest.mark.parametrize("name", list(TRITON_HOST_WORK))
+@pytest.mark.parametrize(  # the window and B = 2 in the slow suite: B = 1 and B = 4 bound them
+    "name",
+    [pytest.param(name, marks=pytest.mark.slow) if name in ("last-2", "B=2") else name for name in TRITON_HOST_WORK],
+)
 def test_triton_host_work_per_layer(name):
     """The host work LIMe adds per layer on the Triton path, a launch counted as one, exactly
     (by difference of depths: blocks after the first): at B = 1 ``PER_LAYER``, 8 (the torch path
@@ -300,7 +303,7 @@ def test_decoding_host_work_per_layer(kernel, expected):
 
 
 @pytest.mark.parametrize("count", [step_operators, decoding_step_operators], ids=["training", "decoding"])
-@pytest.mark.parametrize("block", [1, 2])
+@pytest.mark.parametrize("block", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_counting_without_running_the_launches_counts_the_same(count, block):
     """``DispatchedOperators(run_launches=False)``, which the host-work counts use (Triton's
     interpreter is the slow part of a step on a CPU), counts what a step that runs its launches

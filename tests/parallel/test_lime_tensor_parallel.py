@@ -563,6 +563,7 @@ def test_heads_shared_by_ranks_make_no_tensor_from_host_data_per_layer():
     assert counted[True] - counted[False] == 1, counted
 
 
+@pytest.mark.slow  # ~25 s; the model's pipeline and one-rank cases stay in tests/planning
 def test_host_operators_model_blocking_under_tensor_parallelism():
     """What blocking adds on the Triton path under tensor parallelism is what ``host_operators``
     adds with the path's counts, exactly: ``TENSOR_PARALLEL_TRITON_OPERATORS`` (TP = 2, kv 4:

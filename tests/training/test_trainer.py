@@ -397,7 +397,7 @@ def test_resume_reproduces_the_uninterrupted_run(uninterrupted, tmp_path):
     assert without_rng.losses[5] != reference.losses[5]
 
 
-@pytest.mark.parametrize("router", ["full", "dynamic"])
+@pytest.mark.parametrize("router", ["full", pytest.param("dynamic", marks=pytest.mark.slow)])
 def test_route_pruning_resumes_exactly_with_its_masks(router, tmp_path):
     """Routes pruned after iteration 2 of 6 (v1 §5.4): the run reports the masked share, masked
     static weights end at zero, and a run resumed from iteration 3 (the masks come from the
