@@ -1,6 +1,6 @@
 """Pipelines under megatron's GPU defaults equal the single-process run, on plain gloo and under
-the NCCL-rules mode (communicators created lazily, and eagerly as with a ``device_id``), for LIMe
-and the LLaMA baseline.
+the NCCL-rules mode (communicators created lazily, and eagerly as with a ``device_id``: in the slow
+suite), for LIMe and the LLaMA baseline.
 
 megatron's defaults on a GPU cluster: without virtual stages no overlap, so batched p2p
 (``batch_p2p_comm``: one ``batch_isend_irecv`` per exchange) with ``batch_p2p_sync``; with virtual

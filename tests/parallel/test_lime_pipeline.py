@@ -3,21 +3,22 @@
 One 4-process launch checks, against the single-stage model from the same initial weights (loss and
 every gradient, routers included, over two SGD steps; ``deallocate_pipeline_outputs`` on, as the
 trainer runs pipelines; megatron's GPU defaults: batched p2p unless a case overlaps): TP=2 x PP=2 x
-VPP=2 with SP, PP=4, PP=4 with 2 and 4 virtual stages, an uneven split with virtual stages, full
-recompute, megatron's ``overlap_p2p_comm`` (unbatched; TP=2 x PP=2 x VPP=2 + SP, PP=4 x VPP=2,
-PP=2 x VPP=2 with full recompute; over gloo it is exact thanks to ``compat`` patch 6, without
-which these cases are off by ~3e-4), MHA and GQA, the ``last``/``first`` routers whose hops carry
-fewer rows; the K/V elements handed to the transport per hop against ``pipeline.hop_elements``,
-every operation on megatron's pipeline group, no kept row left after a training or an
-evaluation call; a checkpoint saved at one virtual layout loaded at others; two mutations of the
-side channel (a hop's returned gradient dropped, stale rows sent) that the comparison must catch.
-Without processes: every K/V row reaches a rank at most once per micro-batch, and exactly the rows
-its chunks read that it does not produce.  The side channel's state after each call, counted
-attribute by attribute with the collector off.  Posting orders that NCCL refuses, caught by the
-mode.  Slow: the rest of the matrix (selective recompute, uneven without virtual stages, ...) and
-the 128-layer tiny model over PP=4 x VPP=4 (4 processes), over PP=8 and PP=8 x VPP=2 (8
-processes), the virtual layouts with overlap on and off.  ``test_gpu_defaults.py`` names each of
-megatron's p2p settings on plain gloo and under the mode.
+VPP=2 with SP, PP=4 x VPP=2, PP=2 with and without virtual stages, an uneven split with virtual
+stages, full recompute, megatron's ``overlap_p2p_comm`` with full recompute at PP=2 x VPP=2 (over
+gloo exact thanks to ``compat`` patch 6, without which it is off by ~3e-4; LIMe's other overlapped
+layouts are ``test_gpu_defaults.py``'s), MHA and GQA, the ``last`` router whose hops carry fewer
+rows, rebuilt routed K/V, blocks, the dynamic router, pruning and the Triton path; the K/V elements
+handed to the transport per hop against ``pipeline.hop_elements``, every operation on megatron's
+pipeline group, no kept row left after a training or an evaluation call; a checkpoint saved at one
+virtual layout loaded at others; two mutations of the side channel (a hop's returned gradient
+dropped, stale rows sent) that the comparison must catch. Without processes: every K/V row reaches a
+rank at most once per micro-batch, and exactly the rows its chunks read that it does not produce.
+The side channel's state after each call, counted attribute by attribute with the collector off.
+Posting orders that NCCL refuses, caught by the mode. Slow: the rest of the matrix (``SLOW_CASES``:
+PP=4 alone, 4 virtual stages, the ``first`` router, selective recompute, uneven without virtual
+stages, more blocked and Triton layouts) and the 128-layer tiny model over PP=4 x VPP=4 (4
+processes), over PP=8 and PP=8 x VPP=2 (8 processes), the virtual layouts with overlap on and off.
+``test_gpu_defaults.py`` names each of megatron's p2p settings on plain gloo and under the mode.
 """
 
 from __future__ import annotations
