@@ -17,6 +17,7 @@ split pass ``extra_shard_rules``.
 """
 
 import dataclasses
+import gc
 import itertools
 import os
 import pickle
@@ -177,6 +178,10 @@ def _worker(rank, world_size, port, fn, args, kwargs, messages, nccl_queues) -> 
         WORLD_SIZE=str(world_size),
     )
     torch.set_num_threads(1)
+    # Everything the fork server imported stays alive for the rank's life: out of the collector's
+    # sight, each collection (``destroy_parallel``'s between layouts, and Python's own full ones)
+    # scans only what the rank made, ~1 s less per layout on 2 cores.
+    gc.freeze()
     try:
         enable_cpu_support()
         store = torch.distributed.TCPStore(MASTER_ADDR, port, is_master=False, timeout=timedelta(minutes=5))
