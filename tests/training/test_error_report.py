@@ -8,6 +8,7 @@ from pathlib import Path
 
 import pytest
 
+from lime_megatron.training import error_report
 from lime_megatron.training.error_report import print_usage_error
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -25,8 +26,20 @@ MAX_LINES = 50  # torchrun's summary of two failed processes (its traceback incl
 )
 def test_one_process_prints_a_usage_error(monkeypatch, capsys, rank, first_to_fail, printed):
     monkeypatch.setenv("RANK", rank)
+    monkeypatch.setenv("WORLD_SIZE", "1")
     print_usage_error(ValueError("--data-path x: not found"), first_to_fail)
     assert capsys.readouterr().err == (f"{PREFIX}--data-path x: not found\n" if printed else "")
+
+
+@pytest.mark.parametrize(("world_size", "waits"), [("2", True), ("1", False)])
+def test_a_launched_process_that_does_not_print_waits_for_the_one_that_does(monkeypatch, world_size, waits):
+    """torchrun stops every process at the first failure: the silent ones hold their exit."""
+    slept = []
+    monkeypatch.setattr(error_report.time, "sleep", slept.append)
+    monkeypatch.setenv("RANK", "1")
+    monkeypatch.setenv("WORLD_SIZE", world_size)
+    print_usage_error(ValueError("--data-path x: not found"))
+    assert slept == ([error_report.REPORTER_GRACE_S] if waits else [])
 
 
 def _torchrun(*flags) -> tuple[int, str]:
