@@ -31,6 +31,7 @@ from lime_megatron.testing.distributed import (
     make_batches,
     run_distributed,
 )
+from tests.parallel import layout_cases
 from tests.parallel.test_lime_tensor_parallel import build_chunks, sgd
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 2, 0.5
@@ -233,14 +234,7 @@ def reshard_checkpoint(directory: str):
 
 def run_cases(cases: list) -> dict:
     """Each case's layouts against its single-stage run (trained once per model)."""
-    report, references = {}, {}
-    for name, model, layouts, *options in cases:
-        key = tuple(sorted(model.items()))
-        if key not in references:
-            references[key] = train(Layout(), model)
-        for layout in layouts:
-            report[f"{name} {layout.name}"] = compare(layout, model, references[key], options[0] if options else None)
-    return report
+    return layout_cases.run_cases(cases, lambda model: train(Layout(), model), compare)[0]
 
 
 def layout_checks(directory: str) -> dict:

@@ -42,6 +42,8 @@ from lime_megatron.testing.distributed import (
     run_distributed,
 )
 from tests.lime_fixtures import prune_by_hand
+from tests.parallel import layout_cases
+from tests.parallel.layout_cases import model_key
 from tests.parallel.test_lime_tensor_parallel import build_chunks, router_rule, sgd
 
 VOCAB, SEQ, MICRO_BATCHES, STEPS, LR = 64, 16, 4, 2, 0.5
@@ -309,23 +311,9 @@ def side_channel_accounting(
     )
 
 
-def model_key(model: dict) -> tuple:
-    """Key of a single-stage reference: the model settings (pipeline options never reach it)."""
-    return tuple(sorted(model.items()))
-
-
 def run_cases(cases: list) -> tuple[dict, dict]:
-    """(report per case and layout, single-stage reference per ``model_key``), each reference
-    trained once."""
-    report, references = {}, {}
-    for name, model, layouts, *options in cases:
-        if model_key(model) not in references:
-            references[model_key(model)] = train(Layout(), model)
-        reference = references[model_key(model)]
-        for layout in layouts:
-            label = f"{name} {layout.name}"
-            report[label] = compare(layout, model, reference, stages=options[0] if options else None)
-    return report, references
+    """(report per case and layout, single-stage reference per ``model_key``)."""
+    return layout_cases.run_cases(cases, lambda model: train(Layout(), model), compare)
 
 
 HAND_PRUNED = {  # prunable runs whose routes keep_every_third masks by hand: 16 layers, 4 per chunk at PP=2 x VPP=2

@@ -267,7 +267,7 @@ class FusedBlocks:
             return
         grads, stack = self._later_grads_made(block, consumers)
         facts = (route_changes(), consumers)
-        tensors = (grads, stack.matrix, *self.key_values.tensors(), *self.kept.tensors())
+        tensors = (grads, stack.matrix, *self.kept.tensors())
         site, launches = ("later sums", block.start), self._later_sums
         self.plans.launch(site, facts, tensors, launches, block, consumers, grads, stack)
 
@@ -339,7 +339,7 @@ class FusedBlocks:
         later = self._later_grads_made(before, consumers) if consumers else (None, None)
         facts = (route_changes(), self.key_values.cuts, self.key_values.deterministic, splits, before, consumers)
         stack_matrix = None if later[1] is None else later[1].matrix
-        tensors = (buffer, later[0], stack_matrix, *self.key_values.tensors(), *self.kept.tensors())
+        tensors = (buffer, later[0], stack_matrix, *self.kept.tensors())
         site, launches = ("earlier weight grads", block.start), self._earlier_weight_grads
         self.plans.launch(site, facts, tensors, launches, block, buffer, splits, before, consumers, *later)
         deterministic = self.key_values.deterministic

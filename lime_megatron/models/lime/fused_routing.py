@@ -341,7 +341,6 @@ class FusedRouting:
             values,
             *later_tensors,
             stack_matrix,
-            *self.key_values.tensors(),
             *self.kept.tensors(),
         )
 

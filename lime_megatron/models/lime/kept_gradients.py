@@ -50,9 +50,10 @@ class KeptGradients:
         self._downstream: torch.Tensor | None = None
 
     def tensors(self) -> tuple[torch.Tensor | None, ...]:
-        """The tensors g_m are kept in and the downstream gradient's (a launch plan's,
-        ``kernels.launch_plans``); ``key_values.tensors()`` holds the dead own rows."""
-        return self._separate, self._chunks, self._downstream
+        """Every tensor a backward launch reads rows from or keeps g_m in (a launch plan's,
+        ``kernels.launch_plans``): the rows' (``key_values.tensors()``, whose dead own rows g_m
+        overwrites), g_m's own buffers and the downstream gradient's."""
+        return *self.key_values.tensors(), self._separate, self._chunks, self._downstream
 
     def buffer(self, kv_heads: int) -> torch.Tensor:
         """Where g_l (``kv_heads`` rows) of every own layer l is kept, ``[len(layers) * kv_heads,
