@@ -8,8 +8,13 @@ routing launch is verified against a build (``LIME_VERIFY_LAUNCH_PLANS=1``,
 modules that build models outside ``lime_megatron.testing.distributed``'s ranks; use it with
 ``pytest.mark.usefixtures("megatron")``.  ``tokenizer``: the character tokenizer of
 ``tests.decoding_fixtures`` (96 tokens, the tiny models' vocabulary).
+
+What collecting imported (torch, megatron-core, every test module) is frozen out of the cyclic
+collector's sight once collection ends (``gc.freeze``), as each spawned rank freezes what its fork
+server imported (``lime_megatron.testing.distributed``).
 """
 
+import gc
 import os
 
 import pytest
@@ -33,3 +38,12 @@ def tokenizer(tmp_path_factory):
     from tests.decoding_fixtures import char_tokenizer
 
     return char_tokenizer(tmp_path_factory.mktemp("tokenizer"))
+
+
+def pytest_collection_finish(session):
+    """Freeze what collection left alive: the trainer's ``destroy_parallel`` collects after every
+    in-process run (``gc.collect()``: 0.5 s a run over the whole heap on the 2-core VM, a third of
+    ``tests/training/test_trainer.py``), and Python's own full collections walk it too; frozen,
+    they walk only what the tests made.  Frozen objects are still freed by reference counting."""
+    gc.collect()
+    gc.freeze()

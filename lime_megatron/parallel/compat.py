@@ -256,7 +256,7 @@ class _CpuCuda:
     synchronize = staticmethod(torch.cpu.synchronize)
     current_stream = staticmethod(torch.cpu.current_stream)
     get_rng_state = staticmethod(_cpu_rng_state)
-    manual_seed = staticmethod(torch.manual_seed)
+    manual_seed = staticmethod(torch.default_generator.manual_seed)  # not queued for CUDA (torch.manual_seed)
 
     def __getattr__(self, name):
         return getattr(torch.cuda, name)

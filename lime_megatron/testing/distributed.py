@@ -433,14 +433,28 @@ def gather_full(
     config = get_model_config(chunks[0])
     tp_rank = parallel_state.get_tensor_model_parallel_rank()
     local = [
-        (name, tp_rank, _shard_rule(name, param, config, extra_shard_rules), select(param).detach().clone())
+        (name, tp_rank, _shard_rule(name, param, config, extra_shard_rules), _as_bytes(select(param)))
         for chunk in chunks
         for name, param in global_names(chunk).items()
     ]
-    everyone = [None] * torch.distributed.get_world_size()
+    everyone: list[list[tuple]] = [[] for _ in range(torch.distributed.get_world_size())]
     torch.distributed.all_gather_object(everyone, local)
     tp_size = parallel_state.get_tensor_model_parallel_world_size()
-    return merge_shards(itertools.chain.from_iterable(everyone), tp_size)
+    entries = ((name, rank, rule, _from_bytes(*data)) for name, rank, rule, data in itertools.chain(*everyone))
+    return merge_shards(entries, tp_size)
+
+
+def _as_bytes(tensor: torch.Tensor) -> tuple:
+    """A CPU tensor as ``(dtype, shape, a numpy array of its bytes)`` for ``all_gather_object``:
+    the array pickles as one buffer, where a tensor's storage pickles through ``torch.save``
+    (about 0.5 ms a tensor on the 2-core VM: a fifth of a pipeline layout's comparison)."""
+    flat = tensor.detach().reshape(-1).contiguous()
+    return tensor.dtype, tuple(tensor.shape), flat.view(torch.uint8).numpy().copy()
+
+
+def _from_bytes(dtype: torch.dtype, shape: tuple, data) -> torch.Tensor:
+    """The tensor ``_as_bytes`` took apart, bit for bit."""
+    return torch.from_numpy(data).view(dtype).reshape(shape)
 
 
 def merge_shards(entries, tp_size: int, replica_tolerance: float = 1e-6) -> dict[str, torch.Tensor]:

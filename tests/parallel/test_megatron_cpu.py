@@ -307,6 +307,21 @@ def test_merge_shards_rejects_disagreeing_replicas():
         merge_shards([("linear.weight", 0, ShardRule(dim=0), weight)], tp_size=2)
 
 
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.int64, torch.bool])
+def test_gathered_tensors_travel_bit_for_bit(dtype):
+    """``gather_full`` hands ``all_gather_object`` each tensor as its bytes: every dtype, a
+    transposed (non-contiguous) view, a scalar and an empty tensor come back bit for bit."""
+    import pickle
+
+    from lime_megatron.testing.distributed import _as_bytes, _from_bytes
+
+    values = torch.randn(3, 5, dtype=torch.float64) * 1e3
+    for tensor in (values.to(dtype), values.to(dtype).t(), values[0, 0].to(dtype), values[:0].to(dtype)):
+        back = _from_bytes(*pickle.loads(pickle.dumps(_as_bytes(tensor))))
+        assert back.dtype == dtype and back.shape == tensor.shape
+        assert torch.equal(back.view(-1).view(torch.uint8), tensor.reshape(-1).contiguous().view(torch.uint8))
+
+
 def test_enable_cpu_support_is_idempotent():
     from lime_megatron.parallel import compat
 
