@@ -40,7 +40,10 @@ def test_function_times_and_differences_per_call():
     [slow_name] = [name for name in lime_times if name.endswith("(slow)")]
     assert "test_bench_decoding.py" in slow_name and lime_times[slow_name][2] == 4
     entries = host_profile.function_differences(lime_times, base_times, top=3, per=2.0)
-    assert [entry["name"].split("(")[-1] for entry in entries[:2]] == ["lime)", "slow)"]
+    # lime itself first, then slow and the sleep inside it, whose difference is slow's within the
+    # timer's noise (either may come first)
+    names = [entry["name"].split("(")[-1] for entry in entries]
+    assert names[0] == "lime)" and set(names[1:]) == {"slow)", "<built-in method time.sleep>"}, names
     by_name = {entry["name"]: entry for entry in entries}
     assert by_name[slow_name]["lime_calls"] == 2.0 and by_name[slow_name]["base_calls"] == 0.5
     assert by_name[slow_name]["diff_ms"] == pytest.approx(30, abs=8)  # 3 more sleeps of 20 ms, per 2
