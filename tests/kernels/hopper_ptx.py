@@ -66,13 +66,11 @@ def products(code: str) -> dict:
 
 
 def report() -> dict:
-    """Per variant (kernel, rows' dtype): ``products`` of its PTX."""
-    import triton.language as tl
-
-    from lime_megatron.kernels import routing_kernels
+    """Per variant (kernel, rows' dtype): ``products`` of its PTX, the variants compiled side by
+    side (``compiled``)."""
     from lime_megatron.kernels.operands import MIX_TILES
 
-    result = {}
+    jobs = {}
     for dtype in ("fp32", "bf16", "fp16"):
         mix_signature = {name: operand(dtype) for name in ROW_OPERANDS}
         mix_signature |= dict(a1=("*fp32", *["i32"] * 4), a2=(f"*{dtype}", *["i32"] * 4), shape=("i32",) * 3)
@@ -80,16 +78,37 @@ def report() -> dict:
         tiles = dict(BLOCK_R=16, BLOCK_K=16, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64, WIDTH=128, W_WIDTH=128)
         for variant, flags in MIX_VARIANTS.items():
             elements = MIX_TILES.weight_grad_elements if flags["WEIGHT_GRAD"] else MIX_TILES.elements
-            constants = {**flags, **tiles, "BLOCK_N": elements, "ACC": tl.float32, "UPCAST": False}
-            constants["ATOMIC"] = flags["WEIGHT_GRAD"]
-            result[f"mix {dtype} {variant}"] = products(ptx(routing_kernels.mix_kernel, mix_signature, constants))
+            constants = {**flags, **tiles, "BLOCK_N": elements, "ATOMIC": flags["WEIGHT_GRAD"]}
+            jobs[f"mix {dtype} {variant}"] = ("mix_kernel", mix_signature, constants)
         for atomic in (True, False):
-            constants = dict(
-                ATOMIC=atomic, ACC=tl.float32, UPCAST=False, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64, W_WIDTH=128
+            constants = dict(ATOMIC=atomic, BLOCK_M=16, BLOCK_C=32, W_BLOCK_N=64, W_WIDTH=128)
+            jobs[f"weight_grad {dtype} {'atomic' if atomic else 'per split'}"] = (
+                "weight_grad_kernel",
+                {"weight": weight_argument(dtype)},
+                constants,
             )
-            code = ptx(routing_kernels.weight_grad_kernel, {"weight": weight_argument(dtype)}, constants)
-            result[f"weight_grad {dtype} {'atomic' if atomic else 'per split'}"] = products(code)
-    return result
+    return dict(zip(jobs, map(products, compiled(_variant_ptx, jobs.values()))))
+
+
+def _variant_ptx(job: tuple[str, dict, dict]) -> str:
+    """The sm_90 PTX of a ``report`` job ``(kernel name, signature, constants)``: float32 sums, no
+    upcast (as on a GPU)."""
+    import triton.language as tl
+
+    from lime_megatron.kernels import routing_kernels
+
+    kernel, signature, constants = job
+    return ptx(getattr(routing_kernels, kernel), signature, {**constants, "ACC": tl.float32, "UPCAST": False})
+
+
+def compiled(compile_one, jobs) -> list[str]:
+    """``compile_one`` of each job, in forked processes, one per core (each compile runs Triton's
+    passes and ptxas on one core)."""
+    import multiprocessing
+
+    jobs = list(jobs)
+    with multiprocessing.get_context("fork").Pool(min(len(jobs), os.cpu_count() or 1)) as pool:
+        return pool.map(compile_one, jobs, chunksize=1)
 
 
 def specialization(kernel, args: tuple, constants: dict) -> dict:
@@ -153,7 +172,9 @@ def memory_access(code: str) -> dict:
 def launches_report(path: str) -> list[dict]:
     """Per launch recorded at ``path``: its constants and ``memory_access`` of its PTX."""
     launches = json.loads(open(path).read())
-    return [dict(launch, access=memory_access(compile_launch(launch))) for launch in launches]
+    return [
+        dict(launch, access=memory_access(code)) for launch, code in zip(launches, compiled(compile_launch, launches))
+    ]
 
 
 if __name__ == "__main__":
