@@ -775,9 +775,10 @@ def launch_profile_fields(setting: Setting) -> dict:
     (``other_tiles``), the same under those tiles (after one untimed step under them: their
     kernels compile in it, not in the timed launches) with the step's largest relative difference
     from the default's in the loss and in each parameter's gradient (the same products: only the
-    order of a tile dot's sums and of the router-weight gradient's atomic sums may differ)."""
+    order of a tile dot's sums and of the router-weight gradient's atomic sums may differ).  The
+    default tiles are a GPU's (``MIX_TILES``) in Triton's interpreter too."""
     model, batch = setting.models["blocked"], setting.batch
-    with KernelLaunches() as launches:
+    with use_mix_tiles(MIX_TILES), KernelLaunches() as launches:
         reference = step_outcome(model, batch)
     fields = dict(launch_profile=launches.kinds(), launch_profile_tiles=[])
     for tiles in other_tiles(setting.args):

@@ -338,7 +338,8 @@ class MixTiles:
     """How ``mix_kernel`` tiles a mix: at most ``rows`` output rows per tile (BLOCK_R), each row
     tile reading every source row once; as many elements of a half (BLOCK_N) as keep the tile
     within ``area`` float32 sums in registers, at most ``elements``; ``warps`` warps per program
-    (Triton's ``num_warps``: the threads sharing a tile's loads and sums)."""
+    (Triton's ``num_warps``: the threads sharing a tile's loads and sums); and how far the
+    router-weight gradient's programs step through the positions (``weight_grad_step``)."""
 
     rows: int = 128
     """A routing block of up to 16 layers of 8 kv heads reads each source row once."""
@@ -353,6 +354,9 @@ class MixTiles:
     launches 2.3x slower under unchanged tiles as well; BENCHMARKS.md)."""
     warps: int = 4
     """Triton's default, named so that a launch profile can compare others."""
+    weight_grad_step: int = 64
+    """Elements of a half per step of the router-weight gradient's loop over positions (its
+    programs' W_BLOCK_N, in a mix's launch or its own)."""
 
     def tile(self, count: int, weight_grad: bool = False) -> tuple[int, int]:
         """(BLOCK_R, BLOCK_N) of a mix into ``count`` output rows (``weight_grad``: in a launch with
@@ -368,25 +372,34 @@ def _tile(tiles: MixTiles, count: int, weight_grad: bool) -> tuple[int, int]:
 
 
 MIX_TILES = MixTiles()
-"""The tiles every mix takes (``use_mix_tiles`` changes them: the launch profile compares)."""
-_tiles = MIX_TILES
+"""The tiles mixes take on a GPU (``use_mix_tiles`` changes them: the launch profile compares)."""
+INTERPRETED_TILES = MixTiles(area=128 * 1024, elements=1024, weight_grad_elements=1024, weight_grad_step=1024)
+"""The tiles mixes take in Triton's CPU interpreter, which runs a launch's programs one after
+another and each tile operation as a numpy call behind Triton's own Python, so that a launch costs
+about its programs times their loop steps: up to 1024 elements of a half per program and per
+weight-gradient step, where ``MIX_TILES`` takes 128 or 512, and 64 (docs/routing.md, "Tiles in
+Triton's interpreter").  The kernel tests run ``MIX_TILES``, whose ragged tails they check."""
+_chosen: MixTiles | None = None
 
 
 def mix_tiles() -> MixTiles:
-    """The tiles mixes take now (``use_mix_tiles``)."""
-    return _tiles
+    """The tiles mixes take now: ``use_mix_tiles``'s, else ``MIX_TILES`` (``INTERPRETED_TILES`` in
+    Triton's interpreter)."""
+    if _chosen is not None:
+        return _chosen
+    return INTERPRETED_TILES if _interpreted() else MIX_TILES
 
 
 @contextlib.contextmanager
 def use_mix_tiles(tiles: MixTiles) -> Iterator[None]:
     """Mixes launched within the block take ``tiles``: the same products (tiles split the output
     and the elements, never a sum), another division of the work among programs."""
-    global _tiles
-    before, _tiles = _tiles, tiles
+    global _chosen
+    before, _chosen = _chosen, tiles
     try:
         yield
     finally:
-        _tiles = before
+        _chosen = before
 
 
 def mix(
@@ -405,7 +418,9 @@ def mix(
     operand = arguments[0]  # out's: a placeholder for the weight gradient's operands, never read
     unused = ((out.keys, 0, 0, 1, 0, 0, 0, 0), operand, 0, operand, 0, (0, 1, 0))
     constants.update(_NO_WEIGHT_GRAD)
-    launch(routing_kernels().mix_kernel, (tiles[2],), (*arguments, unused, (*tiles, 1, 1, 0)), constants, _tiles.warps)
+    launch(
+        routing_kernels().mix_kernel, (tiles[2],), (*arguments, unused, (*tiles, 1, 1, 0)), constants, mix_tiles().warps
+    )
 
 
 _NO_WEIGHT_GRAD = dict(WEIGHT_GRAD=False, ATOMIC=False, BLOCK_M=16, BLOCK_C=16, W_BLOCK_N=16, KEEP=False, W_WIDTH=1)
@@ -465,7 +480,7 @@ def _launch_both(mixed: tuple[tuple[int, int, int], tuple, dict], weighed: tuple
     constants.update(weight_constants, WEIGHT_GRAD=True, KEEP=keep_first is not None)
     programs = (tiles[2] + grid[0] * grid[1] * grid[2],)
     arguments = (*arguments, weight_arguments, (*tiles, *grid[:2], keep_first or 0))
-    launch(routing_kernels().mix_kernel, programs, arguments, constants, _tiles.warps)
+    launch(routing_kernels().mix_kernel, programs, arguments, constants, mix_tiles().warps)
 
 
 def fits_one_tile(grads: Halves) -> bool:
@@ -493,7 +508,7 @@ def _mix_launch(
     (a1, x1), (a2, x2) = first or second, second or first  # an absent term's operands: K = 0, never read
     added, stored, further = accumulate or out, store or out, more or out
     batch = launch_batch(out, x1, x2, accumulate, store, more)
-    block_r, block_n = _tile(_tiles, out.count, weight_grad)
+    block_r, block_n = _tile(mix_tiles(), out.count, weight_grad)
     arguments = (
         out.arguments(batch),
         added.arguments(batch),
@@ -518,10 +533,6 @@ def _mix_launch(
     )
     elements, rows = -(-out.positions * out.width // block_n), -(-out.count // block_r)  # tiles, rounded up
     return (elements, rows, 2 * elements * rows), arguments, constants
-
-
-WEIGHT_GRAD_TILE = 64
-"""Elements per step of ``weight_grad_kernel``'s loop over positions (BLOCK_N)."""
 
 
 def weight_grad_splits(halves: Halves, tiles: int) -> int:
@@ -600,7 +611,7 @@ def _weight_grad_launch(
         UPCAST=not rows.keys.is_cuda,
         BLOCK_M=block_m,
         BLOCK_C=block_c,
-        W_BLOCK_N=WEIGHT_GRAD_TILE,
+        W_BLOCK_N=mix_tiles().weight_grad_step,
         W_WIDTH=rows.width,
     )
     return grid, arguments, constants

@@ -136,7 +136,7 @@ def test_the_launch_profile_compares_tiles_on_the_triton_path(monkeypatch):
     steps, outcome = [], overhead.step_outcome
 
     def counted(model, batch):
-        steps.append(operands._tiles)  # the tiles the step runs under
+        steps.append(operands.mix_tiles())  # the tiles the step runs under
         return outcome(model, batch)
 
     monkeypatch.setattr(overhead, "step_outcome", counted)

@@ -10,6 +10,8 @@ import torch
 
 from lime_megatron.kernels import operands
 from lime_megatron.kernels.operands import (
+    INTERPRETED_TILES,
+    MIX_TILES,
     Columns,
     Halves,
     MixTiles,
@@ -22,6 +24,15 @@ from lime_megatron.kernels.operands import (
     weight_grad,
     weight_grad_sums,
 )
+
+
+@pytest.fixture(autouse=True)
+def gpu_tiles():
+    """Every mix here takes the GPU's tiles (``MIX_TILES``, whose ragged tails these shapes reach),
+    not the interpreter's (``INTERPRETED_TILES``: one tile a half)."""
+    with use_mix_tiles(MIX_TILES):
+        yield
+
 
 TOLERANCE = {torch.float64: 1e-12, torch.float32: 2e-5, torch.float16: 2e-3, torch.bfloat16: 2e-2}
 """Relative error allowed against torch: summation order, and one rounding of the output."""
@@ -71,7 +82,7 @@ def test_store_and_mix_equals_torch(shape, dtype):
 
 @pytest.mark.parametrize(
     "tiles",
-    [MixTiles(rows=16), MixTiles(elements=512), MixTiles(rows=16, area=16 * 64), MixTiles(warps=8)],
+    [MixTiles(rows=16), MixTiles(elements=512), MixTiles(rows=16, area=16 * 64), MixTiles(warps=8), INTERPRETED_TILES],
     ids=str,
 )
 def test_any_tiles_give_the_same_mix(tiles):
@@ -113,6 +124,17 @@ def test_the_mixes_launch_with_their_tiles_warps_and_elements():
                 grads = Halves.of_rows(torch.randn(h, 2 * 4 * d), 0, h, d)
                 mix_beside_weight_grad(out, first, torch.zeros(h, sources), grads, first[1], 0, False, 1)
     assert launched == [(4, 128), (4, 512), (8, 64), (8, 32)]
+
+
+def test_the_interpreter_takes_its_own_tiles(monkeypatch):
+    """Unless a launch profile chooses, mixes take ``INTERPRETED_TILES`` in Triton's interpreter
+    (every test runs in it) and ``MIX_TILES`` where the kernels compile."""
+    monkeypatch.setattr(operands, "_chosen", None)
+    assert operands.mix_tiles() is INTERPRETED_TILES
+    monkeypatch.setattr(operands, "_interpreted", lambda: False)
+    assert operands.mix_tiles() is MIX_TILES
+    with use_mix_tiles(INTERPRETED_TILES):
+        assert operands.mix_tiles() is INTERPRETED_TILES
 
 
 @pytest.mark.parametrize(
@@ -193,13 +215,15 @@ def test_weight_gradient_equals_torch(shape, dtype, deterministic):
     assert relative(got, expected) <= (1e-12 if dtype == torch.float64 else 1e-5)
 
 
+@pytest.mark.parametrize("tiles", [MIX_TILES, INTERPRETED_TILES], ids=["a GPU's tiles", "the interpreter's"])
 @pytest.mark.parametrize("deterministic", [True, False], ids=["per-split sums", "atomic"])
 @pytest.mark.parametrize("dtype", list(TOLERANCE))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_backward_in_one_launch(shape, dtype, deterministic):
+def test_backward_in_one_launch(shape, dtype, deterministic, tiles):
     """A layer's backward as one launch: the row gradient ``out = acc + more + W_M^T @ kept +
     W_l^T @ g`` and the weight gradient ``g @ rows^T``, g then kept in the layer's own rows, which
-    the weight gradient read first; the other rows untouched."""
+    the weight gradient read first; the other rows untouched.  Under a GPU's tiles (several element
+    tiles and weight-gradient steps per half) and the interpreter's (one of each)."""
     torch.manual_seed(sum(shape) + 2)
     s, b, h, d, sources = shape
     grads = [torch.randn(b, h, s, d, dtype=dtype).permute(2, 0, 1, 3) for _ in range(2)]  # attention's
@@ -215,19 +239,20 @@ def test_backward_in_one_launch(shape, dtype, deterministic):
     own_columns = slice(sources, sources + h)
     first = (Columns.of(stack, slice(h, 2 * h), own_columns, transposed=True), Halves.of_rows(kept, 0, h, d))
     mine = (Columns.of(stack, slice(0, h), own_columns, transposed=True), Halves.of_heads(*grads))
-    mix_and_weight_grad(
-        Halves.of_heads(keys, values),
-        first,
-        mine,
-        weight,
-        Halves.of_rows(rows, 0, sources + h, d),
-        column_start=0,
-        own_row=sources,
-        deterministic=deterministic,
-        splits=splits,
-        accumulate=Halves.of_heads(later, later),
-        more=Halves.of_heads(downstream, downstream),
-    )
+    with use_mix_tiles(tiles):
+        mix_and_weight_grad(
+            Halves.of_heads(keys, values),
+            first,
+            mine,
+            weight,
+            Halves.of_rows(rows, 0, sources + h, d),
+            column_start=0,
+            own_row=sources,
+            deterministic=deterministic,
+            splits=splits,
+            accumulate=Halves.of_heads(later, later),
+            more=Halves.of_heads(downstream, downstream),
+        )
     g = as_rows(*grads).double()
     columns = stack[:, own_columns].double()
     sums = as_rows(later, later).double() + as_rows(downstream, downstream).double()
