@@ -1,10 +1,14 @@
 """The code passes the project's checks as pyproject.toml configures them: ``ruff check`` (line
 length, import order, one typing style), ``ruff format`` (one layout) and ``mypy`` on the package;
 part of the test command, so ``.ci/run`` checks them, and ``.pre-commit-config.yaml`` runs the same
-three before each commit."""
+three before each commit.  Each tool runs as a module of the Python running the tests
+(``python -m mypy``), so that a CI leg checks with its own environment's tools and libraries: the
+Python 3.12 leg, whose venv is not on ``PATH``, once ran the 3.11 tools found there and never saw
+its own numpy's stubs."""
 
-import shutil
+import importlib.util
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,9 +25,10 @@ CHECKS = {
 @pytest.mark.parametrize("name", sorted(CHECKS))
 def test_check_passes(name):
     program, *arguments = CHECKS[name]
-    executable = shutil.which(program)
-    assert executable, f"{program} is part of the test extra: pip install torch==2.13.0 -e '.[test]'"
-    completed = subprocess.run([executable, *arguments], cwd=ROOT, capture_output=True, text=True)
+    installed = importlib.util.find_spec(program) is not None
+    assert installed, f"{program} is part of the test extra: pip install torch==2.13.0 -e '.[test]'"
+    command = [sys.executable, "-m", program, *arguments]
+    completed = subprocess.run(command, cwd=ROOT, capture_output=True, text=True)
     assert completed.returncode == 0, completed.stdout[-4000:] + completed.stderr[-2000:]
 
 

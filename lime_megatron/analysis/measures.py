@@ -304,7 +304,7 @@ def probe_accuracy(features: np.ndarray, labels: np.ndarray, folds: int = 5, see
     counts = np.bincount(labels)
     if np.count_nonzero(counts) < 2:
         raise ValueError(f"the probe needs examples of at least 2 classes, got counts {counts.tolist()}")
-    if counts[counts > 0].min() < folds:
+    if np.min(counts[counts > 0]) < folds:
         raise ValueError(f"every class needs >= {folds} examples for {folds}-fold CV, got {counts.tolist()}")
     classifier = make_pipeline(StandardScaler(), LogisticRegression(max_iter=2000))
     splits = StratifiedKFold(n_splits=folds, shuffle=True, random_state=seed)

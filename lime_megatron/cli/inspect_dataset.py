@@ -32,13 +32,13 @@ def histogram(lengths: np.ndarray) -> list[str]:
     """Text histogram of document lengths in power-of-two buckets."""
     if not len(lengths):
         return []
-    edges = 2 ** np.arange(0, int(np.log2(max(1, lengths.max()))) + 2)
+    edges = 2 ** np.arange(0, int(np.log2(max(1, int(np.max(lengths))))) + 2)
     counts = np.bincount(np.searchsorted(edges, lengths, side="right"), minlength=len(edges) + 1)
-    rows, peak = [], counts.max()
+    rows, peak = [], int(np.max(counts))
     for low, high, count in zip([0, *edges], [*edges, None], counts):
         if count:
             span = f"[{low:,}, {high:,})" if high else f">= {low:,}"
-            rows.append(f"  {span:>22} {count:>12,} {'#' * max(1, BAR_WIDTH * count // peak)}")
+            rows.append(f"  {span:>22} {count:>12,} {'#' * max(1, BAR_WIDTH * int(count) // peak)}")
     return rows
 
 
@@ -58,9 +58,9 @@ def describe(prefix: str) -> list[str]:
     if len(doc_lengths):
         q = np.percentile(doc_lengths, [50, 90, 99])
         lines.append(
-            f"tokens per document: min {doc_lengths.min():,}, median {q[0]:,.0f}, "
+            f"tokens per document: min {np.min(doc_lengths):,}, median {q[0]:,.0f}, "
             f"mean {doc_lengths.mean():,.1f}, p90 {q[1]:,.0f}, p99 {q[2]:,.0f}, "
-            f"max {doc_lengths.max():,}"
+            f"max {np.max(doc_lengths):,}"
         )
         lines.append("length histogram (tokens per document):")
         lines += histogram(doc_lengths)
